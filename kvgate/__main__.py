@@ -1,0 +1,3 @@
+from kvgate.cli import main
+
+raise SystemExit(main())

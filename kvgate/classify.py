@@ -1,0 +1,98 @@
+"""Request classification: which route a request is, and its JSON body when it has one (pure).
+
+First step of the request path: request in -> classify -> resolve session -> admit -> forward ->
+release and record.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import orjson
+
+# Generation routes that carry a top-level session_id in SGLang >= 0.5.15
+# (srt/managers/io_struct.py GenerateReqInput; the OpenAI protocol classes accept it too).
+GENERATE_ROUTES = frozenset({"/generate", "/v1/completions", "/v1/chat/completions", "/v1/responses"})
+
+# Routes that mark a training-step boundary: the engines' radix cache is flushed or replaced (issue 5).
+STEP_BOUNDARY_ROUTES = frozenset({
+    "/update_weights_from_disk", "/update_weights_from_distributed", "/update_weights_from_tensor",
+    "/flush_cache", "/release_memory_occupation",
+})
+
+# Known routes get their own metrics label; everything else is "other" to bound label cardinality.
+KNOWN_ROUTES = GENERATE_ROUTES | STEP_BOUNDARY_ROUTES | frozenset({
+    "/health", "/health_generate", "/readiness", "/liveness", "/v1/models", "/get_model_info", "/model_info",
+    "/get_server_info", "/server_info", "/workers", "/v1/embeddings", "/v1/rerank", "/close_session",
+    "/v1/loads", "/get_loads", "/metrics",
+})
+
+
+@dataclass
+class Classified:
+    """A classified request.
+
+    route: the path if known, else "other" (a metrics label).
+    is_generate: a POST to one of GENERATE_ROUTES.
+    body: the parsed JSON object when the request is a generate call with a JSON-object body, else None
+      (a body that is not a JSON object is forwarded untouched and the upstream answers it).
+    """
+
+    method: str
+    path: str
+    route: str
+    is_generate: bool
+    body: dict[str, Any] | None
+
+
+def route_label(path: str) -> str:
+    """Return ``path`` when it is a known route, else "other"."""
+    return path if path in KNOWN_ROUTES else "other"
+
+
+def parse_json_object(raw: bytes) -> dict[str, Any] | None:
+    """Parse ``raw`` as a JSON object; None when it is empty, not JSON, or not an object."""
+    if not raw:
+        return None
+    try:
+        obj = orjson.loads(raw)
+    except orjson.JSONDecodeError:
+        return None
+    return obj if isinstance(obj, dict) else None
+
+
+def classify(method: str, path: str, raw_body: bytes) -> Classified:
+    """Classify a request from its method, path and raw body bytes. Never raises on bad bodies."""
+    is_generate = method == "POST" and path in GENERATE_ROUTES
+    body = parse_json_object(raw_body) if is_generate else None
+    return Classified(method=method, path=path, route=route_label(path), is_generate=is_generate, body=body)
+
+
+def inject_top_level(raw: bytes, key: str, value: str) -> bytes:
+    """Return ``raw`` (a JSON object's bytes) with ``"key": value`` added as its first member.
+
+    Everything else stays byte-for-byte as the client sent it (no re-serialisation, so numbers,
+    key order and whitespace are preserved and a 512 MiB body costs one copy). The caller has
+    checked that ``raw`` parses to an object without ``key``. Raises ValueError if ``raw`` has no "{".
+    """
+    start = raw.index(b"{")
+    rest = raw[start + 1:]
+    member = orjson.dumps(key) + b":" + orjson.dumps(value)
+    sep = b"" if rest.lstrip().startswith(b"}") else b","
+    return raw[:start + 1] + member + sep + rest
+
+
+def with_session_id(raw: bytes, body: dict[str, Any], session_id: str) -> bytes | None:
+    """Return the request body carrying ``session_id`` at the top level, or None to send ``raw`` unchanged.
+
+    None when the body already carries that id, or when it uses the older ``session_params`` API
+    (SGLang answers 400 "session_id and session_params cannot both be set.", io_struct.py).
+    A body without the key gets it injected byte-preserving; a body with another value under the
+    key is re-serialised (inserting would leave a duplicate key whose last copy wins).
+    """
+    if "session_params" in body or body.get("session_id") == session_id:
+        return None
+    if "session_id" in body:
+        return orjson.dumps({**body, "session_id": session_id})
+    return inject_top_level(raw, "session_id", session_id)

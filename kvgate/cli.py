@@ -1,0 +1,72 @@
+"""Command line: ``kvgate serve | check-config | sim-engine | demo``."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from kvgate import __version__
+from kvgate.config import ConfigError, add_flags, from_args
+
+
+def _setup_logging(level: str) -> None:
+    logging.basicConfig(level=getattr(logging, level.upper(), logging.INFO),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+
+
+def _cmd_serve(args: argparse.Namespace) -> int:
+    try:
+        cfg = from_args(args)
+    except ConfigError as exc:
+        print(f"kvgate: config error: {exc}", file=sys.stderr)
+        return 2
+    _setup_logging(cfg.log_level)
+    from kvgate.server import serve
+    return serve(cfg)
+
+
+def _cmd_check_config(args: argparse.Namespace) -> int:
+    try:
+        cfg = from_args(args)
+    except ConfigError as exc:
+        print(f"kvgate: config error: {exc}", file=sys.stderr)
+        return 2
+    print(f"{args.config or '(defaults)'}: ok (upstream {cfg.upstream}, session lifecycle "
+          f"{'on' if cfg.agentic_session_lifecycle else 'off'}, admission "
+          f"{'on' if cfg.agentic_program_admission else 'off'})")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="kvgate", description="Session- and KV-aware proxy in front of the SGLang router")
+    p.add_argument("--version", action="version", version=f"kvgate {__version__}")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    serve = sub.add_parser("serve", help="run the proxy")
+    add_flags(serve)
+    serve.set_defaults(func=_cmd_serve)
+
+    check = sub.add_parser("check-config", help="validate a config file (and flags) without serving")
+    check.add_argument("config_file", nargs="?", help="YAML config file")
+    add_flags(check)
+    check.set_defaults(func=_cmd_check_config)
+
+    from kvgate.sim import cli as sim_cli
+    sim = sub.add_parser("sim-engine", help="run a simulated SGLang engine (for tests, demo and bench)")
+    sim_cli.add_arguments(sim)
+    sim.set_defaults(func=sim_cli.run)
+
+    from kvgate import demo
+    d = sub.add_parser("demo", help="replay a Mooncake trace slice through kvgate, smg and two simulated engines")
+    demo.add_arguments(d)
+    d.set_defaults(func=demo.run)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command == "check-config" and args.config_file:
+        args.config = args.config_file
+    return int(args.func(args) or 0)

@@ -1,0 +1,309 @@
+"""kvgate configuration: one schema drives the YAML file, the command-line flags and validation.
+
+Every key is flat (``agentic_session_lifecycle: true``) and has a flag of the same name with dashes
+(``--agentic-session-lifecycle``). Precedence: built-in default < YAML file < flag. A bad key, type or
+value raises :class:`ConfigError` whose message is one line naming the key and what is allowed; the CLI
+prints it and exits with status 2 before anything listens.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+from dataclasses import dataclass, field
+from typing import Any, Callable
+from urllib.parse import urlsplit
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """A configuration problem; ``str(err)`` is one line that names the key."""
+
+
+def _url(key: str, value: Any) -> str:
+    if not isinstance(value, str):
+        raise ConfigError(f"{key}: expected an http(s) URL string, got {value!r}")
+    parts = urlsplit(value)
+    if parts.scheme not in ("http", "https") or not parts.netloc:
+        raise ConfigError(f"{key}: expected an http(s) URL like http://127.0.0.1:30000, got {value!r}")
+    return value.rstrip("/")
+
+
+@dataclass(frozen=True)
+class Key:
+    """One configuration key: name, type, default, allowed range and its one-line documentation."""
+
+    name: str
+    type: type | tuple
+    default: Any
+    doc: str
+    check: Callable[[Any], bool] | None = None
+    allowed: str = ""
+    nullable: bool = False
+    # When set, the range check only applies while this boolean key is on (issue 3: the admission
+    # numbers are checked only when admission is enabled).
+    only_when: str | None = None
+    choices: tuple = ()
+    convert: Callable[[str, Any], Any] | None = None
+
+
+def _pos(x):
+    return x > 0
+
+
+def _nonneg(x):
+    return x >= 0
+
+
+def _unit(x):
+    return 0 < x <= 1
+
+
+def _port(x):
+    return 0 <= x <= 65535
+
+
+KEYS: list[Key] = [
+    # --- where kvgate listens and what it fronts -------------------------------------------------
+    Key("upstream", str, "http://127.0.0.1:30000", "Base URL of the router (smg / sglang-router) kvgate forwards to.",
+        convert=_url),
+    Key("host", str, "127.0.0.1", "Address kvgate listens on."),
+    Key("port", int, 8080, "Port kvgate listens on (0 picks a free port).", _port, "0..65535"),
+    Key("log_level", str, "info", "Log level.", choices=("debug", "info", "warning", "error")),
+    # --- forwarding ----------------------------------------------------------------------------
+    Key("connect_timeout_s", float, 5.0, "Timeout for opening a connection to the upstream router, seconds.",
+        _pos, "> 0"),
+    Key("read_timeout_s", float, 0.0,
+        "Timeout between two reads of an upstream response, seconds; 0 = none (decodes run for minutes).",
+        _nonneg, ">= 0"),
+    Key("max_body_bytes", int, 512 * 1024 * 1024, "Largest request body accepted, bytes.", _pos, "> 0"),
+    Key("upstream_pool_size", int, 0, "Upper bound on pooled upstream connections; 0 = unbounded.",
+        _nonneg, ">= 0"),
+    # --- session identity ------------------------------------------------------------------------
+    Key("agentic_session_lifecycle", bool, False,
+        "Inject a top-level session_id into generate calls and close finished sessions on every engine."),
+    Key("session_resolution_order", list, ["body", "header", "field"],
+        "Where a request's session id is looked for, in order: body (top-level session_id), header, field.",
+        lambda v: len(v) > 0 and len(set(v)) == len(v) and all(x in ("body", "header", "field") for x in v),
+        "a non-empty list of distinct values from body, header, field"),
+    Key("session_header", str, "X-Session-ID", "Request header carrying the session id."),
+    Key("session_field", str, None, "Body field carrying the session id, for example rid or user; null = unused.",
+        nullable=True),
+    Key("session_field_regex", str, None,
+        "Regex applied to session_field; its first capture group (or the whole match) is the session id.",
+        nullable=True),
+    Key("set_routing_key", bool, True,
+        "Set the routing-key header to the session id unless the client set one, so smg keeps a session on one engine."),
+    Key("routing_key_header", str, "X-SMG-Routing-Key", "Header smg's consistent_hashing / manual policies read."),
+    Key("session_idle_close_s", float, 300.0, "Close a session idle for this long, seconds; 0 = never.",
+        _nonneg, ">= 0"),
+    Key("session_close_drain_s", float, 30.0,
+        "How long a close waits for the session's in-flight requests before fanning out, seconds.", _nonneg, ">= 0"),
+    Key("close_timeout_s", float, 0.5, "Timeout of one /close_session call to one engine, seconds.", _pos, "> 0"),
+    Key("close_retries", int, 2, "Retries of a /close_session call on connect errors and 5xx.", _nonneg, ">= 0"),
+    Key("max_tracked_sessions", int, 100_000,
+        "Cap on sessions kept in the registry; the oldest idle ones are dropped first.", _pos, "> 0"),
+    # --- engines ---------------------------------------------------------------------------------
+    Key("engines", list, [], "Static engine base URLs; when empty, engines are discovered from the router.",
+        lambda v: all(isinstance(x, str) for x in v), "a list of URL strings"),
+    Key("discovery_interval_s", float, 10.0, "How often the engine list is refreshed from the router, seconds.",
+        _pos, "> 0"),
+    Key("compat_probe", bool, True,
+        "At startup, probe whether the router forwards a top-level session_id and check each engine's server_info."),
+    # --- admission (issue 3) ---------------------------------------------------------------------
+    Key("agentic_program_admission", bool, False,
+        "Hold each request in one global FIFO until the KV token ledger admits it."),
+    Key("agentic_admission_headroom", float, 0.90,
+        "Fraction of the fleet's max_total_num_tokens the ledger may commit.", _unit, "in (0, 1]",
+        only_when="agentic_program_admission"),
+    Key("agentic_admission_pressure_threshold", float, 0.92,
+        "Hold new work while the worst engine's token_usage is at or above this.", _unit, "in (0, 1]",
+        only_when="agentic_program_admission"),
+    Key("max_response_length", int, 4096, "The rollout's max response length in tokens.", _pos, "> 0"),
+    Key("agentic_admission_expected_decode_cap", int, None,
+        "Cap on the completion tokens reserved per sequence; null = max_response_length.", _pos, "> 0",
+        nullable=True, only_when="agentic_program_admission"),
+    Key("agentic_admission_max_wait_s", float, 30.0,
+        "A request waiting this long bypasses the queue (aged), seconds.", _nonneg, ">= 0",
+        only_when="agentic_program_admission"),
+    Key("agentic_admission_scope", str, "train", "Which work admission holds: train (eval bypasses) or all.",
+        choices=("train", "all")),
+    Key("admission_poll_interval_s", float, 2.0, "How often each engine's KV metrics are read, seconds.",
+        _pos, "> 0", only_when="agentic_program_admission"),
+    Key("admission_lease_ttl_s", float, 3600.0,
+        "A lease older than this is reclaimed as stranded, seconds.", _pos, "> 0",
+        only_when="agentic_program_admission"),
+    Key("admission_window_s", float, 60.0, "Window for usage and rate statistics, seconds.", _pos, "> 0",
+        only_when="agentic_program_admission"),
+    Key("admission_chars_per_token", float, 3.0,
+        "Characters per token when estimating text prompts (conservative: real BPE is ~4).", _pos, "> 0",
+        only_when="agentic_program_admission"),
+    Key("admission_tokenizer_file", str, None, "A local tokenizer.json used to count text prompt tokens.",
+        nullable=True),
+    Key("admission_protected_rules", list, [],
+        "Rules marking protected work: [{path: GLOB, field: NAME, equals: VALUE}].",
+        lambda v: all(isinstance(x, dict) for x in v), "a list of mappings"),
+    Key("admission_eval_rules", list, [],
+        "Rules marking eval work (out of scope when scope=train), same shape as admission_protected_rules.",
+        lambda v: all(isinstance(x, dict) for x in v), "a list of mappings"),
+]
+
+KEYS_BY_NAME = {k.name: k for k in KEYS}
+
+
+def _type_name(t) -> str:
+    return {bool: "a boolean", int: "an integer", float: "a number", str: "a string", list: "a list"}[t]
+
+
+def _coerce(key: Key, value: Any) -> Any:
+    if value is None:
+        if key.nullable:
+            return None
+        raise ConfigError(f"{key.name}: expected {_type_name(key.type)}, got null")
+    if key.type is float and isinstance(value, int) and not isinstance(value, bool):
+        value = float(value)
+    if key.type is int and isinstance(value, bool) or key.type is float and isinstance(value, bool):
+        raise ConfigError(f"{key.name}: expected {_type_name(key.type)}, got {value!r}")
+    if not isinstance(value, key.type):
+        raise ConfigError(f"{key.name}: expected {_type_name(key.type)}, got {value!r}")
+    if key.convert is not None:
+        value = key.convert(key.name, value)
+    if key.choices and value not in key.choices:
+        raise ConfigError(f"{key.name}: must be one of {', '.join(key.choices)}, got {value!r}")
+    return value
+
+
+@dataclass
+class Config:
+    """The validated configuration. Attribute names are the YAML keys."""
+
+    values: dict[str, Any] = field(default_factory=dict)
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return self.__dict__["values"][name]
+        except KeyError:
+            raise AttributeError(name) from None
+
+    def as_dict(self) -> dict[str, Any]:
+        return dict(self.values)
+
+    @property
+    def decode_cap(self) -> int:
+        """Completion tokens reserved per sequence at most (issue 3: defaults to max_response_length)."""
+        cap = self.values["agentic_admission_expected_decode_cap"]
+        return cap if cap is not None else self.values["max_response_length"]
+
+
+def validate(raw: dict[str, Any]) -> Config:
+    """Validate a flat mapping of keys to values and return a :class:`Config` with defaults filled in.
+
+    Raises ConfigError (one line naming the key) on an unknown key, a wrong type or an out-of-range value.
+    """
+    if not isinstance(raw, dict):
+        raise ConfigError(f"config: expected a mapping of keys to values, got {type(raw).__name__}")
+    values: dict[str, Any] = {}
+    for name, value in raw.items():
+        key = KEYS_BY_NAME.get(name)
+        if key is None:
+            close = [k for k in KEYS_BY_NAME if k.split("_")[-1] == str(name).split("_")[-1]][:3]
+            hint = f" (did you mean {', '.join(close)}?)" if close else ""
+            raise ConfigError(f"{name}: unknown key{hint}")
+        values[name] = _coerce(key, value)
+    for key in KEYS:
+        values.setdefault(key.name, list(key.default) if isinstance(key.default, list) else key.default)
+    for key in KEYS:
+        value = values[key.name]
+        if key.check is None or value is None:
+            continue
+        if key.only_when and not values[key.only_when]:
+            continue
+        if not key.check(value):
+            raise ConfigError(f"{key.name}: must be {key.allowed}, got {value!r}")
+    if values["session_field_regex"] is not None:
+        try:
+            re.compile(values["session_field_regex"])
+        except re.error as exc:
+            raise ConfigError(f"session_field_regex: not a valid regular expression ({exc})") from None
+    values["engines"] = [_url("engines", u) for u in values["engines"]]
+    return Config(values)
+
+
+def load_yaml(path: str) -> dict[str, Any]:
+    """Read a YAML config file into a flat mapping (empty file = no keys). Raises ConfigError."""
+    try:
+        with open(path, encoding="utf-8") as fh:
+            data = yaml.safe_load(fh)
+    except OSError as exc:
+        raise ConfigError(f"config file {path}: {exc.strerror}") from None
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f" line {mark.line + 1}" if mark is not None else ""
+        raise ConfigError(f"config file {path}{where}: not valid YAML") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"config file {path}: expected a mapping of keys to values")
+    return data
+
+
+def flag_name(key: str) -> str:
+    return "--" + key.replace("_", "-")
+
+
+def add_flags(parser: argparse.ArgumentParser) -> None:
+    """Add ``--config`` and one flag per key (default: unset, so YAML values are not overridden)."""
+    parser.add_argument("--config", metavar="FILE", help="YAML config file (see configs/kvgate.yaml)")
+    for key in KEYS:
+        kwargs: dict[str, Any] = {"dest": key.name, "default": None, "help": key.doc}
+        if key.type is bool:
+            kwargs["action"] = argparse.BooleanOptionalAction
+        elif key.type is list:
+            if key.name in ("admission_protected_rules", "admission_eval_rules"):
+                kwargs["type"] = _yaml_value
+                kwargs["metavar"] = "YAML"
+            else:
+                kwargs["nargs"] = "*"
+        else:
+            kwargs["type"] = str
+            kwargs["metavar"] = key.name.upper().split("_")[-1]
+        parser.add_argument(flag_name(key.name), **kwargs)
+
+
+def _yaml_value(text: str) -> Any:
+    return yaml.safe_load(text)
+
+
+def _from_flag(key: Key, text: Any) -> Any:
+    if not isinstance(text, str):
+        return text
+    if key.nullable and text.lower() in ("null", "none", ""):
+        return None
+    try:
+        if key.type is int:
+            return int(text)
+        if key.type is float:
+            return float(text)
+    except ValueError:
+        raise ConfigError(f"{key.name}: expected {_type_name(key.type)}, got {text!r}") from None
+    return text
+
+
+def from_args(args: argparse.Namespace) -> Config:
+    """Merge defaults, the YAML file named by ``args.config`` and the flags; validate. Raises ConfigError."""
+    raw: dict[str, Any] = load_yaml(args.config) if getattr(args, "config", None) else {}
+    for key in KEYS:
+        value = getattr(args, key.name, None)
+        if value is not None:
+            raw[key.name] = _from_flag(key, value)
+    return validate(raw)
+
+
+def documented_keys() -> list[str]:
+    """Names of every key, in schema order (used by the test that configs/kvgate.yaml documents them all)."""
+    return [k.name for k in KEYS]
+
+
+__all__ = ["Config", "ConfigError", "KEYS", "add_flags", "from_args", "load_yaml", "validate",
+           "documented_keys", "flag_name"]

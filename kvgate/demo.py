@@ -1,0 +1,252 @@
+"""``kvgate demo``: the whole request path on real input.
+
+Starts two simulated engines, a real smg router in front of them and kvgate in front of that (each a
+subprocess in its own process group), replays a slice of the Mooncake conversation trace through
+kvgate at its real timestamps (scaled by --speed), closes the sessions that remain, prints a summary
+and stops everything it started. Sessions come from hash-block chains (kvgate.trace) and are sent as
+X-Session-ID, which kvgate turns into a top-level session_id.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from importlib import resources
+from pathlib import Path
+
+import aiohttp
+import orjson
+
+from kvgate import procs
+from kvgate.trace import TokenBook, infer_sessions, iter_turns, read_trace
+
+DEFAULT_TRACE = "mooncake_slice.jsonl"
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--trace", default=None,
+                   help="trace file (default: the 10-minute Mooncake slice shipped in kvgate/data)")
+    p.add_argument("--start-s", type=float, default=0.0, help="where the window starts in the trace, seconds")
+    p.add_argument("--duration-s", type=float, default=120.0, help="window length in trace time, seconds")
+    p.add_argument("--speed", type=float, default=1.0,
+                   help="replay and simulated compute this many times faster (kvgate's idle close scales too)")
+    p.add_argument("--engines", type=int, default=2, help="simulated engines")
+    p.add_argument("--max-total-num-tokens", type=int, default=400_000, help="KV pool of each engine, tokens")
+    p.add_argument("--idle-close-s", type=float, default=30.0, help="kvgate session_idle_close_s (trace time)")
+    p.add_argument("--admission", action=argparse.BooleanOptionalAction, default=False,
+                   help="also turn on program-aware admission")
+    p.add_argument("--log-dir", default=None, help="where child process logs go (default: a temp dir)")
+    p.add_argument("--json", dest="json_out", default=None, help="also write the summary as JSON to this file")
+
+
+@dataclass
+class Replay:
+    """What the replay client saw."""
+
+    latencies: list[float] = field(default_factory=list)
+    ok: int = 0
+    errors: dict[str, int] = field(default_factory=dict)
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    admission: dict[str, int] = field(default_factory=dict)
+    queue_ms: list[float] = field(default_factory=list)
+
+
+def _percentile(xs: list[float], q: float) -> float:
+    if not xs:
+        return float("nan")
+    s = sorted(xs)
+    k = min(len(s) - 1, max(0, int(round(q / 100 * (len(s) - 1)))))
+    return s[k]
+
+
+async def _replay(base: str, records, sessions, speed: float, progress) -> Replay:
+    book = TokenBook()
+    out = Replay()
+    t0 = time.monotonic()
+    first_ts = records[0].timestamp_ms if records else 0
+    done = 0
+
+    async def one(http: aiohttp.ClientSession, rec, sid: str, turn: int) -> None:
+        nonlocal done
+        delay = (rec.timestamp_ms - first_ts) / 1000.0 / speed - (time.monotonic() - t0)
+        if delay > 0:
+            await asyncio.sleep(delay)  # open-loop replay at the trace's timestamps
+        body = orjson.dumps({"input_ids": book.prompt(rec), "rid": f"{sid}-turn{turn}",
+                             "sampling_params": {"max_new_tokens": max(1, rec.output_length), "ignore_eos": True}})
+        start = time.monotonic()
+        try:
+            async with http.post(base + "/generate", data=body, headers={
+                    "Content-Type": "application/json", "X-Session-ID": sid}) as resp:
+                payload = await resp.read()
+                if resp.status != 200:
+                    key = f"http {resp.status}"
+                    out.errors[key] = out.errors.get(key, 0) + 1
+                    return
+                meta = orjson.loads(payload).get("meta_info", {})
+                out.ok += 1
+                out.latencies.append(time.monotonic() - start)
+                out.prompt_tokens += int(meta.get("prompt_tokens", 0))
+                out.cached_tokens += int(meta.get("cached_tokens", 0))
+                decision = resp.headers.get("X-Kvgate-Admission")
+                if decision:
+                    out.admission[decision] = out.admission.get(decision, 0) + 1
+                    out.queue_ms.append(float(resp.headers.get("X-Kvgate-Queue-Ms", "0")))
+        except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as exc:
+            key = type(exc).__name__
+            out.errors[key] = out.errors.get(key, 0) + 1
+        finally:
+            done += 1
+            progress(done)
+
+    conn = aiohttp.TCPConnector(limit=0)
+    async with aiohttp.ClientSession(connector=conn, timeout=aiohttp.ClientTimeout(total=None)) as http:
+        await asyncio.gather(*(one(http, rec, sid, turn) for rec, sid, turn in iter_turns(records, sessions)))
+    return out
+
+
+async def _close_remaining(base: str) -> dict[str, int]:
+    """Close every session still open through kvgate's API and wait for each fan-out."""
+    async with aiohttp.ClientSession() as http:
+        async with http.get(base + "/kvgate/sessions", params={"limit": "1000000", "state": "active"}) as r:
+            active = [s["session_id"] for s in (await r.json())["sessions"]]
+        results = await asyncio.gather(*(http.post(f"{base}/kvgate/sessions/{sid}/close", params={"wait": "1"})
+                                         for sid in active))
+        for r in results:
+            r.release()
+    return {"closed_at_end": len(active)}
+
+
+async def _get_json(url: str):
+    async with aiohttp.ClientSession() as http:
+        async with http.get(url) as r:
+            return await r.json()
+
+
+async def _metrics_text(url: str) -> str:
+    async with aiohttp.ClientSession() as http:
+        async with http.get(url) as r:
+            return await r.text()
+
+
+def _sum_metric(text: str, name: str, **labels) -> float:
+    from prometheus_client.parser import text_string_to_metric_families
+    total = 0.0
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()):
+                total += s.value
+    return total
+
+
+def _trace_path(arg: str | None) -> Path:
+    if arg:
+        return Path(arg)
+    return Path(str(resources.files("kvgate") / "data" / DEFAULT_TRACE))
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run the demo; returns 0 when every request succeeded and every close fan-out reached all engines."""
+    path = _trace_path(args.trace)
+    records = read_trace(path, int(args.start_s * 1000), int(args.duration_s * 1000))
+    if not records:
+        print(f"kvgate demo: no trace records in that window of {path}", file=sys.stderr)
+        return 2
+    sessions = infer_sessions(records)
+    n_sessions = len(set(sessions))
+    log_dir = Path(args.log_dir or tempfile.mkdtemp(prefix="kvgate-demo-"))
+    started: list[procs.Proc] = []
+    speed = args.speed
+    try:
+        engine_urls = []
+        for i in range(args.engines):
+            port = procs.free_port()
+            url = f"http://127.0.0.1:{port}"
+            p = procs.start(f"engine{i}", [sys.executable, "-m", "kvgate", "sim-engine", "--port", str(port),
+                                           "--max-total-num-tokens", str(args.max_total_num_tokens),
+                                           "--speed", str(speed)], log_dir, url=url)
+            started.append(p)
+            engine_urls.append(url)
+        for p in started:
+            procs.wait_http(p.url + "/health", 30, p)
+        rport, mport = procs.free_port(), procs.free_port()
+        router = procs.start("smg", procs.smg_command(rport, engine_urls, mport, policy="round_robin"), log_dir,
+                             url=f"http://127.0.0.1:{rport}")
+        started.append(router)
+        procs.wait_http(router.url + "/readiness", 60, router, procs.router_ready(len(engine_urls)))
+        kport = procs.free_port()
+        kv_cmd = [sys.executable, "-m", "kvgate", "serve", "--upstream", router.url, "--port", str(kport),
+                  "--agentic-session-lifecycle", "--session-idle-close-s", str(args.idle_close_s / speed),
+                  "--discovery-interval-s", str(max(0.5, 5 / speed))]
+        if args.admission:
+            kv_cmd += ["--agentic-program-admission", "--admission-poll-interval-s", str(max(0.05, 2.0 / speed)),
+                       "--agentic-admission-max-wait-s", str(30.0 / speed)]
+        kvgate = procs.start("kvgate", kv_cmd, log_dir, url=f"http://127.0.0.1:{kport}")
+        started.append(kvgate)
+        procs.wait_http(kvgate.url + "/kvgate/engines", 30, kvgate,
+                        lambda st, body: st == 200 and len(json.loads(body)["engines"]) == len(engine_urls))
+
+        print(f"kvgate demo: {args.duration_s:.0f} s of the Mooncake conversation trace from {args.start_s:.0f} s "
+              f"({len(records)} requests, {n_sessions} sessions) at speed {speed:g}", flush=True)
+        print(f"  path: client -> kvgate {kvgate.url} -> smg {router.url} -> {len(engine_urls)} simulated engines "
+              f"(max_total_num_tokens {args.max_total_num_tokens} each); logs in {log_dir}", flush=True)
+        last = [time.monotonic()]
+
+        def progress(done: int) -> None:
+            if time.monotonic() - last[0] >= 10 or done == len(records):
+                last[0] = time.monotonic()
+                print(f"  ... {done}/{len(records)} requests done", flush=True)
+
+        t0 = time.monotonic()
+        rep = asyncio.run(_replay(kvgate.url, records, sessions, speed, progress))
+        wall = time.monotonic() - t0
+        end = asyncio.run(_close_remaining(kvgate.url))
+        reg = asyncio.run(_get_json(kvgate.url + "/kvgate/sessions?limit=1000000"))
+        mtext = asyncio.run(_metrics_text(kvgate.url + "/metrics"))
+        sims = [asyncio.run(_get_json(u + "/sim/stats")) for u in engine_urls]
+        stats = asyncio.run(_get_json(kvgate.url + "/kvgate/stats")) if args.admission else None
+    finally:
+        for p in reversed(started):
+            p.stop()
+
+    closes = {k: int(_sum_metric(mtext, "agentic_kv_session_close_total", reason=k))
+              for k in ("idle", "explicit", "api")}
+    close_fail = int(_sum_metric(mtext, "agentic_kv_session_close_failure_total"))
+    closed = sum(1 for s in reg["sessions"] if s["state"] == "closed")
+    calls_ok = sum(sum(1 for r in s["close_results"].values() if r == "ok") for s in reg["sessions"])
+    engine_sessions = [len(s.get("sessions_seen", s.get("session_ids", {}))) for s in sims]
+    engine_closes = [s.get("closes_received", 0) for s in sims]
+    hit = rep.cached_tokens / rep.prompt_tokens if rep.prompt_tokens else 0.0
+    summary = {
+        "requests": len(records), "ok": rep.ok, "errors": rep.errors, "wall_s": round(wall, 1),
+        "sessions": n_sessions, "sessions_closed": closed, "closes_by_reason": closes,
+        "close_calls_ok": calls_ok, "close_failures": close_fail, **end,
+        "engine_sessions_seen": engine_sessions, "engine_closes_received": engine_closes,
+        "prompt_tokens": rep.prompt_tokens, "cached_tokens": rep.cached_tokens, "cache_hit_rate": round(hit, 4),
+        "latency_p50_s": round(_percentile(rep.latencies, 50), 3),
+        "latency_p99_s": round(_percentile(rep.latencies, 99), 3),
+        "admission": rep.admission,
+        "queue_ms_p50": round(_percentile(rep.queue_ms, 50), 1) if rep.queue_ms else None,
+        "queue_ms_p99": round(_percentile(rep.queue_ms, 99), 1) if rep.queue_ms else None,
+        "admission_stats": stats,
+    }
+    print("summary")
+    print(f"  requests   {rep.ok}/{len(records)} ok, errors {rep.errors or 0}, replay wall time {wall:.1f} s")
+    print(f"  latency    p50 {summary['latency_p50_s']:.3f} s, p99 {summary['latency_p99_s']:.3f} s")
+    print(f"  cache      hit rate {hit:.1%} ({rep.cached_tokens} of {rep.prompt_tokens} prompt tokens cached)")
+    print(f"  sessions   {n_sessions} in the trace window; kvgate closed {closed} "
+          f"(idle {closes['idle']}, at the end {closes['api']}, explicit {closes['explicit']})")
+    print(f"  fan-out    {calls_ok} /close_session calls ok, {close_fail} failed; engines received "
+          f"session_id for {engine_sessions} sessions and {engine_closes} closes")
+    if args.admission:
+        print(f"  admission  {rep.admission}; queue wait p50 {summary['queue_ms_p50']} ms, "
+              f"p99 {summary['queue_ms_p99']} ms")
+    if args.json_out:
+        Path(args.json_out).write_text(json.dumps(summary, indent=2))
+    failed = rep.ok != len(records) or close_fail > 0 or closed != n_sessions
+    return 1 if failed else 0

@@ -1,0 +1,53 @@
+"""The admission seam between "request classified" and "request forwarded".
+
+The proxy calls ``await gate.acquire(request_info)`` before forwarding and ``gate.release(ticket)``
+when the upstream attempt ends (response relayed, error, or client gone). A gate must fail open:
+any fault of its own returns a ticket that lets the request go at once.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Mapping, Protocol
+
+from kvgate.classify import Classified
+
+
+@dataclass
+class RequestInfo:
+    """What a gate may look at: the classified request, its headers and its session id (or None)."""
+
+    classified: Classified
+    headers: Mapping[str, str]
+    session_id: str | None
+
+
+@dataclass
+class Ticket:
+    """The gate's answer. decision: admit | bypass-protected | bypass-degraded | bypass-aged | off.
+
+    queue_s: seconds spent waiting. headers: added to the response (X-Kvgate-Admission ...).
+    """
+
+    decision: str = "off"
+    queue_s: float = 0.0
+    handle: Any = None
+    headers: list[tuple[str, str]] = field(default_factory=list)
+
+
+class Gate(Protocol):
+    async def acquire(self, info: RequestInfo) -> Ticket: ...
+
+    def release(self, ticket: Ticket) -> None: ...
+
+
+class OpenGate:
+    """Admission off: every request goes at once and carries no admission headers."""
+
+    OFF = Ticket()
+
+    async def acquire(self, info: RequestInfo) -> Ticket:
+        return self.OFF
+
+    def release(self, ticket: Ticket) -> None:
+        return None

@@ -1,0 +1,70 @@
+"""kvgate's own Prometheus series (prometheus-client), all prefixed ``agentic_kv_``.
+
+One registry per running app (not the process-global one), so tests can run several kvgates.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST
+
+# Generations run for minutes: latency buckets reach 20 minutes.
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1200)
+# kvgate's own added time before forwarding is sub-millisecond when healthy.
+OVERHEAD_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.5)
+
+
+class Metrics:
+    """Every series kvgate exports. ``render()`` returns (body bytes, content type) for GET /metrics."""
+
+    def __init__(self) -> None:
+        r = self.registry = CollectorRegistry(auto_describe=True)
+        p = "agentic_kv_"
+        # proxy
+        self.requests = Counter(p + "requests", "Requests relayed, by route and upstream status "
+                                "(status 'error' = no upstream answer)", ["route", "status"], registry=r)
+        self.upstream_latency = Histogram(p + "upstream_latency_seconds", "Time from forwarding a request to "
+                                          "the last byte relayed back", ["route"], buckets=LATENCY_BUCKETS,
+                                          registry=r)
+        self.added_latency = Histogram(p + "proxy_added_seconds", "kvgate's own time before forwarding "
+                                       "(classify, resolve session; admission queue wait excluded)",
+                                       buckets=OVERHEAD_BUCKETS, registry=r)
+        self.inflight = Gauge(p + "inflight_requests", "Requests being relayed now", registry=r)
+        self.upstream_errors = Counter(p + "upstream_errors", "Upstream failures answered by kvgate "
+                                       "(unreachable, timeout) or cut mid-response", ["kind"], registry=r)
+        self.client_disconnects = Counter(p + "client_disconnects", "Clients gone before their response "
+                                          "ended; the upstream request was cancelled", registry=r)
+        self.faults = Counter(p + "faults", "Faults in kvgate's own logic; the request went out unchanged",
+                              ["stage"], registry=r)
+        # sessions
+        self.lifecycle_enabled = Gauge(p + "session_lifecycle_enabled", "1 when session lifecycle is on",
+                                       registry=r)
+        self.session_id_injected = Counter(p + "session_id_injected", "Generate calls sent with a session_id, "
+                                           "by where it came from", ["source"], registry=r)
+        self.session_params_skipped = Counter(p + "session_params_skipped", "Generate calls left without "
+                                              "session_id because they use session_params", registry=r)
+        self.sessions = Gauge(p + "sessions", "Sessions in the registry, by state", ["state"], registry=r)
+        self.sessions_dropped = Gauge(p + "sessions_dropped", "Sessions dropped from the registry by its cap",
+                                      registry=r)
+        self.session_close = Counter(p + "session_close", "Sessions closed, by reason", ["reason"], registry=r)
+        self.session_close_failure = Counter(p + "session_close_failure", "Engine /close_session calls that "
+                                             "failed after retries", registry=r)
+        self.close_latency = Histogram(p + "session_close_fanout_seconds", "Time of one close fan-out to "
+                                       "every engine", buckets=LATENCY_BUCKETS, registry=r)
+        # engines and compatibility
+        self.engines = Gauge(p + "engines", "Engines known, by worker type", ["worker_type"], registry=r)
+        self.discovery_failures = Counter(p + "discovery_failures", "Failed engine discovery refreshes "
+                                          "(the last good list is kept)", registry=r)
+        self.discovery_last_success = Gauge(p + "discovery_last_success_unixtime", "When engine discovery "
+                                            "last succeeded", registry=r)
+        self.passthrough = Gauge(p + "router_session_id_passthrough", "1 on the probe's verdict: does the "
+                                 "router forward top-level session_id to the engines", ["verdict"], registry=r)
+        self.engine_warning = Gauge(p + "engine_warning", "1 when an engine is misconfigured for kvgate",
+                                    ["engine", "kind"], registry=r)
+
+    def render(self) -> tuple[bytes, str]:
+        return generate_latest(self.registry), CONTENT_TYPE_LATEST
+
+    def set_passthrough(self, verdict: str) -> None:
+        for v in ("forwarded", "dropped", "unknown"):
+            self.passthrough.labels(v).set(1 if v == verdict else 0)

@@ -1,0 +1,151 @@
+"""Subprocesses kvgate starts (router, simulated engines, kvgate itself) for the demo, bench and tests.
+
+Each child gets its own process group (the smg launcher forks a child ``smg::router``) and is ended
+by signalling the whole group: SIGTERM, then SIGKILL after a grace period.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago (bind to 0, read, close)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def find_executable(name: str) -> str | None:
+    """``name`` on PATH, else next to the running interpreter (a venv's bin/ need not be on PATH)."""
+    found = shutil.which(name)
+    if found:
+        return found
+    candidate = Path(sys.executable).parent / name
+    return str(candidate) if candidate.exists() else None
+
+
+@dataclass
+class Proc:
+    """A started child process in its own group; ``log_path`` holds its stdout and stderr."""
+
+    name: str
+    popen: subprocess.Popen
+    log_path: Path
+    url: str | None = None
+    _log_fh: object = field(default=None, repr=False)
+
+    def alive(self) -> bool:
+        return self.popen.poll() is None
+
+    def log_tail(self, n: int = 40) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
+        except OSError:
+            return ""
+
+    def stop(self, grace_s: float = 5.0) -> int | None:
+        """End the whole process group: SIGTERM, then SIGKILL after ``grace_s`` seconds."""
+        if self.popen.poll() is None:
+            try:
+                os.killpg(self.popen.pid, signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+            try:
+                self.popen.wait(timeout=grace_s)
+            except subprocess.TimeoutExpired:
+                pass
+        try:  # children of the group (smg::router) may outlive the leader
+            os.killpg(self.popen.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+        try:
+            self.popen.wait(timeout=grace_s)
+        except subprocess.TimeoutExpired:
+            pass
+        if self._log_fh is not None:
+            self._log_fh.close()
+        return self.popen.returncode
+
+
+def start(name: str, cmd: list[str], log_dir: Path, env: dict | None = None, url: str | None = None) -> Proc:
+    """Start ``cmd`` in a new session (process group); output goes to log_dir/name.log."""
+    log_dir.mkdir(parents=True, exist_ok=True)
+    log_path = log_dir / f"{name}.log"
+    fh = open(log_path, "wb")
+    popen = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                             start_new_session=True, env={**os.environ, **(env or {})})
+    return Proc(name, popen, log_path, url, fh)
+
+
+def wait_http(url: str, timeout_s: float, proc: Proc | None = None, expect=lambda status, body: status == 200) -> bytes:
+    """Poll GET ``url`` until ``expect(status, body)`` holds; return the body.
+
+    Raises RuntimeError with the process's log tail if ``proc`` exits, or TimeoutError after ``timeout_s``.
+    A readiness poll of a process we started is the one place a loop with a short pause is the event.
+    """
+    deadline = time.monotonic() + timeout_s
+    last = "no answer"
+    while time.monotonic() < deadline:
+        if proc is not None and not proc.alive():
+            raise RuntimeError(f"{proc.name} exited with {proc.popen.returncode}:\n{proc.log_tail()}")
+        try:
+            with urllib.request.urlopen(url, timeout=2) as resp:
+                body = resp.read()
+                if expect(resp.status, body):
+                    return body
+                last = f"{resp.status} {body[:200]!r}"
+        except urllib.error.HTTPError as exc:
+            body = exc.read()
+            if expect(exc.code, body):
+                return body
+            last = f"{exc.code} {body[:200]!r}"
+        except (urllib.error.URLError, ConnectionError, OSError) as exc:
+            last = str(exc)
+        time.sleep(0.05)
+    tail = f"\n{proc.log_tail()}" if proc is not None else ""
+    raise TimeoutError(f"{url} not ready after {timeout_s}s (last: {last}){tail}")
+
+
+def smg_command(port: int, worker_urls: list[str], prometheus_port: int, policy: str = "round_robin",
+                extra: list[str] | None = None) -> list[str]:
+    """The command line that starts the smg router on 127.0.0.1 (router-compat.md). Raises
+    FileNotFoundError when smg is not installed."""
+    exe = find_executable("smg")
+    if exe is None:
+        raise FileNotFoundError("the smg router is not installed (pip install smg)")
+    return [exe, "launch", "--host", "127.0.0.1", "--port", str(port), "--worker-urls", *worker_urls,
+            "--policy", policy, "--prometheus-host", "127.0.0.1", "--prometheus-port", str(prometheus_port),
+            *(extra or [])]
+
+
+def legacy_router_command(port: int, worker_urls: list[str], prometheus_port: int,
+                          policy: str = "round_robin") -> list[str]:
+    """sglang-router 0.3.2 (python -m sglang_router.launch_router, same flags as smg)."""
+    return [sys.executable, "-m", "sglang_router.launch_router", "--host", "127.0.0.1", "--port", str(port),
+            "--worker-urls", *worker_urls, "--policy", policy, "--prometheus-host", "127.0.0.1",
+            "--prometheus-port", str(prometheus_port)]
+
+
+def router_ready(healthy_workers: int):
+    """A ``wait_http`` predicate for GET /readiness: ready with at least ``healthy_workers`` workers."""
+    import json
+
+    def ok(status: int, body: bytes) -> bool:
+        if status != 200:
+            return False
+        try:
+            return int(json.loads(body).get("healthy_workers", 0)) >= healthy_workers
+        except (ValueError, AttributeError, TypeError):
+            return True
+    return ok

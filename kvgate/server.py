@@ -1,0 +1,282 @@
+"""The kvgate aiohttp application: wires the request path and kvgate's own endpoints (I/O edge).
+
+Request path: request in -> classify -> resolve session -> admit (gate) -> forward -> release and record.
+kvgate's own routes: GET /metrics, GET /kvgate/health, GET /kvgate/engines, GET /kvgate/sessions,
+GET /kvgate/sessions/{id}, POST /kvgate/sessions/{id}/close, and (lifecycle on) GET|POST /close_session.
+Everything else is forwarded to the router unchanged.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import time
+from typing import Any
+
+import orjson
+from aiohttp import web
+
+from kvgate import __version__
+from kvgate.classify import classify, with_session_id
+from kvgate.config import Config
+from kvgate.engines import EngineDirectory
+from kvgate.forward import Upstream, forward_headers
+from kvgate.gate import Gate, OpenGate, RequestInfo, Ticket
+from kvgate.lifecycle import SessionLifecycle
+from kvgate.metrics import Metrics
+from kvgate.session_identity import SessionResolver
+from kvgate.sessions import SessionRegistry
+
+log = logging.getLogger("kvgate")
+
+GATEWAY_KEY = web.AppKey("gateway", object)
+
+
+def _json(obj: Any, status: int = 200) -> web.Response:
+    return web.Response(status=status, body=orjson.dumps(obj), content_type="application/json")
+
+
+class Gateway:
+    """Everything one running kvgate owns. Build with a validated Config; ``app`` is the aiohttp app."""
+
+    def __init__(self, cfg: Config, gate: Gate | None = None):
+        self.cfg = cfg
+        self.metrics = Metrics()
+        self.upstream = Upstream(cfg.upstream, cfg.connect_timeout_s, cfg.read_timeout_s, cfg.upstream_pool_size)
+        self.directory = EngineDirectory(cfg.upstream, cfg.engines, cfg.discovery_interval_s, self.metrics,
+                                         probe=cfg.compat_probe, lifecycle_on=cfg.agentic_session_lifecycle)
+        self.lifecycle_on = cfg.agentic_session_lifecycle
+        self.metrics.lifecycle_enabled.set(1 if self.lifecycle_on else 0)
+        self.resolver = SessionResolver(cfg.session_resolution_order, cfg.session_header, cfg.session_field,
+                                        cfg.session_field_regex)
+        self.lifecycle = SessionLifecycle(SessionRegistry(cfg.max_tracked_sessions), self.directory, self.metrics,
+                                          idle_close_s=cfg.session_idle_close_s, drain_s=cfg.session_close_drain_s,
+                                          close_timeout_s=cfg.close_timeout_s, close_retries=cfg.close_retries)
+        self.gate: Gate = gate or OpenGate()
+        self.started = time.time()
+        self.app = self._build_app()
+
+    # --- app -------------------------------------------------------------------------------------
+
+    def _build_app(self) -> web.Application:
+        app = web.Application(client_max_size=self.cfg.max_body_bytes)
+        app[GATEWAY_KEY] = self
+        r = app.router
+        r.add_get("/metrics", self.handle_metrics)
+        r.add_get("/kvgate/health", self.handle_health)
+        r.add_get("/kvgate/engines", self.handle_engines)
+        r.add_get("/kvgate/sessions", self.handle_sessions)
+        r.add_get("/kvgate/sessions/{sid}", self.handle_session)
+        r.add_post("/kvgate/sessions/{sid}/close", self.handle_session_close)
+        if self.lifecycle_on:
+            r.add_route("GET", "/close_session", self.handle_close_session)
+            r.add_route("POST", "/close_session", self.handle_close_session)
+        r.add_route("*", "/{tail:.*}", self.handle_proxy)
+        app.on_startup.append(self._on_startup)
+        app.on_cleanup.append(self._on_cleanup)
+        return app
+
+    async def _on_startup(self, app: web.Application) -> None:
+        log.info("kvgate %s: upstream %s, session lifecycle %s, admission %s", __version__, self.cfg.upstream,
+                 "on" if self.lifecycle_on else "off", "on" if self.cfg.agentic_program_admission else "off")
+        await self.directory.start()
+        await self.lifecycle.start()
+        start = getattr(self.gate, "start", None)
+        if start is not None:
+            await start()
+
+    async def _on_cleanup(self, app: web.Application) -> None:
+        stop = getattr(self.gate, "stop", None)
+        if stop is not None:
+            await stop()
+        await self.lifecycle.stop()
+        await self.directory.stop()
+        await self.upstream.close()
+
+    # --- kvgate's own endpoints ----------------------------------------------------------------
+
+    async def handle_metrics(self, request: web.Request) -> web.Response:
+        body, ctype = self.metrics.render()
+        return web.Response(body=body, headers={"Content-Type": ctype})
+
+    async def handle_health(self, request: web.Request) -> web.Response:
+        return _json({"status": "ok", "version": __version__, "uptime_s": round(time.time() - self.started, 3),
+                      "upstream": self.cfg.upstream, "engines": len(self.directory.engines),
+                      "session_lifecycle": self.lifecycle_on,
+                      "program_admission": self.cfg.agentic_program_admission,
+                      "session_id_passthrough": self.directory.verdict})
+
+    async def handle_engines(self, request: web.Request) -> web.Response:
+        return _json(self.directory.as_json())
+
+    async def handle_sessions(self, request: web.Request) -> web.Response:
+        try:
+            limit = int(request.query.get("limit", "1000"))
+        except ValueError:
+            return _json({"error": {"message": "limit must be an integer"}}, 400)
+        reg = self.lifecycle.registry
+        return _json(reg.as_json(self.lifecycle.clock(), limit=limit, state=request.query.get("state")))
+
+    async def handle_session(self, request: web.Request) -> web.Response:
+        s = self.lifecycle.registry.get(request.match_info["sid"])
+        if s is None:
+            return _json({"error": {"message": f"unknown session {request.match_info['sid']!r}"}}, 404)
+        return _json(s.as_json(self.lifecycle.clock()))
+
+    async def handle_session_close(self, request: web.Request) -> web.Response:
+        """Close a session; ``?wait=1`` answers after the fan-out with its per-engine result."""
+        sid = request.match_info["sid"]
+        task = self.lifecycle.close(sid, "api")
+        if request.query.get("wait") in ("1", "true") and task is not None:
+            await asyncio.shield(task)
+        s = self.lifecycle.registry.get(sid)
+        return _json(s.as_json(self.lifecycle.clock()) if s else {"session_id": sid})
+
+    async def handle_close_session(self, request: web.Request) -> web.Response:
+        """SGLang's /close_session, answered by kvgate (the router would 404 it): always 200 with an
+        empty body once the close is scheduled; missing session_id -> 400 as in SGLang."""
+        raw = await request.read()
+        sid = None
+        if raw:
+            try:
+                obj = orjson.loads(raw)
+                sid = obj.get("session_id") if isinstance(obj, dict) else None
+            except orjson.JSONDecodeError:
+                return _json({"error": {"message": "body is not JSON"}}, 400)
+        sid = sid or request.query.get("session_id")
+        if not isinstance(sid, str) or not sid:
+            return _json({"error": {"message": "session_id is required"}}, 400)
+        self.lifecycle.close(sid, "explicit")
+        return web.Response(status=200)
+
+    # --- the request path ------------------------------------------------------------------------
+
+    async def handle_proxy(self, request: web.Request) -> web.StreamResponse:
+        t0 = time.perf_counter()
+        raw = await request.read()
+        c = classify(request.method, request.path, raw)
+        body = raw
+        extra: dict[str, str] = {}
+        session_id: str | None = None
+        if self.lifecycle_on and c.body is not None:
+            try:
+                session_id, body, extra = self._resolve_session(c.body, raw, request)
+            except Exception:  # fail-open: a kvgate fault never alters or drops the request
+                log.exception("session resolution failed; forwarding unchanged")
+                self.metrics.faults.labels("session").inc()
+                session_id, body, extra = None, raw, {}
+        try:
+            ticket = await self.gate.acquire(RequestInfo(c, request.headers, session_id))
+        except Exception:
+            log.exception("admission failed; forwarding at once")
+            self.metrics.faults.labels("admission").inc()
+            ticket = OpenGate.OFF
+        self.metrics.added_latency.observe(max(0.0, time.perf_counter() - t0 - ticket.queue_s))
+        if session_id is not None:
+            try:
+                self.lifecycle.request_started(session_id, None)
+            except Exception:
+                self.metrics.faults.labels("registry").inc()
+                session_id = None
+        headers = forward_headers(request.headers, extra)
+        self.metrics.inflight.inc()
+        t1 = time.perf_counter()
+        outcome = None
+        try:
+            resp, outcome = await self.upstream.relay(request, request.raw_path, headers, body,
+                                                      observe=session_id is not None,
+                                                      add_headers=ticket.headers)
+            return resp
+        except asyncio.CancelledError:
+            self.metrics.client_disconnects.inc()
+            raise
+        finally:
+            self.metrics.inflight.dec()
+            self._release(ticket)
+            self._record(c.route, outcome, time.perf_counter() - t1)
+            if session_id is not None:
+                self._finish_session(session_id, outcome)
+
+    def _resolve_session(self, body_obj: dict, raw: bytes, request: web.Request):
+        res = self.resolver.resolve(body_obj, request.headers)
+        if res.session_id is None:
+            return None, raw, {}
+        new_body = with_session_id(raw, body_obj, res.session_id)
+        if new_body is None and "session_params" in body_obj:
+            self.metrics.session_params_skipped.inc()
+            return None, raw, {}
+        self.metrics.session_id_injected.labels(res.source).inc()
+        extra = {}
+        rk = self.cfg.routing_key_header
+        if self.cfg.set_routing_key and rk not in request.headers:
+            extra[rk] = res.session_id
+        return res.session_id, (new_body if new_body is not None else raw), extra
+
+    def _release(self, ticket: Ticket) -> None:
+        try:
+            self.gate.release(ticket)
+        except Exception:
+            log.exception("admission release failed")
+            self.metrics.faults.labels("admission").inc()
+
+    def _record(self, route: str, outcome, elapsed: float) -> None:
+        if outcome is None:
+            status = "client_gone"
+        elif outcome.status is None:
+            status = "error"
+            self.metrics.upstream_errors.labels(outcome.ended).inc()
+        else:
+            status = str(outcome.status)
+            if outcome.ended == "upstream_error":
+                self.metrics.upstream_errors.labels("cut").inc()
+            elif outcome.ended == "client_gone":
+                self.metrics.client_disconnects.inc()
+        self.metrics.requests.labels(route, status).inc()
+        self.metrics.upstream_latency.labels(route).observe(elapsed)
+
+    def _finish_session(self, session_id: str, outcome) -> None:
+        try:
+            obs = outcome.observer.result() if outcome is not None and outcome.observer is not None else None
+            self.lifecycle.request_finished(session_id, obs.meta_info if obs else None,
+                                            obs.finish_type if obs else None)
+        except Exception:
+            log.exception("session registry update failed")
+            self.metrics.faults.labels("registry").inc()
+
+
+async def start_gateway(cfg: Config, gate: Gate | None = None) -> tuple[Gateway, web.AppRunner, int]:
+    """Start kvgate on cfg.host:cfg.port (port 0 = a free one). Returns (gateway, runner, bound port).
+
+    handler_cancellation: a client that disconnects cancels its handler, which closes the upstream
+    request (issue 2, point 2).
+    """
+    gw = Gateway(cfg, gate)
+    runner = web.AppRunner(gw.app, handler_cancellation=True, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, cfg.host, cfg.port, backlog=1024)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    return gw, runner, port
+
+
+def serve(cfg: Config) -> int:
+    """Run kvgate until SIGINT/SIGTERM. Returns the exit status."""
+    async def main() -> None:
+        gw, runner, port = await start_gateway(cfg)
+        log.info("kvgate listening on http://%s:%d", cfg.host, port)
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stop.set)
+        await stop.wait()
+        await runner.cleanup()
+
+    try:
+        import uvloop
+    except ImportError:  # optional speed-up
+        asyncio.run(main())
+    else:
+        uvloop.run(main())
+    return 0
+

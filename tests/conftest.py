@@ -1,0 +1,125 @@
+"""Shared fixtures: kvgate in-process on a random port, an echo upstream, the real smg router.
+
+Everything listens on 127.0.0.1 with ports chosen by the OS. Subprocesses (the router) run in their own
+process group and are ended by group id (kvgate.procs).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import tempfile
+from pathlib import Path
+
+import orjson
+import pytest
+from aiohttp import web
+
+from kvgate import procs
+from kvgate.config import validate
+from kvgate.server import start_gateway
+
+
+@pytest.fixture
+async def kvgate_factory():
+    """``await make(**config)`` -> (gateway, base_url); every kvgate made is cleaned up."""
+    runners = []
+
+    async def make(**raw):
+        raw.setdefault("port", 0)
+        raw.setdefault("compat_probe", False)
+        gw, runner, port = await start_gateway(validate(raw))
+        runners.append(runner)
+        return gw, f"http://127.0.0.1:{port}"
+
+    yield make
+    for r in runners:
+        await r.cleanup()
+
+
+class Echo:
+    """An upstream that records what it received and echoes it back as JSON (or SSE, or slowly)."""
+
+    def __init__(self):
+        self.received: list[dict] = []
+        self.arrived = asyncio.Event()
+        self.cancelled = asyncio.Event()
+        self.release = asyncio.Event()
+        self.port = 0
+
+    async def handle(self, request: web.Request) -> web.StreamResponse:
+        if request.path in ("/workers", "/list_workers"):  # kvgate's discovery, not a test's request
+            return web.Response(status=404)
+        body = await request.read()
+        rec = {"method": request.method, "path": request.path, "query": request.raw_path.partition("?")[2],
+               "headers": dict(request.headers), "body": body}
+        self.received.append(rec)
+        self.arrived.set()
+        if request.path == "/sse":
+            resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "X-Up": "1"})
+            await resp.prepare(request)
+            for i in range(3):
+                await resp.write(b"data: " + orjson.dumps({"i": i}) + b"\n\n")
+                if i == 0:
+                    await self.release.wait()  # the test reads chunk 0 before chunk 1 is produced
+            await resp.write(b"data: [DONE]\n\n")
+            return resp
+        if request.path == "/slow":
+            try:
+                await asyncio.wait_for(self.release.wait(), 30)
+            except asyncio.CancelledError:
+                self.cancelled.set()
+                raise
+            return web.Response(text="late")
+        if request.path == "/status/418":
+            return web.Response(status=418, text="teapot", headers={"X-Custom": "yes"})
+        return web.Response(body=orjson.dumps({"method": rec["method"], "path": rec["path"], "query": rec["query"],
+                                               "len": len(body)}),
+                            content_type="application/json", headers={"X-Upstream-Header": "kept"})
+
+
+@pytest.fixture
+async def echo_upstream():
+    echo = Echo()
+    app = web.Application(client_max_size=1 << 30)
+    app.router.add_route("*", "/{tail:.*}", echo.handle)
+    runner = web.AppRunner(app, handler_cancellation=True)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    echo.port = site._server.sockets[0].getsockname()[1]
+    echo.url = f"http://127.0.0.1:{echo.port}"
+    yield echo
+    await runner.cleanup()
+
+
+@pytest.fixture
+def log_dir():
+    with tempfile.TemporaryDirectory(prefix="kvgate-test-") as d:
+        yield Path(d)
+
+
+@pytest.fixture
+def router_factory(log_dir):
+    """``start(worker_urls, legacy=False, extra=[])`` -> router base URL; a real smg (or sglang-router 0.3.2)
+    subprocess in its own process group, waited on until /readiness reports every worker healthy."""
+    started: list[procs.Proc] = []
+
+    def start(worker_urls: list[str], legacy: bool = False, extra: list[str] | None = None,
+              wait_healthy: int | None = None) -> str:
+        port, mport = procs.free_port(), procs.free_port()
+        if legacy:
+            pytest.importorskip("sglang_router", reason="sglang-router 0.3.2 not installed")
+            cmd = procs.legacy_router_command(port, worker_urls, mport)
+        else:
+            if procs.find_executable("smg") is None:
+                pytest.skip("the smg router is not installed (pip install smg)")
+            cmd = procs.smg_command(port, worker_urls, mport, extra=extra)
+        p = procs.start(f"router{len(started)}", cmd, log_dir, url=f"http://127.0.0.1:{port}")
+        started.append(p)
+        n = len(worker_urls) if wait_healthy is None else wait_healthy
+        procs.wait_http(p.url + "/readiness", 60, p, procs.router_ready(n))
+        return p.url
+
+    yield start
+    for p in started:
+        p.stop()

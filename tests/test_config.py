@@ -1,0 +1,95 @@
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from kvgate.cli import build_parser
+from kvgate.config import KEYS, ConfigError, from_args, validate
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_defaults_have_both_features_off():
+    cfg = validate({})
+    assert cfg.agentic_session_lifecycle is False
+    assert cfg.agentic_program_admission is False
+    assert cfg.session_idle_close_s == 300.0
+    assert cfg.close_timeout_s == 0.5 and cfg.close_retries == 2
+    assert cfg.max_body_bytes == 512 * 1024 * 1024
+    assert cfg.decode_cap == 4096
+
+
+def test_shipped_config_documents_every_key_and_is_valid():
+    text = (ROOT / "configs" / "kvgate.yaml").read_text()
+    data = yaml.safe_load(text)
+    assert set(data) == {k.name for k in KEYS}
+    for line in text.splitlines():
+        if line and not line.startswith((" ", "#")):
+            assert "#" in line, f"undocumented key line: {line}"
+    validate(data)
+
+
+@pytest.mark.parametrize("raw, message", [
+    ({"bogus": 1}, "bogus: unknown key"),
+    ({"port": "eighty"}, "port: expected an integer"),
+    ({"port": 70000}, "port: must be 0..65535"),
+    ({"session_idle_close_s": -1}, "session_idle_close_s: must be >= 0"),
+    ({"agentic_program_admission": True, "agentic_admission_headroom": 0}, "agentic_admission_headroom: must be in (0, 1]"),
+    ({"agentic_program_admission": True, "agentic_admission_max_wait_s": -2}, "agentic_admission_max_wait_s: must be >= 0"),
+    ({"agentic_admission_scope": "eval"}, "agentic_admission_scope: must be one of train, all"),
+    ({"upstream": "localhost:30000"}, "upstream: expected an http(s) URL"),
+    ({"engines": ["http://a:1", 3]}, "engines: must be a list of URL strings"),
+    ({"agentic_session_lifecycle": "yes"}, "agentic_session_lifecycle: expected a boolean"),
+    ({"session_field_regex": "(unclosed"}, "session_field_regex: not a valid regular expression"),
+])
+def test_bad_values_name_the_key_in_one_line(raw, message):
+    with pytest.raises(ConfigError) as err:
+        validate(raw)
+    text = str(err.value)
+    assert text.startswith(message), text
+    assert "\n" not in text
+
+
+def test_admission_ranges_only_checked_when_admission_is_on():
+    assert validate({"agentic_admission_headroom": 5}).agentic_admission_headroom == 5.0
+    with pytest.raises(ConfigError):
+        validate({"agentic_admission_headroom": 5, "agentic_program_admission": True})
+
+
+def test_flags_override_yaml(tmp_path):
+    f = tmp_path / "c.yaml"
+    f.write_text("port: 9000\nagentic_session_lifecycle: true\nsession_idle_close_s: 10\n")
+    args = build_parser().parse_args(["serve", "--config", str(f), "--port", "9100",
+                                      "--no-agentic-session-lifecycle", "--engines", "http://e1:1@0", "http://e1:1@1"])
+    cfg = from_args(args)
+    assert cfg.port == 9100
+    assert cfg.agentic_session_lifecycle is False
+    assert cfg.session_idle_close_s == 10.0
+    assert cfg.engines == ["http://e1:1@0", "http://e1:1@1"]
+
+
+def test_every_key_has_a_flag():
+    help_text = build_parser()._subparsers._group_actions[0].choices["serve"].format_help()
+    for k in KEYS:
+        assert "--" + k.name.replace("_", "-") in help_text
+
+
+def test_check_config_cli_exit_codes(tmp_path):
+    good = subprocess.run([sys.executable, "-m", "kvgate", "check-config", str(ROOT / "configs" / "kvgate.yaml")],
+                          capture_output=True, text=True, cwd=ROOT)
+    assert good.returncode == 0, good.stderr
+    assert "ok" in good.stdout
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("agentic_program_admission: true\nagentic_admission_pressure_threshold: 1.7\n")
+    res = subprocess.run([sys.executable, "-m", "kvgate", "check-config", str(bad)], capture_output=True, text=True,
+                         cwd=ROOT)
+    assert res.returncode == 2
+    assert res.stderr.strip() == ("kvgate: config error: agentic_admission_pressure_threshold: must be in (0, 1], "
+                                  "got 1.7")
+    notyaml = tmp_path / "broken.yaml"
+    notyaml.write_text("port: [1,\n")
+    res = subprocess.run([sys.executable, "-m", "kvgate", "serve", "--config", str(notyaml)], capture_output=True,
+                         text=True, cwd=ROOT)
+    assert res.returncode == 2 and "not valid YAML" in res.stderr and len(res.stderr.strip().splitlines()) == 1
