@@ -219,8 +219,8 @@ def run(args: argparse.Namespace) -> int:
     close_fail = int(_sum_metric(mtext, "agentic_kv_session_close_failure_total"))
     closed = sum(1 for s in reg["sessions"] if s["state"] == "closed")
     calls_ok = sum(sum(1 for r in s["close_results"].values() if r == "ok") for s in reg["sessions"])
-    engine_sessions = [len(s.get("sessions_seen", s.get("session_ids", {}))) for s in sims]
-    engine_closes = [s.get("closes_received", 0) for s in sims]
+    engine_sessions = [len(s["sessions"]) for s in sims]
+    engine_closes = [s["closes_received"] for s in sims]
     hit = rep.cached_tokens / rep.prompt_tokens if rep.prompt_tokens else 0.0
     summary = {
         "requests": len(records), "ok": rep.ok, "errors": rep.errors, "wall_s": round(wall, 1),

@@ -99,12 +99,13 @@ def log_dir():
 
 
 @pytest.fixture
-def router_factory(log_dir):
-    """``start(worker_urls, legacy=False, extra=[])`` -> router base URL; a real smg (or sglang-router 0.3.2)
-    subprocess in its own process group, waited on until /readiness reports every worker healthy."""
+async def router_factory(log_dir):
+    """``await start(worker_urls, legacy=False, extra=[])`` -> router base URL; a real smg (or sglang-router
+    0.3.2) subprocess in its own process group, waited on until /readiness reports the workers healthy.
+    The wait runs in a thread so in-process simulated engines keep answering the router meanwhile."""
     started: list[procs.Proc] = []
 
-    def start(worker_urls: list[str], legacy: bool = False, extra: list[str] | None = None,
+    async def start(worker_urls: list[str], legacy: bool = False, extra: list[str] | None = None,
               wait_healthy: int | None = None) -> str:
         port, mport = procs.free_port(), procs.free_port()
         if legacy:
@@ -117,9 +118,53 @@ def router_factory(log_dir):
         p = procs.start(f"router{len(started)}", cmd, log_dir, url=f"http://127.0.0.1:{port}")
         started.append(p)
         n = len(worker_urls) if wait_healthy is None else wait_healthy
-        procs.wait_http(p.url + "/readiness", 60, p, procs.router_ready(n))
+        await asyncio.to_thread(procs.wait_http, p.url + "/readiness", 60, p, procs.router_ready(n))
         return p.url
 
     yield start
     for p in started:
         p.stop()
+
+
+class CloseWatcher:
+    """Records the session ids an in-process simulated engine is asked to close, as events."""
+
+    def __init__(self, handle):
+        self.ids: list[str] = []
+        self._cond = asyncio.Condition()
+        engine = handle.engine
+        original = engine.close_session
+
+        def close_session(session_id: str):
+            result = original(session_id)
+            self.ids.append(session_id)
+            asyncio.get_running_loop().create_task(self._notify())
+            return result
+
+        engine.close_session = close_session
+
+    async def _notify(self):
+        async with self._cond:
+            self._cond.notify_all()
+
+    async def wait_for(self, session_id: str, timeout: float = 10.0) -> None:
+        async def _wait():
+            async with self._cond:
+                await self._cond.wait_for(lambda: session_id in self.ids)
+        await asyncio.wait_for(_wait(), timeout)
+
+
+@pytest.fixture
+async def sim_factory():
+    """``await make(**opts)`` -> an in-process simulated engine handle (kvgate.sim) on a random port."""
+    from kvgate.sim.server import start_sim_engine
+    handles = []
+
+    async def make(**opts):
+        h = await start_sim_engine("127.0.0.1", 0, **opts)
+        handles.append(h)
+        return h
+
+    yield make
+    for h in handles:
+        await h.close()

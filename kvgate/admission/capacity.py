@@ -1,0 +1,273 @@
+"""Capacity signal: parse SGLang engine load reports into per-engine KV pools (pure, no I/O).
+
+Rules (issue 3, "Capacity signal"; /work/shared/reference/sglang-engine-api.md, GET /metrics):
+- identical copies exported by tensor-parallel (and pipeline / MoE-EP) ranks are taken ONCE: max over
+  the copies, never the sum (a sum would inflate capacity and shrink usage by the TP degree);
+- data-parallel ranks (label ``dp_rank``, or one entry per rank in /v1/loads) are separate KV pools: their
+  capacity and used tokens are summed for the engine, and each pool counts on its own for the pressure guard
+  (``worst_usage`` is the highest single-pool usage);
+- engines are summed for the cluster (:class:`ClusterSnapshot`);
+- if ``token_usage`` reads 0 while ``num_used_tokens`` > 0, usage = num_used / capacity.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Mapping
+
+from prometheus_client.parser import text_string_to_metric_families
+
+__all__ = [
+    "METRIC_MAX_TOTAL",
+    "METRIC_NUM_USED",
+    "METRIC_TOKEN_USAGE",
+    "Pool",
+    "EngineCapacity",
+    "ClusterSnapshot",
+    "parse_engine_metrics",
+    "parse_engine_loads",
+    "stale_after_s",
+]
+
+METRIC_MAX_TOTAL = "sglang:max_total_num_tokens"
+METRIC_NUM_USED = "sglang:num_used_tokens"
+METRIC_TOKEN_USAGE = "sglang:token_usage"
+_WANTED = (METRIC_MAX_TOTAL, METRIC_NUM_USED, METRIC_TOKEN_USAGE)
+
+
+def stale_after_s(poll_interval_s: float) -> float:
+    """Staleness bound in seconds for a snapshot polled every ``poll_interval_s`` seconds.
+
+    Returns max(3 x poll_interval_s, 5.0) (issue 3, "Capacity signal"). Raises ValueError if the interval
+    is not a positive finite number.
+    """
+    if not isinstance(poll_interval_s, (int, float)) or not math.isfinite(poll_interval_s) or poll_interval_s <= 0:
+        raise ValueError(f"poll interval must be > 0 seconds, got {poll_interval_s!r}")
+    return max(3.0 * float(poll_interval_s), 5.0)
+
+
+@dataclass(frozen=True)
+class Pool:
+    """One KV pool (one data-parallel rank of an engine).
+
+    capacity: max_total_num_tokens (tokens); used: num_used_tokens (tokens); usage: token_usage in [0, 1+]
+    after the "0 while used > 0" fallback.
+    """
+
+    capacity: int
+    used: int
+    usage: float
+
+
+@dataclass(frozen=True)
+class EngineCapacity:
+    """KV capacity of one engine (one worker URL): its pools, one per dp rank.
+
+    ``capacity`` / ``used`` are summed over pools (tokens); ``worst_usage`` is the highest single-pool
+    usage (the pressure guard's input); ``usage`` is the capacity-weighted mean over pools.
+    Build it with :func:`parse_engine_metrics`, :func:`parse_engine_loads` or :meth:`from_pools`.
+    """
+
+    pools: tuple[Pool, ...]
+
+    @classmethod
+    def from_pools(cls, pools: Iterable[tuple[int, int, float] | Pool]) -> "EngineCapacity":
+        """Build from (capacity tokens, used tokens, usage) triples; applies the usage-0 fallback."""
+        return cls(tuple(_make_pool(p.capacity, p.used, p.usage) if isinstance(p, Pool) else _make_pool(*p) for p in pools))
+
+    @property
+    def capacity(self) -> int:
+        return sum(p.capacity for p in self.pools)
+
+    @property
+    def used(self) -> int:
+        return sum(p.used for p in self.pools)
+
+    @property
+    def worst_usage(self) -> float:
+        return max((p.usage for p in self.pools), default=0.0)
+
+    @property
+    def usage(self) -> float:
+        cap = self.capacity
+        if cap <= 0:
+            return 0.0
+        return sum(p.usage * p.capacity for p in self.pools) / cap
+
+
+def _make_pool(capacity: float, used: float | None, usage: float | None) -> Pool:
+    cap = int(capacity)
+    u = None if used is None else max(0, int(used))
+    us = None if usage is None else max(0.0, float(usage))
+    if u is None and us is None:
+        u, us = 0, 0.0
+    elif us is None or (us == 0.0 and u):
+        us = (u / cap) if cap > 0 else 0.0
+    elif u is None:
+        u = int(round(us * cap))
+    return Pool(capacity=cap, used=u, usage=us)
+
+
+def _num(v: Any) -> float | None:
+    """A finite number from a metric sample or JSON value, else None (bools are not numbers)."""
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        if isinstance(v, str):
+            try:
+                v = float(v)
+            except ValueError:
+                return None
+        else:
+            return None
+    v = float(v)
+    return v if math.isfinite(v) else None
+
+
+def _pools_from_ranks(ranks: Mapping[str, dict[str, float]]) -> EngineCapacity | None:
+    pools = []
+    for key in sorted(ranks, key=_rank_sort_key):
+        vals = ranks[key]
+        cap = vals.get("cap")
+        if cap is None or cap <= 0:
+            continue
+        pools.append(_make_pool(cap, vals.get("used"), vals.get("usage")))
+    return EngineCapacity(tuple(pools)) if pools else None
+
+
+def _rank_sort_key(k: str) -> tuple[int, str]:
+    try:
+        return (int(k), k)
+    except ValueError:
+        return (1 << 30, k)
+
+
+def _merge_max(d: dict[str, float], name: str, value: float) -> None:
+    # Identical TP/PP/EP copies: take once via max (never sum).
+    prev = d.get(name)
+    d[name] = value if prev is None else max(prev, value)
+
+
+def parse_engine_metrics(text: str) -> EngineCapacity | None:
+    """Parse an engine's GET /metrics Prometheus text into an :class:`EngineCapacity`.
+
+    Reads gauges sglang:max_total_num_tokens, sglang:num_used_tokens, sglang:token_usage (tokens, tokens,
+    fraction). Series are grouped by ``dp_rank`` (absent -> one pool "0"); within a pool every other label
+    (tp_rank, pp_rank, moe_ep_rank, engine_type, model_name, ...) is collapsed with max, so identical
+    TP-rank copies count once. Returns None when the text does not parse or no pool has a positive
+    max_total_num_tokens (missing signal -> caller treats the engine as unhealthy). Never raises.
+    Source: reference sglang-engine-api.md "GET /metrics" (aggregate max over TP copies, sum over DP).
+    """
+    if not isinstance(text, str) or not text:
+        return None
+    ranks: dict[str, dict[str, float]] = {}
+    short = {METRIC_MAX_TOTAL: "cap", METRIC_NUM_USED: "used", METRIC_TOKEN_USAGE: "usage"}
+    try:
+        for fam in text_string_to_metric_families(text):
+            if fam.name not in short:
+                continue
+            for s in fam.samples:
+                if s.name != fam.name:  # e.g. _created or other suffixed samples
+                    continue
+                v = _num(s.value)
+                if v is None:
+                    continue
+                rank = str(s.labels.get("dp_rank", "0"))
+                _merge_max(ranks.setdefault(rank, {}), short[fam.name], v)
+    except Exception:  # malformed exposition text: no signal
+        return None
+    return _pools_from_ranks(ranks)
+
+
+def parse_engine_loads(obj: Any) -> EngineCapacity | None:
+    """Parse an engine's GET /v1/loads JSON ({"loads": [one entry per dp rank, ...]}).
+
+    Each entry may carry num_used_tokens, max_total_num_tokens, token_usage and dp_rank (missing dp_rank ->
+    its list index). Entries repeating a dp_rank are collapsed with max (TP copies); distinct ranks are
+    separate pools. Missing or non-numeric keys are tolerated; an entry without a positive
+    max_total_num_tokens is skipped. Returns None if no usable entry. Never raises.
+    Source: reference sglang-engine-api.md (GET /v1/loads).
+    """
+    if not isinstance(obj, Mapping):
+        return None
+    loads = obj.get("loads")
+    if isinstance(loads, Mapping):
+        loads = [loads]
+    if not isinstance(loads, list):
+        return None
+    ranks: dict[str, dict[str, float]] = {}
+    for i, entry in enumerate(loads):
+        if not isinstance(entry, Mapping):
+            continue
+        dp = entry.get("dp_rank", i)
+        rank = str(int(dp)) if isinstance(dp, (int, float)) and not isinstance(dp, bool) and math.isfinite(dp) else str(dp)
+        d = ranks.setdefault(rank, {})
+        for key, name in (("max_total_num_tokens", "cap"), ("num_used_tokens", "used"), ("token_usage", "usage")):
+            v = _num(entry.get(key))
+            if v is not None:
+                _merge_max(d, name, v)
+    return _pools_from_ranks(ranks)
+
+
+@dataclass(frozen=True)
+class ClusterSnapshot:
+    """Capacity of the whole fleet at monotonic time ``taken_at`` (seconds).
+
+    ``engines`` maps engine URL -> EngineCapacity for every engine whose poll succeeded (the healthy set);
+    engines whose poll failed are listed in ``unhealthy``. Figures: ``capacity`` and ``used`` summed over
+    healthy engines (tokens), ``worst_usage`` the highest single-pool usage in the fleet, ``mean_usage`` the
+    capacity-weighted mean usage. Source: issue 3 "Capacity signal" (engines are summed).
+    """
+
+    taken_at: float
+    engines: Mapping[str, EngineCapacity] = field(default_factory=dict)
+    unhealthy: frozenset[str] = frozenset()
+
+    @classmethod
+    def build(cls, results: Mapping[str, EngineCapacity | None], now: float) -> "ClusterSnapshot":
+        """Build from {engine_url: EngineCapacity or None (poll failed)} polled at ``now`` (seconds)."""
+        healthy = {url: cap for url, cap in results.items() if cap is not None and cap.capacity > 0}
+        return cls(taken_at=float(now), engines=healthy, unhealthy=frozenset(u for u in results if u not in healthy))
+
+    @property
+    def healthy(self) -> frozenset[str]:
+        return frozenset(self.engines)
+
+    @property
+    def capacity(self) -> int:
+        return sum(e.capacity for e in self.engines.values())
+
+    @property
+    def used(self) -> int:
+        return sum(e.used for e in self.engines.values())
+
+    @property
+    def worst_usage(self) -> float:
+        return max((e.worst_usage for e in self.engines.values()), default=0.0)
+
+    @property
+    def mean_usage(self) -> float:
+        cap = self.capacity
+        if cap <= 0:
+            return 0.0
+        return sum(e.usage * e.capacity for e in self.engines.values()) / cap
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-able summary (for /kvgate/stats)."""
+        return {
+            "taken_at": self.taken_at,
+            "capacity_tokens": self.capacity,
+            "used_tokens": self.used,
+            "worst_usage": round(self.worst_usage, 4),
+            "mean_usage": round(self.mean_usage, 4),
+            "healthy_engines": sorted(self.engines),
+            "unhealthy_engines": sorted(self.unhealthy),
+            "engines": {
+                url: {
+                    "capacity_tokens": e.capacity,
+                    "used_tokens": e.used,
+                    "worst_usage": round(e.worst_usage, 4),
+                    "pools": [[p.capacity, p.used, round(p.usage, 4)] for p in e.pools],
+                }
+                for url, e in sorted(self.engines.items())
+            },
+        }

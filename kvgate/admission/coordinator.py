@@ -1,0 +1,322 @@
+"""Admission coordinator: the one global FIFO around the token ledger (pure, injected ``now``).
+
+Source: issue 3, "The behaviour" (decision order) and "Ledger and queue". The async shell maps tickets to
+futures; this class only decides. Flow for the shell:
+
+    d = coord.submit(ticket, tokens, protected, now)
+    if d.kind is Kind.WAIT:
+        fut = futures[ticket] = loop.create_future()
+        dispatch(coord.pump(now))          # retry on enqueue; may resolve fut at once
+        try:
+            d = await fut                  # Decision for this ticket (ADMIT or a BYPASS_*)
+        except asyncio.CancelledError:     # client gone while waiting
+            if coord.cancel(ticket, now()):  # removes the waiter or releases a racing grant
+                dispatch(coord.pump(now()))
+            raise
+    try:
+        forward upstream ...
+    finally:
+        dispatch(coord.release(ticket, now()))   # idempotent; no-op for bypasses
+
+where dispatch(decisions) resolves futures[d.ticket] with d. A timer should call pump at
+coord.next_deadline(now) (aging, staleness, lease TTL); the poller calls dispatch(coord.reconcile(snapshot, now))
+after each poll round, or dispatch(coord.invalidate(now)) when it has no signal at all.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections import OrderedDict, deque
+from dataclasses import dataclass
+from typing import Any, Hashable
+
+from .capacity import ClusterSnapshot
+from .ledger import Grant, Lease, Ledger
+
+__all__ = ["Kind", "Decision", "AdmissionCoordinator", "ADMISSION_OFF"]
+
+#: X-Kvgate-Admission value for requests admission did not touch (feature off or out of scope).
+ADMISSION_OFF = "off"
+
+
+class Kind(str, enum.Enum):
+    """Decision kinds; the value is the X-Kvgate-Admission header value (WAIT is never sent)."""
+
+    ADMIT = "admit"
+    WAIT = "wait"
+    BYPASS_PROTECTED = "bypass-protected"
+    BYPASS_DEGRADED = "bypass-degraded"
+    BYPASS_AGED = "bypass-aged"
+
+    @property
+    def is_bypass(self) -> bool:
+        return self.value.startswith("bypass-")
+
+    @property
+    def bypass_reason(self) -> str | None:
+        """'protected' | 'degraded' | 'aged' for bypasses, else None (Prometheus label)."""
+        return self.value.removeprefix("bypass-") if self.is_bypass else None
+
+
+@dataclass(frozen=True)
+class Decision:
+    """The coordinator's answer for one ticket.
+
+    kind: Kind; tokens: the reservation asked for; waited_s: seconds spent in the FIFO (0 if never queued);
+    queued: whether it went through the FIFO; lease: the ledger lease for ADMIT, else None;
+    reason: the ledger refusal reason that made it wait (WAIT, or a waiter's final decision), else None.
+    """
+
+    ticket: Hashable
+    kind: Kind
+    tokens: int
+    waited_s: float = 0.0
+    queued: bool = False
+    lease: Lease | None = None
+    reason: str | None = None
+
+    @property
+    def header(self) -> str:
+        """X-Kvgate-Admission value."""
+        return self.kind.value
+
+    @property
+    def queue_ms(self) -> int:
+        """X-Kvgate-Queue-Ms value (milliseconds, rounded)."""
+        return int(round(self.waited_s * 1000.0))
+
+
+@dataclass
+class _Waiter:
+    ticket: Hashable
+    tokens: int
+    enqueued_at: float
+    reason: str | None
+
+
+class AdmissionCoordinator:
+    """One global FIFO in front of a :class:`Ledger`.
+
+    Args: ledger; max_wait_s (>= 0): the head bypasses (aged) once it waited that long; window_s: rolling
+    window (seconds) for defer_rate / degraded_rate and the wait-time summary in stats() (default: the
+    ledger's window_s). Raises ValueError for a negative max_wait_s.
+
+    Decision order per request (issue 3): protected -> BYPASS_PROTECTED; ledger degraded -> BYPASS_DEGRADED;
+    an earlier waiter exists or the ledger refuses -> WAIT; otherwise ADMIT with a lease. In pump():
+    degraded -> every waiter BYPASS_DEGRADED in order; head fits -> ADMIT; head waited >= max_wait_s ->
+    BYPASS_AGED; else stop (strict FIFO: a later waiter never goes while an earlier one waits).
+    """
+
+    def __init__(self, ledger: Ledger, max_wait_s: float = 30.0, *, window_s: float | None = None) -> None:
+        if isinstance(max_wait_s, bool) or not isinstance(max_wait_s, (int, float)) or not max_wait_s >= 0:
+            raise ValueError(f"max_wait_s must be >= 0, got {max_wait_s!r}")
+        self.ledger = ledger
+        self.max_wait_s = float(max_wait_s)
+        self.window_s = float(window_s) if window_s is not None else ledger.window_s
+        if self.window_s <= 0:
+            raise ValueError(f"window_s must be > 0, got {window_s!r}")
+        self._queue: OrderedDict[Hashable, _Waiter] = OrderedDict()
+        self._from_queue: set[Hashable] = set()  # tickets granted by pump, lease still held
+        self.counters: dict[str, int] = {
+            "admit": 0,
+            "wait": 0,
+            "bypass": 0,
+            "bypass_protected": 0,
+            "bypass_degraded": 0,
+            "bypass_aged": 0,
+            "cancelled": 0,
+        }
+        self._events: deque[tuple[float, str]] = deque()  # (now, counter name) for the rolling window
+        self._waits: deque[tuple[float, float]] = deque()  # (now, waited_s) of waiters that left by admit/bypass
+
+    # ---------------------------------------------------------------- bookkeeping
+    def _count(self, name: str, now: float) -> None:
+        self.counters[name] += 1
+        self._events.append((now, name))
+
+    def _record(self, d: Decision, now: float) -> Decision:
+        if d.kind is Kind.ADMIT:
+            self._count("admit", now)
+        elif d.kind is Kind.WAIT:
+            self._count("wait", now)
+        else:
+            self.counters["bypass"] += 1
+            self._count("bypass_" + (d.kind.bypass_reason or ""), now)
+        if d.queued and d.kind is not Kind.WAIT:
+            self._waits.append((now, d.waited_s))
+        return d
+
+    def _prune(self, now: float) -> None:
+        horizon = now - self.window_s
+        while self._events and self._events[0][0] < horizon:
+            self._events.popleft()
+        while self._waits and self._waits[0][0] < horizon:
+            self._waits.popleft()
+
+    # ---------------------------------------------------------------- API
+    def submit(self, ticket: Hashable, tokens: int, protected: bool, now: float) -> Decision:
+        """Decide for a new in-scope request of ``tokens`` reservation at ``now``.
+
+        Returns ADMIT (lease held: release it when the upstream attempt ends), WAIT (enqueued at the FIFO
+        tail: a later pump() returns this ticket's final Decision), BYPASS_PROTECTED or
+        BYPASS_DEGRADED (forward at once, nothing to release). After a WAIT, register the waiter and call
+        pump(now) (retry on enqueue). Idempotent: a ticket already waiting gets WAIT
+        again, one already holding a lease gets ADMIT with that lease; neither is counted twice.
+        Raises ValueError for negative or non-int tokens.
+        """
+        if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 0:
+            raise ValueError(f"tokens must be an int >= 0, got {tokens!r}")
+        if ticket in self._queue:
+            w = self._queue[ticket]
+            return Decision(ticket, Kind.WAIT, w.tokens, now - w.enqueued_at, True, None, w.reason)
+        held = self.ledger.lease(ticket)
+        if held is not None:
+            return Decision(ticket, Kind.ADMIT, held.tokens, 0.0, False, held)
+        if protected:
+            return self._record(Decision(ticket, Kind.BYPASS_PROTECTED, tokens), now)
+        self.ledger.expire(now)
+        if self.ledger.is_degraded(now):
+            return self._record(Decision(ticket, Kind.BYPASS_DEGRADED, tokens), now)
+        if self._queue:
+            reason = "fifo"
+        else:
+            r = self.ledger.try_acquire(ticket, tokens, now)
+            if isinstance(r, Grant):
+                return self._record(Decision(ticket, Kind.ADMIT, tokens, 0.0, False, r.lease), now)
+            reason = r.reason
+        self._queue[ticket] = _Waiter(ticket, tokens, float(now), reason)
+        return self._record(Decision(ticket, Kind.WAIT, tokens, 0.0, True, None, reason), now)
+
+    def pump(self, now: float) -> list[Decision]:
+        """Retry the FIFO head(s) at ``now``; returns decisions for waiters that leave, in FIFO order.
+
+        First reclaims expired leases. Degraded ledger -> every waiter BYPASS_DEGRADED. Otherwise, per head:
+        ledger grants -> ADMIT; else waited >= max_wait_s -> BYPASS_AGED; else stop. Call it after an
+        enqueue, a release, a cancel, a reconcile and at next_deadline(). The shell must deliver every
+        returned decision to its ticket's waiter (or cancel() the ticket if the waiter is gone).
+        """
+        self.ledger.expire(now)
+        out: list[Decision] = []
+        degraded = self.ledger.is_degraded(now)
+        while self._queue:
+            ticket, w = next(iter(self._queue.items()))
+            waited = max(0.0, now - w.enqueued_at)
+            if degraded:
+                d = Decision(ticket, Kind.BYPASS_DEGRADED, w.tokens, waited, True, None, w.reason)
+            else:
+                r = self.ledger.try_acquire(ticket, w.tokens, now)
+                if isinstance(r, Grant):
+                    self._from_queue.add(ticket)
+                    d = Decision(ticket, Kind.ADMIT, w.tokens, waited, True, r.lease, w.reason)
+                elif waited >= self.max_wait_s:
+                    d = Decision(ticket, Kind.BYPASS_AGED, w.tokens, waited, True, None, r.reason)
+                else:
+                    w.reason = r.reason
+                    break
+            del self._queue[ticket]
+            out.append(self._record(d, now))
+        return out
+
+    def release(self, ticket: Hashable, now: float) -> list[Decision]:
+        """The upstream attempt for ``ticket`` ended (relayed, error or client gone): free its lease.
+
+        Idempotent (no lease -> nothing freed). A ticket still waiting is cancelled instead. Returns
+        pump(now) so freed room goes to the FIFO head at once.
+        """
+        if ticket in self._queue:
+            self.cancel(ticket, now)
+        else:
+            self._from_queue.discard(ticket)
+            self.ledger.release(ticket, now)
+        return self.pump(now)
+
+    def cancel(self, ticket: Hashable, now: float) -> bool:
+        """The waiter for ``ticket`` is gone before it used its decision (client disconnected while waiting).
+
+        Atomically removes it from the FIFO; if pump already granted it a lease that the shell had not
+        consumed yet, that lease is released. Returns True if a waiter or a racing grant was removed (counted
+        as cancelled), False otherwise (idempotent). Call pump(now) afterwards: the head may have changed.
+        Do not call it for a request that was already forwarded: use release().
+        """
+        if self._queue.pop(ticket, None) is not None:
+            self._count("cancelled", now)
+            return True
+        if ticket in self._from_queue:
+            self._from_queue.discard(ticket)
+            self.ledger.release(ticket, now)
+            self._count("cancelled", now)
+            return True
+        return False
+
+    def consumed(self, ticket: Hashable) -> None:
+        """Optional: the shell started forwarding ``ticket``'s granted request; a later cancel() no longer counts it."""
+        self._from_queue.discard(ticket)
+
+    def reconcile(self, snapshot: ClusterSnapshot, now: float) -> list[Decision]:
+        """Install a capacity snapshot in the ledger (see Ledger.reconcile) and return pump(now)."""
+        self.ledger.reconcile(snapshot, now)
+        return self.pump(now)
+
+    def invalidate(self, now: float) -> list[Decision]:
+        """The capacity signal is gone (no router address, router unreachable, every scrape failed): drop the
+        snapshot so the ledger is degraded at once, and return pump(now) (every waiter BYPASS_DEGRADED)."""
+        self.ledger.invalidate()
+        return self.pump(now)
+
+    # ---------------------------------------------------------------- figures
+    @property
+    def waiting(self) -> int:
+        """Number of requests in the FIFO (the waiting gauge)."""
+        return len(self._queue)
+
+    def waiting_tickets(self) -> list[Hashable]:
+        """Tickets in FIFO order (head first)."""
+        return list(self._queue)
+
+    def is_waiting(self, ticket: Hashable) -> bool:
+        return ticket in self._queue
+
+    def next_deadline(self, now: float) -> float | None:
+        """Earliest monotonic time (s) at which pump() could decide without another event: the head's aging
+        time, the snapshot's staleness time (only while someone waits), or the earliest lease expiry.
+        None if nothing is pending. The shell's timer sleeps until then (clamped to >= now)."""
+        cands: list[float] = []
+        if self._queue:
+            head = next(iter(self._queue.values()))
+            cands.append(head.enqueued_at + self.max_wait_s)
+            stale = self.ledger.degraded_at()
+            if stale is not None:
+                cands.append(stale)
+        exp = self.ledger.next_expiry()
+        if exp is not None:
+            cands.append(exp)
+        return max(now, min(cands)) if cands else None
+
+    def stats(self, now: float) -> dict[str, Any]:
+        """JSON-able figures: lifetime counters, waiting, window counts, defer_rate and degraded_rate over the
+        last window_s (wait/(admit+wait+bypass) and bypass_degraded/(admit+wait+bypass), 0 when empty),
+        wait-seconds summary of waiters that left in the window, and all ledger figures under "ledger"."""
+        self._prune(now)
+        win = {k: 0 for k in self.counters}
+        for _, name in self._events:
+            win[name] += 1
+            if name.startswith("bypass_"):
+                win["bypass"] += 1
+        denom = win["admit"] + win["wait"] + win["bypass"]
+        waits = sorted(w for _, w in self._waits)
+        return {
+            "counters": dict(self.counters),
+            "waiting": self.waiting,
+            "window_s": self.window_s,
+            "window": win,
+            "defer_rate": (win["wait"] / denom) if denom else 0.0,
+            "degraded_rate": (win["bypass_degraded"] / denom) if denom else 0.0,
+            "wait_s": {
+                "count": len(waits),
+                "mean": (sum(waits) / len(waits)) if waits else 0.0,
+                "p50": waits[len(waits) // 2] if waits else 0.0,
+                "max": waits[-1] if waits else 0.0,
+            },
+            "max_wait_s": self.max_wait_s,
+            "ledger": self.ledger.stats(now),
+        }

@@ -1,0 +1,313 @@
+"""Token ledger: bounds the KV tokens committed to the fleet (pure: no asyncio, no I/O, injected ``now``).
+
+Source: issue 3, "Ledger and queue" and "The behaviour":
+- ceiling = sum over healthy engines of max_total_num_tokens x headroom;
+- refusals: pressure_guard (the worst engine pool's token_usage >= pressure_threshold) is checked before
+  capacity_exhausted (reserved + tokens > ceiling);
+- a request larger than the whole ceiling is admitted when nothing else is reserved;
+- leases are idempotent per ticket; TTL reclaim of stranded leases; usage windows; an epoch that increments
+  when the set of healthy engines changes; a missing or stale snapshot makes the ledger degraded.
+All times are monotonic seconds supplied by the caller.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from dataclasses import dataclass
+from typing import Any, Hashable, Literal
+
+from .capacity import ClusterSnapshot
+
+__all__ = ["Grant", "Refusal", "Lease", "Ledger", "REFUSAL_REASONS"]
+
+RefusalReason = Literal["pressure_guard", "capacity_exhausted", "degraded"]
+#: Reasons a ledger refuses. "degraded" is only returned if a caller acquires while degraded (the
+#: coordinator bypasses before that, issue 3 step 3).
+REFUSAL_REASONS: tuple[str, ...] = ("pressure_guard", "capacity_exhausted", "degraded")
+
+
+@dataclass(frozen=True)
+class Lease:
+    """A held reservation: ``tokens`` for ``ticket`` granted at ``granted_at``, reclaimed at ``expires_at`` (s)."""
+
+    ticket: Hashable
+    tokens: int
+    granted_at: float
+    expires_at: float
+    epoch: int
+    oversized: bool = False
+
+
+@dataclass(frozen=True)
+class Grant:
+    """try_acquire succeeded: ``lease`` is held. ``new`` is False when the ticket already held it (retry)."""
+
+    lease: Lease
+    new: bool = True
+
+    @property
+    def ticket(self) -> Hashable:
+        return self.lease.ticket
+
+    @property
+    def tokens(self) -> int:
+        return self.lease.tokens
+
+    def __bool__(self) -> bool:
+        return True
+
+
+@dataclass(frozen=True)
+class Refusal:
+    """try_acquire refused ``tokens`` for ``ticket``; ``reason`` in REFUSAL_REASONS."""
+
+    ticket: Hashable
+    tokens: int
+    reason: RefusalReason
+
+    def __bool__(self) -> bool:
+        return False
+
+
+def _check_fraction(name: str, v: float) -> float:
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not (0.0 < v <= 1.0):
+        raise ValueError(f"{name} must be in (0, 1], got {v!r}")
+    return float(v)
+
+
+def _check_positive(name: str, v: float) -> float:
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
+        raise ValueError(f"{name} must be > 0, got {v!r}")
+    return float(v)
+
+
+class Ledger:
+    """The token ledger.
+
+    Args (all validated, ValueError otherwise):
+      headroom: fraction (0, 1] of fleet max_total_num_tokens admission may reserve (default 0.90).
+      pressure_threshold: fraction (0, 1]; refuse while any pool's token_usage >= it (default 0.92).
+      stale_after_s: a snapshot this old (seconds, age >= bound) is stale -> degraded; use
+        capacity.stale_after_s(poll_interval_s) = max(3 x interval, 5 s) (default 6.0 for a 2 s poll).
+      lease_ttl_s: a lease not released within this many seconds is reclaimed by expire() (default 900).
+      window_s: length of the usage window for usage_window() (default 60).
+
+    Read-only figures: ceiling, reserved, available_tokens, reserved_utilization, lease_count,
+    lease_expired_total, epoch, snapshot; is_degraded(now); usage_window(now); stats(now).
+    """
+
+    def __init__(
+        self,
+        headroom: float = 0.90,
+        pressure_threshold: float = 0.92,
+        stale_after_s: float = 6.0,
+        lease_ttl_s: float = 900.0,
+        window_s: float = 60.0,
+    ) -> None:
+        self.headroom = _check_fraction("headroom", headroom)
+        self.pressure_threshold = _check_fraction("pressure_threshold", pressure_threshold)
+        self.stale_after_s = _check_positive("stale_after_s", stale_after_s)
+        self.lease_ttl_s = _check_positive("lease_ttl_s", lease_ttl_s)
+        self.window_s = _check_positive("window_s", window_s)
+        self._snapshot: ClusterSnapshot | None = None
+        self._healthy: frozenset[str] | None = None
+        self._ceiling = 0
+        self._epoch = 0
+        self._leases: dict[Hashable, Lease] = {}
+        self._reserved = 0
+        self._lease_expired_total = 0
+        self._granted_total = 0
+        self._oversized_total = 0
+        self._refused_total = {r: 0 for r in REFUSAL_REASONS}
+        self._usage: deque[tuple[float, float, float]] = deque()  # (t, mean_usage, worst_usage)
+
+    # ---------------------------------------------------------------- capacity
+    def reconcile(self, snapshot: ClusterSnapshot, now: float) -> bool:
+        """Install a new capacity snapshot; returns True if the epoch changed.
+
+        Sets ceiling = floor(sum of healthy engines' max_total_num_tokens x headroom) (tokens), increments
+        the epoch when the healthy engine set differs from the previous snapshot's, and records
+        (mean_usage, worst_usage) into the usage window at ``snapshot.taken_at``. A snapshot older than the
+        installed one is ignored (returns False). Leases are kept across epochs.
+        """
+        if self._snapshot is not None and snapshot.taken_at < self._snapshot.taken_at:
+            return False
+        self._snapshot = snapshot
+        self._ceiling = int(math.floor(snapshot.capacity * self.headroom))
+        changed = snapshot.healthy != self._healthy
+        if changed:
+            self._epoch += 1
+            self._healthy = snapshot.healthy
+        if snapshot.engines:
+            self._usage.append((snapshot.taken_at, snapshot.mean_usage, snapshot.worst_usage))
+        self._prune(now)
+        return changed
+
+    def invalidate(self) -> None:
+        """Drop the snapshot (e.g. router unreachable): the ledger is degraded until the next reconcile."""
+        self._snapshot = None
+        self._ceiling = 0
+
+    @property
+    def snapshot(self) -> ClusterSnapshot | None:
+        return self._snapshot
+
+    def is_degraded(self, now: float) -> bool:
+        """True if there is no snapshot, it has no healthy engine, or its age >= stale_after_s (issue 3 step 3)."""
+        s = self._snapshot
+        return s is None or not s.engines or self._ceiling <= 0 or (now - s.taken_at) >= self.stale_after_s
+
+    def degraded_at(self) -> float | None:
+        """Monotonic time at which the current snapshot turns stale (None if already without a snapshot)."""
+        s = self._snapshot
+        return None if s is None else s.taken_at + self.stale_after_s
+
+    # ---------------------------------------------------------------- leases
+    def try_acquire(self, ticket: Hashable, tokens: int, now: float) -> Grant | Refusal:
+        """Reserve ``tokens`` (int >= 0) for ``ticket`` at ``now``; returns Grant or Refusal.
+
+        Idempotent: a ticket that already holds a lease gets its existing lease back (Grant.new False) and is
+        never charged twice, whatever ``tokens`` says. Order of checks: degraded -> Refusal("degraded");
+        worst pool usage >= pressure_threshold -> Refusal("pressure_guard"); reserved + tokens > ceiling ->
+        Refusal("capacity_exhausted") unless tokens > ceiling and nothing is reserved (oversized request
+        admitted alone). Raises ValueError for negative or non-int tokens.
+        """
+        if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 0:
+            raise ValueError(f"tokens must be an int >= 0, got {tokens!r}")
+        held = self._leases.get(ticket)
+        if held is not None:
+            return Grant(held, new=False)
+        if self.is_degraded(now):
+            return self._refuse(ticket, tokens, "degraded")
+        assert self._snapshot is not None
+        if self._snapshot.worst_usage >= self.pressure_threshold:
+            return self._refuse(ticket, tokens, "pressure_guard")
+        oversized = False
+        if self._reserved + tokens > self._ceiling:
+            if tokens > self._ceiling and self._reserved == 0:
+                oversized = True
+            else:
+                return self._refuse(ticket, tokens, "capacity_exhausted")
+        lease = Lease(ticket, tokens, float(now), float(now) + self.lease_ttl_s, self._epoch, oversized)
+        self._leases[ticket] = lease
+        self._reserved += tokens
+        self._granted_total += 1
+        self._oversized_total += int(oversized)
+        return Grant(lease, new=True)
+
+    def _refuse(self, ticket: Hashable, tokens: int, reason: RefusalReason) -> Refusal:
+        self._refused_total[reason] += 1
+        return Refusal(ticket, tokens, reason)
+
+    def holds(self, ticket: Hashable) -> bool:
+        """True if ``ticket`` currently holds a lease."""
+        return ticket in self._leases
+
+    def lease(self, ticket: Hashable) -> Lease | None:
+        """The lease held by ``ticket``, or None."""
+        return self._leases.get(ticket)
+
+    def release(self, ticket: Hashable, now: float) -> int:
+        """End ``ticket``'s lease; returns the tokens freed (0 if it held none: idempotent)."""
+        lease = self._leases.pop(ticket, None)
+        if lease is None:
+            return 0
+        self._reserved -= lease.tokens
+        return lease.tokens
+
+    def renew(self, ticket: Hashable, now: float) -> bool:
+        """Push ``ticket``'s lease expiry to now + lease_ttl_s (long streams); False if it holds none."""
+        lease = self._leases.get(ticket)
+        if lease is None:
+            return False
+        self._leases[ticket] = Lease(lease.ticket, lease.tokens, lease.granted_at, float(now) + self.lease_ttl_s, lease.epoch, lease.oversized)
+        return True
+
+    def expire(self, now: float) -> list[Hashable]:
+        """Reclaim leases whose expires_at <= now (stranded: the shell never released them).
+
+        Returns the reclaimed tickets in grant order; each counts in lease_expired_total.
+        """
+        gone = [t for t, lease in self._leases.items() if lease.expires_at <= now]
+        for t in gone:
+            self.release(t, now)
+        self._lease_expired_total += len(gone)
+        return gone
+
+    def next_expiry(self) -> float | None:
+        """Earliest lease expires_at (seconds), or None without leases."""
+        return min((lease.expires_at for lease in self._leases.values()), default=None)
+
+    # ---------------------------------------------------------------- figures
+    @property
+    def ceiling(self) -> int:
+        return self._ceiling
+
+    @property
+    def reserved(self) -> int:
+        return self._reserved
+
+    @property
+    def available_tokens(self) -> int:
+        return max(0, self._ceiling - self._reserved)
+
+    @property
+    def reserved_utilization(self) -> float:
+        """reserved / ceiling (0 when the ceiling is 0; can exceed 1 after an oversized grant)."""
+        return self._reserved / self._ceiling if self._ceiling > 0 else 0.0
+
+    @property
+    def lease_count(self) -> int:
+        return len(self._leases)
+
+    @property
+    def lease_expired_total(self) -> int:
+        return self._lease_expired_total
+
+    @property
+    def epoch(self) -> int:
+        return self._epoch
+
+    def _prune(self, now: float) -> None:
+        horizon = now - self.window_s
+        while self._usage and self._usage[0][0] < horizon:
+            self._usage.popleft()
+
+    def usage_window(self, now: float) -> tuple[float, float] | None:
+        """(mean of cluster mean_usage, max of worst pool usage) over snapshots taken in [now - window_s, now].
+
+        None when no snapshot falls in the window.
+        """
+        self._prune(now)
+        if not self._usage:
+            return None
+        return (sum(u[1] for u in self._usage) / len(self._usage), max(u[2] for u in self._usage))
+
+    def stats(self, now: float) -> dict[str, Any]:
+        """JSON-able figures for /kvgate/stats and the Prometheus gauges (tokens, fractions, seconds)."""
+        win = self.usage_window(now)
+        s = self._snapshot
+        return {
+            "ceiling": self._ceiling,
+            "reserved": self._reserved,
+            "available_tokens": self.available_tokens,
+            "reserved_utilization": round(self.reserved_utilization, 6),
+            "lease_count": self.lease_count,
+            "lease_expired": self._lease_expired_total,
+            "granted": self._granted_total,
+            "oversized_granted": self._oversized_total,
+            "refused": dict(self._refused_total),
+            "epoch": self._epoch,
+            "degraded": self.is_degraded(now),
+            "snapshot_age_s": None if s is None else round(now - s.taken_at, 3),
+            "kv_token_usage_mean": None if win is None else round(win[0], 6),
+            "kv_token_usage_max": None if win is None else round(win[1], 6),
+            "worst_usage": None if s is None else round(s.worst_usage, 6),
+            "healthy_engines": [] if s is None else sorted(s.engines),
+            "headroom": self.headroom,
+            "pressure_threshold": self.pressure_threshold,
+            "stale_after_s": self.stale_after_s,
+            "lease_ttl_s": self.lease_ttl_s,
+            "window_s": self.window_s,
+        }

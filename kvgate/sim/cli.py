@@ -1,0 +1,105 @@
+"""Command line for the simulated SGLang engine (the lead wires ``kvgate sim-engine`` here).
+
+``add_arguments(parser)`` registers the flags; ``run(args) -> int`` serves until SIGTERM/SIGINT.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import signal
+import sys
+
+from kvgate.sim.radix import SessionConfigError
+from kvgate.sim.scheduler import (DEFAULT_DECODE_BASE_MS, DEFAULT_DECODE_PER_CTX_TOKEN_US,
+                                  DEFAULT_DECODE_PER_SEQ_MS, DEFAULT_PREFILL_TOKENS_PER_S)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Register the simulator flags on ``parser``."""
+    a = parser.add_argument
+    a("--host", default="127.0.0.1")
+    a("--port", type=int, default=30000)
+    a("--max-total-num-tokens", type=int, default=200000, help="KV pool size per DP rank (tokens)")
+    a("--session-semantics", choices=("0.5.17", "0.5.15"), default="0.5.17",
+      help="session radix cache close semantics (and reported version)")
+    a("--enable-session-radix-cache", dest="enable_session_radix_cache",
+      action=argparse.BooleanOptionalAction, default=True)
+    a("--radix-eviction-policy", choices=("lru", "priority"), default="lru")
+    a("--speed", type=float, default=1.0, help="simulated time runs this many times faster")
+    a("--prefill-tokens-per-s", type=float, default=DEFAULT_PREFILL_TOKENS_PER_S)
+    a("--decode-base-ms", type=float, default=DEFAULT_DECODE_BASE_MS)
+    a("--decode-per-seq-ms", type=float, default=DEFAULT_DECODE_PER_SEQ_MS)
+    a("--decode-per-ctx-token-us", type=float, default=DEFAULT_DECODE_PER_CTX_TOKEN_US)
+    a("--max-running-requests", type=int, default=1024)
+    a("--chunked-prefill-size", type=int, default=8192)
+    a("--max-prefill-tokens", type=int, default=16384)
+    a("--eos-rate", type=float, default=0.0,
+      help="per-token probability of a deterministic EOS (ignored with ignore_eos)")
+    a("--tp-copies", type=int, default=1,
+      help="emit identical metric copies for tp_rank 0..N-1")
+    a("--dp-size", type=int, default=1)
+    a("--disable-metrics", action="store_true", help="/metrics answers 404")
+    a("--model-name", default="kvgate-sim")
+
+
+def options_from_args(args: argparse.Namespace) -> dict:
+    """Keyword options for ``start_sim_engine`` from parsed args."""
+    return dict(
+        max_total_num_tokens=args.max_total_num_tokens,
+        session_semantics=args.session_semantics,
+        enable_session_radix_cache=args.enable_session_radix_cache,
+        radix_eviction_policy=args.radix_eviction_policy, speed=args.speed,
+        prefill_tokens_per_s=args.prefill_tokens_per_s, decode_base_ms=args.decode_base_ms,
+        decode_per_seq_ms=args.decode_per_seq_ms,
+        decode_per_ctx_token_us=args.decode_per_ctx_token_us,
+        max_running_requests=args.max_running_requests,
+        chunked_prefill_size=args.chunked_prefill_size,
+        max_prefill_tokens=args.max_prefill_tokens, eos_rate=args.eos_rate,
+        tp_copies=args.tp_copies, dp_size=args.dp_size, disable_metrics=args.disable_metrics,
+        model_name=args.model_name)
+
+
+async def _serve(args: argparse.Namespace) -> int:
+    from kvgate.sim.server import start_sim_engine
+    try:
+        handle = await start_sim_engine(args.host, args.port, **options_from_args(args))
+    except SessionConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(f"kvgate sim-engine serving on {handle.url}", file=sys.stderr, flush=True)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        await stop.wait()
+    finally:
+        await handle.close()
+    return 0
+
+
+def run(args: argparse.Namespace) -> int:
+    """Serve until SIGTERM/SIGINT; returns the exit code (2 on a startup configuration error)."""
+    if args.session_semantics == "0.5.15" and args.enable_session_radix_cache \
+            and args.radix_eviction_policy != "priority":
+        print("error: --enable-session-radix-cache requires --radix-eviction-policy priority",
+              file=sys.stderr)
+        return 2
+    try:
+        import uvloop
+        uvloop.install()
+    except ImportError:  # pragma: no cover
+        pass
+    return asyncio.run(_serve(args))
+
+
+def main(argv=None) -> int:
+    """Standalone entry: ``python -m kvgate.sim.cli``."""
+    p = argparse.ArgumentParser(prog="kvgate sim-engine")
+    add_arguments(p)
+    return run(p.parse_args(argv))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,512 @@
+"""Pure SGLang scheduler model: waiting queue, PrefillAdder admission, continuous batching,
+chunked prefill, decode retraction and a compute-time model. No I/O, no asyncio.
+
+Rules follow /work/shared/reference/sglang-engine-api.md ("Scheduler under KV pressure") and
+the SGLang files it names: srt/managers/schedule_policy.py (PrefillAdder, CLIP_MAX_NEW_TOKENS),
+srt/managers/schedule_batch.py (retract_decode, check_decode_mem), srt/managers/scheduler.py
+(get_next_batch_to_run: a prefill batch, when one can be formed, runs before decode),
+srt/mem_cache/radix_cache.py (cache_finished_req).
+
+Usage (driving the core directly)::
+
+    sched = Scheduler(RadixCache(10_000), SchedulerConfig(), clock=fake_clock)
+    sched.add_request(Request(rid="a", input_ids=(1, 2, 3), max_new_tokens=8))
+    while (batch := sched.schedule()) is not None:
+        fake_clock.advance(batch.duration_s)
+        sched.commit(batch)
+    events = sched.pop_events()
+"""
+
+from __future__ import annotations
+
+import hashlib
+from array import array
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Callable, Optional, Sequence
+
+from kvgate.sim.radix import RadixCache, TreeNode
+
+VOCAB_SIZE = 32000
+EOS_ID = 2
+CLIP_MAX_NEW_TOKENS = 4096          # schedule_policy.py CLIP_MAX_NEW_TOKENS_ESTIMATION
+RETRACT_DECODE_STEPS = 20           # schedule_batch.py retract_decode
+NEW_TOKEN_RATIO_DECAY_STEPS = 600   # server_args default_new_token_ratio_decay_steps
+MIN_NEW_TOKEN_RATIO_FACTOR = 0.14   # global_config min_new_token_ratio factor
+OOM_MESSAGE = "Out of memory even after retracting all other requests"
+
+# --- compute-time model calibration -------------------------------------------------------
+# Reference: Llama-3-8B (bf16, 32 layers, 8 KV heads x 128 dim) served by SGLang on ONE H100
+# SXM 80GB (989 TFLOP/s dense bf16, 3.35 TB/s HBM3). These are APPROXIMATIONS derived from the
+# datasheet and the model config, roughly consistent with published SGLang benchmark numbers;
+# nothing was measured on a GPU here.
+# * prefill: 2 * 8e9 FLOP/token = 16 GFLOP/token; at ~35% MFU (~350 TFLOP/s) -> ~20k tokens/s.
+DEFAULT_PREFILL_TOKENS_PER_S = 20000.0
+# * decode base: reading 16 GB of weights at ~3 TB/s effective ~ 5.3 ms + launch/sampling
+#   overhead with CUDA graphs -> ~6 ms per step at batch 1 (SGLang bs=1 ITL ~6-7 ms).
+DEFAULT_DECODE_BASE_MS = 6.0
+# * per sequence: sampling, logits (128k vocab) and GEMM growth -> ~0.03 ms per running request.
+DEFAULT_DECODE_PER_SEQ_MS = 0.03
+# * per context token: KV bytes/token = 2 (K,V) * 32 layers * 8 heads * 128 dim * 2 B = 128 KiB;
+#   read at ~2.6 TB/s effective -> ~0.05 us per cached token attended per step.
+DEFAULT_DECODE_PER_CTX_TOKEN_US = 0.05
+
+
+class TokenModel:
+    """Deterministic fake LM: output token at ``position`` is a pure function of
+    (input_ids, position) via blake2b, mod ``VOCAB_SIZE``. With probability ``eos_rate`` per
+    position (also a pure function) the token is ``EOS_ID``; otherwise never EOS."""
+
+    def __init__(self, eos_rate: float = 0.0):
+        self.eos_rate = float(eos_rate)
+        self._eos_threshold = int(self.eos_rate * (1 << 32))
+
+    @staticmethod
+    def seed(input_ids: Sequence[int]) -> bytes:
+        """16-byte digest of the prompt token ids (computed once per request)."""
+        h = hashlib.blake2b(digest_size=16)
+        h.update(len(input_ids).to_bytes(4, "little"))
+        try:
+            h.update(array("q", input_ids).tobytes())
+        except (OverflowError, TypeError):
+            h.update(repr(tuple(input_ids)).encode())
+        return h.digest()
+
+    def token(self, seed: bytes, position: int) -> int:
+        """Output token id at output ``position`` (0-based) for the prompt with ``seed``."""
+        d = hashlib.blake2b(seed + position.to_bytes(4, "little"), digest_size=8).digest()
+        v = int.from_bytes(d, "little")
+        if (v >> 32) < self._eos_threshold:
+            return EOS_ID
+        tok = (v & 0xFFFFFFFF) % VOCAB_SIZE
+        return EOS_ID + 1 if tok == EOS_ID else tok
+
+    def generate(self, input_ids: Sequence[int], n: int, ignore_eos: bool = True) -> list[int]:
+        """Reference output (what the scheduler must produce) for ``n`` max new tokens."""
+        s = self.seed(input_ids)
+        out = []
+        for p in range(n):
+            t = self.token(s, p)
+            out.append(t)
+            if t == EOS_ID and not ignore_eos:
+                break
+        return out
+
+
+@dataclass
+class SchedulerConfig:
+    """Scheduler knobs (tokens / seconds). Defaults follow SGLang server_args on an 80 GB GPU."""
+
+    max_running_requests: int = 1024
+    max_prefill_tokens: int = 16384
+    chunked_prefill_size: int = 8192
+    schedule_conservativeness: float = 1.0
+    prefill_tokens_per_s: float = DEFAULT_PREFILL_TOKENS_PER_S
+    decode_base_ms: float = DEFAULT_DECODE_BASE_MS
+    decode_per_seq_ms: float = DEFAULT_DECODE_PER_SEQ_MS
+    decode_per_ctx_token_us: float = DEFAULT_DECODE_PER_CTX_TOKEN_US
+    speed: float = 1.0
+    eos_rate: float = 0.0
+
+
+@dataclass(eq=False)
+class Request:
+    """One generate request. ``input_ids`` tokens; ``max_new_tokens`` default 128 as SGLang."""
+
+    rid: str
+    input_ids: tuple
+    max_new_tokens: int = 128
+    ignore_eos: bool = False
+    session_id: Optional[str] = None
+    priority: int = 0
+    # --- state (managed by the scheduler)
+    output_ids: list = field(default_factory=list)
+    state: str = "new"           # new|waiting|prefill|running|finished
+    kv_len: int = 0              # tokens of KV held (prefix + private)
+    prefix_len: int = 0          # locked cached prefix at the last admission
+    private: int = 0             # privately allocated pool tokens
+    last_node: Optional[TreeNode] = None
+    fill_len: int = 0            # prompt length of the current (re)prefill
+    num_retractions: int = 0
+    cached_tokens: int = 0
+    finish_reason: Optional[dict] = None
+    arrival_time: float = 0.0
+    first_token_time: Optional[float] = None
+    finish_time: Optional[float] = None
+    seq: int = 0
+    _seed: Optional[bytes] = None
+
+    def __post_init__(self):
+        self.input_ids = tuple(int(t) for t in self.input_ids)
+
+    @property
+    def remaining_new(self) -> int:
+        """Tokens still to generate."""
+        return max(self.max_new_tokens - len(self.output_ids), 0)
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class Event:
+    """Output of the core: ``new_ids`` generated for ``req`` this step; ``finished`` when done."""
+
+    req: Request
+    new_ids: list
+    finished: bool
+
+
+@dataclass
+class Batch:
+    """A scheduled forward batch. ``kind`` is "prefill" (items = (req, extend tokens)) or
+    "decode" (items = (req, 1)); ``duration_s`` is simulated GPU time already divided by speed."""
+
+    kind: str
+    items: list
+    duration_s: float
+    steps: int = 1
+
+
+class Scheduler:
+    """SGLang-like scheduler of one (dp) rank over a :class:`RadixCache`.
+
+    ``clock()`` returns seconds and is only used to stamp arrival/first-token/finish times.
+    """
+
+    def __init__(self, cache: RadixCache, config: Optional[SchedulerConfig] = None,
+                 clock: Callable[[], float] = time.monotonic):
+        self.cache = cache
+        self.cfg = config or SchedulerConfig()
+        self.clock = clock
+        self.model = TokenModel(self.cfg.eos_rate)
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.chunked: Optional[Request] = None
+        self.requests: dict[str, Request] = {}
+        self._events: list[Event] = []
+        self._seq = 0
+        self.init_new_token_ratio = min(0.7 * self.cfg.schedule_conservativeness, 1.0)
+        self.min_new_token_ratio = self.init_new_token_ratio * MIN_NEW_TOKEN_RATIO_FACTOR
+        self.new_token_ratio_decay = (self.init_new_token_ratio - self.min_new_token_ratio) \
+            / NEW_TOKEN_RATIO_DECAY_STEPS
+        self.new_token_ratio = self.init_new_token_ratio
+        # counters (monotonic)
+        self.prompt_tokens_total = 0
+        self.generation_tokens_total = 0
+        self.cached_tokens_total = 0
+        self.num_requests_total = 0
+        self.aborted_total = 0
+        self.retracted_total = 0
+        self.last_retracted = 0
+        self.decode_steps = 0
+        self.prefill_batches = 0
+        self.admitted_input_tokens = 0
+        self.admitted_cached_tokens = 0
+        self.sessions_seen: dict[str, int] = {}
+
+    # ------------------------------------------------------------------ inputs
+    def add_request(self, req: Request) -> None:
+        """Queue ``req`` (fcfs). Raises ValueError for an empty prompt, a prompt that cannot fit
+        the pool (len >= max_total) or a duplicate rid."""
+        if not req.input_ids:
+            raise ValueError("The input_ids is empty.")
+        if len(req.input_ids) >= self.cache.max_total:
+            raise ValueError(
+                f"The input ({len(req.input_ids)} tokens) is longer than the KV pool "
+                f"({self.cache.max_total} tokens).")
+        if req.rid in self.requests:
+            raise ValueError(f"Duplicate request id {req.rid}")
+        if req.max_new_tokens < 0:
+            raise ValueError("max_new_tokens must be >= 0")
+        self._seq += 1
+        req.seq = self._seq
+        req.arrival_time = self.clock()
+        req.state = "waiting"
+        req._seed = self.model.seed(req.input_ids)
+        self.requests[req.rid] = req
+        if req.session_id:
+            self.sessions_seen[req.session_id] = self.sessions_seen.get(req.session_id, 0) + 1
+        self.waiting.append(req)
+
+    def abort(self, rid: str, message: str = "Abort request") -> bool:
+        """Abort ``rid`` wherever it is (not while a batch containing it is in flight: call
+        between commit and schedule). A running request's KV is released through
+        cache_finished_req (becomes evictable) as SGLang does. Returns False if unknown."""
+        req = self.requests.get(rid)
+        if req is None or req.finished:
+            return False
+        if req.state == "waiting":
+            self.waiting.remove(req)
+        elif req.state in ("running", "prefill"):
+            if req in self.running:
+                self.running.remove(req)
+            if self.chunked is req:
+                self.chunked = None
+            self._release(req, cache=True)
+        self._finish(req, {"type": "abort", "message": message}, aborted=True)
+        return True
+
+    def abort_all(self) -> int:
+        """Abort every queued and running request; returns how many."""
+        rids = [r.rid for r in list(self.waiting) + self.running
+                + ([self.chunked] if self.chunked else [])]
+        return sum(self.abort(rid) for rid in dict.fromkeys(rids))
+
+    def pop_events(self) -> list[Event]:
+        """Take the events produced since the last call."""
+        ev, self._events = self._events, []
+        return ev
+
+    def is_idle(self) -> bool:
+        return not self.waiting and not self.running and self.chunked is None
+
+    # ------------------------------------------------------------------ helpers
+    def _fill_ids(self, req: Request) -> tuple:
+        return req.input_ids + tuple(req.output_ids)
+
+    def _reserved(self, batch: list[tuple[Request, int]]) -> float:
+        """Tokens reserved for future decode of running/chunked/in-batch requests."""
+        total = 0.0
+        for r in self.running:
+            est = min(r.remaining_new, CLIP_MAX_NEW_TOKENS)
+            total += est if r.ignore_eos else est * self.new_token_ratio
+        for r, _ in batch:
+            total += min(r.remaining_new, CLIP_MAX_NEW_TOKENS)
+        if self.chunked is not None and all(r is not self.chunked for r, _ in batch):
+            total += self.chunked.fill_len - self.chunked.kv_len
+            total += min(self.chunked.remaining_new, CLIP_MAX_NEW_TOKENS)
+        return total
+
+    def admission_budget(self, batch: Optional[list] = None) -> float:
+        """PrefillAdder rem_total_tokens: available + evictable - reserved decode tokens."""
+        return self.cache.available + self.cache.evictable - self._reserved(batch or [])
+
+    def _release(self, req: Request, cache: bool) -> None:
+        """Give back req's KV: insert into the radix tree (cache=True) or free it uncached."""
+        if cache and req.kv_len > 0:
+            ids = self._fill_ids(req)[:req.kv_len]
+            self.cache.insert(ids, session_id=req.session_id, priority=req.priority,
+                              n_private=req.private)
+        else:
+            self.cache.free(req.private)
+        if req.last_node is not None:
+            self.cache.unlock(req.last_node)
+        req.last_node = None
+        req.private = 0
+        req.kv_len = 0
+
+    def _finish(self, req: Request, reason: dict, aborted: bool = False,
+                new_ids: Optional[list] = None) -> None:
+        req.finish_reason = reason
+        req.state = "finished"
+        req.finish_time = self.clock()
+        self.requests.pop(req.rid, None)
+        self.num_requests_total += 1
+        self.prompt_tokens_total += len(req.input_ids)
+        self.generation_tokens_total += len(req.output_ids)
+        self.cached_tokens_total += req.cached_tokens
+        if aborted:
+            self.aborted_total += 1
+        self._events.append(Event(req, new_ids or [], True))
+
+    def _emit_token(self, req: Request) -> None:
+        tok = self.model.token(req._seed, len(req.output_ids))
+        req.output_ids.append(tok)
+        if req.first_token_time is None:
+            req.first_token_time = self.clock()
+        if len(req.output_ids) >= req.max_new_tokens:
+            reason = {"type": "length", "length": len(req.output_ids)}
+        elif tok == EOS_ID and not req.ignore_eos:
+            reason = {"type": "stop", "matched": EOS_ID}
+        else:
+            self._events.append(Event(req, [tok], False))
+            return
+        self.running.remove(req)
+        self._release(req, cache=True)
+        self._finish(req, reason, new_ids=[tok])
+
+    # ------------------------------------------------------------------ scheduling
+    def schedule(self) -> Optional[Batch]:
+        """get_next_batch_to_run: form a prefill batch if any request can be admitted, else a
+        decode batch of all running requests (retracting / OOM-aborting as needed). Allocates
+        the batch's KV now. Returns None when idle."""
+        batch = self._schedule_prefill()
+        if batch is not None:
+            return batch
+        return self._schedule_decode()
+
+    def _schedule_prefill(self) -> Optional[Batch]:
+        if not self.waiting and self.chunked is None:
+            return None
+        cfg = self.cfg
+        items: list[tuple[Request, int]] = []
+        rem_input = cfg.max_prefill_tokens
+        rem_chunk = cfg.chunked_prefill_size
+        cache = self.cache
+        if self.chunked is not None:
+            r = self.chunked
+            take = min(r.fill_len - r.kv_len, rem_chunk)
+            cache.alloc(take)
+            r.private += take
+            r.kv_len += take
+            items.append((r, take))
+            rem_chunk -= take
+            rem_input -= take
+            if r.kv_len < r.fill_len:
+                return self._prefill_batch(items)
+            self.chunked = None
+        while self.waiting:
+            if len(self.running) + len(items) >= cfg.max_running_requests:
+                break
+            if rem_chunk <= 0 or rem_input <= 0:
+                break
+            r = self.waiting[0]
+            fill = self._fill_ids(r)
+            m = cache.match_prefix(fill[:len(fill) - 1])
+            extend = len(fill) - m.length
+            need = extend + min(r.remaining_new, CLIP_MAX_NEW_TOKENS)
+            cache.lock(m.node)
+            budget = self.admission_budget(items)
+            lone = not items and not self.running and self.chunked is None
+            ok = need <= budget or (lone and extend <= cache.available + cache.evictable)
+            if not ok or (extend > rem_input and items):
+                cache.unlock(m.node)
+                break
+            take = min(extend, rem_chunk)
+            cache.alloc(take)
+            self.waiting.popleft()
+            r.state = "prefill"
+            r.last_node = m.node
+            r.prefix_len = m.length
+            r.fill_len = len(fill)
+            r.kv_len = m.length + take
+            r.private = take
+            r.cached_tokens += m.length
+            self.admitted_cached_tokens += m.length
+            self.admitted_input_tokens += len(fill)
+            items.append((r, take))
+            rem_chunk -= take
+            rem_input -= take
+            if take < extend:
+                self.chunked = r
+                break
+        if not items:
+            return None
+        return self._prefill_batch(items)
+
+    def _prefill_batch(self, items) -> Batch:
+        tokens = sum(t for _, t in items)
+        dur = tokens / self.cfg.prefill_tokens_per_s / self.cfg.speed
+        return Batch("prefill", items, dur)
+
+    def _schedule_decode(self) -> Optional[Batch]:
+        if not self.running:
+            self.new_token_ratio = self.init_new_token_ratio
+            return None
+        cache = self.cache
+        if not cache.can_alloc(len(self.running)):
+            # update_running_batch: after a retraction the ratio is set, not decayed
+            self._retract()
+            if not self.running:
+                return None
+        else:
+            self.new_token_ratio = max(self.new_token_ratio - self.new_token_ratio_decay,
+                                       self.min_new_token_ratio)
+        cache.alloc(len(self.running))
+        for r in self.running:
+            r.private += 1
+            r.kv_len += 1
+        cfg = self.cfg
+        ctx = sum(r.kv_len for r in self.running)
+        dur = (cfg.decode_base_ms * 1e-3 + cfg.decode_per_seq_ms * 1e-3 * len(self.running)
+               + cfg.decode_per_ctx_token_us * 1e-6 * ctx) / cfg.speed
+        return Batch("decode", [(r, 1) for r in self.running], dur)
+
+    def _retract(self) -> None:
+        """retract_decode: pop requests with the fewest output tokens (ties: longest input)
+        until one decode step fits; a lone request that still does not fit is aborted."""
+        order = sorted(self.running, key=lambda r: (len(r.output_ids), -len(r.input_ids)),
+                       reverse=True)
+        retracted: list[Request] = []
+        while not self.cache.can_alloc(len(order)):
+            if len(order) == 1:
+                r = order.pop()
+                self.running.remove(r)
+                self._release(r, cache=False)
+                self._finish(r, {"type": "abort", "message": OOM_MESSAGE,
+                                 "status_code": 500}, aborted=True)
+                break
+            r = order.pop()
+            self.running.remove(r)
+            self._release(r, cache=False)
+            r.num_retractions += 1
+            r.state = "waiting"
+            retracted.append(r)
+        if retracted:
+            for r in sorted(retracted, key=lambda r: r.seq, reverse=True):
+                self.waiting.appendleft(r)
+            self.retracted_total += len(retracted)
+            self.last_retracted = len(retracted)
+            if order:
+                decoded = sum(len(r.output_ids) for r in order)
+                max_new = sum(r.max_new_tokens for r in order)
+                est = (decoded + RETRACT_DECODE_STEPS * len(order)) / max(max_new, 1)
+                self.new_token_ratio = min(1.0, est)
+
+    # ------------------------------------------------------------------ commit
+    def commit(self, batch: Batch) -> None:
+        """Run the batch's model outputs: prefill completes prompts (first token), decode
+        appends one token per request; finished requests are cached (cache_finished_req)."""
+        if batch.kind == "prefill":
+            self.prefill_batches += 1
+            for r, _ in batch.items:
+                if r.finished or r.kv_len < r.fill_len:
+                    continue
+                r.state = "running"
+                self.running.append(r)
+                if r.remaining_new == 0:
+                    self.running.remove(r)
+                    self._release(r, cache=True)
+                    self._finish(r, {"type": "length", "length": len(r.output_ids)})
+                    continue
+                self._emit_token(r)
+        else:
+            self.decode_steps += 1
+            for r, _ in batch.items:
+                if r.finished or r.state != "running":
+                    continue
+                self._emit_token(r)
+
+    def step(self) -> Optional[Batch]:
+        """schedule() + commit(); returns the batch (None when idle)."""
+        b = self.schedule()
+        if b is not None:
+            self.commit(b)
+        return b
+
+    def run_until_idle(self, advance: Optional[Callable[[float], None]] = None,
+                       max_steps: int = 1_000_000) -> float:
+        """Drive to idle; ``advance(duration_s)`` moves a fake clock. Returns simulated seconds."""
+        total = 0.0
+        for _ in range(max_steps):
+            b = self.schedule()
+            if b is None:
+                return total
+            if advance is not None:
+                advance(b.duration_s)
+            total += b.duration_s
+            self.commit(b)
+        raise RuntimeError("scheduler did not become idle")
+
+    # ------------------------------------------------------------------ observability
+    def cache_hit_rate(self) -> float:
+        """Cached / admitted prompt tokens (cumulative)."""
+        if not self.admitted_input_tokens:
+            return 0.0
+        return self.admitted_cached_tokens / self.admitted_input_tokens
+
+    def num_queue(self) -> int:
+        return len(self.waiting) + (1 if self.chunked is not None else 0)

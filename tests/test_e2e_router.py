@@ -1,0 +1,193 @@
+"""The whole path on real sockets: client -> kvgate -> real smg router -> simulated SGLang engines."""
+
+import asyncio
+import time
+
+import aiohttp
+import orjson
+import pytest
+
+from conftest import CloseWatcher
+from kvgate.procs import free_port
+
+
+async def _post(http, url, body, headers=None):
+    async with http.post(url, data=orjson.dumps(body), headers={"Content-Type": "application/json", **(headers or {})}) as r:
+        return r.status, await r.read(), r.headers
+
+
+async def test_session_id_reaches_engine_through_smg_and_answers_are_identical(sim_factory, router_factory,
+                                                                               kvgate_factory):
+    e1 = await sim_factory(max_total_num_tokens=50_000, speed=50)
+    router = await router_factory([e1.url])
+    gw, kv = await kvgate_factory(upstream=router, agentic_session_lifecycle=True)
+    req = {"input_ids": list(range(1, 301)), "sampling_params": {"max_new_tokens": 16, "ignore_eos": True}}
+    async with aiohttp.ClientSession() as http:
+        st, direct, _ = await _post(http, e1.url + "/generate", req)
+        assert st == 200
+        st, proxied, _ = await _post(http, kv + "/generate", req, {"X-Session-ID": "sess-42"})
+        assert st == 200
+        d, p = orjson.loads(direct), orjson.loads(proxied)
+        assert p["output_ids"] == d["output_ids"] and p["text"] == d["text"] and len(p["output_ids"]) == 16
+        assert p["meta_info"]["prompt_tokens"] == 300
+        assert p["meta_info"]["cached_tokens"] >= 299  # the direct call left the prefix cached
+        # stream: same SSE framing, same final ids, relayed through kvgate and smg
+        sreq = {**req, "stream": True}
+        async with http.post(kv + "/generate", json=sreq, headers={"X-Session-ID": "sess-42"}) as r:
+            assert r.headers["Content-Type"].startswith("text/event-stream")
+            via_kv = await r.read()
+        async with http.post(e1.url + "/generate", json=sreq) as r:
+            via_direct = await r.read()
+    assert via_kv.endswith(b"data: [DONE]\n\n")
+    kv_events = [orjson.loads(e[6:]) for e in via_kv.split(b"\n\n") if e.startswith(b"data: {")]
+    dr_events = [orjson.loads(e[6:]) for e in via_direct.split(b"\n\n") if e.startswith(b"data: {")]
+    assert [e["text"] for e in kv_events] == [e["text"] for e in dr_events]
+    assert kv_events[-1]["output_ids"] == d["output_ids"]
+    s = gw.lifecycle.registry.get("sess-42")
+    assert (s.turns, s.in_flight, s.prompt_tokens, s.completion_tokens) == (2, 0, 600, 32)
+    # Measured here: smg 1.13.0 re-serialises /generate and drops the top-level session_id that kvgate
+    # injected (router-compat.md expected it forwarded); it does forward it on /v1/completions.
+    assert e1.stats()["sessions"] == {}
+    async with aiohttp.ClientSession() as http:
+        st, body, _ = await _post(http, kv + "/v1/completions", {"model": "kvgate-sim", "prompt": "hello there",
+                                                                 "max_tokens": 4}, {"X-Session-ID": "sess-42"})
+    assert st == 200 and orjson.loads(body)["usage"]["completion_tokens"] == 4
+    assert e1.stats()["sessions"] == {"sess-42": 1}
+
+
+async def test_close_reaches_every_engine_with_dp_ranks_collapsed_and_dead_engine_bounded(
+        sim_factory, router_factory, kvgate_factory):
+    e1 = await sim_factory(max_total_num_tokens=50_000, speed=50, dp_size=2)
+    e2 = await sim_factory(max_total_num_tokens=50_000, speed=50)
+    w1, w2 = CloseWatcher(e1), CloseWatcher(e2)
+    router = await router_factory([e1.url, e2.url])
+    dead = f"http://127.0.0.1:{free_port()}"
+    # DP-aware style URLs: the same engine listed once per rank; plus an engine that is down.
+    gw, kv = await kvgate_factory(upstream=router, agentic_session_lifecycle=True, close_timeout_s=0.5,
+                                  engines=[e1.url + "@0", e1.url + "@1", e2.url, dead])
+    await gw.directory.first_refresh.wait()
+    assert gw.directory.urls == [e1.url, e2.url, dead]
+    async with aiohttp.ClientSession() as http:
+        for turn in range(3):
+            st, _, _ = await _post(http, kv + "/generate", {"input_ids": [1, 2, 3, turn], "sampling_params": {
+                "max_new_tokens": 2}}, {"X-Session-ID": "s-close"})
+            assert st == 200
+        t0 = time.monotonic()
+        async with http.post(kv + "/close_session", json={"session_id": "s-close"}) as r:
+            assert r.status == 200 and await r.read() == b""
+        answered = time.monotonic() - t0
+        await w1.wait_for("s-close")
+        await w2.wait_for("s-close")
+        async with http.post(kv + "/kvgate/sessions/s-close/close", params={"wait": "1"}) as r:
+            view = await r.json()  # idempotent: already closing or closed, no second fan-out
+        task = gw.lifecycle._closing.get("s-close")
+        if task is not None:
+            await task
+        took = time.monotonic() - t0
+        async with http.get(kv + "/kvgate/sessions/s-close") as r:
+            view = await r.json()
+    assert answered < 0.25  # the caller is never held by the fan-out
+    assert w1.ids.count("s-close") == 1 and w2.ids.count("s-close") == 1  # one call per engine, not per DP rank
+    assert view["state"] == "closed" and view["closes"] == 1 and view["turns"] == 3
+    assert view["close_results"][e1.url] == "ok" and view["close_results"][e2.url] == "ok"
+    assert view["close_results"][dead].startswith("connect error")
+    assert took < 0.5 * 3 + 1.0  # the dead engine costs at most its retries, not the others' time
+    m = gw.metrics.render()[0].decode()
+    assert 'agentic_kv_session_close_total{reason="explicit"} 1.0' in m
+    assert "agentic_kv_session_close_failure_total 1.0" in m
+
+
+async def test_close_waits_for_inflight_request(sim_factory, router_factory, kvgate_factory):
+    e1 = await sim_factory(max_total_num_tokens=50_000, speed=5)
+    w1 = CloseWatcher(e1)
+    router = await router_factory([e1.url])
+    gw, kv = await kvgate_factory(upstream=router, agentic_session_lifecycle=True)
+    async with aiohttp.ClientSession() as http:
+        gen = asyncio.create_task(_post(http, kv + "/generate", {"input_ids": [5] * 100, "sampling_params": {
+            "max_new_tokens": 200, "ignore_eos": True}}, {"X-Session-ID": "busy"}))
+        while gw.lifecycle.registry.get("busy") is None:
+            await asyncio.sleep(0)
+        async with http.post(kv + "/close_session", json={"session_id": "busy"}) as r:
+            assert r.status == 200
+        st, body, _ = await gen
+        done_at = time.monotonic()
+        await w1.wait_for("busy")
+        closed_at = time.monotonic()
+    assert st == 200 and len(orjson.loads(body)["output_ids"]) == 200
+    assert closed_at >= done_at  # the close went out only after the turn finished
+    assert w1.ids == ["busy"]
+
+
+async def test_idle_close_fires(sim_factory, router_factory, kvgate_factory):
+    e1 = await sim_factory(max_total_num_tokens=50_000, speed=50)
+    w1 = CloseWatcher(e1)
+    router = await router_factory([e1.url])
+    gw, kv = await kvgate_factory(upstream=router, agentic_session_lifecycle=True, session_idle_close_s=0.3)
+    async with aiohttp.ClientSession() as http:
+        st, _, _ = await _post(http, kv + "/generate", {"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 1}},
+                               {"X-Session-ID": "idle-1"})
+        assert st == 200
+        finished = time.monotonic()
+        await w1.wait_for("idle-1", timeout=10)
+        waited = time.monotonic() - finished
+    assert 0.3 <= waited < 2.0
+    s = gw.lifecycle.registry.get("idle-1")
+    assert s.close_reason == "idle"
+    assert 'agentic_kv_session_close_total{reason="idle"} 1.0' in gw.metrics.render()[0].decode()
+
+
+async def test_discovery_from_smg_workers(sim_factory, router_factory, kvgate_factory):
+    e1 = await sim_factory(max_total_num_tokens=10_000, speed=50)
+    e2 = await sim_factory(max_total_num_tokens=10_000, speed=50)
+    router = await router_factory([e1.url, e2.url])
+    gw, kv = await kvgate_factory(upstream=router, agentic_session_lifecycle=True, compat_probe=True)
+    await gw.directory.first_refresh.wait()
+    assert sorted(gw.directory.urls) == sorted([e1.url, e2.url])
+    await asyncio.wait_for(gw.directory.compat_checked.wait(), 20)
+    # smg 1.13.0 drops session_id on /generate (see the first test); the probe must say so.
+    assert gw.directory.verdict == "dropped"
+    m = gw.metrics.render()[0].decode()
+    assert 'agentic_kv_router_session_id_passthrough{verdict="dropped"} 1.0' in m
+    assert 'agentic_kv_engines{worker_type="regular"} 2.0' in m
+    assert e1.stats()["totals"]["num_requests"] + e2.stats()["totals"]["num_requests"] == 0  # probe generated nothing
+
+
+async def test_legacy_sglang_router_drops_session_id_and_kvgate_says_so(sim_factory, router_factory,
+                                                                         kvgate_factory, caplog):
+    e1 = await sim_factory(max_total_num_tokens=10_000, speed=50)
+    router = await router_factory([e1.url], legacy=True)
+    caplog.set_level("INFO", logger="kvgate.engines")
+    gw, kv = await kvgate_factory(upstream=router, agentic_session_lifecycle=True, compat_probe=True)
+    await asyncio.wait_for(gw.directory.compat_checked.wait(), 30)
+    assert gw.directory.verdict == "dropped"
+    lines = [r.getMessage() for r in caplog.records if "DROPS top-level session_id" in r.getMessage()]
+    assert len(lines) == 1 and "pip install smg" in lines[0]
+    async with aiohttp.ClientSession() as http:
+        st, _, _ = await _post(http, kv + "/generate", {"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 1}},
+                               {"X-Session-ID": "lost"})
+    assert st == 200
+    assert e1.stats()["sessions"] == {}  # what the probe predicted: the engine never saw it
+    assert 'agentic_kv_router_session_id_passthrough{verdict="dropped"} 1.0' in gw.metrics.render()[0].decode()
+
+
+async def test_router_down_then_discovery_keeps_last_good_list(sim_factory, kvgate_factory, log_dir):
+    from kvgate import procs
+    e1 = await sim_factory(max_total_num_tokens=10_000, speed=50)
+    port, mport = free_port(), free_port()
+    p = procs.start("smg-down", procs.smg_command(port, [e1.url], mport), log_dir, url=f"http://127.0.0.1:{port}")
+    try:
+        await asyncio.to_thread(procs.wait_http, p.url + "/readiness", 60, p, procs.router_ready(1))
+        gw, kv = await kvgate_factory(upstream=p.url, discovery_interval_s=0.1)
+        await gw.directory.first_refresh.wait()
+        assert gw.directory.urls == [e1.url]
+    finally:
+        p.stop()
+    before = gw.directory.metrics.discovery_failures._value.get()
+    while gw.directory.last_error is None:
+        await asyncio.sleep(0.05)
+    assert gw.directory.urls == [e1.url]  # the last good list is kept
+    assert gw.directory.metrics.discovery_failures._value.get() > before
+    async with aiohttp.ClientSession() as http:
+        async with http.post(kv + "/generate", json={"input_ids": [1]}) as r:
+            assert r.status == 502
+            assert (await r.json())["error"]["upstream"] == p.url
