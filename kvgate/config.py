@@ -131,6 +131,9 @@ KEYS: list[Key] = [
         choices=("train", "all")),
     Key("admission_poll_interval_s", float, 2.0, "How often each engine's KV metrics are read, seconds.",
         _pos, "> 0", only_when="agentic_program_admission"),
+    Key("admission_capacity_source", str, "auto",
+        "Where engine KV figures are read: auto (/v1/loads, else /metrics), loads or metrics.",
+        choices=("auto", "loads", "metrics")),
     Key("admission_lease_ttl_s", float, 3600.0,
         "A lease older than this is reclaimed as stranded, seconds.", _pos, "> 0",
         only_when="agentic_program_admission"),
@@ -227,6 +230,13 @@ def validate(raw: dict[str, Any]) -> Config:
         except re.error as exc:
             raise ConfigError(f"session_field_regex: not a valid regular expression ({exc})") from None
     values["engines"] = [_url("engines", u) for u in values["engines"]]
+    from kvgate.admission.policy import MatchRule
+    for name in ("admission_protected_rules", "admission_eval_rules"):
+        for rule in values[name]:
+            try:
+                MatchRule.from_config(rule)
+            except ValueError as exc:
+                raise ConfigError(f"{name}: {exc} (a rule is {{path: GLOB, field: NAME, equals: VALUE}})") from None
     return Config(values)
 
 

@@ -40,6 +40,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--idle-close-s", type=float, default=30.0, help="kvgate session_idle_close_s (trace time)")
     p.add_argument("--admission", action=argparse.BooleanOptionalAction, default=False,
                    help="also turn on program-aware admission")
+    p.add_argument("--route", choices=("completions", "generate"), default="completions",
+                   help="send turns as /v1/completions (text prompt; smg 1.13 forwards session_id there) or "
+                        "/generate (token ids; smg 1.13 drops session_id there)")
     p.add_argument("--log-dir", default=None, help="where child process logs go (default: a temp dir)")
     p.add_argument("--json", dest="json_out", default=None, help="also write the summary as JSON to this file")
 
@@ -65,7 +68,27 @@ def _percentile(xs: list[float], q: float) -> float:
     return s[k]
 
 
-async def _replay(base: str, records, sessions, speed: float, progress) -> Replay:
+def _request(route: str, book: TokenBook, rec, rid: str) -> tuple[str, bytes]:
+    """The path and body of one turn: the whole prompt every time (token ids, or text for /v1/completions)."""
+    max_new = max(1, rec.output_length)
+    if route == "generate":
+        return "/generate", orjson.dumps({"input_ids": book.prompt(rec), "rid": rid,
+                                          "sampling_params": {"max_new_tokens": max_new, "ignore_eos": True}})
+    return "/v1/completions", orjson.dumps({"model": "kvgate-sim", "prompt": book.prompt_text(rec),
+                                            "max_tokens": max_new, "ignore_eos": True, "rid": rid})
+
+
+def _usage(route: str, payload: bytes) -> tuple[int, int]:
+    """(prompt_tokens, cached_tokens) from a response body."""
+    obj = orjson.loads(payload)
+    if route == "generate":
+        meta = obj.get("meta_info", {})
+        return int(meta.get("prompt_tokens", 0)), int(meta.get("cached_tokens", 0))
+    usage = obj.get("usage", {})
+    return int(usage.get("prompt_tokens", 0)), int((usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0))
+
+
+async def _replay(base: str, records, sessions, speed: float, progress, route: str) -> Replay:
     book = TokenBook()
     out = Replay()
     t0 = time.monotonic()
@@ -77,22 +100,21 @@ async def _replay(base: str, records, sessions, speed: float, progress) -> Repla
         delay = (rec.timestamp_ms - first_ts) / 1000.0 / speed - (time.monotonic() - t0)
         if delay > 0:
             await asyncio.sleep(delay)  # open-loop replay at the trace's timestamps
-        body = orjson.dumps({"input_ids": book.prompt(rec), "rid": f"{sid}-turn{turn}",
-                             "sampling_params": {"max_new_tokens": max(1, rec.output_length), "ignore_eos": True}})
+        path, body = _request(route, book, rec, f"{sid}-turn{turn}")
         start = time.monotonic()
         try:
-            async with http.post(base + "/generate", data=body, headers={
+            async with http.post(base + path, data=body, headers={
                     "Content-Type": "application/json", "X-Session-ID": sid}) as resp:
                 payload = await resp.read()
                 if resp.status != 200:
                     key = f"http {resp.status}"
                     out.errors[key] = out.errors.get(key, 0) + 1
                     return
-                meta = orjson.loads(payload).get("meta_info", {})
+                prompt, cached = _usage(route, payload)
                 out.ok += 1
                 out.latencies.append(time.monotonic() - start)
-                out.prompt_tokens += int(meta.get("prompt_tokens", 0))
-                out.cached_tokens += int(meta.get("cached_tokens", 0))
+                out.prompt_tokens += prompt
+                out.cached_tokens += cached
                 decision = resp.headers.get("X-Kvgate-Admission")
                 if decision:
                     out.admission[decision] = out.admission.get(decision, 0) + 1
@@ -203,13 +225,14 @@ def run(args: argparse.Namespace) -> int:
                 print(f"  ... {done}/{len(records)} requests done", flush=True)
 
         t0 = time.monotonic()
-        rep = asyncio.run(_replay(kvgate.url, records, sessions, speed, progress))
+        rep = asyncio.run(_replay(kvgate.url, records, sessions, speed, progress, args.route))
         wall = time.monotonic() - t0
         end = asyncio.run(_close_remaining(kvgate.url))
         reg = asyncio.run(_get_json(kvgate.url + "/kvgate/sessions?limit=1000000"))
         mtext = asyncio.run(_metrics_text(kvgate.url + "/metrics"))
         sims = [asyncio.run(_get_json(u + "/sim/stats")) for u in engine_urls]
         stats = asyncio.run(_get_json(kvgate.url + "/kvgate/stats")) if args.admission else None
+        health = asyncio.run(_get_json(kvgate.url + "/kvgate/health"))
     finally:
         for p in reversed(started):
             p.stop()
@@ -233,7 +256,8 @@ def run(args: argparse.Namespace) -> int:
         "admission": rep.admission,
         "queue_ms_p50": round(_percentile(rep.queue_ms, 50), 1) if rep.queue_ms else None,
         "queue_ms_p99": round(_percentile(rep.queue_ms, 99), 1) if rep.queue_ms else None,
-        "admission_stats": stats,
+        "admission_stats": stats, "route": args.route,
+        "router_generate_session_id": health["session_id_passthrough"],
     }
     print("summary")
     print(f"  requests   {rep.ok}/{len(records)} ok, errors {rep.errors or 0}, replay wall time {wall:.1f} s")
@@ -243,6 +267,8 @@ def run(args: argparse.Namespace) -> int:
           f"(idle {closes['idle']}, at the end {closes['api']}, explicit {closes['explicit']})")
     print(f"  fan-out    {calls_ok} /close_session calls ok, {close_fail} failed; engines received "
           f"session_id for {engine_sessions} sessions and {engine_closes} closes")
+    print(f"  router     turns sent to /{'generate' if args.route == 'generate' else 'v1/completions'}; kvgate's "
+          f"probe says the router {health['session_id_passthrough']} top-level session_id on /generate")
     if args.admission:
         print(f"  admission  {rep.admission}; queue wait p50 {summary['queue_ms_p50']} ms, "
               f"p99 {summary['queue_ms_p99']} ms")

@@ -62,6 +62,10 @@ class Metrics:
         self.engine_warning = Gauge(p + "engine_warning", "1 when an engine is misconfigured for kvgate",
                                     ["engine", "kind"], registry=r)
 
+        # admission (the counters and budget gauges are read from the core at scrape time: admission/gate.py)
+        self.admission_wait = Histogram(p + "admission_wait_seconds", "Time requests waited in the admission "
+                                        "FIFO before admit or bypass", buckets=LATENCY_BUCKETS, registry=r)
+
     def render(self) -> tuple[bytes, str]:
         return generate_latest(self.registry), CONTENT_TYPE_LATEST
 

@@ -53,6 +53,13 @@ class Gateway:
         self.lifecycle = SessionLifecycle(SessionRegistry(cfg.max_tracked_sessions), self.directory, self.metrics,
                                           idle_close_s=cfg.session_idle_close_s, drain_s=cfg.session_close_drain_s,
                                           close_timeout_s=cfg.close_timeout_s, close_retries=cfg.close_retries)
+        self.poller = None
+        if gate is None and cfg.agentic_program_admission:
+            from kvgate.admission.gate import AdmissionGate
+            from kvgate.admission.poller import CapacityPoller
+            gate = AdmissionGate(cfg, self.metrics)
+            self.poller = CapacityPoller(gate, self.directory, cfg.admission_poll_interval_s,
+                                         cfg.admission_capacity_source)
         self.gate: Gate = gate or OpenGate()
         self.started = time.time()
         self.app = self._build_app()
@@ -66,6 +73,7 @@ class Gateway:
         r.add_get("/metrics", self.handle_metrics)
         r.add_get("/kvgate/health", self.handle_health)
         r.add_get("/kvgate/engines", self.handle_engines)
+        r.add_get("/kvgate/stats", self.handle_stats)
         r.add_get("/kvgate/sessions", self.handle_sessions)
         r.add_get("/kvgate/sessions/{sid}", self.handle_session)
         r.add_post("/kvgate/sessions/{sid}/close", self.handle_session_close)
@@ -85,8 +93,12 @@ class Gateway:
         start = getattr(self.gate, "start", None)
         if start is not None:
             await start()
+        if self.poller is not None:
+            await self.poller.start()
 
     async def _on_cleanup(self, app: web.Application) -> None:
+        if self.poller is not None:
+            await self.poller.stop()
         stop = getattr(self.gate, "stop", None)
         if stop is not None:
             await stop()
@@ -109,6 +121,14 @@ class Gateway:
 
     async def handle_engines(self, request: web.Request) -> web.Response:
         return _json(self.directory.as_json())
+
+    async def handle_stats(self, request: web.Request) -> web.Response:
+        """Admission figures (issue 3): counters, waiting, defer/degraded rate over the window, the ledger."""
+        stats = getattr(self.gate, "stats", None)
+        out = stats() if stats is not None else {"admission": "off"}
+        if self.poller is not None:
+            out["capacity_sources"] = dict(self.poller.last_sources)
+        return _json(out)
 
     async def handle_sessions(self, request: web.Request) -> web.Response:
         try:

@@ -85,6 +85,12 @@ class TokenBook:
                 break
         return ids[: rec.input_length]
 
+    def prompt_text(self, rec: TraceRecord) -> str:
+        """The same prompt as text of exactly input_length ASCII letters, one per token id, for routes that
+        take only text (smg 1.13's /v1/completions rejects token-id prompts). An engine that tokenizes one
+        token per byte (the simulator, kvgate.sim.tokenizer) sees the same block structure."""
+        return "".join(chr(97 + t % 26) for t in self.prompt(rec))
+
 
 def infer_sessions(records: Iterable[TraceRecord], min_shared_blocks: int = 2) -> list[str]:
     """A session id for every record, in order: a record whose hash_ids start with an earlier record's

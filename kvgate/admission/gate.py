@@ -1,0 +1,200 @@
+"""The admission shell: maps the pure coordinator's tickets to waiting requests (asyncio edge).
+
+Flow per generate request (issue 3, "The behaviour"):
+  out of scope (or admission off) -> untouched, X-Kvgate-Admission: off
+  protected -> bypass-protected; no fresh capacity snapshot -> bypass-degraded
+  an earlier waiter or the ledger refuses -> wait in the one global FIFO (no upstream connection held)
+  waited max_wait_s -> bypass-aged; FIFO empty and room -> admit with a lease
+The lease is released when the upstream attempt ends (response relayed, error, or client gone).
+A client that leaves while waiting is removed atomically (a lease granted in the same instant is
+released). Every decision comes from kvgate.admission.coordinator; this module only delivers them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import time
+from typing import Any, Callable
+
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from kvgate.admission.capacity import ClusterSnapshot, stale_after_s
+from kvgate.admission.coordinator import ADMISSION_OFF, AdmissionCoordinator, Decision, Kind
+from kvgate.admission.ledger import Ledger
+from kvgate.admission.policy import ScopeRules, classify_scope
+from kvgate.admission.reservation import estimate_reservation, load_tokenizer_counter
+from kvgate.gate import RequestInfo, Ticket
+from kvgate.metrics import Metrics
+
+log = logging.getLogger("kvgate.admission")
+
+HEADER_DECISION = "X-Kvgate-Admission"
+HEADER_QUEUE_MS = "X-Kvgate-Queue-Ms"
+OFF_HEADERS = [(HEADER_DECISION, ADMISSION_OFF), (HEADER_QUEUE_MS, "0")]
+
+
+class AdmissionGate:
+    """Implements kvgate.gate.Gate with the coordinator; ``poller`` feeds it capacity snapshots.
+
+    cfg: the validated Config; metrics: the app's Metrics (series are added to its registry);
+    clock: monotonic seconds.
+    """
+
+    def __init__(self, cfg, metrics: Metrics, clock: Callable[[], float] = time.monotonic):
+        self.cfg = cfg
+        self.clock = clock
+        self.ledger = Ledger(headroom=cfg.agentic_admission_headroom,
+                             pressure_threshold=cfg.agentic_admission_pressure_threshold,
+                             stale_after_s=stale_after_s(cfg.admission_poll_interval_s),
+                             lease_ttl_s=cfg.admission_lease_ttl_s, window_s=cfg.admission_window_s)
+        self.coord = AdmissionCoordinator(self.ledger, cfg.agentic_admission_max_wait_s,
+                                          window_s=cfg.admission_window_s)
+        self.rules = ScopeRules.from_config(cfg.agentic_admission_scope, cfg.admission_protected_rules,
+                                            cfg.admission_eval_rules)
+        self.tokenizer = load_tokenizer_counter(cfg.admission_tokenizer_file) if cfg.admission_tokenizer_file \
+            else None
+        self.metrics = metrics
+        self.wait_hist = metrics.admission_wait
+        metrics.registry.register(_AdmissionCollector(self))
+        self._ids = itertools.count(1)
+        self._futures: dict[int, asyncio.Future] = {}
+        self._kick = asyncio.Event()
+        self._timer: asyncio.Task | None = None
+
+    async def start(self) -> None:
+        self._timer = asyncio.create_task(self._run_timer(), name="kvgate-admission-timer")
+
+    async def stop(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            await asyncio.gather(self._timer, return_exceptions=True)
+
+    # --- the Gate protocol -------------------------------------------------------------------------
+
+    async def acquire(self, info: RequestInfo) -> Ticket:
+        c = info.classified
+        if not c.is_generate or c.body is None:
+            return Ticket()  # not generation work: nothing to hold, no header
+        protected, in_scope = classify_scope(c.path, info.headers, c.body, self.rules)
+        if not in_scope:
+            return Ticket(ADMISSION_OFF, headers=list(OFF_HEADERS))
+        tokens = estimate_reservation(c.path, c.body, expected_decode_cap=self.cfg.decode_cap,
+                                      chars_per_token=self.cfg.admission_chars_per_token, tokenizer=self.tokenizer)
+        ticket = next(self._ids)
+        d = self.coord.submit(ticket, tokens, protected, self.clock())
+        if d.kind is Kind.WAIT:
+            fut = asyncio.get_running_loop().create_future()
+            self._futures[ticket] = fut
+            self.dispatch(self.coord.pump(self.clock()))  # retry on enqueue
+            self._kick.set()  # the head's aging deadline may have changed
+            try:
+                d = await fut
+            except asyncio.CancelledError:
+                # Client gone while waiting: remove it, or release a lease granted in the same instant.
+                if self.coord.cancel(ticket, self.clock()):
+                    self.dispatch(self.coord.pump(self.clock()))
+                raise
+            finally:
+                self._futures.pop(ticket, None)
+            self.wait_hist.observe(d.waited_s)
+        self.coord.consumed(ticket)
+        return Ticket(d.header, d.waited_s, handle=ticket if d.kind is Kind.ADMIT else None,
+                      headers=[(HEADER_DECISION, d.header), (HEADER_QUEUE_MS, str(d.queue_ms))])
+
+    def release(self, ticket: Ticket) -> None:
+        if ticket.handle is not None:
+            self.dispatch(self.coord.release(ticket.handle, self.clock()))
+
+    # --- feeding the core --------------------------------------------------------------------------
+
+    def dispatch(self, decisions: list[Decision]) -> None:
+        """Deliver each decision to its waiter; a waiter that is gone gets its grant cancelled."""
+        for d in decisions:
+            fut = self._futures.get(d.ticket)
+            if fut is not None and not fut.done():
+                fut.set_result(d)
+            elif self.coord.cancel(d.ticket, self.clock()):
+                self.dispatch(self.coord.pump(self.clock()))
+        self._kick.set()
+
+    def reconcile(self, snapshot: ClusterSnapshot) -> None:
+        """A new capacity snapshot from the poller (taken at snapshot.taken_at)."""
+        self.dispatch(self.coord.reconcile(snapshot, self.clock()))
+
+    def invalidate(self) -> None:
+        """No capacity signal at all: degraded at once, every waiter bypasses."""
+        self.dispatch(self.coord.invalidate(self.clock()))
+
+    async def _run_timer(self) -> None:
+        # Aging, staleness and lease TTL have deadlines; sleep until the next one or until kicked.
+        while True:
+            now = self.clock()
+            deadline = self.coord.next_deadline(now)
+            self._kick.clear()
+            timeout = None if deadline is None else max(0.0, deadline - now) + 1e-3
+            try:
+                await asyncio.wait_for(self._kick.wait(), timeout)
+            except asyncio.TimeoutError:
+                pass
+            try:
+                self.dispatch(self.coord.pump(self.clock()))
+            except Exception:  # a core fault must not stop the timer; requests would wait to max_wait
+                log.exception("admission pump failed")
+                self.metrics.faults.labels("admission").inc()
+                await asyncio.sleep(0.1)
+
+    def stats(self) -> dict[str, Any]:
+        """GET /kvgate/stats: the coordinator's and ledger's figures (JSON)."""
+        return {"admission": "on", **self.coord.stats(self.clock())}
+
+
+class _AdmissionCollector:
+    """Exposes the coordinator's and ledger's figures at scrape time (one source of truth)."""
+
+    def __init__(self, gate: AdmissionGate):
+        self.gate = gate
+
+    def describe(self):
+        return []
+
+    def collect(self):
+        g = self.gate
+        s = g.coord.stats(g.clock())
+        led = s["ledger"]
+        p = "agentic_kv_"
+        c = s["counters"]
+        for name, key, doc in (("admission_admit", "admit", "Requests admitted with a lease"),
+                               ("admission_wait", "wait", "Requests that had to wait in the FIFO"),
+                               ("admission_cancelled", "cancelled", "Waiters whose client left before admission")):
+            m = CounterMetricFamily(p + name, doc)
+            m.add_metric([], c[key])
+            yield m
+        m = CounterMetricFamily(p + "admission_bypass", "Requests that bypassed the FIFO, by reason", labels=["reason"])
+        for reason in ("protected", "degraded", "aged"):
+            m.add_metric([reason], c["bypass_" + reason])
+        yield m
+        gauges = [
+            ("admission_waiting", s["waiting"], "Requests waiting in the FIFO now"),
+            ("admission_defer_rate", s["defer_rate"], "wait / (admit + wait + bypass) over the window"),
+            ("admission_degraded_rate", s["degraded_rate"], "bypass_degraded / (admit + wait + bypass) over the window"),
+            ("budget_ceiling_tokens", led["ceiling"], "Sum of healthy engines' max_total_num_tokens x headroom"),
+            ("budget_reserved_tokens", led["reserved"], "Tokens reserved by live leases"),
+            ("budget_available_tokens", led["available_tokens"], "ceiling - reserved"),
+            ("budget_reserved_utilization", led["reserved_utilization"], "reserved / ceiling"),
+            ("budget_lease_count", led["lease_count"], "Live leases"),
+            ("budget_epoch", led["epoch"], "Increments when the set of healthy engines changes"),
+            ("budget_degraded", 1 if led["degraded"] else 0, "1 when the capacity signal is missing or stale"),
+            ("kv_token_usage_mean", led["kv_token_usage_mean"], "Mean fleet token_usage over the window"),
+            ("kv_token_usage_max", led["kv_token_usage_max"], "Max worst-engine token_usage over the window"),
+        ]
+        for name, value, doc in gauges:
+            if value is None:
+                continue
+            m = GaugeMetricFamily(p + name, doc)
+            m.add_metric([], float(value))
+            yield m
+        m = CounterMetricFamily(p + "budget_lease_expired", "Stranded leases reclaimed by TTL")
+        m.add_metric([], led["lease_expired"])
+        yield m

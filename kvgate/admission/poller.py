@@ -1,0 +1,112 @@
+"""The capacity poller: reads each engine's KV figures and hands a snapshot to the admission gate (I/O edge).
+
+Every ``admission_poll_interval_s`` it asks each engine the directory knows for GET /v1/loads (always
+mounted in recent SGLang) and falls back to GET /metrics (needs --enable-metrics). Parsing and the
+TP/DP aggregation rules are pure (kvgate.admission.capacity). No engines, an unreachable router or
+every scrape failing -> the gate is invalidated (degraded: requests bypass at once).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import Callable
+
+import aiohttp
+import orjson
+
+from kvgate.admission.capacity import ClusterSnapshot, EngineCapacity, parse_engine_loads, parse_engine_metrics
+from kvgate.admission.gate import AdmissionGate
+from kvgate.engines import EngineDirectory
+
+log = logging.getLogger("kvgate.admission.poller")
+
+
+class CapacityPoller:
+    """Polls engines for KV capacity and feeds ``gate``. interval_s: seconds between rounds."""
+
+    def __init__(self, gate: AdmissionGate, directory: EngineDirectory, interval_s: float,
+                 source: str = "auto", clock: Callable[[], float] = time.monotonic):
+        self.gate = gate
+        self.source = source
+        self.directory = directory
+        self.interval_s = interval_s
+        self.clock = clock
+        self.rounds = 0
+        self.last_sources: dict[str, str] = {}
+        self.round_done = asyncio.Event()
+        self._session: aiohttp.ClientSession | None = None
+        self._task: asyncio.Task | None = None
+
+    async def start(self) -> None:
+        # Per-scrape timeout below the interval so one slow engine never stalls a round.
+        timeout = aiohttp.ClientTimeout(total=max(0.2, min(2.0, self.interval_s * 0.8)))
+        self._session = aiohttp.ClientSession(timeout=timeout)
+        self._task = asyncio.create_task(self._run(), name="kvgate-capacity-poller")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+        if self._session is not None:
+            await self._session.close()
+
+    async def scrape(self, url: str) -> EngineCapacity | None:
+        """One engine's capacity from /v1/loads, else /metrics; None when neither answers usefully."""
+        assert self._session is not None
+        if self.source != "metrics":
+            cap = await self._scrape_loads(url)
+            if cap is not None or self.source == "loads":
+                return cap
+        try:
+            async with self._session.get(url + "/metrics") as resp:
+                if resp.status == 200:
+                    cap = parse_engine_metrics(await resp.text())
+                    if cap is not None:
+                        self.last_sources[url] = "/metrics"
+                        return cap
+        except (aiohttp.ClientError, asyncio.TimeoutError, OSError, UnicodeDecodeError):
+            pass
+        self.last_sources[url] = "failed"
+        return None
+
+    async def _scrape_loads(self, url: str) -> EngineCapacity | None:
+        try:
+            async with self._session.get(url + "/v1/loads") as resp:
+                if resp.status == 200:
+                    cap = parse_engine_loads(orjson.loads(await resp.read()))
+                    if cap is not None:
+                        self.last_sources[url] = "/v1/loads"
+                        return cap
+        except (aiohttp.ClientError, asyncio.TimeoutError, orjson.JSONDecodeError, OSError):
+            pass
+        self.last_sources[url] = "failed"
+        return None
+
+    async def poll_once(self) -> ClusterSnapshot | None:
+        """One round: scrape every engine, reconcile or invalidate. Returns the snapshot (None = degraded)."""
+        urls = self.directory.urls
+        router_down = self.directory.static is None and self.directory.last_error is not None
+        if not urls or router_down:
+            self.gate.invalidate()
+            return None
+        taken = self.clock()
+        caps = await asyncio.gather(*(self.scrape(u) for u in urls))
+        if all(c is None for c in caps):
+            self.gate.invalidate()
+            return None
+        snapshot = ClusterSnapshot.build(dict(zip(urls, caps)), taken)
+        self.gate.reconcile(snapshot)
+        return snapshot
+
+    async def _run(self) -> None:
+        while True:
+            try:
+                await self.poll_once()
+            except Exception:  # never let a bad answer kill the poller; staleness makes it degraded
+                log.exception("capacity poll failed")
+            self.rounds += 1
+            self.round_done.set()
+            self.round_done.clear()
+            await asyncio.sleep(self.interval_s)
