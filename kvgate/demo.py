@@ -38,8 +38,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--engines", type=int, default=2, help="simulated engines")
     p.add_argument("--max-total-num-tokens", type=int, default=400_000, help="KV pool of each engine, tokens")
     p.add_argument("--idle-close-s", type=float, default=30.0, help="kvgate session_idle_close_s (trace time)")
-    p.add_argument("--admission", action=argparse.BooleanOptionalAction, default=False,
-                   help="also turn on program-aware admission")
+    p.add_argument("--runs", choices=("both", "lifecycle", "admission"), default="both",
+                   help="lifecycle: session lifecycle only; admission: lifecycle + program-aware admission; "
+                        "both: one after the other, each on a fresh fleet")
     p.add_argument("--route", choices=("completions", "generate"), default="completions",
                    help="send turns as /v1/completions (text prompt; smg 1.13 forwards session_id there) or "
                         "/generate (token ids; smg 1.13 drops session_id there)")
@@ -173,15 +174,29 @@ def _trace_path(arg: str | None) -> Path:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Run the demo; returns 0 when every request succeeded and every close fan-out reached all engines."""
+    """Run the demo; returns 0 when every request succeeded and every session was closed on every engine."""
     path = _trace_path(args.trace)
     records = read_trace(path, int(args.start_s * 1000), int(args.duration_s * 1000))
     if not records:
         print(f"kvgate demo: no trace records in that window of {path}", file=sys.stderr)
         return 2
     sessions = infer_sessions(records)
+    base_dir = Path(args.log_dir or tempfile.mkdtemp(prefix="kvgate-demo-"))
+    modes = {"both": [False, True], "lifecycle": [False], "admission": [True]}[args.runs]
+    summaries = []
+    for admission in modes:
+        print(f"\n=== run: session lifecycle on, program-aware admission {'on' if admission else 'off'} ===",
+              flush=True)
+        summaries.append(_run_once(args, records, sessions, admission, base_dir / ("admission" if admission else
+                                                                                   "lifecycle")))
+    if args.json_out:
+        Path(args.json_out).write_text(json.dumps(summaries, indent=2))
+    return 1 if any(s["failed"] for s in summaries) else 0
+
+
+def _run_once(args: argparse.Namespace, records, sessions, admission: bool, log_dir: Path) -> dict:
+    """One run on a fresh fleet (two engines, smg, kvgate); prints and returns its summary."""
     n_sessions = len(set(sessions))
-    log_dir = Path(args.log_dir or tempfile.mkdtemp(prefix="kvgate-demo-"))
     started: list[procs.Proc] = []
     speed = args.speed
     try:
@@ -205,7 +220,7 @@ def run(args: argparse.Namespace) -> int:
         kv_cmd = [sys.executable, "-m", "kvgate", "serve", "--upstream", router.url, "--port", str(kport),
                   "--agentic-session-lifecycle", "--session-idle-close-s", str(args.idle_close_s / speed),
                   "--discovery-interval-s", str(max(0.5, 5 / speed))]
-        if args.admission:
+        if admission:
             kv_cmd += ["--agentic-program-admission", "--admission-poll-interval-s", str(max(0.05, 2.0 / speed)),
                        "--agentic-admission-max-wait-s", str(30.0 / speed)]
         kvgate = procs.start("kvgate", kv_cmd, log_dir, url=f"http://127.0.0.1:{kport}")
@@ -231,7 +246,7 @@ def run(args: argparse.Namespace) -> int:
         reg = asyncio.run(_get_json(kvgate.url + "/kvgate/sessions?limit=1000000"))
         mtext = asyncio.run(_metrics_text(kvgate.url + "/metrics"))
         sims = [asyncio.run(_get_json(u + "/sim/stats")) for u in engine_urls]
-        stats = asyncio.run(_get_json(kvgate.url + "/kvgate/stats")) if args.admission else None
+        stats = asyncio.run(_get_json(kvgate.url + "/kvgate/stats")) if admission else None
         health = asyncio.run(_get_json(kvgate.url + "/kvgate/health"))
     finally:
         for p in reversed(started):
@@ -269,10 +284,11 @@ def run(args: argparse.Namespace) -> int:
           f"session_id for {engine_sessions} sessions and {engine_closes} closes")
     print(f"  router     turns sent to /{'generate' if args.route == 'generate' else 'v1/completions'}; kvgate's "
           f"probe says the router {health['session_id_passthrough']} top-level session_id on /generate")
-    if args.admission:
-        print(f"  admission  {rep.admission}; queue wait p50 {summary['queue_ms_p50']} ms, "
-              f"p99 {summary['queue_ms_p99']} ms")
-    if args.json_out:
-        Path(args.json_out).write_text(json.dumps(summary, indent=2))
-    failed = rep.ok != len(records) or close_fail > 0 or closed != n_sessions
-    return 1 if failed else 0
+    if admission:
+        c = stats["counters"]
+        print(f"  admission  admit {c['admit']}, wait {c['wait']}, bypass {c['bypass_protected'] + c['bypass_degraded'] + c['bypass_aged']} "
+              f"(protected {c['bypass_protected']}, degraded {c['bypass_degraded']}, aged {c['bypass_aged']}), "
+              f"cancelled {c['cancelled']}; queue wait p50 {summary['queue_ms_p50']} ms, p99 {summary['queue_ms_p99']} ms, "
+              f"max {max(rep.queue_ms) if rep.queue_ms else 0:.0f} ms; ceiling {stats['ledger']['ceiling']} tokens")
+    summary["failed"] = rep.ok != len(records) or close_fail > 0 or closed != n_sessions
+    return summary
