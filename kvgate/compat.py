@@ -59,9 +59,9 @@ def classify_probe(status: int | None, body: bytes) -> str:
 def verdict_line(verdict: str, upstream: str, lifecycle_on: bool) -> str:
     """The one startup line that tells the operator what the probe found and what to do."""
     if verdict == FORWARDED:
-        return (f"compat: router {upstream} forwards top-level session_id to the engines (smg or a newer "
-                f"router): session lifecycle is effective" + ("" if lifecycle_on else
-                " (agentic_session_lifecycle is off)"))
+        return (f"compat: router {upstream} forwards top-level session_id on /generate to the engines: " +
+                ("session lifecycle is effective" if lifecycle_on else
+                 "session lifecycle would be effective (agentic_session_lifecycle is off)"))
     if verdict == DROPPED:
         return (f"compat: router {upstream} DROPS top-level session_id (sglang-router <= 0.3.2 re-serialises "
                 f"/generate), or the engines predate SGLang 0.5.15: sessions cannot tag KV; replace the router "

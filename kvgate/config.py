@@ -9,6 +9,7 @@ prints it and exits with status 2 before anything listens.
 from __future__ import annotations
 
 import argparse
+import math
 import re
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -170,6 +171,8 @@ def _coerce(key: Key, value: Any) -> Any:
         raise ConfigError(f"{key.name}: expected {_type_name(key.type)}, got {value!r}")
     if not isinstance(value, key.type):
         raise ConfigError(f"{key.name}: expected {_type_name(key.type)}, got {value!r}")
+    if key.type is float and not math.isfinite(value):
+        raise ConfigError(f"{key.name}: expected a finite number, got {value!r}")
     if key.convert is not None:
         value = key.convert(key.name, value)
     if key.choices and value not in key.choices:
@@ -225,6 +228,8 @@ def validate(raw: dict[str, Any]) -> Config:
         if not key.check(value):
             raise ConfigError(f"{key.name}: must be {key.allowed}, got {value!r}")
     if values["session_field_regex"] is not None:
+        if values["session_field"] is None:
+            raise ConfigError("session_field_regex: needs session_field (the body field the regex is applied to)")
         try:
             re.compile(values["session_field_regex"])
         except re.error as exc:
@@ -271,8 +276,7 @@ def add_flags(parser: argparse.ArgumentParser) -> None:
             kwargs["action"] = argparse.BooleanOptionalAction
         elif key.type is list:
             if key.name in ("admission_protected_rules", "admission_eval_rules"):
-                kwargs["type"] = _yaml_value
-                kwargs["metavar"] = "YAML"
+                kwargs["metavar"] = "YAML"  # parsed in _from_flag, so a bad value is a one-line ConfigError
             else:
                 kwargs["nargs"] = "*"
         else:
@@ -281,11 +285,12 @@ def add_flags(parser: argparse.ArgumentParser) -> None:
         parser.add_argument(flag_name(key.name), **kwargs)
 
 
-def _yaml_value(text: str) -> Any:
-    return yaml.safe_load(text)
-
-
 def _from_flag(key: Key, text: Any) -> Any:
+    if key.type is list and key.name in ("admission_protected_rules", "admission_eval_rules"):
+        try:
+            return yaml.safe_load(text)
+        except yaml.YAMLError:
+            raise ConfigError(f"{key.name}: not valid YAML: {text!r}") from None
     if not isinstance(text, str):
         return text
     if key.nullable and text.lower() in ("null", "none", ""):

@@ -36,7 +36,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--speed", type=float, default=1.0,
                    help="replay and simulated compute this many times faster (kvgate's idle close scales too)")
     p.add_argument("--engines", type=int, default=2, help="simulated engines")
-    p.add_argument("--max-total-num-tokens", type=int, default=400_000, help="KV pool of each engine, tokens")
+    p.add_argument("--max-total-num-tokens", type=int, default=200_000,
+                   help="KV pool of each engine, tokens (small on purpose: the trace window is KV-bound)")
     p.add_argument("--idle-close-s", type=float, default=30.0, help="kvgate session_idle_close_s (trace time)")
     p.add_argument("--runs", choices=("both", "lifecycle", "admission"), default="both",
                    help="lifecycle: session lifecycle only; admission: lifecycle + program-aware admission; "
@@ -181,6 +182,9 @@ def run(args: argparse.Namespace) -> int:
         print(f"kvgate demo: no trace records in that window of {path}", file=sys.stderr)
         return 2
     sessions = infer_sessions(records)
+    if procs.find_executable("smg") is None:
+        print("kvgate demo: the smg router is not installed (pip install smg, or run `make demo`)", file=sys.stderr)
+        return 2
     base_dir = Path(args.log_dir or tempfile.mkdtemp(prefix="kvgate-demo-"))
     modes = {"both": [False, True], "lifecycle": [False], "admission": [True]}[args.runs]
     summaries = []
@@ -227,6 +231,9 @@ def _run_once(args: argparse.Namespace, records, sessions, admission: bool, log_
         started.append(kvgate)
         procs.wait_http(kvgate.url + "/kvgate/engines", 30, kvgate,
                         lambda st, body: st == 200 and len(json.loads(body)["engines"]) == len(engine_urls))
+        if admission:  # start once the ledger has its first capacity snapshot
+            procs.wait_http(kvgate.url + "/kvgate/stats", 30, kvgate,
+                            lambda st, body: st == 200 and not json.loads(body)["ledger"]["degraded"])
 
         print(f"kvgate demo: {args.duration_s:.0f} s of the Mooncake conversation trace from {args.start_s:.0f} s "
               f"({len(records)} requests, {n_sessions} sessions) at speed {speed:g}", flush=True)

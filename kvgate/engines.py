@@ -208,7 +208,9 @@ class EngineDirectory:
         return {
             "source": self.source,
             "upstream": self.upstream,
-            "engines": [{"url": e.url, "worker_type": e.worker_type, "healthy": e.healthy,
+            # healthy is the router's verdict; a static list has none (null)
+            "engines": [{"url": e.url, "worker_type": e.worker_type,
+                         "healthy": e.healthy if self.static is None else None,
                          "warnings": [k for k, _ in self.warnings.get(e.url, [])]} for e in self.engines],
             "last_error": self.last_error,
             "last_success_unix": self.last_success,

@@ -145,11 +145,15 @@ class Upstream:
                 await resp.write_eof()
                 return resp, RelayOutcome(up.status, observer, "complete")
         except asyncio.TimeoutError:
-            return (error_response(504, f"kvgate: upstream router {self.base} timed out", "upstream_timeout",
-                                   self.base), RelayOutcome(None, None, "timeout"))
+            err = error_response(504, f"kvgate: upstream router {self.base} timed out", "upstream_timeout", self.base)
+            outcome = RelayOutcome(None, None, "timeout")
         except (aiohttp.ClientConnectorError, aiohttp.ServerDisconnectedError, aiohttp.ClientOSError) as exc:
-            return (error_response(502, f"kvgate: upstream router {self.base} unreachable: {exc}",
-                                   "upstream_unreachable", self.base), RelayOutcome(None, None, "unreachable"))
+            err = error_response(502, f"kvgate: upstream router {self.base} unreachable: {exc}",
+                                 "upstream_unreachable", self.base)
+            outcome = RelayOutcome(None, None, "unreachable")
+        for k, v in add_headers:  # the admission decision is reported on kvgate's own errors too
+            err.headers[k] = v
+        return err, outcome
 
 
 def _abort_client(request: web.Request) -> None:

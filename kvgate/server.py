@@ -135,8 +135,11 @@ class Gateway:
             limit = int(request.query.get("limit", "1000"))
         except ValueError:
             return _json({"error": {"message": "limit must be an integer"}}, 400)
+        state = request.query.get("state")
+        if state not in (None, "active", "closing", "closed"):
+            return _json({"error": {"message": "state must be one of active, closing, closed"}}, 400)
         reg = self.lifecycle.registry
-        return _json(reg.as_json(self.lifecycle.clock(), limit=limit, state=request.query.get("state")))
+        return _json(reg.as_json(self.lifecycle.clock(), limit=limit, state=state))
 
     async def handle_session(self, request: web.Request) -> web.Response:
         s = self.lifecycle.registry.get(request.match_info["sid"])
@@ -165,8 +168,10 @@ class Gateway:
             except orjson.JSONDecodeError:
                 return _json({"error": {"message": "body is not JSON"}}, 400)
         sid = sid or request.query.get("session_id")
-        if not isinstance(sid, str) or not sid:
+        if sid is None:
             return _json({"error": {"message": "session_id is required"}}, 400)
+        if not isinstance(sid, str) or not sid:
+            return _json({"error": {"message": "session_id must be a non-empty string"}}, 400)
         self.lifecycle.close(sid, "explicit")
         return web.Response(status=200)
 
@@ -179,9 +184,10 @@ class Gateway:
         body = raw
         extra: dict[str, str] = {}
         session_id: str | None = None
+        source: str | None = None
         if self.lifecycle_on and c.body is not None:
             try:
-                session_id, body, extra = self._resolve_session(c.body, raw, request)
+                session_id, source, body, extra = self._resolve_session(c.body, raw, request)
             except Exception:  # fail-open: a kvgate fault never alters or drops the request
                 log.exception("session resolution failed; forwarding unchanged")
                 self.metrics.faults.labels("session").inc()
@@ -195,7 +201,7 @@ class Gateway:
         self.metrics.added_latency.observe(max(0.0, time.perf_counter() - t0 - ticket.queue_s))
         if session_id is not None:
             try:
-                self.lifecycle.request_started(session_id, None)
+                self.lifecycle.request_started(session_id, source)
             except Exception:
                 self.metrics.faults.labels("registry").inc()
                 session_id = None
@@ -221,17 +227,17 @@ class Gateway:
     def _resolve_session(self, body_obj: dict, raw: bytes, request: web.Request):
         res = self.resolver.resolve(body_obj, request.headers)
         if res.session_id is None:
-            return None, raw, {}
+            return None, None, raw, {}
         new_body = with_session_id(raw, body_obj, res.session_id)
         if new_body is None and "session_params" in body_obj:
             self.metrics.session_params_skipped.inc()
-            return None, raw, {}
+            return None, None, raw, {}
         self.metrics.session_id_injected.labels(res.source).inc()
         extra = {}
         rk = self.cfg.routing_key_header
         if self.cfg.set_routing_key and rk not in request.headers:
             extra[rk] = res.session_id
-        return res.session_id, (new_body if new_body is not None else raw), extra
+        return res.session_id, res.source, (new_body if new_body is not None else raw), extra
 
     def _release(self, ticket: Ticket) -> None:
         try:

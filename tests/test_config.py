@@ -42,7 +42,9 @@ def test_shipped_config_documents_every_key_and_is_valid():
     ({"upstream": "localhost:30000"}, "upstream: expected an http(s) URL"),
     ({"engines": ["http://a:1", 3]}, "engines: must be a list of URL strings"),
     ({"agentic_session_lifecycle": "yes"}, "agentic_session_lifecycle: expected a boolean"),
-    ({"session_field_regex": "(unclosed"}, "session_field_regex: not a valid regular expression"),
+    ({"session_field": "rid", "session_field_regex": "(unclosed"}, "session_field_regex: not a valid regular expression"),
+    ({"session_field_regex": "^(.+)$"}, "session_field_regex: needs session_field"),
+    ({"session_idle_close_s": float("inf")}, "session_idle_close_s: expected a finite number"),
 ])
 def test_bad_values_name_the_key_in_one_line(raw, message):
     with pytest.raises(ConfigError) as err:
@@ -68,6 +70,17 @@ def test_flags_override_yaml(tmp_path):
     assert cfg.agentic_session_lifecycle is False
     assert cfg.session_idle_close_s == 10.0
     assert cfg.engines == ["http://e1:1@0", "http://e1:1@1"]
+
+
+def test_bad_rule_flag_is_one_line(tmp_path):
+    args = build_parser().parse_args(["serve", "--admission-protected-rules", "not: [valid"])
+    with pytest.raises(ConfigError) as err:
+        from_args(args)
+    assert str(err.value).startswith("admission_protected_rules: not valid YAML")
+    args = build_parser().parse_args(["serve", "--admission-eval-rules", "[{path: /generate, colour: red}]"])
+    with pytest.raises(ConfigError) as err:
+        from_args(args)
+    assert str(err.value).startswith("admission_eval_rules: unknown match rule keys: ['colour']")
 
 
 def test_every_key_has_a_flag():

@@ -164,7 +164,11 @@ async def test_router_down_degrades_to_bypass_within_staleness_bound(sim_factory
         p.stop()
     down_at = time.monotonic()
     await _until(lambda: gw.gate.ledger.is_degraded(gw.gate.clock()), "degraded", timeout=10)
-    assert time.monotonic() - down_at <= 5.0  # max(3 x poll, 5 s)
+    now = gw.gate.clock()
+    # degraded when the last good snapshot turned stale: max(3 x poll, 5 s) = 5 s after it, and that
+    # snapshot is at most one discovery refresh + one poll older than the router's death
+    assert 5.0 <= now - gw.gate.ledger.snapshot.taken_at <= 5.0 + 0.25
+    assert now - down_at <= 5.0 + 0.1 + POLL + 0.25
     async with aiohttp.ClientSession() as http:
         status, _, _, _ = await _send(http, kv, _gen(10, 5))
     assert status == 502  # nothing to answer it, but it was not held

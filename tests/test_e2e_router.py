@@ -191,3 +191,43 @@ async def test_router_down_then_discovery_keeps_last_good_list(sim_factory, kvga
         async with http.post(kv + "/generate", json={"input_ids": [1]}) as r:
             assert r.status == 502
             assert (await r.json())["error"]["upstream"] == p.url
+
+
+async def test_client_disconnect_aborts_the_engine_request_through_smg(sim_factory, router_factory, kvgate_factory):
+    e1 = await sim_factory(max_total_num_tokens=50_000, speed=1)
+    router = await router_factory([e1.url])
+    gw, kv = await kvgate_factory(upstream=router, agentic_session_lifecycle=True)
+    http = aiohttp.ClientSession()
+    resp = await http.post(kv + "/generate", json={"input_ids": [7] * 50, "stream": True, "sampling_params": {
+        "max_new_tokens": 5000, "ignore_eos": True}}, headers={"X-Session-ID": "gone"})
+    first = await resp.content.readuntil(b"\n\n")  # decoding has started on the engine
+    assert first.startswith(b"data: {")
+    resp.close()
+    await http.close()
+    async def aborted():
+        while e1.stats()["totals"]["aborted"] < 1:
+            await asyncio.sleep(0.02)
+    await asyncio.wait_for(aborted(), 10)
+    st = e1.stats()["totals"]
+    assert st["running"] == 0 and st["generation_tokens"] < 5000  # stopped early, KV no longer decoding
+    while gw.lifecycle.registry.get("gone").in_flight:
+        await asyncio.sleep(0.02)
+    assert "agentic_kv_inflight_requests 0.0" in gw.metrics.render()[0].decode()
+
+
+async def test_smg_dp_aware_workers_collapse_to_one_engine(sim_factory, router_factory, kvgate_factory):
+    e1 = await sim_factory(max_total_num_tokens=10_000, speed=50, dp_size=2)
+    w1 = CloseWatcher(e1)
+    router = await router_factory([e1.url], extra=["--dp-aware"], wait_healthy=2)
+    async with aiohttp.ClientSession() as http:
+        async with http.get(router + "/workers") as r:
+            listed = sorted(w["url"] for w in (await r.json())["workers"])
+    assert listed == [e1.url + "@0", e1.url + "@1"]  # what smg --dp-aware really lists
+    gw, kv = await kvgate_factory(upstream=router, agentic_session_lifecycle=True)
+    await gw.directory.first_refresh.wait()
+    assert gw.directory.urls == [e1.url]
+    async with aiohttp.ClientSession() as http:
+        async with http.post(kv + "/kvgate/sessions/dp-s/close", params={"wait": "1"}) as r:
+            view = await r.json()
+    assert view["close_results"] == {e1.url: "ok"}
+    assert w1.ids == ["dp-s"]  # one call; the engine broadcasts to its DP ranks itself

@@ -2,8 +2,10 @@
 
 Every ``admission_poll_interval_s`` it asks each engine the directory knows for GET /v1/loads (always
 mounted in recent SGLang) and falls back to GET /metrics (needs --enable-metrics). Parsing and the
-TP/DP aggregation rules are pure (kvgate.admission.capacity). No engines, an unreachable router or
-every scrape failing -> the gate is invalidated (degraded: requests bypass at once).
+TP/DP aggregation rules are pure (kvgate.admission.capacity). No engine known -> the gate is invalidated
+(degraded at once). An unreachable router or a round where every scrape fails brings no new snapshot:
+the last one goes stale after max(3 x interval, 5 s) and the ledger is degraded from then on (a busy
+engine that answers one poll late does not flip admission off).
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ class CapacityPoller:
         self.rounds = 0
         self.last_sources: dict[str, str] = {}
         self.round_done = asyncio.Event()
+        self._degraded: bool | None = None
         self._session: aiohttp.ClientSession | None = None
         self._task: asyncio.Task | None = None
 
@@ -87,18 +90,30 @@ class CapacityPoller:
     async def poll_once(self) -> ClusterSnapshot | None:
         """One round: scrape every engine, reconcile or invalidate. Returns the snapshot (None = degraded)."""
         urls = self.directory.urls
-        router_down = self.directory.static is None and self.directory.last_error is not None
-        if not urls or router_down:
+        if not urls:
             self.gate.invalidate()
             return None
+        if self.directory.static is None and self.directory.last_error is not None:
+            return None  # router unreachable: no fresh engine list, let the snapshot go stale
         taken = self.clock()
         caps = await asyncio.gather(*(self.scrape(u) for u in urls))
         if all(c is None for c in caps):
-            self.gate.invalidate()
             return None
         snapshot = ClusterSnapshot.build(dict(zip(urls, caps)), taken)
         self.gate.reconcile(snapshot)
         return snapshot
+
+    def _log_transition(self) -> None:
+        # One line when admission loses or regains its capacity signal, not one per round.
+        degraded = self.gate.ledger.is_degraded(self.clock())
+        if degraded != self._degraded:
+            if degraded:
+                log.warning("admission degraded: no fresh KV capacity figures from %s (scrapes: %s); requests bypass "
+                            "the queue until they return", ", ".join(self.directory.urls) or "no engines",
+                            self.last_sources or "none")
+            elif self._degraded is not None:
+                log.info("admission signal back: ceiling %d tokens", self.gate.ledger.ceiling)
+            self._degraded = degraded
 
     async def _run(self) -> None:
         while True:
@@ -107,6 +122,7 @@ class CapacityPoller:
             except Exception:  # never let a bad answer kill the poller; staleness makes it degraded
                 log.exception("capacity poll failed")
             self.rounds += 1
+            self._log_transition()
             self.round_done.set()
             self.round_done.clear()
             await asyncio.sleep(self.interval_s)

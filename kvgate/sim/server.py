@@ -161,7 +161,9 @@ class SimServer:
     def _server_args(self) -> dict:
         o, sc = self.opts, self.opts.scheduler
         return {
-            "model_path": o.model_name, "tokenizer_path": None, "served_model_name": o.model_name,
+            # An empty model_path: smg 1.13 otherwise tries to fetch a tokenizer of that name from the
+            # Hugging Face hub at registration (router-compat.md); there is no network here.
+            "model_path": "", "tokenizer_path": None, "served_model_name": o.model_name,
             "skip_tokenizer_init": True, "is_embedding": False,
             "max_total_num_tokens": o.max_total_num_tokens,
             "max_running_requests": sc.max_running_requests,
@@ -187,7 +189,7 @@ class SimServer:
         return _json(info)
 
     async def model_info(self, request):
-        return _json({"model_path": self.opts.model_name, "tokenizer_path": None,
+        return _json({"model_path": "", "tokenizer_path": None,
                       "is_generation": True, "preferred_sampling_params": None,
                       "weight_version": self.engine.weight_version,
                       "has_image_understanding": False, "has_audio_understanding": False,
