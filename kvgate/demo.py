@@ -285,8 +285,9 @@ def _run_once(args: argparse.Namespace, records, sessions, admission: bool, log_
     print(f"  requests   {rep.ok}/{len(records)} ok, errors {rep.errors or 0}, replay wall time {wall:.1f} s")
     print(f"  latency    p50 {summary['latency_p50_s']:.3f} s, p99 {summary['latency_p99_s']:.3f} s")
     print(f"  cache      hit rate {hit:.1%} ({rep.cached_tokens} of {rep.prompt_tokens} prompt tokens cached)")
-    print(f"  sessions   {n_sessions} in the trace window; kvgate closed {closed} "
-          f"(idle {closes['idle']}, at the end {closes['api']}, explicit {closes['explicit']})")
+    print(f"  sessions   {n_sessions} in the trace window, all closed at the end: {closed}; "
+          f"{sum(closes.values())} closes (idle {closes['idle']}, at the end {closes['api']}, "
+          f"explicit {closes['explicit']}; a session that went on after an idle close is closed again)")
     print(f"  fan-out    {calls_ok} /close_session calls ok, {close_fail} failed; engines received "
           f"session_id for {engine_sessions} sessions and {engine_closes} closes")
     print(f"  router     turns sent to /{'generate' if args.route == 'generate' else 'v1/completions'}; kvgate's "

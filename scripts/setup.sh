@@ -9,5 +9,29 @@ PYTHON="${PYTHON:-python3}"
 [ -x "$VENV/bin/python" ] || "$PYTHON" -m venv "$VENV"
 "$VENV/bin/python" -m pip install --quiet --upgrade pip
 "$VENV/bin/python" -m pip install --quiet -e ".[test]"
+# Prometheus (Debian's package) for tests/test_prometheus_dashboard.py: it evaluates every dashboard query
+# against a real Prometheus. Skipped when prometheus is already on PATH; needs root and apt-get. The package's
+# service is not started (policy-rc.d denies it during the install): the test starts its own on 127.0.0.1.
+if ! command -v prometheus >/dev/null 2>&1 && [ ! -x /usr/bin/prometheus ]; then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+    POLICY_ADDED=""
+    if [ ! -e /usr/sbin/policy-rc.d ]; then
+      printf '#!/bin/sh\nexit 101\n' >/usr/sbin/policy-rc.d && chmod 755 /usr/sbin/policy-rc.d && POLICY_ADDED=1
+    fi
+    export DEBIAN_FRONTEND=noninteractive
+    apt_install_prometheus() { apt-get install -y -q --no-install-recommends prometheus >/dev/null; }
+    apt_install_prometheus || { apt-get update -q >/dev/null && apt_install_prometheus; } \
+      || echo "setup: WARNING: apt-get install prometheus failed; the Prometheus dashboard test will skip" >&2
+    [ -z "$POLICY_ADDED" ] || rm -f /usr/sbin/policy-rc.d
+    # Debian's init script may still have been run by an old policy; never leave a system prometheus behind
+    # (the package's own service listens on every interface).
+    if command -v systemctl >/dev/null 2>&1 && [ -d /run/systemd/system ]; then
+      systemctl disable --now prometheus >/dev/null 2>&1 || true
+    fi
+  else
+    echo "setup: prometheus not found and not root (or no apt-get): install Debian's prometheus package" \
+         "to run the Prometheus dashboard test" >&2
+  fi
+fi
 touch "$VENV/.installed"
 echo "setup: $VENV ready ($("$VENV/bin/python" --version); smg $("$VENV/bin/python" -c 'import importlib.metadata as m; print(m.version("smg"))'))"

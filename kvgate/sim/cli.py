@@ -36,6 +36,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("--max-prefill-tokens", type=int, default=16384)
     a("--eos-rate", type=float, default=0.0,
       help="per-token probability of a deterministic EOS (ignored with ignore_eos)")
+    a("--token-vocab", choices=("byte", "wide"), default="byte",
+      help="generated ids: byte = printable ASCII byte tokens whose text re-tokenizes to the same ids "
+           "(multi-turn text prompts reuse the cache); wide = ids in [3, 32000) rendered as words")
     a("--tp-copies", type=int, default=1,
       help="emit identical metric copies for tp_rank 0..N-1")
     a("--dp-size", type=int, default=1)
@@ -56,6 +59,7 @@ def options_from_args(args: argparse.Namespace) -> dict:
         max_running_requests=args.max_running_requests,
         chunked_prefill_size=args.chunked_prefill_size,
         max_prefill_tokens=args.max_prefill_tokens, eos_rate=args.eos_rate,
+        token_vocab=args.token_vocab,
         tp_copies=args.tp_copies, dp_size=args.dp_size, disable_metrics=args.disable_metrics,
         model_name=args.model_name)
 

@@ -29,6 +29,8 @@ from typing import Callable, Optional, Sequence
 from kvgate.sim.radix import RadixCache, TreeNode
 
 VOCAB_SIZE = 32000
+PRINTABLE_FIRST_ID = 3 + 0x20     # token id of byte 0x20 (space) in kvgate.sim.tokenizer
+PRINTABLE_COUNT = 0x7F - 0x20     # printable ASCII bytes 0x20..0x7e
 EOS_ID = 2
 CLIP_MAX_NEW_TOKENS = 4096          # schedule_policy.py CLIP_MAX_NEW_TOKENS_ESTIMATION
 RETRACT_DECODE_STEPS = 20           # schedule_batch.py retract_decode
@@ -55,11 +57,21 @@ DEFAULT_DECODE_PER_CTX_TOKEN_US = 0.05
 
 class TokenModel:
     """Deterministic fake LM: output token at ``position`` is a pure function of
-    (input_ids, position) via blake2b, mod ``VOCAB_SIZE``. With probability ``eos_rate`` per
-    position (also a pure function) the token is ``EOS_ID``; otherwise never EOS."""
+    (input_ids, position) via blake2b. With probability ``eos_rate`` per position (also a pure
+    function) the token is ``EOS_ID``; otherwise never EOS.
 
-    def __init__(self, eos_rate: float = 0.0):
+    ``vocab``: "byte" (default) draws only printable-ASCII byte tokens (ids 35..129 = bytes
+    0x20..0x7e, see kvgate.sim.tokenizer), so the output text decodes to exactly one byte per
+    token and re-encodes to the same ids: a client that sends "previous prompt + output text +
+    observation" as text hits the radix cache exactly like one sending input_ids would (a real
+    BPE tokenizer round-trips its own output almost always). "wide" draws ids mod ``VOCAB_SIZE``
+    (rendered as " word" strings that do not re-tokenize to the same ids)."""
+
+    def __init__(self, eos_rate: float = 0.0, vocab: str = "byte"):
+        if vocab not in ("byte", "wide"):
+            raise ValueError(f"vocab must be 'byte' or 'wide', got {vocab!r}")
         self.eos_rate = float(eos_rate)
+        self.vocab = vocab
         self._eos_threshold = int(self.eos_rate * (1 << 32))
 
     @staticmethod
@@ -79,6 +91,8 @@ class TokenModel:
         v = int.from_bytes(d, "little")
         if (v >> 32) < self._eos_threshold:
             return EOS_ID
+        if self.vocab == "byte":
+            return PRINTABLE_FIRST_ID + (v & 0xFFFFFFFF) % PRINTABLE_COUNT
         tok = (v & 0xFFFFFFFF) % VOCAB_SIZE
         return EOS_ID + 1 if tok == EOS_ID else tok
 
@@ -108,6 +122,7 @@ class SchedulerConfig:
     decode_per_ctx_token_us: float = DEFAULT_DECODE_PER_CTX_TOKEN_US
     speed: float = 1.0
     eos_rate: float = 0.0
+    token_vocab: str = "byte"     # TokenModel vocab: "byte" (text round-trips) | "wide"
 
 
 @dataclass(eq=False)
@@ -181,7 +196,7 @@ class Scheduler:
         self.cache = cache
         self.cfg = config or SchedulerConfig()
         self.clock = clock
-        self.model = TokenModel(self.cfg.eos_rate)
+        self.model = TokenModel(self.cfg.eos_rate, self.cfg.token_vocab)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.chunked: Optional[Request] = None

@@ -1,8 +1,10 @@
 """Deterministic toy tokenizer and chat template for the simulator (pure functions).
 
 Encoding: UTF-8 bytes, token id = byte + 3 (ids 0..2 are pad/bos/eos), so ``len(ids)`` is the
-number of UTF-8 bytes and ``decode(encode(s)) == s``. Decoding of ids outside the byte range
-(model outputs are ids in [0, 32000)) renders each as a space plus a base-26 lowercase word
+number of UTF-8 bytes and ``decode(encode(s)) == s``. The default ("byte") model outputs only
+printable-ASCII byte ids, so ``encode(decode(out)) == out`` too and multi-turn text prompts
+re-use the cached output. Decoding of ids outside the byte range (the "wide" model's outputs,
+ids in [0, 32000)) renders each as a space plus a base-26 lowercase word
 (id 3+256=259 -> " a" ... deterministic, not meant to be readable); EOS (2) and ids 0/1
 render as "".
 
