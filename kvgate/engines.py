@@ -17,6 +17,7 @@ from typing import Any, Callable
 import aiohttp
 import orjson
 
+from kvgate.aio import cancel_tasks
 from kvgate import compat
 from kvgate.discovery import DiscoveryError, Engine, parse_list_workers, parse_workers, static_engines
 from kvgate.metrics import Metrics
@@ -69,9 +70,7 @@ class EngineDirectory:
         self._task = asyncio.create_task(self._run(), name="kvgate-discovery")
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
+        await cancel_tasks(self._task)
         if self._session is not None:
             await self._session.close()
 

@@ -17,6 +17,8 @@ from typing import Callable
 
 import aiohttp
 
+from kvgate.aio import cancel_tasks
+
 from kvgate.engines import EngineDirectory
 from kvgate.metrics import Metrics
 from kvgate.sessions import ACTIVE, CLOSED, CLOSING, SessionRegistry
@@ -88,10 +90,7 @@ class SessionLifecycle:
             self._idle_task = asyncio.create_task(self._idle_loop(), name="kvgate-idle-close")
 
     async def stop(self) -> None:
-        tasks = list(self._closing.values()) + ([self._idle_task] if self._idle_task else [])
-        for t in tasks:
-            t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        await cancel_tasks(*self._closing.values(), self._idle_task)
         if self._session is not None:
             await self._session.close()
 

@@ -5,7 +5,6 @@ import time
 
 import aiohttp
 import orjson
-import pytest
 
 from conftest import CloseWatcher
 from kvgate.procs import free_port

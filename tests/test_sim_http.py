@@ -109,6 +109,7 @@ async def test_legacy_session_params_rebuild_prompt(sim):
         "input_ids": [5, 6, 7], "session_params": {"id": sid},
         "sampling_params": {"max_new_tokens": 2}})
     first = orjson.loads(raw)
+    assert st == 200 and first["meta_info"]["prompt_tokens"] == 3
     st, raw = await post(sim.url + "/generate", {
         "input_ids": [8], "session_params": {"id": sid}, "sampling_params": {"max_new_tokens": 2}})
     second = orjson.loads(raw)

@@ -20,11 +20,13 @@ from typing import Any, Callable
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+
 from kvgate.admission.capacity import ClusterSnapshot, stale_after_s
 from kvgate.admission.coordinator import ADMISSION_OFF, AdmissionCoordinator, Decision, Kind
 from kvgate.admission.ledger import Ledger
 from kvgate.admission.policy import ScopeRules, classify_scope
 from kvgate.admission.reservation import estimate_reservation, load_tokenizer_counter
+from kvgate.aio import cancel_tasks
 from kvgate.gate import RequestInfo, Ticket
 from kvgate.metrics import Metrics
 
@@ -67,9 +69,7 @@ class AdmissionGate:
         self._timer = asyncio.create_task(self._run_timer(), name="kvgate-admission-timer")
 
     async def stop(self) -> None:
-        if self._timer is not None:
-            self._timer.cancel()
-            await asyncio.gather(self._timer, return_exceptions=True)
+        await cancel_tasks(self._timer)
 
     # --- the Gate protocol -------------------------------------------------------------------------
 

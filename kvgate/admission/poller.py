@@ -18,6 +18,7 @@ from typing import Callable
 import aiohttp
 import orjson
 
+from kvgate.aio import cancel_tasks
 from kvgate.admission.capacity import ClusterSnapshot, EngineCapacity, parse_engine_loads, parse_engine_metrics
 from kvgate.admission.gate import AdmissionGate
 from kvgate.engines import EngineDirectory
@@ -49,9 +50,7 @@ class CapacityPoller:
         self._task = asyncio.create_task(self._run(), name="kvgate-capacity-poller")
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
+        await cancel_tasks(self._task)
         if self._session is not None:
             await self._session.close()
 

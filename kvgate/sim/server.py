@@ -434,10 +434,8 @@ class SimServer:
                 t.cancel()
         return resp
 
-    # ------------------------------------------------------------------ /generate
-    async def generate(self, request):
-        body = await _body(request)
-        specs, is_batch = self._specs(body)
+    def _submit_all(self, specs) -> list:
+        """Submit every sequence of a request, or none: a bad one aborts those already submitted."""
         handles = []
         try:
             for s in specs:
@@ -446,6 +444,13 @@ class SimServer:
             for h in handles:
                 self.engine.abort(h.req.rid)
             raise
+        return handles
+
+    # ------------------------------------------------------------------ /generate
+    async def generate(self, request):
+        body = await _body(request)
+        specs, is_batch = self._specs(body)
+        handles = self._submit_all(specs)
         if body.get("stream"):
             def chunk(i, h, ev, ids):
                 out = self._out(h, ev.finished, ids)
@@ -523,14 +528,7 @@ class SimServer:
 
     async def _openai(self, request, body, ids_list, max_default, chat: bool):
         specs = self._oa_specs(body, ids_list, max_default)
-        handles = []
-        try:
-            for s in specs:
-                handles.append(self._submit(s))
-        except HTTPError:
-            for h in handles:
-                self.engine.abort(h.req.rid)
-            raise
+        handles = self._submit_all(specs)
         created = int(time.time())
         model = body.get("model") or self.opts.model_name
         cid = ("chatcmpl-" if chat else "cmpl-") + (handles[0].req.rid if handles else "")

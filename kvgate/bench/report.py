@@ -1,0 +1,146 @@
+"""Per-arm metrics, ratios and the markdown table (pure).
+
+Input per arm (``raw``), as the runner records it; every time is WALL seconds since the arm's start:
+``requests`` [{session, start, ttft, end, ok, output_tokens, admission, queue_ms}], ``sessions`` [{id, step,
+start, end, ok}], ``steps`` [{start, end}], ``sim_totals`` (the sum over engines of /sim/stats totals),
+``kvgate_counters`` (/kvgate/stats counters or None). Output times are SIMULATED seconds (wall x speed, i.e.
+what they would be at speed 1), so runs at different speeds compare.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Iterable
+
+HEADLINE = "makespan_s"
+# metric -> (column title, format); lower is better for every time and for recomputed/evictions.
+COLUMNS = [
+    ("makespan_s", "step makespan s", "{:.1f}"),
+    ("session_mean_s", "session mean s", "{:.1f}"),
+    ("session_p50_s", "session p50 s", "{:.1f}"),
+    ("session_p99_s", "session p99 s", "{:.1f}"),
+    ("turn_p50_s", "turn p50 s", "{:.2f}"),
+    ("turn_p99_s", "turn p99 s", "{:.2f}"),
+    ("ttft_p50_s", "TTFT p50 s", "{:.2f}"),
+    ("ttft_p99_s", "TTFT p99 s", "{:.2f}"),
+    ("output_tok_per_s", "out tok/s", "{:.0f}"),
+    ("cache_hit_rate", "prefix hit", "{:.1%}"),
+    ("recomputed_prefill_tokens", "recomputed prefill", "{:,.0f}"),
+    ("evicted_tokens", "evicted tok", "{:,.0f}"),
+    ("retractions", "retract", "{:.0f}"),
+    ("errors", "errors", "{:.0f}"),
+    ("queue_p50_s", "kvgate queue p50 s", "{:.2f}"),
+    ("queue_p99_s", "kvgate queue p99 s", "{:.2f}"),
+    ("admit_wait_bypass", "admit/wait/bypass", "{}"),
+]
+RATIO_METRICS = ["makespan_s", "session_mean_s", "session_p99_s", "turn_p50_s", "turn_p99_s", "ttft_p99_s",
+                 "output_tok_per_s", "recomputed_prefill_tokens"]
+
+
+def percentile(xs: Iterable[float], q: float) -> float:
+    """Nearest-rank percentile (q in 0..100) of ``xs``; NaN when empty. p50 of [1, 2, 3, 4] is 2 (rank
+    ceil(q/100 x n))."""
+    s = sorted(xs)
+    if not s:
+        return float("nan")
+    k = max(1, math.ceil(q / 100.0 * len(s)))
+    return s[min(k, len(s)) - 1]
+
+
+def summarize(raw: dict, speed: float, ideal_prefill_tokens: int) -> dict:
+    """The metrics of one arm (see COLUMNS); times in simulated seconds. ``ideal_prefill_tokens``: prefill
+    an unlimited cache would compute (workload.ideal_prefill_*); recomputed = computed - ideal, >= 0."""
+    reqs = raw.get("requests", [])
+    ok = [r for r in reqs if r["ok"]]
+    sess = [s for s in raw.get("sessions", []) if s["ok"] and s.get("end") is not None]
+    steps = [s for s in raw.get("steps", []) if s.get("end") is not None]
+    totals = raw.get("sim_totals") or {}
+    span = max((r["end"] for r in ok), default=0.0) - min((r["start"] for r in reqs), default=0.0)
+    out_tokens = sum(r.get("output_tokens", 0) for r in ok)
+    prompt = totals.get("prompt_tokens", 0)
+    cached = totals.get("cached_tokens", 0)
+    computed = prompt - cached
+    q = [r["queue_ms"] / 1000.0 * speed for r in reqs if r.get("queue_ms") is not None]
+    counters = raw.get("kvgate_counters")
+    m = {
+        "makespan_s": (sum(s["end"] - s["start"] for s in steps) / len(steps) * speed) if steps else float("nan"),
+        "session_mean_s": (sum(s["end"] - s["start"] for s in sess) / len(sess) * speed) if sess else float("nan"),
+        "session_p50_s": percentile((s["end"] - s["start"] for s in sess), 50) * speed,
+        "session_p99_s": percentile((s["end"] - s["start"] for s in sess), 99) * speed,
+        "turn_p50_s": percentile((r["end"] - r["start"] for r in ok), 50) * speed,
+        "turn_p99_s": percentile((r["end"] - r["start"] for r in ok), 99) * speed,
+        "ttft_p50_s": percentile((r["ttft"] - r["start"] for r in ok if r.get("ttft") is not None), 50) * speed,
+        "ttft_p99_s": percentile((r["ttft"] - r["start"] for r in ok if r.get("ttft") is not None), 99) * speed,
+        "output_tok_per_s": out_tokens / (span * speed) if span > 0 else float("nan"),
+        "cache_hit_rate": cached / prompt if prompt else float("nan"),
+        "prefill_computed_tokens": computed,
+        "recomputed_prefill_tokens": max(0, computed - ideal_prefill_tokens),
+        "evicted_tokens": totals.get("evicted_tokens", 0),
+        "retractions": totals.get("retractions", 0),
+        "aborted": totals.get("aborted", 0),
+        "errors": len(reqs) - len(ok),
+        "requests": len(reqs),
+        "queue_p50_s": percentile(q, 50) if q else None,
+        "queue_p99_s": percentile(q, 99) if q else None,
+        "admit": counters["admit"] if counters else None,
+        "wait": counters["wait"] if counters else None,
+        "bypass": (counters["bypass_protected"] + counters["bypass_degraded"] + counters["bypass_aged"])
+        if counters else None,
+        "bypass_by_reason": {k[len("bypass_"):]: counters[k] for k in counters if k.startswith("bypass_")}
+        if counters else None,
+    }
+    m["admit_wait_bypass"] = (f"{m['admit']}/{m['wait']}/{m['bypass']}" if counters else "-")
+    return m
+
+
+def ratios(metrics: dict[str, dict], base: str) -> dict[str, dict]:
+    """metric / the same metric of arm ``base`` for RATIO_METRICS; {} when ``base`` did not run. A NaN or
+    zero base gives None."""
+    if base not in metrics:
+        return {}
+    b = metrics[base]
+    out = {}
+    for arm, m in metrics.items():
+        row = {}
+        for k in RATIO_METRICS:
+            x, y = m.get(k), b.get(k)
+            ok = isinstance(x, (int, float)) and isinstance(y, (int, float)) and y and not math.isnan(y) \
+                and not math.isnan(x)
+            row[k] = x / y if ok else None
+        out[arm] = row
+    return out
+
+
+def _fmt(fmt: str, v) -> str:
+    if v is None or (isinstance(v, float) and math.isnan(v)):
+        return "-"
+    return fmt.format(v)
+
+
+def markdown(metrics: dict[str, dict], header: str = "") -> str:
+    """The report table: one row per arm (insertion order), then makespan ratios to direct and unbounded-kv."""
+    lines = [header] if header else []
+    lines.append("| arm | " + " | ".join(t for _, t, _ in COLUMNS) + " |")
+    lines.append("|---|" + "---|" * len(COLUMNS))
+    for arm, m in metrics.items():
+        lines.append(f"| {arm} | " + " | ".join(_fmt(f, m.get(k)) for k, _, f in COLUMNS) + " |")
+    for base in ("direct", "unbounded-kv"):
+        r = ratios(metrics, base)
+        if not r:
+            continue
+        lines.append("")
+        lines.append(f"Ratio to {base} (lower is better except out tok/s):")
+        lines.append("")
+        lines.append("| arm | " + " | ".join(k for k in RATIO_METRICS) + " |")
+        lines.append("|---|" + "---|" * len(RATIO_METRICS))
+        for arm, row in r.items():
+            lines.append(f"| {arm} | " + " | ".join(_fmt("{:.2f}", row[k]) for k in RATIO_METRICS) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def ranking(metrics: dict[str, dict], key: str = HEADLINE) -> list[str]:
+    """Arms ordered by ``key`` ascending (NaN last)."""
+    def k(arm):
+        v = metrics[arm].get(key)
+        return (1, 0.0) if v is None or (isinstance(v, float) and math.isnan(v)) else (0, v)
+    return sorted(metrics, key=k)

@@ -1,0 +1,331 @@
+"""Run one arm on a fresh fleet (edge): simulated engines, a real smg router, kvgate where the arm needs it,
+the workload client and a KV sampler. Every child is a subprocess in its own process group on 127.0.0.1
+(kvgate.procs) and is stopped by group when the arm ends.
+
+Turns go to /v1/completions as text with ``stream: true`` (TTFT = first non-empty text chunk) and
+``stream_options.include_usage``: smg 1.13 and sglang-router 0.3.2 drop a top-level session_id on /generate and
+/v1/chat/completions and forward it only on /v1/completions, which takes only text prompts. The same requests go
+to every arm.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import aiohttp
+import orjson
+
+from kvgate import procs
+from kvgate.bench.scenario import Scenario
+from kvgate.bench.speed import Scaled, kvgate_flags
+from kvgate.bench.workload import SessionPlan, TraceRequest, next_prompt
+
+
+@dataclass(frozen=True)
+class ArmSpec:
+    """What one arm runs: kvgate on/off and its features, the router limiter, the KV pool per engine."""
+
+    name: str
+    kvgate: bool = False
+    lifecycle: bool = False
+    admission: bool = False
+    router_limit: int | None = None
+    pool_tokens: int = 0
+
+
+def expand_arms(sc: Scenario) -> list[ArmSpec]:
+    """The scenario's arms in run order; router-limit becomes one arm per limit (router-limit-N)."""
+    out = []
+    for a in sc.arms:
+        pool = sc.max_total_num_tokens
+        if a == "direct":
+            out.append(ArmSpec(a, pool_tokens=pool))
+        elif a == "proxy-only":
+            out.append(ArmSpec(a, kvgate=True, pool_tokens=pool))
+        elif a == "lifecycle":
+            out.append(ArmSpec(a, kvgate=True, lifecycle=True, pool_tokens=pool))
+        elif a == "admission":
+            out.append(ArmSpec(a, kvgate=True, admission=True, pool_tokens=pool))
+        elif a == "lifecycle+admission":
+            out.append(ArmSpec(a, kvgate=True, lifecycle=True, admission=True, pool_tokens=pool))
+        elif a == "router-limit":
+            out += [ArmSpec(f"router-limit-{n}", router_limit=n, pool_tokens=pool) for n in sc.router_limits]
+        elif a == "unbounded-kv":
+            out.append(ArmSpec(a, pool_tokens=sc.unbounded_max_total_num_tokens))
+    return out
+
+
+class Fleet:
+    """Engines + smg (+ kvgate) for one arm. ``base`` is where the client sends requests."""
+
+    def __init__(self, sc: Scenario, arm: ArmSpec, scaled: Scaled, log_dir: Path):
+        self.sc, self.arm, self.scaled, self.log_dir = sc, arm, scaled, log_dir
+        self.procs: list[procs.Proc] = []
+        self.engine_urls: list[str] = []
+        self.router_url = ""
+        self.kvgate_url: str | None = None
+
+    @property
+    def base(self) -> str:
+        return self.kvgate_url or self.router_url
+
+    def start(self) -> None:
+        """Start everything and wait until it is ready. Raises RuntimeError/TimeoutError with a log tail."""
+        for i in range(self.sc.engines):
+            port = procs.free_port()
+            url = f"http://127.0.0.1:{port}"
+            cmd = [sys.executable, "-m", "kvgate", "sim-engine", "--port", str(port),
+                   "--max-total-num-tokens", str(self.arm.pool_tokens), "--speed", repr(self.scaled.sim_speed)]
+            for k, v in self.sc.sim_extra.items():
+                cmd += ["--" + k.replace("_", "-"), str(v)]
+            self.procs.append(procs.start(f"engine{i}", cmd, self.log_dir, url=url))
+            self.engine_urls.append(url)
+        for p in self.procs:
+            procs.wait_http(p.url + "/health", 30, p)
+        rport, mport = procs.free_port(), procs.free_port()
+        extra = []
+        if self.arm.router_limit:
+            extra = ["--max-concurrent-requests", str(self.arm.router_limit),
+                     "--queue-size", str(self.sc.router_queue_size),
+                     "--queue-timeout-secs", str(max(1, int(round(self.scaled.router_queue_timeout_s))))]
+        router = procs.start("smg", procs.smg_command(rport, self.engine_urls, mport, policy=self.sc.router_policy,
+                                                      extra=extra), self.log_dir, url=f"http://127.0.0.1:{rport}")
+        self.procs.append(router)
+        self.router_url = router.url
+        procs.wait_http(router.url + "/readiness", 60, router, procs.router_ready(len(self.engine_urls)))
+        if not self.arm.kvgate:
+            return
+        kport = procs.free_port()
+        cmd = [sys.executable, "-m", "kvgate", "serve", "--upstream", router.url, "--port", str(kport),
+               *kvgate_flags(self.scaled.kvgate_times)]
+        for k, v in self.sc.kvgate_extra.items():
+            cmd += ["--" + k.replace("_", "-"), str(v)]
+        if self.arm.lifecycle:
+            cmd.append("--agentic-session-lifecycle")
+        if self.arm.admission:
+            cmd.append("--agentic-program-admission")
+        kv = procs.start("kvgate", cmd, self.log_dir, url=f"http://127.0.0.1:{kport}")
+        self.procs.append(kv)
+        self.kvgate_url = kv.url
+        n = len(self.engine_urls)
+        procs.wait_http(kv.url + "/kvgate/engines", 30, kv,
+                        lambda st, body: st == 200 and len(json.loads(body)["engines"]) == n)
+        if self.arm.admission:  # start once the ledger has its first capacity snapshot
+            procs.wait_http(kv.url + "/kvgate/stats", 30, kv,
+                            lambda st, body: st == 200 and not json.loads(body)["ledger"]["degraded"])
+
+    def stop(self) -> None:
+        """Stop every process group, newest first."""
+        for p in reversed(self.procs):
+            p.stop()
+
+
+class Recorder:
+    """What the client saw, in wall seconds since ``t0``."""
+
+    def __init__(self) -> None:
+        self.t0 = time.monotonic()
+        self.requests: list[dict] = []
+        self.sessions: list[dict] = []
+        self.steps: list[dict] = []
+        self.samples: list[dict] = []
+        self.closes: dict[str, int] = {}
+
+    def now(self) -> float:
+        return time.monotonic() - self.t0
+
+
+async def send_turn(http: aiohttp.ClientSession, base: str, rec: Recorder, sid: str, turn: int, prompt: str,
+                    max_tokens: int) -> tuple[bool, str]:
+    """One streamed /v1/completions turn; appends a request record; returns (ok, output text)."""
+    body = orjson.dumps({"model": "kvgate-sim", "prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True,
+                         "stream": True, "stream_options": {"include_usage": True},
+                         "rid": f"{sid}-turn{turn}"})
+    r = {"session": sid, "turn": turn, "start": rec.now(), "ttft": None, "end": None, "ok": False,
+         "status": None, "error": None, "output_tokens": 0, "prompt_tokens": None, "cached_tokens": None,
+         "admission": None, "queue_ms": None, "prompt_len": len(prompt)}
+    parts: list[str] = []
+    try:
+        async with http.post(base + "/v1/completions", data=body,
+                             headers={"Content-Type": "application/json", "X-Session-ID": sid}) as resp:
+            r["status"] = resp.status
+            r["admission"] = resp.headers.get("X-Kvgate-Admission")
+            if resp.headers.get("X-Kvgate-Queue-Ms") is not None:
+                r["queue_ms"] = float(resp.headers["X-Kvgate-Queue-Ms"])
+            if resp.status != 200:
+                r["error"] = f"http {resp.status}: {(await resp.text())[:200]}"
+            else:
+                async for line in resp.content:
+                    if not line.startswith(b"data: ") or line.startswith(b"data: [DONE]"):
+                        continue
+                    obj = orjson.loads(line[6:])
+                    for ch in obj.get("choices") or []:
+                        if ch.get("text"):
+                            if r["ttft"] is None:
+                                r["ttft"] = rec.now()
+                            parts.append(ch["text"])
+                    if obj.get("usage"):
+                        u = obj["usage"]
+                        r["prompt_tokens"] = u.get("prompt_tokens")
+                        r["output_tokens"] = u.get("completion_tokens", 0)
+                        r["cached_tokens"] = (u.get("prompt_tokens_details") or {}).get("cached_tokens")
+                r["ok"] = True
+    except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as exc:
+        r["error"] = f"{type(exc).__name__}: {exc}"[:200]
+    r["end"] = rec.now()
+    text = "".join(parts)
+    if r["ok"] and not r["output_tokens"]:
+        r["output_tokens"] = len(text)
+    rec.requests.append(r)
+    return r["ok"], text
+
+
+async def _close(http: aiohttp.ClientSession, base: str, rec: Recorder, sid: str) -> None:
+    """SGLang's POST /close_session through the base URL: kvgate answers it when lifecycle is on; the router
+    does not proxy it (404). Sent in every arm so the workload is identical."""
+    try:
+        async with http.post(base + "/close_session", json={"session_id": sid}) as resp:
+            await resp.read()
+            key = str(resp.status)
+    except aiohttp.ClientError as exc:
+        key = type(exc).__name__
+    rec.closes[key] = rec.closes.get(key, 0) + 1
+
+
+async def run_agentic(base: str, plans: list[SessionPlan], scaled: Scaled, rec: Recorder, explicit_close: bool,
+                      progress: Callable[[], None]) -> None:
+    """Closed loop: each step starts all its sessions at once and ends when the last one ends."""
+    conn = aiohttp.TCPConnector(limit=0)
+    async with aiohttp.ClientSession(connector=conn, timeout=aiohttp.ClientTimeout(total=None)) as http:
+
+        async def session(p: SessionPlan) -> None:
+            s = {"id": p.session_id, "step": p.step, "start": rec.now(), "end": None, "ok": False}
+            rec.sessions.append(s)
+            prompt = p.first_prompt
+            ok = True
+            for k, t in enumerate(p.turns):
+                ok, out = await send_turn(http, base, rec, p.session_id, k + 1, prompt, t.max_tokens)
+                progress()
+                if not ok:
+                    break
+                if k < len(p.turns) - 1:
+                    await asyncio.sleep(scaled.wall(t.gap_s))  # the tool runs (the closed loop's idle window)
+                    prompt = next_prompt(prompt, out, t.observation)
+            s["end"], s["ok"] = rec.now(), ok
+            if explicit_close:
+                await _close(http, base, rec, p.session_id)
+
+        for step in sorted({p.step for p in plans}):
+            st = {"step": step, "start": rec.now(), "end": None}
+            rec.steps.append(st)
+            await asyncio.gather(*(session(p) for p in plans if p.step == step))
+            st["end"] = rec.now()
+
+
+async def run_trace(base: str, reqs: list[TraceRequest], scaled: Scaled, rec: Recorder,
+                    progress: Callable[[], None]) -> None:
+    """Open loop: each request at its (scaled) trace time; the 'step' is the whole window."""
+    conn = aiohttp.TCPConnector(limit=0)
+    st = {"step": 0, "start": rec.now(), "end": None}
+    rec.steps.append(st)
+    sess: dict[str, dict] = {}
+    async with aiohttp.ClientSession(connector=conn, timeout=aiohttp.ClientTimeout(total=None)) as http:
+
+        async def one(q: TraceRequest) -> None:
+            delay = scaled.wall(q.t_s) - (rec.now() - st["start"])
+            if delay > 0:
+                await asyncio.sleep(delay)  # open loop: the trace's own timestamps
+            s = sess.setdefault(q.session_id, {"id": q.session_id, "step": 0, "start": rec.now(), "end": None,
+                                                "ok": True})
+            ok, _ = await send_turn(http, base, rec, q.session_id, q.turn, q.prompt, q.max_tokens)
+            s["ok"] = s["ok"] and ok
+            s["end"] = max(s["end"] or 0.0, rec.now())
+            progress()
+
+        await asyncio.gather(*(one(q) for q in reqs))
+    st["end"] = rec.now()
+    rec.sessions.extend(sess.values())
+
+
+async def sample_loop(engine_urls: list[str], scaled: Scaled, rec: Recorder, stop: asyncio.Event) -> None:
+    """Every sample interval: each engine's KV usage, running and waiting requests (GET /v1/loads)."""
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=5)) as http:
+        while not stop.is_set():
+            t = rec.now()
+            for i, u in enumerate(engine_urls):
+                try:
+                    async with http.get(u + "/v1/loads") as r:
+                        loads = (await r.json())
+                    loads = loads.get("loads", loads) if isinstance(loads, dict) else loads
+                    used = sum(x["num_used_tokens"] for x in loads)
+                    total = sum(x["max_total_num_tokens"] for x in loads)
+                    rec.samples.append({"t": t, "engine": i, "usage": used / total if total else 0.0,
+                                        "running": sum(x["num_running_reqs"] for x in loads),
+                                        "waiting": sum(x["num_waiting_reqs"] for x in loads)})
+                except (aiohttp.ClientError, asyncio.TimeoutError, ValueError, KeyError, TypeError):
+                    pass
+            try:
+                await asyncio.wait_for(stop.wait(), timeout=scaled.sample_interval_s)
+            except asyncio.TimeoutError:
+                pass
+
+
+async def _get_json(url: str):
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as http:
+        async with http.get(url) as r:
+            return await r.json(content_type=None)
+
+
+async def run_arm_async(fleet: Fleet, workload, scaled: Scaled, sc: Scenario, progress, timeout_s: float) -> dict:
+    """Drive the workload against a started fleet; returns the raw record of the arm (see report.summarize)."""
+    rec = Recorder()
+    stop = asyncio.Event()
+    sampler = asyncio.create_task(sample_loop(fleet.engine_urls, scaled, rec, stop))
+    timed_out = False
+    try:
+        if sc.workload["kind"] == "agentic":
+            coro = run_agentic(fleet.base, workload, scaled, rec, sc.explicit_close, progress)
+        else:
+            coro = run_trace(fleet.base, workload, scaled, rec, progress)
+        await asyncio.wait_for(coro, timeout=timeout_s)
+    except asyncio.TimeoutError:
+        timed_out = True
+    finally:
+        stop.set()
+        await sampler
+    wall = rec.now()
+    sims = [await _get_json(u + "/sim/stats") for u in fleet.engine_urls]
+    totals: dict[str, float] = {}
+    for s in sims:
+        for k, v in s["totals"].items():
+            totals[k] = totals.get(k, 0) + v
+    kv_stats = None
+    if fleet.arm.admission and fleet.kvgate_url:
+        kv_stats = await _get_json(fleet.kvgate_url + "/kvgate/stats")
+    kv_health = await _get_json(fleet.kvgate_url + "/kvgate/health") if fleet.kvgate_url else None
+    return {"arm": fleet.arm.name, "wall_s": wall, "timed_out": timed_out, "requests": rec.requests,
+            "sessions": rec.sessions, "steps": rec.steps, "samples": rec.samples, "closes": rec.closes,
+            "sim_totals": totals, "sim_engines_sessions_seen": [len(s["sessions"]) for s in sims],
+            "kvgate_counters": kv_stats["counters"] if kv_stats else None,
+            "kvgate_ledger": kv_stats["ledger"] if kv_stats else None, "kvgate_health": kv_health}
+
+
+def run_arm(sc: Scenario, arm: ArmSpec, scaled: Scaled, workload, log_dir: Path, progress,
+            timeout_s: float) -> dict:
+    """Start a fresh fleet for ``arm``, run the workload, collect, stop everything. Returns the raw record."""
+    fleet = Fleet(sc, arm, scaled, log_dir)
+    t = time.monotonic()
+    try:
+        fleet.start()
+        startup = time.monotonic() - t
+        raw = asyncio.run(run_arm_async(fleet, workload, scaled, sc, progress, timeout_s))
+        raw["startup_s"] = startup
+        return raw
+    finally:
+        fleet.stop()
