@@ -230,3 +230,20 @@ async def test_smg_dp_aware_workers_collapse_to_one_engine(sim_factory, router_f
             view = await r.json()
     assert view["close_results"] == {e1.url: "ok"}
     assert w1.ids == ["dp-s"]  # one call; the engine broadcasts to its DP ranks itself
+
+
+async def test_engine_warnings_from_server_info_and_metrics(sim_factory, router_factory, kvgate_factory):
+    e_off = await sim_factory(max_total_num_tokens=10_000, speed=50, enable_session_radix_cache=False,
+                              disable_metrics=True)
+    e_ok = await sim_factory(max_total_num_tokens=10_000, speed=50)
+    router = await router_factory([e_off.url, e_ok.url])
+    gw, kv = await kvgate_factory(upstream=router, agentic_session_lifecycle=True, compat_probe=True)
+    await asyncio.wait_for(gw.directory.compat_checked.wait(), 20)
+    assert sorted(k for k, _ in gw.directory.warnings[e_off.url]) == ["metrics_404", "session_radix_cache_off"]
+    assert gw.directory.warnings[e_ok.url] == []
+    m = gw.metrics.render()[0].decode()
+    assert f'agentic_kv_engine_warning{{engine="{e_off.url}",kind="session_radix_cache_off"}} 1.0' in m
+    async with aiohttp.ClientSession() as http:
+        async with http.get(kv + "/kvgate/engines") as r:
+            view = {e["url"]: e for e in (await r.json())["engines"]}
+    assert view[e_off.url]["warnings"] == ["session_radix_cache_off", "metrics_404"]

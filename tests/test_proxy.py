@@ -150,3 +150,42 @@ async def test_own_endpoints(kvgate_factory, echo_upstream):
     assert h["status"] == "ok" and h["session_lifecycle"] is False
     assert [x["url"] for x in e["engines"]] == ["http://127.0.0.1:1"]
     assert echo_upstream.received[-1]["path"] == "/close_session"
+
+
+async def test_kvgate_fault_fails_open(kvgate_factory, echo_upstream):
+    gw, url = await kvgate_factory(upstream=echo_upstream.url, agentic_session_lifecycle=True)
+
+    def broken(*a, **k):
+        raise RuntimeError("injected")
+
+    gw.resolver.resolve = broken
+    gw.lifecycle.request_started = broken
+    raw = b'{"input_ids":[1,2,3]}'
+    async with aiohttp.ClientSession() as http:
+        async with http.post(url + "/generate", data=raw, headers={"X-Session-ID": "s"}) as r:
+            assert r.status == 200
+    assert echo_upstream.received[0]["body"] == raw  # unchanged, not dropped
+    m = gw.metrics.render()[0].decode()
+    assert 'agentic_kv_faults_total{stage="session"} 1.0' in m
+
+
+async def test_discovery_falls_back_to_list_workers(kvgate_factory):
+    from aiohttp import web
+
+    async def list_workers(request):
+        return web.json_response({"urls": ["http://10.0.0.1:1@0", "http://10.0.0.1:1@1", "http://10.0.0.2:2"]})
+
+    app = web.Application()
+    app.router.add_get("/list_workers", list_workers)  # an old sglang-router: /workers is 404
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    try:
+        router = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
+        gw, url = await kvgate_factory(upstream=router)
+        await gw.directory.first_refresh.wait()
+        assert gw.directory.urls == ["http://10.0.0.1:1", "http://10.0.0.2:2"]
+        assert gw.directory.last_error is None
+    finally:
+        await runner.cleanup()
