@@ -53,6 +53,7 @@ class EngineDirectory:
         self._task: asyncio.Task | None = None
         self._changed = asyncio.Event()
         self.first_refresh = asyncio.Event()
+        self.refreshed = asyncio.Event()  # replaced after each refresh: await it to see the next one
         self.compat_checked = asyncio.Event()
         metrics.set_passthrough(self.verdict)
 
@@ -130,14 +131,20 @@ class EngineDirectory:
                 except Exception:  # a consumer's fault must not stop discovery
                     log.exception("engine-change callback failed")
 
+    def _refreshed(self) -> None:
+        self.refreshed.set()
+        self.refreshed = asyncio.Event()
+
     async def _run(self) -> None:
         await self.refresh()
         self.first_refresh.set()
+        self._refreshed()
         if self.probe_enabled:
             asyncio.create_task(self._compat_loop(), name="kvgate-compat")
         while True:
             await asyncio.sleep(self.interval_s)
             await self.refresh()
+            self._refreshed()
 
     # --- compatibility ---------------------------------------------------------------------------
 

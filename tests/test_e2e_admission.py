@@ -43,12 +43,10 @@ def _spy_order(gw) -> list:
     return order
 
 
-async def _until(pred, what: str, timeout: float = 10.0):
-    async def loop():
-        while not pred():
-            await asyncio.sleep(0.01)
+async def _until(gw, pred, what: str, timeout: float = 10.0):
+    """Wait on the gate's change events (submit, grant, release, cancel, reconcile) until ``pred()`` holds."""
     try:
-        await asyncio.wait_for(loop(), timeout)
+        await gw.gate.wait_until(pred, timeout)
     except asyncio.TimeoutError:
         raise AssertionError(f"timed out waiting for {what}") from None
 
@@ -76,7 +74,7 @@ async def test_under_pressure_requests_wait_then_go_in_arrival_order(fleet):
         tasks = []
         for i in range(6):  # each reserves 100 prompt + 400 completion = 500 tokens: 3 fit in 1,800
             tasks.append(asyncio.create_task(_send(http, kv, _gen(100, 400, first=1000 * i + 1))))
-            await _until(lambda n=i + 1: gw.gate.coord.counters["admit"] + gw.gate.coord.waiting == n, "submit")
+            await _until(gw, lambda n=i + 1: gw.gate.coord.counters["admit"] + gw.gate.coord.waiting == n, "submit")
         assert gw.gate.coord.waiting == 3 and gw.gate.ledger.reserved == 1500
         results = await asyncio.gather(*tasks)
     assert [r[0] for r in results] == [200] * 6
@@ -97,12 +95,12 @@ async def test_disconnect_while_waiting_leaves_nothing_reserved(fleet):
     e, router, gw, kv = await fleet()
     async with aiohttp.ClientSession() as http:
         big = asyncio.create_task(_send(http, kv, _gen(100, 1500)))  # 1,600 reserved
-        await _until(lambda: gw.gate.ledger.reserved == 1600, "first lease")
+        await _until(gw, lambda: gw.gate.ledger.reserved == 1600, "first lease")
         waiter = asyncio.create_task(_send(http, kv, _gen(100, 400, first=5000)))
-        await _until(lambda: gw.gate.coord.waiting == 1, "a waiter")
+        await _until(gw, lambda: gw.gate.coord.waiting == 1, "a waiter")
         waiter.cancel()
         await asyncio.gather(waiter, return_exceptions=True)
-        await _until(lambda: gw.gate.coord.waiting == 0, "the waiter removed")
+        await _until(gw, lambda: gw.gate.coord.waiting == 0, "the waiter removed")
         assert gw.gate.coord.counters["cancelled"] == 1
         assert gw.gate.ledger.reserved == 1600  # only the running request's lease
         status, decision, _, _ = await big
@@ -115,7 +113,7 @@ async def test_aging_releases_the_head_after_max_wait(fleet):
     e, router, gw, kv = await fleet(agentic_admission_max_wait_s=0.5)
     async with aiohttp.ClientSession() as http:
         big = asyncio.create_task(_send(http, kv, _gen(100, 1500)))
-        await _until(lambda: gw.gate.ledger.reserved == 1600, "first lease")
+        await _until(gw, lambda: gw.gate.ledger.reserved == 1600, "first lease")
         t0 = time.monotonic()
         status, decision, queue_ms, _ = await _send(http, kv, _gen(100, 400, first=7000))
         took = time.monotonic() - t0
@@ -138,7 +136,7 @@ async def test_protected_and_eval_scope(fleet):
     e, router, gw, kv = await fleet(admission_eval_rules=[{"field": "rid", "equals": "eval-1"}])
     async with aiohttp.ClientSession() as http:
         big = asyncio.create_task(_send(http, kv, _gen(100, 1500)))
-        await _until(lambda: gw.gate.ledger.reserved == 1600, "first lease")
+        await _until(gw, lambda: gw.gate.ledger.reserved == 1600, "first lease")
         p = await _send(http, kv, _gen(100, 400, first=9000), {"X-Kvgate-Protected": "1"})
         ev = await _send(http, kv, {**_gen(10, 5, first=9500), "rid": "eval-1"})
         evh = await _send(http, kv, _gen(10, 5, first=9600), {"X-Kvgate-Scope": "eval"})
@@ -163,7 +161,8 @@ async def test_router_down_degrades_to_bypass_within_staleness_bound(sim_factory
     finally:
         p.stop()
     down_at = time.monotonic()
-    await _until(lambda: gw.gate.ledger.is_degraded(gw.gate.clock()), "degraded", timeout=10)
+    while not gw.gate.ledger.is_degraded(gw.gate.clock()):  # staleness is a matter of time: check each round
+        await asyncio.wait_for(gw.poller.round_done.wait(), 10)
     now = gw.gate.clock()
     # degraded when the last good snapshot turned stale: max(3 x poll, 5 s) = 5 s after it, and that
     # snapshot is at most one discovery refresh + one poll older than the router's death

@@ -183,7 +183,7 @@ async def test_router_down_then_discovery_keeps_last_good_list(sim_factory, kvga
         p.stop()
     before = gw.directory.metrics.discovery_failures._value.get()
     while gw.directory.last_error is None:
-        await asyncio.sleep(0.05)
+        await asyncio.wait_for(gw.directory.refreshed.wait(), 10)
     assert gw.directory.urls == [e1.url]  # the last good list is kept
     assert gw.directory.metrics.discovery_failures._value.get() > before
     async with aiohttp.ClientSession() as http:

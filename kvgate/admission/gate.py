@@ -64,6 +64,7 @@ class AdmissionGate:
         self._futures: dict[int, asyncio.Future] = {}
         self._kick = asyncio.Event()
         self._timer: asyncio.Task | None = None
+        self._changed = asyncio.Event()
 
     async def start(self) -> None:
         self._timer = asyncio.create_task(self._run_timer(), name="kvgate-admission-timer")
@@ -84,6 +85,7 @@ class AdmissionGate:
                                       chars_per_token=self.cfg.admission_chars_per_token, tokenizer=self.tokenizer)
         ticket = next(self._ids)
         d = self.coord.submit(ticket, tokens, protected, self.clock())
+        self._notify()
         if d.kind is Kind.WAIT:
             fut = asyncio.get_running_loop().create_future()
             self._futures[ticket] = fut
@@ -118,6 +120,20 @@ class AdmissionGate:
             elif self.coord.cancel(d.ticket, self.clock()):
                 self.dispatch(self.coord.pump(self.clock()))
         self._kick.set()
+        self._notify()
+
+    def _notify(self) -> None:
+        # Wakes wait_until() callers; a fresh Event each time so a late waiter never sees a stale set.
+        self._changed.set()
+        self._changed = asyncio.Event()
+
+    async def wait_until(self, predicate: Callable[[], bool], timeout_s: float = 10.0) -> None:
+        """Wait until ``predicate()`` holds, re-checking whenever the queue or the ledger changes
+        (submit, grant, release, cancel, reconcile). Raises asyncio.TimeoutError after ``timeout_s``."""
+        async def _wait() -> None:
+            while not predicate():
+                await self._changed.wait()
+        await asyncio.wait_for(_wait(), timeout_s)
 
     def reconcile(self, snapshot: ClusterSnapshot) -> None:
         """A new capacity snapshot from the poller (taken at snapshot.taken_at)."""
