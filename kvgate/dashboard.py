@@ -20,6 +20,7 @@ import argparse
 import json
 import re
 import sys
+import urllib.error
 import urllib.parse
 import urllib.request
 from dataclasses import dataclass, field
@@ -253,6 +254,10 @@ ROWS: tuple[RowSpec, ...] = (
                   (Target(f"sum by (kind) (rate(agentic_kv_upstream_errors_total{{{KV}}}[{RI}]))", "{{kind}}"),
                    Target(f"sum(rate(agentic_kv_client_disconnects_total{{{KV}}}[{RI}]))", "client disconnects")),
                   unit="reqps"),
+        PanelSpec("kvgate internal faults",
+                  "Faults in kvgate's own logic (the request went out unchanged: fail-open); anything above 0 is a "
+                  "kvgate bug or a bad signal: read kvgate's log for the stage shown.",
+                  (Target(f"sum by (stage) (increase(agentic_kv_faults_total{{{KV}}}[{RI}]))", "{{stage}}"),)),
     )),
 )
 
@@ -397,7 +402,11 @@ def main(argv: list[str] | None = None) -> int:
             Path(args.out).write_text(text)
     if args.check:
         qs = spec_queries()
-        problems = check(args.check, qs, rate_interval=args.rate_interval)
+        try:
+            problems = check(args.check, qs, rate_interval=args.rate_interval)
+        except (OSError, ValueError) as exc:  # URLError is an OSError; ValueError: not JSON
+            print(f"kvgate.dashboard: cannot query Prometheus at {args.check}: {exc}", file=sys.stderr)
+            return 2
         for title, ref, q, problem in problems:
             print(f"{title} [{ref}]: {problem}: {q}", file=sys.stderr)
         print(f"{len(qs) - len(problems)}/{len(qs)} queries returned series", file=sys.stderr)

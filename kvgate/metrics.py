@@ -66,6 +66,13 @@ class Metrics:
         self.admission_wait = Histogram(p + "admission_wait_seconds", "Time requests waited in the admission "
                                         "FIFO before admit or bypass", buckets=LATENCY_BUCKETS, registry=r)
 
+        # Known label values exist from the start at 0, so dashboards and alerts see a series before the
+        # first event (a missing series and a zero rate are different things to Prometheus).
+        for stage in ("session", "registry", "admission", "idle_sweep"):
+            self.faults.labels(stage)
+        for kind in ("unreachable", "timeout", "cut"):
+            self.upstream_errors.labels(kind)
+
     def render(self) -> tuple[bytes, str]:
         return generate_latest(self.registry), CONTENT_TYPE_LATEST
 
