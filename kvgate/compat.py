@@ -63,10 +63,10 @@ def verdict_line(verdict: str, upstream: str, lifecycle_on: bool) -> str:
                 ("session lifecycle is effective" if lifecycle_on else
                  "session lifecycle would be effective (agentic_session_lifecycle is off)"))
     if verdict == DROPPED:
-        return (f"compat: router {upstream} DROPS top-level session_id (sglang-router <= 0.3.2 re-serialises "
-                f"/generate), or the engines predate SGLang 0.5.15: sessions cannot tag KV; replace the router "
-                f"with smg (pip install smg) and run SGLang >= 0.5.17 with --enable-session-radix-cache; "
-                f"/close_session fan-out still runs")
+        return (f"compat: router {upstream} DROPS top-level session_id on /generate (measured: smg 1.13.0 and "
+                f"sglang-router 0.3.2 re-serialise /generate), or the engines predate SGLang 0.5.15: engines "
+                f"cannot tag /generate turns' KV by session. Turns sent as /v1/completions keep it (both routers "
+                f"forward it there); /close_session fan-out runs either way")
     return (f"compat: could not tell whether router {upstream} forwards session_id (no engine answered the "
             f"probe yet); will probe again when engines appear")
 

@@ -97,8 +97,29 @@ KEYS: list[Key] = [
     Key("set_routing_key", bool, True,
         "Set the routing-key header to the session id unless the client set one, so smg keeps a session on one engine."),
     Key("routing_key_header", str, "X-SMG-Routing-Key", "Header smg's consistent_hashing / manual policies read."),
+    Key("session_inference", bool, True,
+        "When body, header and field give no session id, infer it from the prompt's prefix (issue 5)."),
+    Key("session_inference_block_tokens", int, 64, "Token ids per hashed block for prefix inference.", _pos, "> 0"),
+    Key("session_inference_block_chars", int, 256, "Characters per hashed block (text and chat prompts).",
+        _pos, "> 0"),
+    Key("session_inference_min_output_fraction", float, 0.5,
+        "Share of the previous output a re-rendered turn must still contain to link.", lambda x: 0 <= x <= 1,
+        "in [0, 1]"),
+    Key("session_inference_allow_parallel", bool, False,
+        "A session with a request in flight can still be matched (agents that issue parallel calls)."),
     Key("session_idle_close_s", float, 300.0, "Close a session idle for this long, seconds; 0 = never.",
         _nonneg, ">= 0"),
+    Key("session_idle_close_mode", str, "fixed",
+        "fixed: close after session_idle_close_s; adaptive: after a multiple of a high quantile of the "
+        "gaps seen between turns, within a floor and a ceiling.", choices=("fixed", "adaptive")),
+    Key("session_idle_quantile", float, 0.95, "Gap quantile the adaptive threshold is based on.", _unit, "in (0, 1]"),
+    Key("session_idle_multiple", float, 3.0, "Adaptive threshold = multiple x quantile.", _pos, "> 0"),
+    Key("session_idle_floor_s", float, 10.0, "Adaptive threshold floor, seconds.", _pos, "> 0"),
+    Key("session_idle_ceiling_s", float, 900.0, "Adaptive threshold ceiling, seconds.", _pos, "> 0"),
+    Key("session_idle_min_samples", int, 32, "Gaps seen before the threshold adapts (until then: fixed).",
+        _pos, "> 0"),
+    Key("session_close_on_abort", bool, True,
+        "Close a session at once when its turn ends with an abort (the agent cannot continue from it)."),
     Key("session_close_drain_s", float, 30.0,
         "How long a close waits for the session's in-flight requests before fanning out, seconds.", _nonneg, ">= 0"),
     Key("close_timeout_s", float, 0.5, "Timeout of one /close_session call to one engine, seconds.", _pos, "> 0"),
@@ -234,6 +255,9 @@ def validate(raw: dict[str, Any]) -> Config:
             re.compile(values["session_field_regex"])
         except re.error as exc:
             raise ConfigError(f"session_field_regex: not a valid regular expression ({exc})") from None
+    if values["session_idle_floor_s"] > values["session_idle_ceiling_s"]:
+        raise ConfigError(f"session_idle_floor_s: must be <= session_idle_ceiling_s "
+                          f"({values['session_idle_ceiling_s']}), got {values['session_idle_floor_s']}")
     values["engines"] = [_url("engines", u) for u in values["engines"]]
     from kvgate.admission.policy import MatchRule
     for name in ("admission_protected_rules", "admission_eval_rules"):

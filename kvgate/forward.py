@@ -100,10 +100,11 @@ class Upstream:
             await self._session.close()
 
     async def relay(self, request: web.Request, path_qs: str, headers: CIMultiDict, body: bytes,
-                    observe: bool, add_headers: Iterable[tuple[str, str]] = (),
+                    observe: Callable[[bool], ResponseObserver] | None, add_headers: Iterable[tuple[str, str]] = (),
                     on_headers: Callable[[int], None] | None = None) -> tuple[web.StreamResponse, RelayOutcome]:
         """Send ``body`` to base+``path_qs`` and stream the answer to ``request``'s client.
 
+        observe: None, or a factory (is_sse -> ResponseObserver) for responses kvgate reads as they pass.
         Returns the response object (already prepared and finished, or an error Response to return)
         and the outcome. When the client goes away the handler is cancelled (handler_cancellation)
         or a write fails: either way leaving the ``async with`` closes the upstream connection, which
@@ -122,8 +123,8 @@ class Upstream:
                 resp = web.StreamResponse(status=up.status, reason=up.reason, headers=out_headers)
                 ctype = up.headers.get("Content-Type", "")
                 observer = None
-                if observe and "Content-Encoding" not in up.headers:
-                    observer = ResponseObserver(is_sse=ctype.startswith("text/event-stream"))
+                if observe is not None and "Content-Encoding" not in up.headers:
+                    observer = observe(ctype.startswith("text/event-stream"))
                 await resp.prepare(request)
                 chunks = up.content.iter_any()
                 while True:

@@ -46,6 +46,7 @@ Where inference stops being reliable (documented limits):
 from __future__ import annotations
 
 import secrets
+from array import array
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Mapping, Sequence
@@ -94,7 +95,7 @@ class _Track:
     """What inference keeps of one session: hashes and lengths only, never the units."""
 
     __slots__ = ("sid", "kind", "in_flight", "last_active", "p_len", "p_key", "p_tail", "pending",
-                 "o_len", "ck_blocks", "ck_hashes", "end_key", "end_tail", "probe", "turns")
+                 "o_len", "ck", "end_key", "end_tail", "probe", "turns")
 
     def __init__(self, sid: str, now: float):
         self.sid = sid
@@ -106,11 +107,10 @@ class _Track:
         self.p_tail = 0                 # hash of P's units after its last full block
         self.pending: Any = None        # P's units after its last full block, kept only while in flight
         self.o_len: int | None = None   # None: the output is unknown
-        self.ck_blocks: tuple[int, ...] = ()  # checkpoints along P + O: absolute block counts ...
-        self.ck_hashes: tuple[int, ...] = ()  # ... and the chain hash there
+        self.ck: array | None = None    # checkpoints along P + O: [block count, chain hash there, ...]
         self.end_key = 0                # chain hash after (p_len + o_len) // block blocks of P + O
         self.end_tail = 0               # hash of P + O's units after that
-        self.probe: Any = None          # O's last units, for rerender evidence
+        self.probe: Any = None          # O's last units (str, or an array of ids), for rerender evidence
         self.turns = 0
 
 
@@ -259,15 +259,17 @@ class SessionInference:
             if chain[k_end] == t.end_key and hash(seq[k_end * block:end]) == t.end_tail:
                 return end, DECISIVE
         covered = 0
-        for b, h in zip(t.ck_blocks, t.ck_hashes):  # a chain: a match at b implies all before it matched
-            if b > n_full or chain[b] != h:
+        ck = t.ck or ()
+        for i in range(0, len(ck), 2):  # a chain: a match at block b implies all before it matched
+            b = ck[i]
+            if b > n_full or chain[b] != ck[i + 1]:
                 break
             covered = b * block
         if covered > t.p_len and (covered - t.p_len) >= self.min_output_fraction * t.o_len:
             return covered, PARTIAL
         if t.probe is not None:
             hi = min(len(seq), end + self.rerender_slack)
-            at = _find(seq, t.probe, t.p_len, hi)
+            at = _find(seq, t.probe if t.kind == TEXT else tuple(t.probe), t.p_len, hi)
             if at >= 0:
                 return at, RERENDER
         return 0, None
@@ -292,7 +294,7 @@ class SessionInference:
         t.in_flight += 1
         t.turns += 1
         t.last_active = now
-        t.o_len, t.ck_blocks, t.ck_hashes, t.probe, t.pending = None, (), (), None, None
+        t.o_len, t.ck, t.probe, t.pending = None, None, None, None
         try:
             prep = prepared if prepared is not None else self.prepare(units)
         except TypeError:
@@ -330,8 +332,7 @@ class SessionInference:
         t.end_tail = hash(seq[nb * block:])
         c = self.output_checkpoints
         js = sorted({max(1, (nb * i) // c) for i in range(1, c + 1)}) if nb else []
-        t.ck_blocks = tuple(k0 + j for j in js)
-        t.ck_hashes = tuple(chain[j] for j in js)
+        t.ck = array("q", [x for j in js for x in (k0 + j, chain[j])]) if js else None
         n_probe = self.probes[kind]
         t.probe = None
         if n_probe > 0:
@@ -340,7 +341,10 @@ class SessionInference:
                 if len(body) >= n_probe:
                     t.probe = body[-n_probe:]
             elif len(out) > n_probe:  # leave out the last id: often a stop token the template re-renders
-                t.probe = out[-n_probe - 1:-1]
+                try:
+                    t.probe = array("q", out[-n_probe - 1:-1])
+                except (OverflowError, TypeError):
+                    t.probe = None
         t.last_active = now
 
     def on_request_end(self, session_id: str, now: float) -> None:
@@ -459,6 +463,70 @@ def chat_to_text(messages: Iterable[Mapping[str, Any]] | Any, add_generation_pro
     if add_generation_prompt:
         out.append(f"{_ROLE}assistant{_BODY}")
     return "".join(out)
+
+
+# --- what the proxy feeds in ---------------------------------------------------------------------
+
+def _single(body: Mapping[str, Any]) -> bool:
+    """One sequence: no n > 1 (top level on the OpenAI routes, in sampling_params on /generate)."""
+    for holder in (body, body.get("sampling_params")):
+        if isinstance(holder, Mapping):
+            n = holder.get("n")
+            if isinstance(n, int) and not isinstance(n, bool) and n > 1:
+                return False
+    return True
+
+
+def request_units(path: str, body: Mapping[str, Any]) -> Sequence[int] | str | None:
+    """The units inference matches for a generate request body, or None (then do not infer).
+
+    /generate: ``input_ids`` when a flat id list, else ``text`` when a string; /v1/completions: ``prompt``
+    when a string or a flat id list; /v1/chat/completions: chat_to_text(``messages``). Batches
+    (a list of prompts), n > 1, input_embeds and /v1/responses (server-side state) give None."""
+    if not isinstance(body, Mapping) or not _single(body):
+        return None
+    if path == "/generate":
+        ids_ = body.get("input_ids")
+        if isinstance(ids_, list) and ids_ and isinstance(ids_[0], int) and not isinstance(ids_[0], bool):
+            return ids_
+        text = body.get("text")
+        return text if isinstance(text, str) and text and "input_embeds" not in body else None
+    if path == "/v1/completions":
+        prompt = body.get("prompt")
+        if isinstance(prompt, str) and prompt:
+            return prompt
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], int) and not isinstance(prompt[0], bool):
+            return prompt
+        return None
+    if path == "/v1/chat/completions":
+        return chat_to_text(body.get("messages"))
+    return None
+
+
+def response_units(path: str, obj: Any, prompt_kind_text: bool) -> Sequence[int] | str | None:
+    """The output to pass to on_response from a final (non-stream, or last cumulative /generate stream)
+    response object: /generate ``output_ids`` when the prompt was ids (``text`` when it was text);
+    /v1/completions ``choices[0].text``; /v1/chat/completions chat_output_text(``choices[0].message``).
+    A streamed OpenAI response must be accumulated first (deltas) into that same shape."""
+    if not isinstance(obj, Mapping):
+        return None
+    if path == "/generate":
+        if prompt_kind_text:
+            text = obj.get("text")
+            return text if isinstance(text, str) else None
+        out = obj.get("output_ids")
+        return out if isinstance(out, list) else None
+    choices = obj.get("choices")
+    if not isinstance(choices, list) or not choices or not isinstance(choices[0], Mapping):
+        return None
+    c0 = choices[0]
+    if path == "/v1/completions":
+        text = c0.get("text")
+        return text if isinstance(text, str) else None
+    if path == "/v1/chat/completions":
+        msg = c0.get("message")
+        return chat_output_text(msg) if isinstance(msg, Mapping) else None
+    return None
 
 
 # --- accuracy ----------------------------------------------------------------------------------------

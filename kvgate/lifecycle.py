@@ -20,6 +20,7 @@ import aiohttp
 from kvgate.aio import cancel_tasks
 
 from kvgate.engines import EngineDirectory
+from kvgate.idle_policy import IdlePolicy, StepTracker, ends_session
 from kvgate.metrics import Metrics
 from kvgate.sessions import ACTIVE, CLOSED, CLOSING, SessionRegistry
 
@@ -59,16 +60,21 @@ async def close_on_engine(session: aiohttp.ClientSession, url: str, session_id: 
 class SessionLifecycle:
     """Owns the registry, runs closes and the idle sweep.
 
-    clock: monotonic seconds (injectable for tests of the shell).
+    policy: when a session counts as idle (fixed or adaptive, kvgate.idle_policy); steps: which sessions
+    still have KV since the last cache flush; close_on_abort: close a session whose turn ended in an
+    abort. clock: monotonic seconds (injectable for tests of the shell).
     """
 
     def __init__(self, registry: SessionRegistry, directory: EngineDirectory, metrics: Metrics, *,
-                 idle_close_s: float, drain_s: float, close_timeout_s: float, close_retries: int,
+                 drain_s: float, close_timeout_s: float, close_retries: int,
+                 policy: IdlePolicy | None = None, steps: StepTracker | None = None, close_on_abort: bool = True,
                  clock: Callable[[], float] = time.monotonic):
         self.registry = registry
         self.directory = directory
         self.metrics = metrics
-        self.idle_close_s = idle_close_s
+        self.policy = policy or IdlePolicy(fixed_s=300.0)
+        self.steps = steps or StepTracker(registry.max_sessions)
+        self.close_on_abort = close_on_abort
         self.drain_s = drain_s
         self.close_timeout_s = close_timeout_s
         self.close_retries = close_retries
@@ -77,6 +83,7 @@ class SessionLifecycle:
         self._closing: dict[str, asyncio.Task] = {}
         self._session: aiohttp.ClientSession | None = None
         self._idle_task: asyncio.Task | None = None
+        self._changed = asyncio.Event()
         self._publish()
 
     @property
@@ -86,7 +93,7 @@ class SessionLifecycle:
         return self._session
 
     async def start(self) -> None:
-        if self.idle_close_s > 0:
+        if self.policy.mode == "adaptive" or self.policy.fixed_s > 0:
             self._idle_task = asyncio.create_task(self._idle_loop(), name="kvgate-idle-close")
 
     async def stop(self) -> None:
@@ -97,15 +104,27 @@ class SessionLifecycle:
     # --- request hooks (called by the proxy; must never raise into it) -----------------------------
 
     def request_started(self, session_id: str, source: str | None) -> None:
-        self.registry.request_started(session_id, source, self.clock())
+        now = self.clock()
+        self.registry.request_started(session_id, source, now)
+        self.policy.on_turn_start(session_id, now)
+        self.steps.on_kv(session_id)
 
     def request_finished(self, session_id: str, meta: dict | None, finish_type: str | None) -> None:
-        self.registry.request_finished(session_id, self.clock(), meta)
+        now = self.clock()
+        self.registry.request_finished(session_id, now, meta)
+        self.policy.on_turn_end(session_id, now)
+        self.steps.on_kv(session_id)
         s = self.registry.get(session_id)
         if s is not None and s.in_flight == 0:
             ev = self._drained.get(session_id)
             if ev is not None:
                 ev.set()
+        if self.close_on_abort and ends_session(finish_type):
+            self.close(session_id, "abort")  # the agent cannot continue from an aborted turn
+
+    def step_boundary(self, path: str, status: int | None, body: dict | None) -> bool:
+        """A relayed request that may have flushed the engines' KV (weights update, flush_cache ...)."""
+        return self.steps.on_boundary(path, status, body)
 
     # --- closing -------------------------------------------------------------------------------
 
@@ -116,6 +135,12 @@ class SessionLifecycle:
         if task is not None:
             return task
         if not self.registry.begin_close(session_id, reason, self.clock()):
+            return None
+        if reason in ("idle", "abort") and not self.steps.has_kv(session_id):
+            # Its KV went with a cache flush (a step boundary): nothing to free on the engines.
+            self.registry.finish_close(session_id, {}, self.clock())
+            self.metrics.session_close_skipped.labels("no_kv").inc()
+            self._notify()
             return None
         task = asyncio.create_task(self._close(session_id, reason), name=f"kvgate-close-{session_id}")
         self._closing[session_id] = task
@@ -146,21 +171,43 @@ class SessionLifecycle:
                         {u: r for u, r in by_url.items() if r != "ok"})
         self.metrics.session_close.labels(reason).inc()
         self.registry.finish_close(session_id, by_url, self.clock())
+        self._notify()
         return by_url
 
     async def _idle_loop(self) -> None:
-        # A sweep every quarter of the idle threshold (at most every 5 s) bounds close lateness.
-        period = min(max(self.idle_close_s / 4, 0.05), 5.0)
         while True:
-            await asyncio.sleep(period)
+            # A sweep every quarter of the (smallest) idle threshold, at most every 5 s, bounds lateness.
+            threshold = self.policy.sweep_threshold()
+            await asyncio.sleep(min(max(threshold / 4, 0.05), 5.0) if threshold > 0 else 5.0)
             try:
-                for sid in self.registry.idle_sessions(self.clock(), self.idle_close_s):
-                    self.close(sid, "idle")
+                now = self.clock()
+                for sid in self.registry.idle_sessions(now, self.policy.sweep_threshold()):
+                    s = self.registry.get(sid)
+                    if s is not None and self.policy.should_close(sid, now - s.last_seen):
+                        self.close(sid, "idle")
             except Exception:  # never let a registry fault kill the sweep
                 log.exception("idle sweep failed")
                 self.metrics.faults.labels("idle_sweep").inc()
 
+    def _notify(self) -> None:
+        self._changed.set()
+        self._changed = asyncio.Event()
+
+    async def wait_until(self, predicate: Callable[[], bool], timeout_s: float = 10.0) -> None:
+        """Wait until ``predicate()`` holds, re-checking each time a close finishes (fanned out or skipped).
+        Raises asyncio.TimeoutError after ``timeout_s`` seconds."""
+        async def _wait() -> None:
+            while not predicate():
+                await self._changed.wait()
+        await asyncio.wait_for(_wait(), timeout_s)
+
+    def forget(self, session_id: str) -> None:
+        """The client ended the session for good: drop its learned state."""
+        self.policy.forget(session_id)
+
     def _publish(self) -> None:
+        self.metrics.idle_threshold.set_function(self.policy.global_threshold)
+        self.metrics.step.set_function(lambda: self.steps.step)
         # Counted at scrape time: an O(sessions) walk per scrape, not per request.
         for state in (ACTIVE, CLOSING, CLOSED):
             self.metrics.sessions.labels(state).set_function(lambda st=state: self.registry.counts()[st])

@@ -49,6 +49,19 @@ class Metrics:
         self.session_close = Counter(p + "session_close", "Sessions closed, by reason", ["reason"], registry=r)
         self.session_close_failure = Counter(p + "session_close_failure", "Engine /close_session calls that "
                                              "failed after retries", registry=r)
+        self.session_close_skipped = Counter(p + "session_close_skipped", "Closes not fanned out, by why (no_kv: "
+                                             "the session's KV went with a cache flush)", ["reason"], registry=r)
+        self.session_inference = Counter(p + "session_inference", "Generate calls without a named session, by what "
+                                         "prefix inference found (decisive, partial, rerender, prompt-only, new, "
+                                         "new-ambiguous, unsupported)", ["result"], registry=r)
+        self.inference_tracked = Gauge(p + "session_inference_tracked", "Sessions tracked by prefix inference",
+                                       registry=r)
+        self.inference_dropped = Gauge(p + "session_inference_dropped", "Sessions dropped by the inference cap",
+                                       registry=r)
+        self.idle_threshold = Gauge(p + "session_idle_threshold_seconds", "Idle time after which a session is "
+                                    "closed (adaptive mode: learned from the gaps between turns)", registry=r)
+        self.step = Gauge(p + "step", "Training steps seen: cache flushes and weight updates relayed by kvgate",
+                          registry=r)
         self.close_latency = Histogram(p + "session_close_fanout_seconds", "Time of one close fan-out to "
                                        "every engine", buckets=LATENCY_BUCKETS, registry=r)
         # engines and compatibility
@@ -68,10 +81,16 @@ class Metrics:
 
         # Known label values exist from the start at 0, so dashboards and alerts see a series before the
         # first event (a missing series and a zero rate are different things to Prometheus).
-        for stage in ("session", "registry", "admission", "idle_sweep"):
+        for stage in ("session", "registry", "admission", "idle_sweep", "inference"):
             self.faults.labels(stage)
         for kind in ("unreachable", "timeout", "cut"):
             self.upstream_errors.labels(kind)
+        for reason in ("explicit", "api", "idle", "abort"):
+            self.session_close.labels(reason)
+        self.session_close_skipped.labels("no_kv")
+        for result in ("decisive", "partial", "rerender", "prompt-only", "new", "new-ambiguous", "unsupported"):
+            self.session_inference.labels(result)
+
 
     def render(self) -> tuple[bytes, str]:
         return generate_latest(self.registry), CONTENT_TYPE_LATEST

@@ -13,17 +13,22 @@ from typing import Any
 
 import orjson
 
+from kvgate.inference import chat_output_text, response_units
+
 
 @dataclass
 class Observed:
     """meta_info (prompt_tokens, completion_tokens, cached_tokens, finish_reason ...) and output_ids.
 
-    For a batch response, the per-sequence lists are summed into one meta_info.
+    For a batch response, the per-sequence lists are summed into one meta_info. ``output`` is what
+    session inference needs (kvgate.inference.response_units): the output ids, or the output text for
+    text prompts and the OpenAI routes; None when the observer was not asked for it.
     """
 
     meta_info: dict[str, Any] | None = None
     output_ids: list[int] | None = None
     finish_type: str | None = None
+    output: list[int] | str | None = None
 
 
 def _from_obj(obj: Any) -> Observed:
@@ -63,15 +68,21 @@ class ResponseObserver:
     """Fed the response body chunk by chunk; ``result()`` parses what it kept.
 
     is_sse: the response is text/event-stream. max_json_bytes: a JSON body larger than this is not
-    parsed (its meta_info is skipped, the relay is unaffected).
+    parsed (its meta_info is skipped, the relay is unaffected). route / prompt_is_text: when ``route``
+    is given, ``result().output`` carries the turn's output for session inference; OpenAI streams send
+    deltas, so their text is accumulated (up to max_json_bytes) instead of keeping the last event.
     """
 
-    def __init__(self, is_sse: bool, max_json_bytes: int = 16 * 1024 * 1024):
+    def __init__(self, is_sse: bool, max_json_bytes: int = 16 * 1024 * 1024, route: str | None = None,
+                 prompt_is_text: bool = False):
         self.is_sse = is_sse
         self.max_json_bytes = max_json_bytes
+        self.route = route
+        self.prompt_is_text = prompt_is_text
         self._buf = bytearray()
         self._last_event: bytes | None = None
         self._overflow = False
+        self._deltas = _OpenAIDeltas(max_json_bytes) if is_sse and route in _OPENAI_ROUTES else None
 
     def feed(self, chunk: bytes) -> None:
         """Take one relayed chunk (any size; events may straddle chunks)."""
@@ -91,7 +102,13 @@ class ResponseObserver:
             return
         complete = bytes(self._buf[:end])
         del self._buf[:end + 2]
-        for event in reversed(complete.split(b"\n\n")):
+        events = complete.split(b"\n\n")
+        if self._deltas is not None:
+            for event in events:
+                data = _event_data(event)
+                if data is not None and data != b"[DONE]":
+                    self._deltas.add(data)
+        for event in reversed(events):
             data = _event_data(event)
             if data is not None and data != b"[DONE]":
                 self._last_event = data
@@ -101,12 +118,78 @@ class ResponseObserver:
         """Parse what was kept; never raises (unparsable -> empty Observed)."""
         try:
             if self.is_sse:
-                return _from_obj(orjson.loads(self._last_event)) if self._last_event else Observed()
-            if self._overflow or not self._buf:
+                if not self._last_event:
+                    return Observed()
+                obj = orjson.loads(self._last_event)
+            elif self._overflow or not self._buf:
                 return Observed()
-            return _from_obj(orjson.loads(bytes(self._buf)))
+            else:
+                obj = orjson.loads(bytes(self._buf))
         except orjson.JSONDecodeError:
             return Observed()
+        out = _from_obj(obj)
+        if self.route is not None:
+            if self._deltas is not None:
+                out.output = self._deltas.output(self.route)
+                out.finish_type = out.finish_type or self._deltas.finish
+            else:
+                out.output = response_units(self.route, obj, self.prompt_is_text)
+        return out
+
+
+_OPENAI_ROUTES = ("/v1/completions", "/v1/chat/completions")
+
+
+class _OpenAIDeltas:
+    """Accumulates an OpenAI stream's choices[0] deltas: completion text, chat content and tool calls."""
+
+    def __init__(self, cap: int):
+        self.cap = cap
+        self.size = 0
+        self.text: list[str] = []
+        self.calls: dict[int, dict[str, Any]] = {}
+        self.finish: str | None = None
+
+    def add(self, data: bytes) -> None:
+        if self.size > self.cap:
+            return
+        self.size += len(data)
+        try:
+            obj = orjson.loads(data)
+        except orjson.JSONDecodeError:
+            return
+        choices = obj.get("choices") if isinstance(obj, dict) else None
+        if not isinstance(choices, list) or not choices or not isinstance(choices[0], dict):
+            return
+        c0 = choices[0]
+        if isinstance(c0.get("finish_reason"), str):
+            self.finish = c0["finish_reason"]
+        if isinstance(c0.get("text"), str):
+            self.text.append(c0["text"])
+        delta = c0.get("delta")
+        if not isinstance(delta, dict):
+            return
+        if isinstance(delta.get("content"), str):
+            self.text.append(delta["content"])
+        for call in delta.get("tool_calls") or ():
+            if not isinstance(call, dict):
+                continue
+            slot = self.calls.setdefault(int(call.get("index", 0)), {"id": None, "type": "function",
+                                                                    "function": {"name": "", "arguments": ""}})
+            if call.get("id"):
+                slot["id"] = call["id"]
+            fn = call.get("function") if isinstance(call.get("function"), dict) else {}
+            slot["function"]["name"] += fn.get("name") or ""
+            slot["function"]["arguments"] += fn.get("arguments") or ""
+
+    def output(self, route: str) -> str:
+        text = "".join(self.text)
+        if route == "/v1/completions":
+            return text
+        message: dict[str, Any] = {"role": "assistant", "content": text}
+        if self.calls:
+            message["tool_calls"] = [self.calls[i] for i in sorted(self.calls)]
+        return chat_output_text(message)
 
 
 def _event_data(event: bytes) -> bytes | None:

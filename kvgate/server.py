@@ -12,25 +12,44 @@ import asyncio
 import logging
 import signal
 import time
+from dataclasses import dataclass, field
 from typing import Any
 
 import orjson
 from aiohttp import web
 
 from kvgate import __version__
-from kvgate.classify import classify, with_session_id
+from kvgate.classify import STEP_BOUNDARY_ROUTES, classify, parse_json_object, with_session_id
 from kvgate.config import Config
 from kvgate.engines import EngineDirectory
 from kvgate.forward import Upstream, forward_headers
 from kvgate.gate import Gate, OpenGate, RequestInfo, Ticket
+from kvgate.idle_policy import IdlePolicy, StepTracker
+from kvgate.inference import SessionInference, request_units
 from kvgate.lifecycle import SessionLifecycle
 from kvgate.metrics import Metrics
+from kvgate.observe import ResponseObserver
 from kvgate.session_identity import SessionResolver
 from kvgate.sessions import SessionRegistry
 
 log = logging.getLogger("kvgate")
 
 GATEWAY_KEY = web.AppKey("gateway", object)
+# Step-boundary bodies larger than this (tensor payloads) are not parsed: they take SGLang's defaults.
+STEP_BODY_PARSE_LIMIT = 1 << 20
+
+
+@dataclass
+class SessionPlan:
+    """How one generate call is tied to a session: the id and where it came from (body, header, field,
+    inferred), the body and extra headers to forward, and whether prefix inference tracks it."""
+
+    session_id: str | None = None
+    source: str | None = None
+    body: bytes = b""
+    extra: dict[str, str] = field(default_factory=dict)
+    inferred: bool = False
+    prompt_is_text: bool = False
 
 
 def _json(obj: Any, status: int = 200) -> web.Response:
@@ -50,9 +69,23 @@ class Gateway:
         self.metrics.lifecycle_enabled.set(1 if self.lifecycle_on else 0)
         self.resolver = SessionResolver(cfg.session_resolution_order, cfg.session_header, cfg.session_field,
                                         cfg.session_field_regex)
+        policy = IdlePolicy(mode=cfg.session_idle_close_mode, fixed_s=cfg.session_idle_close_s,
+                            quantile=cfg.session_idle_quantile, multiple=cfg.session_idle_multiple,
+                            floor_s=cfg.session_idle_floor_s, ceiling_s=cfg.session_idle_ceiling_s,
+                            min_samples=cfg.session_idle_min_samples, max_sessions=cfg.max_tracked_sessions)
         self.lifecycle = SessionLifecycle(SessionRegistry(cfg.max_tracked_sessions), self.directory, self.metrics,
-                                          idle_close_s=cfg.session_idle_close_s, drain_s=cfg.session_close_drain_s,
-                                          close_timeout_s=cfg.close_timeout_s, close_retries=cfg.close_retries)
+                                          drain_s=cfg.session_close_drain_s, close_timeout_s=cfg.close_timeout_s,
+                                          close_retries=cfg.close_retries, policy=policy,
+                                          steps=StepTracker(cfg.max_tracked_sessions),
+                                          close_on_abort=cfg.session_close_on_abort)
+        self.inference: SessionInference | None = None
+        if self.lifecycle_on and cfg.session_inference:
+            self.inference = SessionInference(
+                block_tokens=cfg.session_inference_block_tokens, block_chars=cfg.session_inference_block_chars,
+                min_output_fraction=cfg.session_inference_min_output_fraction,
+                allow_parallel=cfg.session_inference_allow_parallel, max_sessions=cfg.max_tracked_sessions)
+            self.metrics.inference_tracked.set_function(lambda: len(self.inference))
+            self.metrics.inference_dropped.set_function(lambda: self.inference.counts["dropped"])
         self.poller = None
         if gate is None and cfg.agentic_program_admission:
             from kvgate.admission.gate import AdmissionGate
@@ -139,17 +172,30 @@ class Gateway:
         if state not in (None, "active", "closing", "closed"):
             return _json({"error": {"message": "state must be one of active, closing, closed"}}, 400)
         reg = self.lifecycle.registry
-        return _json(reg.as_json(self.lifecycle.clock(), limit=limit, state=state))
+        out = reg.as_json(self.lifecycle.clock(), limit=limit, state=state)
+        for entry in out["sessions"]:
+            self._augment(entry)
+        out["step"] = self.lifecycle.steps.as_json()
+        out["idle_policy"] = self.lifecycle.policy.stats()
+        out["inference"] = self.inference.stats() if self.inference is not None else None
+        return _json(out)
+
+    def _augment(self, entry: dict) -> dict:
+        sid = entry["session_id"]
+        entry["kv_step"] = self.lifecycle.steps.kv_step(sid)
+        entry["idle_threshold_s"] = round(self.lifecycle.policy.threshold(sid), 3)
+        return entry
 
     async def handle_session(self, request: web.Request) -> web.Response:
         s = self.lifecycle.registry.get(request.match_info["sid"])
         if s is None:
             return _json({"error": {"message": f"unknown session {request.match_info['sid']!r}"}}, 404)
-        return _json(s.as_json(self.lifecycle.clock()))
+        return _json(self._augment(s.as_json(self.lifecycle.clock())))
 
     async def handle_session_close(self, request: web.Request) -> web.Response:
         """Close a session; ``?wait=1`` answers after the fan-out with its per-engine result."""
         sid = request.match_info["sid"]
+        self._forget(sid)
         task = self.lifecycle.close(sid, "api")
         if request.query.get("wait") in ("1", "true") and task is not None:
             await asyncio.shield(task)
@@ -172,8 +218,15 @@ class Gateway:
             return _json({"error": {"message": "session_id is required"}}, 400)
         if not isinstance(sid, str) or not sid:
             return _json({"error": {"message": "session_id must be a non-empty string"}}, 400)
+        self._forget(sid)
         self.lifecycle.close(sid, "explicit")
         return web.Response(status=200)
+
+    def _forget(self, sid: str) -> None:
+        # The client ended this session: later prompts that extend it start a new one.
+        if self.inference is not None:
+            self.inference.forget(sid)
+        self.lifecycle.forget(sid)
 
     # --- the request path ------------------------------------------------------------------------
 
@@ -181,17 +234,15 @@ class Gateway:
         t0 = time.perf_counter()
         raw = await request.read()
         c = classify(request.method, request.path, raw)
-        body = raw
-        extra: dict[str, str] = {}
-        session_id: str | None = None
-        source: str | None = None
+        plan = SessionPlan(body=raw)
         if self.lifecycle_on and c.body is not None:
             try:
-                session_id, source, body, extra = self._resolve_session(c.body, raw, request)
+                plan = self._resolve_session(c.path, c.body, raw, request)
             except Exception:  # fail-open: a kvgate fault never alters or drops the request
                 log.exception("session resolution failed; forwarding unchanged")
                 self.metrics.faults.labels("session").inc()
-                session_id, body, extra = None, raw, {}
+                plan = SessionPlan(body=raw)
+        session_id = plan.session_id
         try:
             ticket = await self.gate.acquire(RequestInfo(c, request.headers, session_id))
         except Exception:
@@ -201,18 +252,21 @@ class Gateway:
         self.metrics.added_latency.observe(max(0.0, time.perf_counter() - t0 - ticket.queue_s))
         if session_id is not None:
             try:
-                self.lifecycle.request_started(session_id, source)
+                self.lifecycle.request_started(session_id, plan.source)
             except Exception:
                 self.metrics.faults.labels("registry").inc()
                 session_id = None
-        headers = forward_headers(request.headers, extra)
+        headers = forward_headers(request.headers, plan.extra)
+        observe = None
+        if plan.session_id is not None:
+            def observe(is_sse: bool, route=c.path, text=plan.prompt_is_text) -> ResponseObserver:
+                return ResponseObserver(is_sse, route=route, prompt_is_text=text)
         self.metrics.inflight.inc()
         t1 = time.perf_counter()
         outcome = None
         try:
-            resp, outcome = await self.upstream.relay(request, request.raw_path, headers, body,
-                                                      observe=session_id is not None,
-                                                      add_headers=ticket.headers)
+            resp, outcome = await self.upstream.relay(request, request.raw_path, headers, plan.body,
+                                                      observe=observe, add_headers=ticket.headers)
             return resp
         except asyncio.CancelledError:
             self.metrics.client_disconnects.inc()
@@ -221,23 +275,39 @@ class Gateway:
             self.metrics.inflight.dec()
             self._release(ticket)
             self._record(c.route, outcome, time.perf_counter() - t1)
+            obs = self._observed(outcome)
             if session_id is not None:
-                self._finish_session(session_id, outcome)
+                self._finish_session(session_id, obs)
+            if plan.inferred:
+                self._finish_inference(plan.session_id, obs)
+            if self.lifecycle_on and c.method == "POST" and c.path in STEP_BOUNDARY_ROUTES:
+                self._step_boundary(c.path, raw, outcome)
 
-    def _resolve_session(self, body_obj: dict, raw: bytes, request: web.Request):
+    def _resolve_session(self, path: str, body_obj: dict, raw: bytes, request: web.Request) -> SessionPlan:
         res = self.resolver.resolve(body_obj, request.headers)
-        if res.session_id is None:
-            return None, None, raw, {}
-        new_body = with_session_id(raw, body_obj, res.session_id)
+        sid, source, units, inferred = res.session_id, res.source, None, None
+        if sid is None and self.inference is not None:
+            units = request_units(path, body_obj)
+            if units is not None:
+                inferred = self.inference.infer(units, self.lifecycle.clock())
+                self.metrics.session_inference.labels(inferred.reason).inc()
+                sid, source = inferred.session_id, "inferred"
+        if sid is None:
+            return SessionPlan(body=raw)
+        new_body = with_session_id(raw, body_obj, sid)
         if new_body is None and "session_params" in body_obj:
             self.metrics.session_params_skipped.inc()
-            return None, None, raw, {}
-        self.metrics.session_id_injected.labels(res.source).inc()
+            return SessionPlan(body=raw)
+        if inferred is not None:
+            # Synchronously, before the admission wait: a concurrent turn must see this session busy.
+            self.inference.on_request_start(sid, units, self.lifecycle.clock(), inferred.prepared)
+        self.metrics.session_id_injected.labels(source).inc()
         extra = {}
         rk = self.cfg.routing_key_header
         if self.cfg.set_routing_key and rk not in request.headers:
-            extra[rk] = res.session_id
-        return res.session_id, res.source, (new_body if new_body is not None else raw), extra
+            extra[rk] = sid
+        return SessionPlan(sid, source, new_body if new_body is not None else raw, extra,
+                           inferred=inferred is not None, prompt_is_text=isinstance(units, str))
 
     def _release(self, ticket: Ticket) -> None:
         try:
@@ -261,13 +331,39 @@ class Gateway:
         self.metrics.requests.labels(route, status).inc()
         self.metrics.upstream_latency.labels(route).observe(elapsed)
 
-    def _finish_session(self, session_id: str, outcome) -> None:
+    @staticmethod
+    def _observed(outcome):
+        if outcome is None or outcome.observer is None:
+            return None
+        return outcome.observer.result()
+
+    def _finish_session(self, session_id: str, obs) -> None:
         try:
-            obs = outcome.observer.result() if outcome is not None and outcome.observer is not None else None
             self.lifecycle.request_finished(session_id, obs.meta_info if obs else None,
                                             obs.finish_type if obs else None)
         except Exception:
             log.exception("session registry update failed")
+            self.metrics.faults.labels("registry").inc()
+
+    def _finish_inference(self, session_id: str, obs) -> None:
+        # Always end the request in the index, or the session would look busy forever.
+        try:
+            now = self.lifecycle.clock()
+            if obs is not None and obs.output:
+                self.inference.on_response(session_id, obs.output, now)
+            self.inference.on_request_end(session_id, now)
+        except Exception:
+            log.exception("session inference update failed")
+            self.metrics.faults.labels("inference").inc()
+
+    def _step_boundary(self, path: str, raw: bytes, outcome) -> None:
+        try:
+            body = parse_json_object(raw) if len(raw) <= STEP_BODY_PARSE_LIMIT else None
+            if self.lifecycle.step_boundary(path, outcome.status if outcome else None, body):
+                log.info("step boundary (%s): the engines' cache was flushed; sessions stay known, step %d",
+                         path, self.lifecycle.steps.step)
+        except Exception:
+            log.exception("step boundary handling failed")
             self.metrics.faults.labels("registry").inc()
 
 

@@ -123,7 +123,7 @@ def test_probe_verdicts():
     assert body["session_id"] == "p1" and body["session_params"] == {"id": "p1"}
     assert body["sampling_params"]["max_new_tokens"] == 1
     assert "DROPS" in compat.verdict_line(compat.DROPPED, "http://r", True)
-    assert "pip install smg" in compat.verdict_line(compat.DROPPED, "http://r", True)
+    assert "/v1/completions" in compat.verdict_line(compat.DROPPED, "http://r", True)
 
 
 def test_engine_warnings():

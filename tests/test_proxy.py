@@ -65,15 +65,29 @@ async def test_session_id_injected_and_routing_key_set(kvgate_factory, echo_upst
     assert orjson.loads(rec[2]["body"])["session_id"] == "ep9"
     assert rec[3]["body"] == b'{"input_ids":[1],"session_id":"kept"}'
     assert rec[3]["headers"]["X-SMG-Routing-Key"] == "kept"
-    assert rec[4]["body"] == b'{"input_ids":[1]}' and "X-SMG-Routing-Key" not in rec[4]["headers"]
+    inferred = orjson.loads(rec[4]["body"])["session_id"]  # no id anywhere: prefix inference named it
+    assert inferred.startswith("inf-") and len(inferred) > 12
+    assert rec[4]["body"].endswith(b'"input_ids":[1]}') and rec[4]["headers"]["X-SMG-Routing-Key"] == inferred
     assert rec[5]["body"] == b'{"session_params":{"id":"old"},"input_ids":[1]}'
     assert rec[6]["body"] == b"[not an object"
     sessions = {s["session_id"]: s for s in gw.lifecycle.registry.as_json(0.0)["sessions"]}
-    assert set(sessions) == {"s1", "s2", "ep9", "kept"}
+    assert set(sessions) == {"s1", "s2", "ep9", "kept", inferred}
+    assert sessions[inferred]["source"] == "inferred" and sessions["s1"]["source"] == "header"
     assert all(s["turns"] == 1 and s["in_flight"] == 0 for s in sessions.values())
     m = gw.metrics.render()[0].decode()
     assert 'agentic_kv_session_id_injected_total{source="header"} 2.0' in m
     assert 'agentic_kv_session_params_skipped_total 1.0' in m
+
+
+async def test_no_id_and_inference_off_leaves_body_untouched(kvgate_factory, echo_upstream):
+    gw, url = await kvgate_factory(upstream=echo_upstream.url, agentic_session_lifecycle=True,
+                                   session_inference=False)
+    async with aiohttp.ClientSession() as http:
+        async with http.post(url + "/generate", data=b'{"input_ids":[1]}') as r:
+            assert r.status == 200
+    assert echo_upstream.received[0]["body"] == b'{"input_ids":[1]}'
+    assert "X-SMG-Routing-Key" not in echo_upstream.received[0]["headers"]
+    assert len(gw.lifecycle.registry) == 0
 
 
 async def test_sse_relayed_chunk_by_chunk(kvgate_factory, echo_upstream):

@@ -1,0 +1,96 @@
+"""Sessions without client ids (issue 5), on real sockets: kvgate infers them, ends them, and respects steps."""
+
+import asyncio
+
+import aiohttp
+import orjson
+from aiohttp import web
+
+from conftest import CloseWatcher
+
+
+async def _complete(http, kv, prompt: str, max_tokens: int = 24):
+    async with http.post(kv + "/v1/completions", json={"model": "kvgate-sim", "prompt": prompt,
+                                                      "max_tokens": max_tokens, "ignore_eos": True}) as r:
+        assert r.status == 200
+        return (await r.json())["choices"][0]["text"]
+
+
+async def test_inferred_sessions_reach_the_engine_and_siblings_stay_apart(sim_factory, router_factory,
+                                                                        kvgate_factory):
+    e1 = await sim_factory(max_total_num_tokens=200_000, speed=50)
+    router = await router_factory([e1.url])
+    gw, kv = await kvgate_factory(upstream=router, agentic_session_lifecycle=True)
+    task = "You are an agent. Fix the failing test in the repository. " * 20  # shared GRPO task prompt
+    async with aiohttp.ClientSession() as http:
+        # two siblings: same task prompt, different first outputs (different sampling = different rid here)
+        prompts = [task + "[sibling A]\n", task + "[sibling B]\n"]
+        for turn in range(4):
+            outs = await asyncio.gather(*(_complete(http, kv, p) for p in prompts))
+            prompts = [p + o + f"\n<observation turn={turn}>ok</observation>\n" for p, o in zip(prompts, outs)]
+    sessions = gw.lifecycle.registry.as_json(0.0)["sessions"]
+    assert len(sessions) == 2 and all(s["source"] == "inferred" and s["turns"] == 4 for s in sessions)
+    assert sorted(e1.stats()["sessions"].values()) == [4, 4]  # smg forwards session_id on /v1/completions
+    assert set(e1.stats()["sessions"]) == {s["session_id"] for s in sessions}
+    m = gw.metrics.render()[0].decode()
+    assert 'agentic_kv_session_inference_total{result="new"} 2.0' in m
+    assert 'agentic_kv_session_inference_total{result="decisive"} 6.0' in m
+    assert 'agentic_kv_session_id_injected_total{source="inferred"} 8.0' in m
+
+
+async def test_step_boundary_skips_closing_kv_that_is_gone(sim_factory, router_factory, kvgate_factory):
+    e1 = await sim_factory(max_total_num_tokens=50_000, speed=50)
+    w1 = CloseWatcher(e1)
+    router = await router_factory([e1.url])
+    gw, kv = await kvgate_factory(upstream=router, agentic_session_lifecycle=True, session_idle_close_s=0.3)
+    async with aiohttp.ClientSession() as http:
+        async with http.post(kv + "/generate", json={"input_ids": [1, 2, 3], "sampling_params": {
+                "max_new_tokens": 2}}, headers={"X-Session-ID": "before-flush"}) as r:
+            assert r.status == 200
+        async with http.post(kv + "/flush_cache") as r:  # a step boundary: smg fans it out to the engines
+            assert r.status == 200
+        async with http.get(kv + "/kvgate/sessions") as r:
+            view = await r.json()
+        async with http.post(kv + "/generate", json={"input_ids": [4, 5, 6], "sampling_params": {
+                "max_new_tokens": 2}}, headers={"X-Session-ID": "after-flush"}) as r:
+            assert r.status == 200
+        closed = lambda sid: gw.lifecycle.registry.get(sid).state == "closed"  # noqa: E731
+        await gw.lifecycle.wait_until(lambda: closed("before-flush") and closed("after-flush"))
+    assert view["step"] == {"step": 1, "boundaries": {"/flush_cache": 1}}
+    assert w1.ids == ["after-flush"]  # no close went out for KV the flush already freed
+    assert gw.lifecycle.registry.get("before-flush").close_results == {}
+    m = gw.metrics.render()[0].decode()
+    assert 'agentic_kv_session_close_skipped_total{reason="no_kv"} 1.0' in m
+    assert "agentic_kv_step 1.0" in m
+
+
+async def test_aborted_turn_closes_its_session_at_once(kvgate_factory, sim_factory):
+    e1 = await sim_factory(max_total_num_tokens=10_000, speed=50)
+    w1 = CloseWatcher(e1)
+
+    async def aborting_generate(request):
+        body = await request.json()
+        return web.json_response({"text": "", "output_ids": [], "meta_info": {
+            "id": "x", "finish_reason": {"type": "abort", "message": "aborted by the engine"},
+            "prompt_tokens": len(body["input_ids"]), "completion_tokens": 0, "cached_tokens": 0}})
+
+    app = web.Application()
+    app.router.add_post("/generate", aborting_generate)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    router = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
+    try:
+        gw, kv = await kvgate_factory(upstream=router, agentic_session_lifecycle=True, engines=[e1.url])
+        async with aiohttp.ClientSession() as http:
+            async with http.post(kv + "/generate", data=orjson.dumps({"input_ids": [1, 2]}),
+                                 headers={"X-Session-ID": "doomed"}) as r:
+                assert r.status == 200
+        await gw.lifecycle.wait_until(lambda: gw.lifecycle.registry.get("doomed").state == "closed", 5)
+        assert w1.ids == ["doomed"]
+        s = gw.lifecycle.registry.get("doomed")
+        assert s.close_reason == "abort"
+        assert 'agentic_kv_session_close_total{reason="abort"} 1.0' in gw.metrics.render()[0].decode()
+    finally:
+        await runner.cleanup()
