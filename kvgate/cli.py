@@ -1,4 +1,4 @@
-"""Command line: ``kvgate serve | check-config | sim-engine | demo``."""
+"""Command line: ``kvgate serve | check-config | sim-engine | demo | bench``."""
 
 from __future__ import annotations
 
@@ -61,6 +61,12 @@ def build_parser() -> argparse.ArgumentParser:
     d = sub.add_parser("demo", help="replay a Mooncake trace slice through kvgate, smg and two simulated engines")
     demo.add_arguments(d)
     d.set_defaults(func=demo.run)
+
+    from kvgate.bench import cli as bench_cli
+    b = sub.add_parser("bench", help="compare kvgate arms, the plain router and its limiter on KV-bound simulated "
+                                     "engines")
+    bench_cli.add_arguments(b)
+    b.set_defaults(func=bench_cli.run)
     return p
 
 

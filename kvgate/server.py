@@ -35,6 +35,8 @@ from kvgate.sessions import SessionRegistry
 log = logging.getLogger("kvgate")
 
 GATEWAY_KEY = web.AppKey("gateway", object)
+# The session id kvgate gave a generate call (named or inferred), told to the client on the response.
+SESSION_HEADER = "X-Kvgate-Session-Id"
 # Step-boundary bodies larger than this (tensor payloads) are not parsed: they take SGLang's defaults.
 STEP_BODY_PARSE_LIMIT = 1 << 20
 
@@ -265,8 +267,9 @@ class Gateway:
         t1 = time.perf_counter()
         outcome = None
         try:
+            add = ticket.headers if plan.session_id is None else [*ticket.headers, (SESSION_HEADER, plan.session_id)]
             resp, outcome = await self.upstream.relay(request, request.raw_path, headers, plan.body,
-                                                      observe=observe, add_headers=ticket.headers)
+                                                      observe=observe, add_headers=add)
             return resp
         except asyncio.CancelledError:
             self.metrics.client_disconnects.inc()

@@ -73,9 +73,10 @@ def ratio_bars(metrics: dict[str, dict], path: Path) -> None:
     for ax, base in zip(axes[0], bases):
         r = ratios(metrics, base)
         for j, arm in enumerate(arms):
-            ys = [r[arm][k] or 0.0 for k in RATIO_METRICS]
+            ys = [r[arm][k] or float("nan") for k in RATIO_METRICS]
             ax.bar([i + j * width for i in range(len(RATIO_METRICS))], ys, width, label=arm)
         ax.axhline(1.0, color="k", lw=0.8)
+        ax.set_yscale("log")  # ratios span 0.03x..30x
         ax.set_xticks([i + 0.4 - width / 2 for i in range(len(RATIO_METRICS))])
         ax.set_xticklabels(RATIO_METRICS, rotation=30, ha="right", fontsize=8)
         ax.set_title(f"ratio to {base}")

@@ -29,9 +29,12 @@ COLUMNS = [
     ("evicted_tokens", "evicted tok", "{:,.0f}"),
     ("retractions", "retract", "{:.0f}"),
     ("errors", "errors", "{:.0f}"),
+    ("retries", "408/429 retries", "{:.0f}"),
     ("queue_p50_s", "kvgate queue p50 s", "{:.2f}"),
     ("queue_p99_s", "kvgate queue p99 s", "{:.2f}"),
     ("admit_wait_bypass", "admit/wait/bypass", "{}"),
+    ("session_precision", "session precision", "{:.3f}"),
+    ("session_recall", "session recall", "{:.3f}"),
 ]
 RATIO_METRICS = ["makespan_s", "session_mean_s", "session_p99_s", "turn_p50_s", "turn_p99_s", "ttft_p99_s",
                  "output_tok_per_s", "recomputed_prefill_tokens"]
@@ -79,6 +82,7 @@ def summarize(raw: dict, speed: float, ideal_prefill_tokens: int) -> dict:
         "retractions": totals.get("retractions", 0),
         "aborted": totals.get("aborted", 0),
         "errors": len(reqs) - len(ok),
+        "retries": sum(r.get("retries", 0) for r in reqs),
         "requests": len(reqs),
         "queue_p50_s": percentile(q, 50) if q else None,
         "queue_p99_s": percentile(q, 99) if q else None,
@@ -90,7 +94,19 @@ def summarize(raw: dict, speed: float, ideal_prefill_tokens: int) -> dict:
         if counters else None,
     }
     m["admit_wait_bypass"] = (f"{m['admit']}/{m['wait']}/{m['bypass']}" if counters else "-")
+    m["session_precision"], m["session_recall"] = session_accuracy(reqs)
     return m
+
+
+def session_accuracy(reqs: list[dict]) -> tuple[float | None, float | None]:
+    """Precision and recall of the session ids kvgate gave the turns (``kv_session``, from its
+    X-Kvgate-Session-Id header) against the workload's true sessions, over same-session pairs of turns
+    (kvgate.inference.score). (None, None) when kvgate named no turn (no kvgate, or lifecycle off)."""
+    from kvgate.inference import score
+    named = [r for r in reqs if r.get("kv_session")]
+    if not named:
+        return None, None
+    return score([r["kv_session"] for r in named], [r["session"] for r in named])
 
 
 def ratios(metrics: dict[str, dict], base: str) -> dict[str, dict]:
@@ -139,8 +155,10 @@ def markdown(metrics: dict[str, dict], header: str = "") -> str:
 
 
 def ranking(metrics: dict[str, dict], key: str = HEADLINE) -> list[str]:
-    """Arms ordered by ``key`` ascending (NaN last)."""
+    """Arms ordered by ``key`` ascending; arms with errors (their sessions ended early) and NaN go last."""
     def k(arm):
         v = metrics[arm].get(key)
-        return (1, 0.0) if v is None or (isinstance(v, float) and math.isnan(v)) else (0, v)
+        if v is None or (isinstance(v, float) and math.isnan(v)) or metrics[arm].get("errors"):
+            return (1, 0.0 if v is None or isinstance(v, float) and math.isnan(v) else v)
+        return (0, v)
     return sorted(metrics, key=k)

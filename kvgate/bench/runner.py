@@ -37,6 +37,9 @@ class ArmSpec:
     admission: bool = False
     router_limit: int | None = None
     pool_tokens: int = 0
+    # False: the client names no session and never closes one (the unchanged rollout loop of issue 5);
+    # kvgate must infer sessions from prompt prefixes and end them itself.
+    named_sessions: bool = True
 
 
 def expand_arms(sc: Scenario) -> list[ArmSpec]:
@@ -50,6 +53,8 @@ def expand_arms(sc: Scenario) -> list[ArmSpec]:
             out.append(ArmSpec(a, kvgate=True, pool_tokens=pool))
         elif a == "lifecycle":
             out.append(ArmSpec(a, kvgate=True, lifecycle=True, pool_tokens=pool))
+        elif a == "lifecycle-inferred":
+            out.append(ArmSpec(a, kvgate=True, lifecycle=True, pool_tokens=pool, named_sessions=False))
         elif a == "admission":
             out.append(ArmSpec(a, kvgate=True, admission=True, pool_tokens=pool))
         elif a == "lifecycle+admission":
@@ -141,43 +146,61 @@ class Recorder:
         return time.monotonic() - self.t0
 
 
+RETRY_STATUSES = (408, 429)   # smg's own limiter: queue timeout / queue full
+RETRY_BACKOFF_S = 1.0          # seconds at speed 1 between retries of a rejected turn
+
+
 async def send_turn(http: aiohttp.ClientSession, base: str, rec: Recorder, sid: str, turn: int, prompt: str,
-                    max_tokens: int) -> tuple[bool, str]:
-    """One streamed /v1/completions turn; appends a request record; returns (ok, output text)."""
+                    max_tokens: int, scaled: Scaled | None = None, named: bool = True) -> tuple[bool, str]:
+    """One streamed /v1/completions turn; appends a request record; returns (ok, output text).
+
+    A 408/429 (smg's limiter shedding the request) is retried after RETRY_BACKOFF_S (scaled), as a rollout
+    client behind that limiter must; the turn's latency and TTFT count from the first attempt and ``retries``
+    counts the rejections. kvgate never answers 408/429 itself, so only router-limit arms retry.
+    named=False sends no X-Session-ID (and no rid naming the session); the session kvgate assigned comes
+    back in X-Kvgate-Session-Id and is recorded as ``kv_session`` for precision/recall."""
     body = orjson.dumps({"model": "kvgate-sim", "prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True,
                          "stream": True, "stream_options": {"include_usage": True},
-                         "rid": f"{sid}-turn{turn}"})
+                         **({"rid": f"{sid}-turn{turn}"} if named else {})})
     r = {"session": sid, "turn": turn, "start": rec.now(), "ttft": None, "end": None, "ok": False,
          "status": None, "error": None, "output_tokens": 0, "prompt_tokens": None, "cached_tokens": None,
-         "admission": None, "queue_ms": None, "prompt_len": len(prompt)}
+         "admission": None, "queue_ms": None, "prompt_len": len(prompt), "retries": 0, "kv_session": None}
+    headers = {"Content-Type": "application/json", **({"X-Session-ID": sid} if named else {})}
     parts: list[str] = []
-    try:
-        async with http.post(base + "/v1/completions", data=body,
-                             headers={"Content-Type": "application/json", "X-Session-ID": sid}) as resp:
-            r["status"] = resp.status
-            r["admission"] = resp.headers.get("X-Kvgate-Admission")
-            if resp.headers.get("X-Kvgate-Queue-Ms") is not None:
-                r["queue_ms"] = float(resp.headers["X-Kvgate-Queue-Ms"])
-            if resp.status != 200:
-                r["error"] = f"http {resp.status}: {(await resp.text())[:200]}"
-            else:
-                async for line in resp.content:
-                    if not line.startswith(b"data: ") or line.startswith(b"data: [DONE]"):
-                        continue
-                    obj = orjson.loads(line[6:])
-                    for ch in obj.get("choices") or []:
-                        if ch.get("text"):
-                            if r["ttft"] is None:
-                                r["ttft"] = rec.now()
-                            parts.append(ch["text"])
-                    if obj.get("usage"):
-                        u = obj["usage"]
-                        r["prompt_tokens"] = u.get("prompt_tokens")
-                        r["output_tokens"] = u.get("completion_tokens", 0)
-                        r["cached_tokens"] = (u.get("prompt_tokens_details") or {}).get("cached_tokens")
-                r["ok"] = True
-    except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as exc:
-        r["error"] = f"{type(exc).__name__}: {exc}"[:200]
+    while True:
+        try:
+            async with http.post(base + "/v1/completions", data=body, headers=headers) as resp:
+                r["status"] = resp.status
+                r["kv_session"] = resp.headers.get("X-Kvgate-Session-Id")
+                r["admission"] = resp.headers.get("X-Kvgate-Admission")
+                if resp.headers.get("X-Kvgate-Queue-Ms") is not None:
+                    r["queue_ms"] = float(resp.headers["X-Kvgate-Queue-Ms"])
+                if resp.status in RETRY_STATUSES and scaled is not None:
+                    await resp.read()
+                    r["retries"] += 1
+                    await asyncio.sleep(scaled.wall(RETRY_BACKOFF_S))
+                    continue
+                if resp.status != 200:
+                    r["error"] = f"http {resp.status}: {(await resp.text())[:200]}"
+                else:
+                    async for line in resp.content:
+                        if not line.startswith(b"data: ") or line.startswith(b"data: [DONE]"):
+                            continue
+                        obj = orjson.loads(line[6:])
+                        for ch in obj.get("choices") or []:
+                            if ch.get("text"):
+                                if r["ttft"] is None:
+                                    r["ttft"] = rec.now()
+                                parts.append(ch["text"])
+                        if obj.get("usage"):
+                            u = obj["usage"]
+                            r["prompt_tokens"] = u.get("prompt_tokens")
+                            r["output_tokens"] = u.get("completion_tokens", 0)
+                            r["cached_tokens"] = (u.get("prompt_tokens_details") or {}).get("cached_tokens")
+                    r["ok"] = True
+        except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as exc:
+            r["error"] = f"{type(exc).__name__}: {exc}"[:200]
+        break
     r["end"] = rec.now()
     text = "".join(parts)
     if r["ok"] and not r["output_tokens"]:
@@ -199,8 +222,9 @@ async def _close(http: aiohttp.ClientSession, base: str, rec: Recorder, sid: str
 
 
 async def run_agentic(base: str, plans: list[SessionPlan], scaled: Scaled, rec: Recorder, explicit_close: bool,
-                      progress: Callable[[], None]) -> None:
-    """Closed loop: each step starts all its sessions at once and ends when the last one ends."""
+                      progress: Callable[[], None], named: bool = True) -> None:
+    """Closed loop: each step starts all its sessions at once and ends when the last one ends.
+    named=False: no session ids and no closes from the client (kvgate infers and ends sessions)."""
     conn = aiohttp.TCPConnector(limit=0)
     async with aiohttp.ClientSession(connector=conn, timeout=aiohttp.ClientTimeout(total=None)) as http:
 
@@ -210,7 +234,7 @@ async def run_agentic(base: str, plans: list[SessionPlan], scaled: Scaled, rec: 
             prompt = p.first_prompt
             ok = True
             for k, t in enumerate(p.turns):
-                ok, out = await send_turn(http, base, rec, p.session_id, k + 1, prompt, t.max_tokens)
+                ok, out = await send_turn(http, base, rec, p.session_id, k + 1, prompt, t.max_tokens, scaled, named)
                 progress()
                 if not ok:
                     break
@@ -218,7 +242,7 @@ async def run_agentic(base: str, plans: list[SessionPlan], scaled: Scaled, rec: 
                     await asyncio.sleep(scaled.wall(t.gap_s))  # the tool runs (the closed loop's idle window)
                     prompt = next_prompt(prompt, out, t.observation)
             s["end"], s["ok"] = rec.now(), ok
-            if explicit_close:
+            if explicit_close and named:
                 await _close(http, base, rec, p.session_id)
 
         for step in sorted({p.step for p in plans}):
@@ -229,7 +253,7 @@ async def run_agentic(base: str, plans: list[SessionPlan], scaled: Scaled, rec: 
 
 
 async def run_trace(base: str, reqs: list[TraceRequest], scaled: Scaled, rec: Recorder,
-                    progress: Callable[[], None]) -> None:
+                    progress: Callable[[], None], named: bool = True) -> None:
     """Open loop: each request at its (scaled) trace time; the 'step' is the whole window."""
     conn = aiohttp.TCPConnector(limit=0)
     st = {"step": 0, "start": rec.now(), "end": None}
@@ -243,7 +267,7 @@ async def run_trace(base: str, reqs: list[TraceRequest], scaled: Scaled, rec: Re
                 await asyncio.sleep(delay)  # open loop: the trace's own timestamps
             s = sess.setdefault(q.session_id, {"id": q.session_id, "step": 0, "start": rec.now(), "end": None,
                                                 "ok": True})
-            ok, _ = await send_turn(http, base, rec, q.session_id, q.turn, q.prompt, q.max_tokens)
+            ok, _ = await send_turn(http, base, rec, q.session_id, q.turn, q.prompt, q.max_tokens, scaled, named)
             s["ok"] = s["ok"] and ok
             s["end"] = max(s["end"] or 0.0, rec.now())
             progress()
@@ -290,9 +314,10 @@ async def run_arm_async(fleet: Fleet, workload, scaled: Scaled, sc: Scenario, pr
     timed_out = False
     try:
         if sc.workload["kind"] == "agentic":
-            coro = run_agentic(fleet.base, workload, scaled, rec, sc.explicit_close, progress)
+            coro = run_agentic(fleet.base, workload, scaled, rec, sc.explicit_close, progress,
+                               fleet.arm.named_sessions)
         else:
-            coro = run_trace(fleet.base, workload, scaled, rec, progress)
+            coro = run_trace(fleet.base, workload, scaled, rec, progress, fleet.arm.named_sessions)
         await asyncio.wait_for(coro, timeout=timeout_s)
     except asyncio.TimeoutError:
         timed_out = True

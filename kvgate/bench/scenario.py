@@ -13,7 +13,8 @@ from typing import Any
 
 import yaml
 
-ARMS = ("direct", "proxy-only", "lifecycle", "admission", "lifecycle+admission", "router-limit", "unbounded-kv")
+ARMS = ("direct", "proxy-only", "lifecycle", "lifecycle-inferred", "admission", "lifecycle+admission", "router-limit",
+        "unbounded-kv")
 
 # kvgate settings that are durations (seconds at speed 1); speed.scale() divides every one by the factor.
 KVGATE_TIME_DEFAULTS = {

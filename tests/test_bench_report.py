@@ -1,0 +1,94 @@
+"""The report's arithmetic on a tiny hand-made scenario (pure)."""
+
+import math
+
+import pytest
+
+from kvgate.bench.report import markdown, percentile, ranking, ratios, summarize
+
+# two sessions of one step, speed 2 (so every wall second below is 2 simulated seconds)
+RAW = {
+    "requests": [
+        {"session": "a", "start": 0.0, "ttft": 0.5, "end": 1.0, "ok": True, "output_tokens": 10,
+         "queue_ms": 100.0},
+        {"session": "a", "start": 2.0, "ttft": 2.25, "end": 3.0, "ok": True, "output_tokens": 20, "queue_ms": 0.0,
+         "retries": 3},
+        {"session": "b", "start": 0.0, "ttft": 1.0, "end": 2.0, "ok": True, "output_tokens": 30,
+         "queue_ms": 300.0},
+        {"session": "b", "start": 3.0, "ttft": None, "end": 3.5, "ok": False, "output_tokens": 0,
+         "queue_ms": None},
+    ],
+    "sessions": [{"id": "a", "step": 0, "start": 0.0, "end": 3.0, "ok": True},
+                 {"id": "b", "step": 0, "start": 0.0, "end": 3.5, "ok": False}],
+    "steps": [{"step": 0, "start": 0.0, "end": 4.0}],
+    "sim_totals": {"prompt_tokens": 1000, "cached_tokens": 600, "evicted_tokens": 50, "retractions": 2,
+                   "aborted": 0},
+    "kvgate_counters": {"admit": 2, "wait": 1, "bypass_protected": 0, "bypass_degraded": 1, "bypass_aged": 0,
+                        "cancelled": 0},
+}
+
+
+def test_percentile_nearest_rank():
+    assert percentile([1, 2, 3, 4], 50) == 2
+    assert percentile([1, 2, 3, 4], 99) == 4
+    assert percentile([5], 1) == 5
+    assert math.isnan(percentile([], 50))
+
+
+def test_summarize_hand_computed():
+    m = summarize(RAW, speed=2.0, ideal_prefill_tokens=300)
+    assert m["makespan_s"] == 8.0                      # (4 - 0) x 2
+    assert m["session_mean_s"] == 6.0                  # only session a is ok: 3 x 2
+    assert m["session_p50_s"] == 6.0 and m["session_p99_s"] == 6.0
+    # ok turn latencies 1, 1, 2 wall -> 2, 2, 4 simulated
+    assert m["turn_p50_s"] == 2.0 and m["turn_p99_s"] == 4.0
+    # TTFTs 0.5, 0.25, 1.0 wall -> 1.0, 0.5, 2.0
+    assert m["ttft_p50_s"] == 1.0 and m["ttft_p99_s"] == 2.0
+    # 60 output tokens over the span of the first start (0) to the last ok end (3.0) wall = 6 s simulated
+    assert m["output_tok_per_s"] == 10.0
+    assert m["cache_hit_rate"] == 0.6
+    assert m["prefill_computed_tokens"] == 400 and m["recomputed_prefill_tokens"] == 100
+    assert (m["evicted_tokens"], m["retractions"], m["errors"], m["requests"], m["retries"]) == (50, 2, 1, 4, 3)
+    # queue waits 100, 0, 300 ms wall -> 0.2, 0, 0.6 s simulated
+    assert m["queue_p50_s"] == pytest.approx(0.2) and m["queue_p99_s"] == pytest.approx(0.6)
+    assert m["admit_wait_bypass"] == "2/1/1"
+
+
+def test_recomputed_never_negative_and_no_kvgate_columns_without_kvgate():
+    raw = {**RAW, "kvgate_counters": None,
+           "requests": [{**r, "queue_ms": None} for r in RAW["requests"]]}
+    m = summarize(raw, 1.0, ideal_prefill_tokens=10_000)
+    assert m["recomputed_prefill_tokens"] == 0
+    assert m["queue_p50_s"] is None and m["admit_wait_bypass"] == "-"
+
+
+def test_ratios_and_table_and_ranking():
+    a = summarize(RAW, 2.0, 300)
+    b = {**a, "makespan_s": 4.0, "output_tok_per_s": 20.0}
+    metrics = {"direct": a, "unbounded-kv": b}
+    r = ratios(metrics, "direct")
+    assert r["unbounded-kv"]["makespan_s"] == 0.5 and r["unbounded-kv"]["output_tok_per_s"] == 2.0
+    assert r["direct"]["makespan_s"] == 1.0
+    assert ratios(metrics, "lifecycle") == {}
+    assert ranking(metrics) == ["unbounded-kv", "direct"]
+    # an arm with errors ranks last even with a shorter makespan (its sessions ended early)
+    assert ranking({"direct": {**a, "errors": 0}, "router-limit-8": {**a, "makespan_s": 1.0, "errors": 5}}) == [
+        "direct", "router-limit-8"]
+    md = markdown(metrics, "hdr")
+    assert "| direct | 8.0 | 6.0 |" in md
+    assert "Ratio to direct" in md and "Ratio to unbounded-kv" in md
+    assert "| unbounded-kv | 0.50 |" in md
+
+
+def test_session_accuracy_from_kvgate_named_turns():
+    from kvgate.bench.report import session_accuracy
+    # truth: a has 3 turns, b has 2; kvgate split a's third turn off and merged nothing
+    reqs = [{"session": "a", "kv_session": "x"}, {"session": "a", "kv_session": "x"},
+            {"session": "a", "kv_session": "y"}, {"session": "b", "kv_session": "z"},
+            {"session": "b", "kv_session": "z"}]
+    precision, recall = session_accuracy(reqs)
+    # predicted same-session pairs: (a1,a2), (b1,b2) = 2, both true; true pairs: 3 (a) + 1 (b) = 4
+    assert (precision, recall) == (1.0, 0.5)
+    assert session_accuracy([{"session": "a", "kv_session": None}]) == (None, None)
+    merged = [{"session": "a", "kv_session": "m"}, {"session": "b", "kv_session": "m"}]
+    assert session_accuracy(merged) == (0.0, 1.0)  # one predicted pair, wrong; no true pairs -> recall 1

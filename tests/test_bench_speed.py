@@ -1,0 +1,68 @@
+"""The speed factor scales every duration together (pure)."""
+
+import pytest
+
+from kvgate.bench.scenario import KVGATE_TIME_DEFAULTS, parse_scenario
+from kvgate.bench.speed import kvgate_flags, scale
+
+
+def test_every_duration_divides_by_the_factor_and_ratios_stay():
+    times = {"session_idle_close_s": 30.0, "admission_poll_interval_s": 2.0, "agentic_admission_max_wait_s": 30.0,
+             "discovery_interval_s": 10.0, "session_close_drain_s": 30.0, "admission_window_s": 60.0,
+             "admission_lease_ttl_s": 3600.0}
+    s = scale(4.0, times, router_queue_timeout_s=600.0, sample_interval_s=2.0)
+    assert s.sim_speed == 4.0
+    assert s.kvgate_times == {"session_idle_close_s": 7.5, "admission_poll_interval_s": 0.5,
+                              "agentic_admission_max_wait_s": 7.5, "discovery_interval_s": 2.5,
+                              "session_close_drain_s": 7.5, "admission_window_s": 15.0,
+                              "admission_lease_ttl_s": 900.0}
+    assert s.router_queue_timeout_s == 150.0
+    assert s.sample_interval_s == 0.5
+    assert s.wall(2.5) == 0.625 and s.sim(0.625) == 2.5        # tool gaps and trace timestamps
+    # ratio idle-close : poll interval is 15 at speed 1 and at speed 4
+    assert s.kvgate_times["session_idle_close_s"] / s.kvgate_times["admission_poll_interval_s"] == 15.0
+
+
+def test_zero_means_never_and_stays_zero():
+    assert scale(8.0, {"session_idle_close_s": 0.0}, 60.0, 1.0).kvgate_times == {"session_idle_close_s": 0.0}
+
+
+def test_staleness_floor_is_reported():
+    # kvgate: stale after max(3 x poll, 5 s). At speed 1 with a 2 s poll: 6 s; at speed 4: 0.5 s poll -> the
+    # 5 s floor, which is 20 s of simulated time (the one duration that does not scale).
+    assert scale(1.0, {"admission_poll_interval_s": 2.0}, 60.0, 1.0).stale_after_s == 6.0
+    s4 = scale(4.0, {"admission_poll_interval_s": 2.0}, 60.0, 1.0)
+    assert (s4.stale_after_s, s4.stale_after_sim_s) == (5.0, 20.0)
+
+
+def test_bad_speed_raises():
+    with pytest.raises(ValueError):
+        scale(0.0, {}, 1.0, 1.0)
+
+
+def test_flags_are_kvgate_serve_flags():
+    assert kvgate_flags({"admission_poll_interval_s": 0.5, "session_idle_close_s": 7.5}) == [
+        "--admission-poll-interval-s", "0.5", "--session-idle-close-s", "7.5"]
+
+
+def test_scenario_fills_kvgate_time_defaults_and_rejects_unknowns():
+    sc = parse_scenario({"arms": ["direct"], "workload": {"kind": "agentic"},
+                         "kvgate_times": {"session_idle_close_s": 30}})
+    assert sc.kvgate_times == {**KVGATE_TIME_DEFAULTS, "session_idle_close_s": 30.0}
+    with pytest.raises(ValueError, match="arms"):
+        parse_scenario({"arms": ["nope"], "workload": {"kind": "agentic"}})
+    with pytest.raises(ValueError, match="kvgate_times"):
+        parse_scenario({"arms": ["direct"], "workload": {"kind": "agentic"}, "kvgate_times": {"poll": 1}})
+    with pytest.raises(ValueError, match="unknown keys"):
+        parse_scenario({"arms": ["direct"], "workload": {"kind": "agentic"}, "sped": 2})
+
+
+def test_shipped_scenarios_parse():
+    from pathlib import Path
+
+    from kvgate.bench.scenario import load_scenario
+    root = Path(__file__).resolve().parent.parent / "configs" / "bench"
+    names = sorted(p.stem for p in root.glob("*.yaml"))
+    assert {"agentic-kv-bound", "agentic-roomy", "mooncake-window"} <= set(names)
+    for n in names:
+        assert load_scenario(root / f"{n}.yaml").speed > 0
