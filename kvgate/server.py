@@ -247,6 +247,11 @@ class Gateway:
         session_id = plan.session_id
         try:
             ticket = await self.gate.acquire(RequestInfo(c, request.headers, session_id))
+        except asyncio.CancelledError:  # client gone while waiting for admission: it never went out
+            self.metrics.client_disconnects.inc()
+            if plan.inferred:
+                self._finish_inference(plan.session_id, None)
+            raise
         except Exception:
             log.exception("admission failed; forwarding at once")
             self.metrics.faults.labels("admission").inc()

@@ -202,3 +202,21 @@ async def test_capacity_aggregation_tp_dp(fleet, engine_opts, source, ceiling):
     e, router, gw, kv = await fleet(engine_opts=engine_opts, admission_capacity_source=source)
     assert gw.gate.ledger.ceiling == ceiling
     assert gw.poller.last_sources[e.url] == ("/metrics" if source == "metrics" else "/v1/loads")
+
+
+async def test_inferred_session_freed_when_its_client_leaves_the_queue(fleet):
+    e, router, gw, kv = await fleet(agentic_session_lifecycle=True)
+    async with aiohttp.ClientSession() as http:
+        big = asyncio.create_task(_send(http, kv, _gen(100, 1500)))
+        await _until(gw, lambda: gw.gate.ledger.reserved == 1600, "first lease")
+        prompt = _gen(200, 400, first=20_000)  # no session id anywhere: kvgate infers one
+        waiter = asyncio.create_task(_send(http, kv, prompt))
+        await _until(gw, lambda: gw.gate.coord.waiting == 1, "a waiter")
+        waiter.cancel()
+        await asyncio.gather(waiter, return_exceptions=True)
+        await _until(gw, lambda: gw.gate.coord.waiting == 0, "the waiter removed")
+        await big
+    # the inferred session is not left "in flight": its next turn links to it again
+    longer = {**prompt, "input_ids": prompt["input_ids"] + [7] * 100}
+    r = gw.inference.infer(longer["input_ids"], gw.lifecycle.clock())
+    assert r.reason == "prompt-only" and not r.is_new
