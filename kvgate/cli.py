@@ -15,11 +15,18 @@ def _setup_logging(level: str) -> None:
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
 
 
-def _cmd_serve(args: argparse.Namespace) -> int:
+def _load_config(args: argparse.Namespace):
+    """The validated Config, or None after printing the one-line error (the caller exits with 2)."""
     try:
-        cfg = from_args(args)
+        return from_args(args)
     except ConfigError as exc:
         print(f"kvgate: config error: {exc}", file=sys.stderr)
+        return None
+
+
+def _cmd_serve(args: argparse.Namespace) -> int:
+    cfg = _load_config(args)
+    if cfg is None:
         return 2
     _setup_logging(cfg.log_level)
     from kvgate.server import serve
@@ -27,10 +34,8 @@ def _cmd_serve(args: argparse.Namespace) -> int:
 
 
 def _cmd_check_config(args: argparse.Namespace) -> int:
-    try:
-        cfg = from_args(args)
-    except ConfigError as exc:
-        print(f"kvgate: config error: {exc}", file=sys.stderr)
+    cfg = _load_config(args)
+    if cfg is None:
         return 2
     print(f"{args.config or '(defaults)'}: ok (upstream {cfg.upstream}, session lifecycle "
           f"{'on' if cfg.agentic_session_lifecycle else 'off'}, admission "
