@@ -80,4 +80,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.command == "check-config" and args.config_file:
         args.config = args.config_file
+    if args.command in ("demo", "bench"):
+        from kvgate.procs import exit_on_sigterm
+        exit_on_sigterm()  # they start engines, a router and kvgate: a SIGTERM must stop those too
     return int(args.func(args) or 0)

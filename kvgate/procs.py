@@ -19,6 +19,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 
+def exit_on_sigterm() -> None:
+    """Turn SIGTERM into SystemExit(143) in this (orchestrating) process, so its ``finally`` blocks run and
+    every child process group it started is stopped instead of being orphaned."""
+    def _raise(signum, frame):
+        raise SystemExit(128 + signum)
+    signal.signal(signal.SIGTERM, _raise)
+
+
 def free_port() -> int:
     """A TCP port on 127.0.0.1 that was free a moment ago (bind to 0, read, close)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:

@@ -34,3 +34,47 @@ def test_demo_short_window_both_runs(tmp_path):
     assert c["admit"] + c["bypass_protected"] + c["bypass_degraded"] + c["bypass_aged"] == len(records)
     assert c["bypass_degraded"] == 0  # the demo waits for the first capacity snapshot
     assert "summary" in res.stdout and "admission  admit" in res.stdout
+
+
+@pytest.mark.skipif(procs.find_executable("smg") is None, reason="the smg router is not installed")
+def test_demo_sigterm_stops_every_child(tmp_path):
+    import os
+    import signal
+    import time
+    log_dir = tmp_path / "logs"
+    p = subprocess.Popen([sys.executable, "-m", "kvgate", "demo", "--duration-s", "60", "--runs", "lifecycle",
+                          "--log-dir", str(log_dir)], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                         start_new_session=True)
+    try:
+        # the replay has started once the demo prints its first progress line (an event in its output)
+        for line in p.stdout:
+            if b"requests done" in line:
+                break
+        kvgate_log = (log_dir / "lifecycle" / "kvgate.log").read_text()
+        assert "listening" in kvgate_log
+        children = _descendants(p.pid)
+        assert len(children) >= 4  # two engines, the router (launcher + smg::router), kvgate
+        p.send_signal(signal.SIGTERM)
+        assert p.wait(timeout=60) == 143
+    finally:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)
+    alive = []
+    for pid in children:
+        try:
+            os.kill(pid, 0)
+            alive.append(pid)
+        except ProcessLookupError:
+            pass
+    assert alive == []
+
+
+def _descendants(pid: int) -> list[int]:
+    """Every process below ``pid`` (children started in their own sessions keep their parent)."""
+    out, todo = [], [pid]
+    while todo:
+        ps = subprocess.run(["ps", "-o", "pid=", "--ppid", str(todo.pop())], capture_output=True, text=True)
+        kids = [int(x) for x in ps.stdout.split()]
+        out += kids
+        todo += kids
+    return out
