@@ -339,10 +339,5 @@ def from_args(args: argparse.Namespace) -> Config:
     return validate(raw)
 
 
-def documented_keys() -> list[str]:
-    """Names of every key, in schema order (used by the test that configs/kvgate.yaml documents them all)."""
-    return [k.name for k in KEYS]
-
-
 __all__ = ["Config", "ConfigError", "KEYS", "add_flags", "from_args", "load_yaml", "validate",
-           "documented_keys", "flag_name"]
+           "flag_name"]

@@ -23,6 +23,7 @@ import aiohttp
 import orjson
 
 from kvgate import procs
+from kvgate.bench.report import percentile
 from kvgate.trace import TokenBook, infer_sessions, iter_turns, read_trace
 
 DEFAULT_TRACE = "mooncake_slice.jsonl"
@@ -60,14 +61,6 @@ class Replay:
     cached_tokens: int = 0
     admission: dict[str, int] = field(default_factory=dict)
     queue_ms: list[float] = field(default_factory=list)
-
-
-def _percentile(xs: list[float], q: float) -> float:
-    if not xs:
-        return float("nan")
-    s = sorted(xs)
-    k = min(len(s) - 1, max(0, int(round(q / 100 * (len(s) - 1)))))
-    return s[k]
 
 
 def _request(route: str, book: TokenBook, rec, rid: str) -> tuple[str, bytes]:
@@ -273,11 +266,11 @@ def _run_once(args: argparse.Namespace, records, sessions, admission: bool, log_
         "close_calls_ok": calls_ok, "close_failures": close_fail, **end,
         "engine_sessions_seen": engine_sessions, "engine_closes_received": engine_closes,
         "prompt_tokens": rep.prompt_tokens, "cached_tokens": rep.cached_tokens, "cache_hit_rate": round(hit, 4),
-        "latency_p50_s": round(_percentile(rep.latencies, 50), 3),
-        "latency_p99_s": round(_percentile(rep.latencies, 99), 3),
+        "latency_p50_s": round(percentile(rep.latencies, 50), 3),
+        "latency_p99_s": round(percentile(rep.latencies, 99), 3),
         "admission": rep.admission,
-        "queue_ms_p50": round(_percentile(rep.queue_ms, 50), 1) if rep.queue_ms else None,
-        "queue_ms_p99": round(_percentile(rep.queue_ms, 99), 1) if rep.queue_ms else None,
+        "queue_ms_p50": round(percentile(rep.queue_ms, 50), 1) if rep.queue_ms else None,
+        "queue_ms_p99": round(percentile(rep.queue_ms, 99), 1) if rep.queue_ms else None,
         "admission_stats": stats, "route": args.route,
         "router_generate_session_id": health["session_id_passthrough"],
     }

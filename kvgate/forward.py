@@ -29,15 +29,21 @@ HOP_BY_HOP = frozenset({
 _RECOMPUTED_REQUEST = frozenset({"host", "content-length"})
 
 
-def forward_headers(headers: Mapping[str, str], extra: Mapping[str, str] | None = None) -> CIMultiDict:
-    """Request headers for the upstream: hop-by-hop, Host and Content-Length removed, ``extra`` set."""
+def _without_hop_by_hop(headers: Mapping[str, str], drop: frozenset = frozenset()) -> CIMultiDict:
+    """``headers`` less hop-by-hop ones, those the Connection header names, and ``drop`` (lower-case)."""
     named = {h.strip().lower() for h in headers.get("Connection", "").split(",") if h.strip()}
     out = CIMultiDict()
     for k, v in headers.items():
         lk = k.lower()
-        if lk in HOP_BY_HOP or lk in named or lk in _RECOMPUTED_REQUEST:
+        if lk in HOP_BY_HOP or lk in named or lk in drop:
             continue
         out.add(k, v)
+    return out
+
+
+def forward_headers(headers: Mapping[str, str], extra: Mapping[str, str] | None = None) -> CIMultiDict:
+    """Request headers for the upstream: hop-by-hop, Host and Content-Length removed, ``extra`` set."""
+    out = _without_hop_by_hop(headers, _RECOMPUTED_REQUEST)
     for k, v in (extra or {}).items():
         out[k] = v
     return out
@@ -45,14 +51,7 @@ def forward_headers(headers: Mapping[str, str], extra: Mapping[str, str] | None 
 
 def response_headers(headers: Mapping[str, str]) -> CIMultiDict:
     """Upstream response headers to relay: hop-by-hop removed (Content-Length kept)."""
-    named = {h.strip().lower() for h in headers.get("Connection", "").split(",") if h.strip()}
-    out = CIMultiDict()
-    for k, v in headers.items():
-        lk = k.lower()
-        if lk in HOP_BY_HOP or lk in named:
-            continue
-        out.add(k, v)
-    return out
+    return _without_hop_by_hop(headers)
 
 
 def error_response(status: int, message: str, kind: str, upstream: str) -> web.Response:
