@@ -14,6 +14,7 @@ pytestmark = pytest.mark.skipif(procs.find_executable("smg") is None, reason="sm
 TINY = """
 name: tiny
 seed: 1
+replicates: 2
 speed: 4
 engines: 2
 max_total_num_tokens: 6000
@@ -43,19 +44,46 @@ def test_tiny_scenario_end_to_end(tmp_path):
     rc = cli.run(p.parse_args(["--scenario", str(sc), "--out", str(out), "--no-progress"]))
     assert rc == 0
     res = json.loads((out / "results.json").read_text())
-    assert list(res["metrics"]) == ["direct", "lifecycle+admission", "router-limit-2", "unbounded-kv"]
+    arms = ["direct", "lifecycle+admission", "router-limit-2", "unbounded-kv"]
+    assert list(res["metrics"]) == arms and res["seeds"] == [1, 2]
     for arm, m in res["metrics"].items():
-        assert m["errors"] == 0 and m["requests"] == 12, arm
-    # the same workload in every arm: identical prompt lengths and output token counts, turn by turn
-    shapes = {arm: sorted((r["session"], r["turn"], r["prompt_len"], r["output_tokens"])
-                          for r in a["requests"]) for arm, a in res["arms"].items()}
-    assert len({json.dumps(v) for v in shapes.values()}) == 1
-    # turn 2 re-uses the cached turn-1 prompt + output (all but the last output token) on unbounded KV
-    t2 = [r for r in res["arms"]["unbounded-kv"]["requests"] if r["turn"] == 2]
-    assert all(r["cached_tokens"] >= 1500 + 12 + 32 - 1 for r in t2)
-    la = res["arms"]["lifecycle+admission"]
-    assert la["closes"] == {"200": 4} and res["arms"]["direct"]["closes"] == {"404": 4}
-    c = la["kvgate_counters"]
-    assert c["admit"] + c["bypass_protected"] + c["bypass_degraded"] + c["bypass_aged"] == 12
+        assert m["errors"] == 0 and m["requests"] == 12 and m["replicates"] == 2, arm
+        assert [r["seed"] for r in res["arms"][arm]] == [1, 2]
+        assert m["makespan_s_reps"] == [s["makespan_s"] for s in res["metrics_by_seed"][arm]]
+        assert m["makespan_s"] == pytest.approx(sum(m["makespan_s_reps"]) / 2)
+    assert sorted(a for t in res["tiers"] for a in t) == sorted(arms)
+    for i in range(2):
+        # the same workload in every arm for a seed: identical prompt lengths and output token counts, turn by turn
+        shapes = {arm: sorted((r["session"], r["turn"], r["prompt_len"], r["output_tokens"])
+                              for r in a[i]["requests"]) for arm, a in res["arms"].items()}
+        assert len({json.dumps(v) for v in shapes.values()}) == 1
+        # turn 2 re-uses the cached turn-1 prompt + output (all but the last output token) on unbounded KV
+        t2 = [r for r in res["arms"]["unbounded-kv"][i]["requests"] if r["turn"] == 2]
+        assert all(r["cached_tokens"] >= 1500 + 12 + 32 - 1 for r in t2)
+        la = res["arms"]["lifecycle+admission"][i]
+        assert la["closes"] == {"200": 4} and res["arms"]["direct"][i]["closes"] == {"404": 4}
+        c = la["kvgate_counters"]
+        assert c["admit"] + c["bypass_protected"] + c["bypass_degraded"] + c["bypass_aged"] == 12
+    md = (out / "report.md").read_text()
+    assert "mean ± 95% CI, 2 seeds" in md and "Ranking by step makespan:" in md
     for f in ("report.md", "latency_cdf.png", "kv_timeseries.png", "ratios.png"):
         assert (out / f).stat().st_size > 0
+
+
+def test_compare_with_an_earlier_run(tmp_path):
+    prev = tmp_path / "prev"
+    prev.mkdir()
+    prev_tiers = [["unbounded-kv"], ["direct", "lifecycle"], ["admission"]]
+    (prev / "results.json").write_text(json.dumps({"tiers": prev_tiers,
+                                                   "ranking": ["unbounded-kv", "direct", "lifecycle", "admission"]}))
+    loaded = cli._load_previous(str(prev))
+    same = cli._compare([["unbounded-kv"], ["lifecycle", "direct"], ["admission"]],
+                        ["unbounded-kv", "lifecycle", "direct", "admission"], loaded)
+    assert same["same_ranking"] is True and same["kendall_tau"] == pytest.approx(4 / 6)
+    assert "the same ranking" in same["text"]
+    other = cli._compare([["unbounded-kv"], ["direct"], ["lifecycle"], ["admission"]],
+                         ["unbounded-kv", "direct", "lifecycle", "admission"], loaded)
+    assert other["same_ranking"] is False and other["kendall_tau"] == 1.0 and "DIFFERENT" in other["text"]
+    (prev / "results.json").write_text("{}")
+    with pytest.raises(ValueError, match="not a kvgate bench results.json"):
+        cli._load_previous(str(prev))

@@ -92,3 +92,27 @@ def test_session_accuracy_from_kvgate_named_turns():
     assert session_accuracy([{"session": "a", "kv_session": None}]) == (None, None)
     merged = [{"session": "a", "kv_session": "m"}, {"session": "b", "kv_session": "m"}]
     assert session_accuracy(merged) == (0.0, 1.0)  # one predicted pair, wrong; no true pairs -> recall 1
+
+
+def test_aggregate_means_over_seeds_and_the_replicated_table():
+    from kvgate.bench.report import aggregate, ranked_tiers
+    a = summarize(RAW, 2.0, 300)                              # makespan 8
+    b = summarize({**RAW, "steps": [{"step": 0, "start": 0.0, "end": 5.0}]}, 2.0, 300)   # makespan 10
+    m = aggregate([a, b])
+    assert m["makespan_s"] == 9.0 and m["makespan_s_reps"] == [8.0, 10.0] and m["replicates"] == 2
+    assert m["admit_wait_bypass"] == "2/1/1" and m["bypass_by_reason"]["degraded"] == 1
+    assert m["cache_hit_rate"] == 0.6
+    none = aggregate([{**a, "queue_p50_s": None}, {**b, "queue_p50_s": None}])
+    assert none["queue_p50_s"] is None
+    # direct: 8, 10; slow: 2 s slower on both seeds -> +2.0 +- 0.0 and a tier of its own
+    direct = aggregate([{**a, "errors": 0}, {**b, "errors": 0}])
+    slow = aggregate([{**a, "errors": 0, "makespan_s": 10.0}, {**b, "errors": 0, "makespan_s": 12.0}])
+    md = markdown({"direct": direct, "slow": slow})
+    assert "step makespan s (mean ± 95% CI, 2 seeds) | vs direct s (paired) |" in md
+    # 8, 10 -> mean 9, sd 1.414, half-width 12.706 x 1.414 / 1.414 = 12.706
+    assert "| direct | 9.0 ± 12.7 | - |" in md and "| slow | 11.0 ± 12.7 | +2.0 ± 0.0 |" in md
+    ts, hsd, df = ranked_tiers({"direct": direct, "slow": slow})
+    assert ts == [["direct"], ["slow"]] and hsd == 0.0 and df == 1
+    # an arm with errors is last whatever its makespan
+    bad = aggregate([{**a, "makespan_s": 1.0}, {**b, "makespan_s": 1.0}])
+    assert ranked_tiers({"direct": direct, "bad": bad}) == ([["direct"], ["bad"]], None, 0)

@@ -17,7 +17,7 @@ from importlib import resources
 from pathlib import Path
 
 from kvgate import procs
-from kvgate.bench import report
+from kvgate.bench import ranking, report
 from kvgate.bench.runner import expand_arms, run_arm
 from kvgate.bench.scenario import load_scenario
 from kvgate.bench.speed import scale
@@ -32,16 +32,20 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", required=True, help="output directory (created)")
     p.add_argument("--arms", default=None, help="comma-separated subset of the scenario's arms")
     p.add_argument("--speed", type=float, default=None, help="override the scenario's speed factor")
-    p.add_argument("--seed", type=int, default=None, help="override the scenario's seed")
+    p.add_argument("--seed", type=int, default=None, help="override the scenario's (first) seed")
+    p.add_argument("--replicates", type=int, default=None,
+                   help="override the scenario's replicates (seeds per arm)")
+    p.add_argument("--compare", default=None, metavar="DIR",
+                   help="an earlier run's output directory: say whether this run ranks the arms the same")
     p.add_argument("--arm-timeout-s", type=float, default=600.0, help="wall-clock limit per arm, seconds")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
-def _workload(sc):
-    """(plan, ideal prefill tokens, summary) for the scenario's workload."""
+def _workload(sc, seed: int):
+    """(plan, ideal prefill tokens, summary) for the scenario's workload drawn with ``seed``."""
     wl = sc.workload
     if wl["kind"] == "agentic":
-        plans = plan_agentic(wl, sc.seed)
+        plans = plan_agentic(wl, seed)
         return plans, ideal_prefill_agentic(plans), plan_summary(plans)
     path = wl.get("trace") or str(resources.files("kvgate") / "data" / "mooncake_slice.jsonl")
     records = read_trace(path, int(float(wl.get("start_s", 0)) * 1000), int(float(wl.get("duration_s", 60)) * 1000))
@@ -66,6 +70,11 @@ def run(args: argparse.Namespace) -> int:
     """Run the bench; see the module docstring for the exit codes."""
     try:
         sc = load_scenario(args.scenario)
+        if args.replicates is not None:
+            if args.replicates < 1:
+                raise ValueError(f"--replicates: must be >= 1, got {args.replicates}")
+            sc.replicates = args.replicates
+        previous = _load_previous(args.compare) if args.compare else None
     except (OSError, ValueError) as exc:
         print(f"kvgate bench: {exc}", file=sys.stderr)
         return 2
@@ -81,12 +90,13 @@ def run(args: argparse.Namespace) -> int:
         wanted = set(args.arms.split(","))
         arms = [a for a in arms if a.name in wanted or a.name.rsplit("-", 1)[0] in wanted]
     scaled = scale(sc.speed, sc.kvgate_times, sc.router_queue_timeout_s, sc.sample_interval_s)
-    plan, ideal, summary = _workload(sc)
+    seeds = [sc.seed + i for i in range(sc.replicates)]
+    workloads = [_workload(sc, seed) for seed in seeds]  # (plan, ideal prefill, summary) per replicate
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    n_req = summary["requests"]
-    print(f"kvgate bench: scenario {sc.name}, speed {sc.speed:g}, seed {sc.seed}, {len(arms)} arms, "
-          f"{n_req} requests per arm; workload {json.dumps(summary)}", flush=True)
+    n_req = sum(w[2]["requests"] for w in workloads)
+    print(f"kvgate bench: scenario {sc.name}, speed {sc.speed:g}, seeds {seeds}, {len(arms)} arms, "
+          f"{n_req} requests per arm; workload {json.dumps(workloads[0][2])}", flush=True)
     bar = None
     if not args.no_progress:
         try:
@@ -99,52 +109,104 @@ def run(args: argparse.Namespace) -> int:
         if bar is not None:
             bar.update(1)
 
-    raws: dict[str, dict] = {}
-    metrics: dict[str, dict] = {}
+    raws: dict[str, list[dict]] = {a.name: [] for a in arms}
+    per_rep: dict[str, list[dict]] = {a.name: [] for a in arms}
     t_all = time.monotonic()
-    for arm in arms:
-        if bar is not None:
-            bar.set_description(arm.name)
-        else:
-            print(f"  arm {arm.name} ...", flush=True)
-        t = time.monotonic()
-        try:
-            raw = run_arm(sc, arm, scaled, plan, out / "logs" / arm.name, progress, args.arm_timeout_s)
-        except (RuntimeError, TimeoutError, OSError) as exc:
-            print(f"kvgate bench: arm {arm.name} failed to run: {exc}", file=sys.stderr)
-            raw = {"arm": arm.name, "failed": str(exc), "requests": [], "sessions": [], "steps": [],
-                   "samples": [], "sim_totals": {}, "kvgate_counters": None, "wall_s": 0.0, "timed_out": False}
-        raw["arm_wall_s"] = time.monotonic() - t
-        raws[arm.name] = raw
-        metrics[arm.name] = report.summarize(raw, sc.speed, ideal)
+    # replicate-major order: every arm sees replicate i before any arm sees replicate i+1, so a slow drift of
+    # the machine spreads over all arms instead of landing on the last ones
+    for rep, (seed, (plan, ideal, _)) in enumerate(zip(seeds, workloads)):
+        for arm in arms:
+            label = arm.name if len(seeds) == 1 else f"{arm.name} seed {seed}"
+            if bar is not None:
+                bar.set_description(label)
+            else:
+                print(f"  arm {label} ...", flush=True)
+            log_dir = out / "logs" / (arm.name if len(seeds) == 1 else f"{arm.name}-seed{seed}")
+            t = time.monotonic()
+            try:
+                raw = run_arm(sc, arm, scaled, plan, log_dir, progress, args.arm_timeout_s)
+            except (RuntimeError, TimeoutError, OSError) as exc:
+                print(f"kvgate bench: arm {label} failed to run: {exc}", file=sys.stderr)
+                raw = {"arm": arm.name, "failed": str(exc), "requests": [], "sessions": [], "steps": [],
+                       "samples": [], "sim_totals": {}, "kvgate_counters": None, "wall_s": 0.0, "timed_out": False}
+            raw["arm_wall_s"] = time.monotonic() - t
+            raw["seed"] = seed
+            raws[arm.name].append(raw)
+            per_rep[arm.name].append(report.summarize(raw, sc.speed, ideal))
     if bar is not None:
         bar.close()
     wall = time.monotonic() - t_all
+    metrics = {a: report.aggregate(ms) for a, ms in per_rep.items()}
+    tiers, hsd, hsd_df = report.ranked_tiers(metrics)
+    summary = workloads[0][2] if len(workloads) == 1 else {"replicates": [w[2] for w in workloads]}
+    per_seed = f"{n_req // len(seeds)} requests per arm and seed" if len(seeds) > 1 else f"{n_req} requests per arm"
     header = (f"Scenario `{sc.name}`: speed factor {sc.speed:g} (times below are simulated seconds = wall x "
-              f"{sc.speed:g}), seed {sc.seed}, {sc.engines} engines x {sc.max_total_num_tokens:,} KV tokens "
+              f"{sc.speed:g}), seed{'s' if len(seeds) > 1 else ''} {', '.join(map(str, seeds))}, "
+              f"{sc.engines} engines x {sc.max_total_num_tokens:,} KV tokens "
               f"(unbounded-kv: {sc.unbounded_max_total_num_tokens:,}), smg policy {sc.router_policy}; "
-              f"{n_req} requests per arm; bench wall time {wall:.0f} s on {platform.machine()} "
-              f"({_cores()} cores).\n")
+              f"{per_seed}; bench wall time {wall:.0f} s on {platform.machine()} ({_cores()} cores)."
+              + (" Every figure is the mean over the seeds; each seed is one workload, the same in every arm."
+                 if len(seeds) > 1 else "") + "\n")
     md = report.markdown(metrics, header)
-    md += f"\nRanking by step makespan: {' < '.join(report.ranking(metrics))}\n"
-    md += "\nPer-arm wall time (s): " + ", ".join(f"{a} {r['arm_wall_s']:.0f}" for a, r in raws.items()) + "\n"
+    md += _ranking_text(tiers, len(seeds), hsd, hsd_df)
+    comparison = None
+    if previous is not None:
+        comparison = _compare(tiers, report.ranking(metrics), previous)
+        md += comparison["text"]
+    md += "\nPer-arm wall time (s): " + ", ".join(
+        f"{a} {sum(r['arm_wall_s'] for r in rs):.0f}" for a, rs in raws.items()) + "\n"
     (out / "report.md").write_text(md)
     try:
         files = __import__("kvgate.bench.plots", fromlist=["write_all"]).write_all(raws, metrics, sc.speed, out)
     except ImportError as exc:
         files = []
         print(f"kvgate bench: no plots ({exc}; pip install matplotlib)", file=sys.stderr)
-    results = {"scenario": sc.__dict__, "speed": sc.speed, "scaled": scaled.__dict__, "workload": summary,
-               "ideal_prefill_tokens": ideal, "wall_s": wall, "metrics": metrics,
-               "ranking": report.ranking(metrics), "plots": files,
-               "arms": {a: {k: v for k, v in r.items()} for a, r in raws.items()}}
+    results = {"scenario": sc.__dict__, "speed": sc.speed, "seeds": seeds, "scaled": scaled.__dict__,
+               "workload": summary, "ideal_prefill_tokens": [w[1] for w in workloads], "wall_s": wall,
+               "metrics": metrics, "metrics_by_seed": per_rep, "tiers": tiers, "hsd_s": hsd, "hsd_df": hsd_df, "ranking": report.ranking(metrics),
+               "compare": comparison, "plots": files, "arms": raws}
     (out / "results.json").write_text(json.dumps(_clean(results), indent=1, default=str))
     print(md)
     print(f"kvgate bench: wrote {out / 'report.md'}, {out / 'results.json'} and {len(files)} plots "
           f"in {wall:.0f} s", flush=True)
     bad = any(m["errors"] for m in metrics.values()) or any(r.get("timed_out") or r.get("failed")
-                                                            for r in raws.values())
+                                                            for rs in raws.values() for r in rs)
     return 1 if bad else 0
+
+
+def _ranking_text(tiers: list[list[str]], n_seeds: int, hsd: float | None, df: int) -> str:
+    if n_seeds == 1 or hsd is None:
+        return (f"\nRanking by step makespan: {ranking.tier_text(tiers)} (one seed: no confidence intervals, so "
+                "arms closer than the run-to-run noise may swap between runs; set replicates >= 3)\n")
+    return (f"\nRanking by step makespan: {ranking.tier_text(tiers)}\n\nBraces hold arms the {n_seeds} seeds "
+            f"cannot tell apart: an arm ranks below another only when its mean makespan is more than {hsd:.1f} s "
+            f"higher (Tukey's HSD at 95% over all arms, seeds as blocks, {df} residual degrees of freedom).\n")
+
+
+def _load_previous(path: str) -> dict:
+    """The results.json of an earlier run (a directory or the file). Raises OSError / ValueError."""
+    p = Path(path)
+    if p.is_dir():
+        p = p / "results.json"
+    try:
+        res = json.loads(p.read_text())
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"--compare: {p} is not JSON ({exc})") from None
+    if not isinstance(res, dict) or "ranking" not in res:
+        raise ValueError(f"--compare: {p} is not a kvgate bench results.json")
+    res["_path"] = str(p)
+    return res
+
+
+def _compare(tiers: list[list[str]], order: list[str], previous: dict) -> dict:
+    """This run's tiers and mean order against an earlier run's."""
+    prev_tiers = previous.get("tiers") or [[a] for a in previous["ranking"]]
+    same = ranking.same_ranking(tiers, prev_tiers)
+    tau = ranking.kendall_tau(order, previous["ranking"])
+    text = (f"\nCompared with {previous['_path']}: {'the same' if same else 'a DIFFERENT'} ranking "
+            f"(then: {ranking.tier_text(prev_tiers)}); Kendall tau of the mean makespan orders {tau:.2f}.\n")
+    return {"previous": previous["_path"], "same_ranking": same, "kendall_tau": tau, "previous_tiers": prev_tiers,
+            "text": text}
 
 
 def _cores() -> int:

@@ -14,15 +14,16 @@ def _plt():
     return plt
 
 
-def latency_cdfs(raws: dict[str, dict], speed: float, path: Path) -> None:
-    """Turn latency, TTFT and session completion CDFs, one line per arm."""
+def latency_cdfs(raws: dict[str, list[dict]], speed: float, path: Path) -> None:
+    """Turn latency, TTFT and session completion CDFs, one line per arm (its seeds pooled)."""
     plt = _plt()
     fig, axes = plt.subplots(1, 3, figsize=(16, 4.5))
-    for arm, raw in raws.items():
-        ok = [r for r in raw["requests"] if r["ok"]]
+    for arm, reps in raws.items():
+        ok = [r for raw in reps for r in raw["requests"] if r["ok"]]
         series = [sorted((r["end"] - r["start"]) * speed for r in ok),
                   sorted((r["ttft"] - r["start"]) * speed for r in ok if r["ttft"] is not None),
-                  sorted((s["end"] - s["start"]) * speed for s in raw["sessions"] if s["ok"] and s["end"])]
+                  sorted((s["end"] - s["start"]) * speed for raw in reps for s in raw["sessions"]
+                         if s["ok"] and s["end"])]
         for ax, xs in zip(axes, series):
             if xs:
                 ax.step(xs, [(i + 1) / len(xs) for i in range(len(xs))], where="post", label=arm)
@@ -38,11 +39,17 @@ def latency_cdfs(raws: dict[str, dict], speed: float, path: Path) -> None:
     plt.close(fig)
 
 
-def timeseries(raws: dict[str, dict], speed: float, path: Path) -> None:
-    """KV usage (mean over engines), running and waiting requests (sum over engines) over time, per arm."""
+def timeseries(raws: dict[str, list[dict]], speed: float, path: Path) -> None:
+    """KV usage (mean over engines), running and waiting requests (sum over engines) over time, per arm, for
+    the first seed (a time series does not average across workloads)."""
     plt = _plt()
     fig, axes = plt.subplots(3, 1, figsize=(12, 9), sharex=True)
-    for arm, raw in raws.items():
+    seed = None
+    for arm, reps in raws.items():
+        if not reps:
+            continue
+        raw = reps[0]
+        seed = raw.get("seed")
         by_t: dict[float, list[dict]] = {}
         for s in raw["samples"]:
             by_t.setdefault(round(s["t"], 3), []).append(s)
@@ -54,7 +61,7 @@ def timeseries(raws: dict[str, dict], speed: float, path: Path) -> None:
     for ax, t in zip(axes, ("KV usage (mean over engines)", "running requests", "waiting requests")):
         ax.set_ylabel(t)
         ax.grid(alpha=0.3)
-    axes[-1].set_xlabel("seconds since arm start (simulated)")
+    axes[-1].set_xlabel("seconds since arm start (simulated)" + (f", seed {seed}" if seed is not None else ""))
     axes[0].legend(fontsize=8, ncol=3)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
@@ -87,8 +94,8 @@ def ratio_bars(metrics: dict[str, dict], path: Path) -> None:
     plt.close(fig)
 
 
-def write_all(raws: dict[str, dict], metrics: dict[str, dict], speed: float, out_dir: Path) -> list[str]:
-    """Write every plot into ``out_dir``; returns the file names."""
+def write_all(raws: dict[str, list[dict]], metrics: dict[str, dict], speed: float, out_dir: Path) -> list[str]:
+    """Write every plot into ``out_dir``; ``raws`` is arm -> one raw record per seed. Returns the file names."""
     latency_cdfs(raws, speed, out_dir / "latency_cdf.png")
     timeseries(raws, speed, out_dir / "kv_timeseries.png")
     ratio_bars(metrics, out_dir / "ratios.png")

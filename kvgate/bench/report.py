@@ -12,6 +12,8 @@ from __future__ import annotations
 import math
 from typing import Iterable
 
+from kvgate.bench.ranking import block_hsd, mean_ci, paired_diff, tiers
+
 HEADLINE = "makespan_s"
 # metric -> (column title, format); lower is better for every time and for recomputed/evictions.
 COLUMNS = [
@@ -98,6 +100,36 @@ def summarize(raw: dict, speed: float, ideal_prefill_tokens: int) -> dict:
     return m
 
 
+def aggregate(reps: list[dict]) -> dict:
+    """One arm's metrics over its replicates (summarize() outputs, one per workload seed): the mean of every
+    numeric metric (None/NaN values skipped; None when no replicate has one), ``replicates`` = how many, and
+    ``makespan_s_reps`` = the per-replicate makespans. admit/wait/bypass is the per-replicate mean. Raises
+    ValueError when ``reps`` is empty."""
+    if not reps:
+        raise ValueError("aggregate of no replicates")
+    out: dict = {}
+    for k in reps[0]:
+        vals = [r.get(k) for r in reps]
+        nums = [v for v in vals if isinstance(v, (int, float)) and not isinstance(v, bool)
+                and not (isinstance(v, float) and math.isnan(v))]
+        if nums:
+            out[k] = sum(nums) / len(nums)
+        elif all(isinstance(v, dict) for v in vals):
+            keys = {kk for v in vals for kk in v}
+            out[k] = {kk: sum(v.get(kk, 0) for v in vals) / len(vals) for kk in sorted(keys)}
+        elif all(isinstance(v, (int, float)) for v in vals):  # every replicate NaN
+            out[k] = float("nan")
+        else:
+            out[k] = None
+    if out.get("admit") is not None:
+        out["admit_wait_bypass"] = f"{out['admit']:.0f}/{out['wait']:.0f}/{out['bypass']:.0f}"
+    else:
+        out["admit_wait_bypass"] = "-"
+    out["replicates"] = len(reps)
+    out["makespan_s_reps"] = [r.get(HEADLINE) for r in reps]
+    return out
+
+
 def session_accuracy(reqs: list[dict]) -> tuple[float | None, float | None]:
     """Precision and recall of the session ids kvgate gave the turns (``kv_session``, from its
     X-Kvgate-Session-Id header) against the workload's true sessions, over same-session pairs of turns
@@ -136,10 +168,24 @@ def _fmt(fmt: str, v) -> str:
 def markdown(metrics: dict[str, dict], header: str = "") -> str:
     """The report table: one row per arm (insertion order), then makespan ratios to direct and unbounded-kv."""
     lines = [header] if header else []
-    lines.append("| arm | " + " | ".join(t for _, t, _ in COLUMNS) + " |")
-    lines.append("|---|" + "---|" * len(COLUMNS))
+    reps = max((len(m.get("makespan_s_reps") or []) for m in metrics.values()), default=0)
+    paired = reps >= 2 and "direct" in metrics
+    titles = [t for _, t, _ in COLUMNS]
+    if reps >= 2:
+        titles[0] += f" (mean ± 95% CI, {reps} seeds)"
+    if paired:
+        titles.insert(1, "vs direct s (paired)")
+    lines.append("| arm | " + " | ".join(titles) + " |")
+    lines.append("|---|" + "---|" * len(titles))
     for arm, m in metrics.items():
-        lines.append(f"| {arm} | " + " | ".join(_fmt(f, m.get(k)) for k, _, f in COLUMNS) + " |")
+        cells = [_fmt(f, m.get(k)) for k, _, f in COLUMNS]
+        xs = [x for x in (m.get("makespan_s_reps") or []) if x is not None]
+        if reps >= 2 and len(xs) >= 2:
+            mean, hw = mean_ci(xs)
+            cells[0] = f"{mean:.1f} ± {hw:.1f}"
+        if paired:
+            cells.insert(1, _paired_cell(m, metrics["direct"]) if arm != "direct" else "-")
+        lines.append(f"| {arm} | " + " | ".join(cells) + " |")
     for base in ("direct", "unbounded-kv"):
         r = ratios(metrics, base)
         if not r:
@@ -152,6 +198,25 @@ def markdown(metrics: dict[str, dict], header: str = "") -> str:
         for arm, row in r.items():
             lines.append(f"| {arm} | " + " | ".join(_fmt("{:.2f}", row[k]) for k in RATIO_METRICS) + " |")
     return "\n".join(lines) + "\n"
+
+
+def _paired_cell(m: dict, base: dict) -> str:
+    a, b = m.get("makespan_s_reps") or [], base.get("makespan_s_reps") or []
+    if len(a) != len(b) or len(a) < 2 or None in a or None in b:
+        return "-"
+    d, hw = paired_diff(a, b)
+    return f"{d:+.1f} ± {hw:.1f}"
+
+
+def ranked_tiers(metrics: dict[str, dict]) -> tuple[list[list[str]], float | None, int]:
+    """(tiers, HSD s, residual df): arms in tiers by their per-seed makespans (kvgate.bench.ranking.tiers; an arm
+    ranks below another only when their mean makespans differ by more than Tukey's HSD at 95%). Arms with errors
+    or no makespan come last and do not enter the HSD."""
+    failed = [a for a, m in metrics.items() if m.get("errors") or not m.get("makespan_s_reps")
+              or any(x is None or (isinstance(x, float) and math.isnan(x)) for x in m["makespan_s_reps"])]
+    samples = {a: list(m.get("makespan_s_reps") or []) for a, m in metrics.items()}
+    hsd, df = block_hsd({a: v for a, v in samples.items() if a not in failed})
+    return tiers(samples, failed), hsd, df
 
 
 def ranking(metrics: dict[str, dict], key: str = HEADLINE) -> list[str]:

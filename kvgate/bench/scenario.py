@@ -36,6 +36,9 @@ class Scenario:
     arms: list[str]
     workload: dict
     seed: int = 0
+    # each arm runs once per seed seed .. seed+replicates-1 (paired: replicate i is the same workload in every
+    # arm); the report gives means, 95% intervals and tiers (kvgate.bench.ranking)
+    replicates: int = 1
     speed: float = 1.0
     engines: int = 2
     max_total_num_tokens: int = 200_000
@@ -79,6 +82,8 @@ def parse_scenario(obj: dict[str, Any], name: str = "scenario") -> Scenario:
     sc = Scenario(**data)
     if not sc.speed > 0:
         raise ValueError(f"speed: must be > 0, got {sc.speed}")
+    if not isinstance(sc.replicates, int) or sc.replicates < 1:
+        raise ValueError(f"replicates: must be an integer >= 1, got {sc.replicates!r}")
     if sc.engines < 1:
         raise ValueError("engines: must be >= 1")
     return sc

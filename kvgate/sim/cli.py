@@ -11,8 +11,7 @@ import signal
 import sys
 
 from kvgate.sim.radix import SessionConfigError
-from kvgate.sim.scheduler import (DEFAULT_DECODE_BASE_MS, DEFAULT_DECODE_PER_CTX_TOKEN_US,
-                                  DEFAULT_DECODE_PER_SEQ_MS, DEFAULT_PREFILL_TOKENS_PER_S)
+from kvgate.sim.scheduler import COMPUTE_PROFILES
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -27,10 +26,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
       action=argparse.BooleanOptionalAction, default=True)
     a("--radix-eviction-policy", choices=("lru", "priority"), default="lru")
     a("--speed", type=float, default=1.0, help="simulated time runs this many times faster")
-    a("--prefill-tokens-per-s", type=float, default=DEFAULT_PREFILL_TOKENS_PER_S)
-    a("--decode-base-ms", type=float, default=DEFAULT_DECODE_BASE_MS)
-    a("--decode-per-seq-ms", type=float, default=DEFAULT_DECODE_PER_SEQ_MS)
-    a("--decode-per-ctx-token-us", type=float, default=DEFAULT_DECODE_PER_CTX_TOKEN_US)
+    a("--compute-profile", choices=sorted(COMPUTE_PROFILES), default="llama-3-8b-h100",
+      help="the model + GPU the compute times are calibrated to (kvgate/sim/scheduler.py says how); the four "
+           "flags below override single constants")
+    a("--prefill-tokens-per-s", type=float, default=None)
+    a("--decode-base-ms", type=float, default=None)
+    a("--decode-per-seq-ms", type=float, default=None)
+    a("--decode-per-ctx-token-us", type=float, default=None)
     a("--max-running-requests", type=int, default=1024)
     a("--chunked-prefill-size", type=int, default=8192)
     a("--max-prefill-tokens", type=int, default=16384)
@@ -47,15 +49,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def options_from_args(args: argparse.Namespace) -> dict:
-    """Keyword options for ``start_sim_engine`` from parsed args."""
+    """Keyword options for ``start_sim_engine`` from parsed args: the compute profile's constants unless a flag
+    sets one."""
+    prefill, base, per_seq, per_ctx = COMPUTE_PROFILES[getattr(args, "compute_profile", "llama-3-8b-h100")]
+    pick = lambda v, d: d if v is None else v  # noqa: E731
     return dict(
         max_total_num_tokens=args.max_total_num_tokens,
         session_semantics=args.session_semantics,
         enable_session_radix_cache=args.enable_session_radix_cache,
         radix_eviction_policy=args.radix_eviction_policy, speed=args.speed,
-        prefill_tokens_per_s=args.prefill_tokens_per_s, decode_base_ms=args.decode_base_ms,
-        decode_per_seq_ms=args.decode_per_seq_ms,
-        decode_per_ctx_token_us=args.decode_per_ctx_token_us,
+        prefill_tokens_per_s=pick(args.prefill_tokens_per_s, prefill),
+        decode_base_ms=pick(args.decode_base_ms, base),
+        decode_per_seq_ms=pick(args.decode_per_seq_ms, per_seq),
+        decode_per_ctx_token_us=pick(args.decode_per_ctx_token_us, per_ctx),
         max_running_requests=args.max_running_requests,
         chunked_prefill_size=args.chunked_prefill_size,
         max_prefill_tokens=args.max_prefill_tokens, eos_rate=args.eos_rate,

@@ -54,6 +54,20 @@ DEFAULT_DECODE_PER_SEQ_MS = 0.03
 #   read at ~2.6 TB/s effective -> ~0.05 us per cached token attended per step.
 DEFAULT_DECODE_PER_CTX_TOKEN_US = 0.05
 
+# Named compute profiles: (prefill tokens/s, decode base ms, decode ms per running request, decode us per
+# context token) at speed 1. Same method as above; nothing measured on a GPU here.
+# * qwen2.5-32b-h100: Qwen2.5-32B (bf16, 32.5B params, 64 layers, 8 KV heads x 128 dim) on ONE H100 SXM 80GB,
+#   the usual SWE-agent RL policy size. prefill: 2 x 32.5e9 = 65 GFLOP/token at ~350 TFLOP/s -> ~5.4k tokens/s;
+#   decode base: 65.5 GB of weights at ~3 TB/s -> ~21.8 ms + ~1 ms overhead -> 23 ms; per sequence: twice the
+#   8B figure (hidden 5120 vs 4096, 64 vs 32 layers) -> 0.06 ms; per context token: KV bytes/token = 2 x 64
+#   layers x 8 heads x 128 dim x 2 B = 256 KiB at ~2.6 TB/s -> ~0.1 us. Its KV pool is small: with SGLang's
+#   mem_fraction_static ~0.9, 80 GB x 0.9 - 65.5 GB of weights leaves ~6-12 GB, i.e. ~24k-48k tokens.
+COMPUTE_PROFILES = {
+    "llama-3-8b-h100": (DEFAULT_PREFILL_TOKENS_PER_S, DEFAULT_DECODE_BASE_MS, DEFAULT_DECODE_PER_SEQ_MS,
+                        DEFAULT_DECODE_PER_CTX_TOKEN_US),
+    "qwen2.5-32b-h100": (5400.0, 23.0, 0.06, 0.1),
+}
+
 
 class TokenModel:
     """Deterministic fake LM: output token at ``position`` is a pure function of
