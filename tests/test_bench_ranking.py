@@ -6,7 +6,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvgate.bench.ranking import block_hsd, kendall_tau, mean_ci, paired_diff, same_ranking, t975, tier_text, tiers
+from kvgate.bench.ranking import (block_mse, contradictions, kendall_tau, mean_ci, paired_diff, same_ranking,
+                                  scott_knott, t975, tier_text, tiers)
 
 
 def test_mean_ci_hand_computed():
@@ -30,30 +31,50 @@ def test_paired_difference_removes_the_workload_effect():
         paired_diff([1.0], [1.0, 2.0])
 
 
-def test_block_hsd_hand_computed():
-    # two arms, three seeds: the block design reduces to the paired difference d = b - a = 1, 3, 2
-    # (mean 2, sd 1). Residuals of the additive model are -/+ (d_j - 2) / 2 -> SS = 2 x (1 + 1 + 0) / 4 = 1,
-    # df = (2-1)(3-1) = 2, MSE = 0.5; HSD = q(0.95; 2, 2) x sqrt(0.5 / 3), and q(2, df) = sqrt(2) x t(df)
-    # so HSD = t975(2) x sqrt(1 / 3) = the paired t half-width.
-    hsd, df = block_hsd({"a": [10.0, 20.0, 30.0], "b": [11.0, 23.0, 32.0]})
-    assert df == 2
-    assert hsd == pytest.approx(paired_diff([11.0, 23.0, 32.0], [10.0, 20.0, 30.0])[1], rel=1e-3)
-    assert block_hsd({"a": [1.0], "b": [2.0]}) == (None, 0)
-    assert block_hsd({"a": [1.0, 2.0]}) == (None, 0)
+def test_block_mse_hand_computed():
+    # two arms, three seeds: d = b - a = 1, 3, 2 (mean 2). Residuals of the additive model are +-(d_j - 2) / 2,
+    # so SS = 2 x (0.25 + 0.25 + 0) = 1, df = (2-1)(3-1) = 2, MSE = 0.5 = var(d) / 2: the paired design.
+    mse, df = block_mse({"a": [10.0, 20.0, 30.0], "b": [11.0, 23.0, 32.0]})
+    assert (mse, df) == (pytest.approx(0.5), 2)
+    assert block_mse({"a": [1.0], "b": [2.0]}) == (None, 0)
+    assert block_mse({"a": [1.0, 2.0]}) == (None, 0)
     with pytest.raises(ValueError):
-        block_hsd({"a": [1.0, 2.0], "b": [1.0]})
+        block_mse({"a": [1.0, 2.0], "b": [1.0]})
+
+
+def test_scott_knott_hand_computed_split():
+    # means 0, 0, 10, 10 with variance of a mean 1 on 6 df: best cut in the middle, B0 = 4 x 25 = 100;
+    # sigma^2 = (100 + 6 x 1) / (4 + 6) = 10.6; lambda = pi / (2 (pi - 2)) x 100 / 10.6 = 12.98 >
+    # chi2 isf(0.01, 4 / (pi - 2) = 3.50 df) ~ 12.4 -> split; each half has no spread -> stays whole.
+    from scipy.stats import chi2
+    lam = math.pi / (2 * (math.pi - 2)) * 100 / 10.6
+    assert lam > chi2.isf(0.01, 4 / (math.pi - 2))
+    assert scott_knott({"a": 0.0, "b": 0.0, "c": 10.0, "d": 10.0}, 1.0, 6) == [["a", "b"], ["c", "d"]]
+    # the same means with 4x the noise: lambda = 1.376 x 100 / 12.4 = 11.1 < 12.4 -> one group
+    assert scott_knott({"a": 0.0, "b": 0.0, "c": 10.0, "d": 10.0}, 4.0, 6) == [["a", "b", "c", "d"]]
 
 
 def test_tiers_group_what_the_seeds_cannot_separate():
-    samples = {
-        "unbounded-kv": [300.0, 280.0, 320.0],
-        "direct": [340.0, 318.0, 362.0],         # +40, +38, +42 over unbounded: separated
-        "proxy-only": [335.0, 325.0, 355.0],     # vs direct: -5, +7, -7: noise -> same tier as direct
-        "admission": [380.0, 360.0, 400.0],      # +40 over proxy-only in every seed: separated
-    }
+    # the bench's shape: 8 arms x 4 seeds; seeds differ by up to 60 s (workloads), arms by noise of ~+-10 s,
+    # except unbounded-kv (100 s faster) and admission (80 s slower)
+    seed = [0.0, 40.0, -20.0, 60.0]
+    noise = {"direct": [5, -8, 3, 0], "proxy-only": [-6, 4, 9, -7], "lifecycle": [2, 7, -10, 1],
+             "lifecycle+admission": [-3, -9, 6, 8], "router-limit-8": [10, 0, -4, -6],
+             "router-limit-16": [-8, 6, 2, 5], "unbounded-kv": [4, -5, -2, 3], "admission": [-2, 3, 7, -8]}
+    level = {a: 400.0 for a in noise} | {"unbounded-kv": 300.0, "admission": 480.0}
+    samples = {a: [level[a] + seed[j] + noise[a][j] for j in range(4)] for a in noise}
     ts = tiers(samples)
-    assert ts == [["unbounded-kv"], ["proxy-only", "direct"], ["admission"]]
-    assert tier_text(ts) == "unbounded-kv < {proxy-only, direct} < admission"
+    assert ts[0] == ["unbounded-kv"] and ts[-1] == ["admission"] and len(ts) == 3
+    assert sorted(ts[1]) == sorted(a for a in noise if a not in ("unbounded-kv", "admission"))
+    assert tier_text(ts).startswith("unbounded-kv < {") and tier_text(ts).endswith("} < admission")
+
+
+def test_an_even_spread_within_the_noise_stays_one_tier():
+    # five arms 10 s apart with per-seed noise of +-30 s: a pairwise test would chain or split; Scott-Knott
+    # finds no significant partition
+    noise = [[-30.0, 25.0, 5.0], [20.0, -28.0, 8.0], [3.0, 30.0, -33.0], [-25.0, -5.0, 30.0], [28.0, 2.0, -30.0]]
+    samples = {f"arm{i}": [500.0 + 10 * i + n for n in noise[i]] for i in range(5)}
+    assert len(tiers(samples)) == 1
 
 
 def test_one_replicate_is_the_plain_order_and_failed_arms_come_last():
@@ -67,6 +88,13 @@ def test_same_ranking_ignores_order_inside_a_tier_and_arms_only_one_run_has():
     assert same_ranking(a, [["u"], ["p", "d"], ["x"], ["extra"]])
     assert not same_ranking(a, [["u"], ["p"], ["d"], ["x"]])      # a tie split
     assert not same_ranking(a, [["d", "p"], ["u"], ["x"]])        # tiers swapped
+
+
+def test_contradictions_are_opposite_orders_only():
+    a = [["u"], ["d", "p"], ["x"]]
+    assert contradictions(a, [["u"], ["d", "p", "x"]]) == []          # a tie is not a contradiction
+    assert contradictions(a, [["u", "d", "p", "x"]]) == []
+    assert contradictions(a, [["u"], ["x"], ["d", "p"]]) == [("d", "x"), ("p", "x")]
 
 
 def test_kendall_tau():

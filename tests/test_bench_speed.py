@@ -55,6 +55,11 @@ def test_scenario_fills_kvgate_time_defaults_and_rejects_unknowns():
         parse_scenario({"arms": ["direct"], "workload": {"kind": "agentic"}, "kvgate_times": {"poll": 1}})
     with pytest.raises(ValueError, match="unknown keys"):
         parse_scenario({"arms": ["direct"], "workload": {"kind": "agentic"}, "sped": 2})
+    assert sc.replicates == 1
+    assert parse_scenario({"arms": ["direct"], "workload": {"kind": "agentic"}, "replicates": 3}).replicates == 3
+    for bad in (0, 1.5, "3"):
+        with pytest.raises(ValueError, match="replicates"):
+            parse_scenario({"arms": ["direct"], "workload": {"kind": "agentic"}, "replicates": bad})
 
 
 def test_shipped_scenarios_parse():
@@ -65,4 +70,13 @@ def test_shipped_scenarios_parse():
     names = sorted(p.stem for p in root.glob("*.yaml"))
     assert {"agentic-kv-bound", "agentic-roomy", "mooncake-window"} <= set(names)
     for n in names:
-        assert load_scenario(root / f"{n}.yaml").speed > 0
+        sc = load_scenario(root / f"{n}.yaml")
+        assert sc.speed > 0
+        # every sim_extra key is a flag the simulator takes (a typo would fail only when the bench starts engines)
+        import argparse
+
+        from kvgate.sim import cli as sim_cli
+        p = argparse.ArgumentParser()
+        sim_cli.add_arguments(p)
+        argv = [x for k, v in sc.sim_extra.items() for x in ("--" + k.replace("_", "-"), str(v))]
+        p.parse_args(argv)

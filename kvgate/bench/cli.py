@@ -137,7 +137,7 @@ def run(args: argparse.Namespace) -> int:
         bar.close()
     wall = time.monotonic() - t_all
     metrics = {a: report.aggregate(ms) for a, ms in per_rep.items()}
-    tiers, hsd, hsd_df = report.ranked_tiers(metrics)
+    tiers, se, se_df = report.ranked_tiers(metrics)
     summary = workloads[0][2] if len(workloads) == 1 else {"replicates": [w[2] for w in workloads]}
     per_seed = f"{n_req // len(seeds)} requests per arm and seed" if len(seeds) > 1 else f"{n_req} requests per arm"
     header = (f"Scenario `{sc.name}`: speed factor {sc.speed:g} (times below are simulated seconds = wall x "
@@ -148,7 +148,7 @@ def run(args: argparse.Namespace) -> int:
               + (" Every figure is the mean over the seeds; each seed is one workload, the same in every arm."
                  if len(seeds) > 1 else "") + "\n")
     md = report.markdown(metrics, header)
-    md += _ranking_text(tiers, len(seeds), hsd, hsd_df)
+    md += _ranking_text(tiers, len(seeds), se, se_df)
     comparison = None
     if previous is not None:
         comparison = _compare(tiers, report.ranking(metrics), previous)
@@ -163,7 +163,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"kvgate bench: no plots ({exc}; pip install matplotlib)", file=sys.stderr)
     results = {"scenario": sc.__dict__, "speed": sc.speed, "seeds": seeds, "scaled": scaled.__dict__,
                "workload": summary, "ideal_prefill_tokens": [w[1] for w in workloads], "wall_s": wall,
-               "metrics": metrics, "metrics_by_seed": per_rep, "tiers": tiers, "hsd_s": hsd, "hsd_df": hsd_df, "ranking": report.ranking(metrics),
+               "metrics": metrics, "metrics_by_seed": per_rep, "tiers": tiers, "se_of_mean_s": se, "se_df": se_df, "ranking": report.ranking(metrics),
                "compare": comparison, "plots": files, "arms": raws}
     (out / "results.json").write_text(json.dumps(_clean(results), indent=1, default=str))
     print(md)
@@ -174,13 +174,14 @@ def run(args: argparse.Namespace) -> int:
     return 1 if bad else 0
 
 
-def _ranking_text(tiers: list[list[str]], n_seeds: int, hsd: float | None, df: int) -> str:
-    if n_seeds == 1 or hsd is None:
+def _ranking_text(tiers: list[list[str]], n_seeds: int, se: float | None, df: int) -> str:
+    if n_seeds == 1 or se is None:
         return (f"\nRanking by step makespan: {ranking.tier_text(tiers)} (one seed: no confidence intervals, so "
                 "arms closer than the run-to-run noise may swap between runs; set replicates >= 3)\n")
     return (f"\nRanking by step makespan: {ranking.tier_text(tiers)}\n\nBraces hold arms the {n_seeds} seeds "
-            f"cannot tell apart: an arm ranks below another only when its mean makespan is more than {hsd:.1f} s "
-            f"higher (Tukey's HSD at 95% over all arms, seeds as blocks, {df} residual degrees of freedom).\n")
+            "cannot tell apart: tiers are Scott-Knott groups of the mean makespans at 99% (seeds as blocks; the "
+            f"residual noise gives each arm's mean a standard error of {se:.1f} s, {df} degrees of freedom). An arm "
+            "ranks below another only when they are in different tiers.\n")
 
 
 def _load_previous(path: str) -> dict:
@@ -199,14 +200,19 @@ def _load_previous(path: str) -> dict:
 
 
 def _compare(tiers: list[list[str]], order: list[str], previous: dict) -> dict:
-    """This run's tiers and mean order against an earlier run's."""
+    """This run's tiers and mean order against an earlier run's: the same tiers? any pair the two runs order
+    oppositely?"""
     prev_tiers = previous.get("tiers") or [[a] for a in previous["ranking"]]
     same = ranking.same_ranking(tiers, prev_tiers)
+    against = ranking.contradictions(tiers, prev_tiers)
     tau = ranking.kendall_tau(order, previous["ranking"])
-    text = (f"\nCompared with {previous['_path']}: {'the same' if same else 'a DIFFERENT'} ranking "
-            f"(then: {ranking.tier_text(prev_tiers)}); Kendall tau of the mean makespan orders {tau:.2f}.\n")
-    return {"previous": previous["_path"], "same_ranking": same, "kendall_tau": tau, "previous_tiers": prev_tiers,
-            "text": text}
+    text = (f"\nCompared with {previous['_path']} (then: {ranking.tier_text(prev_tiers)}): "
+            f"{'the same' if same else 'a DIFFERENT'} ranking; "
+            + (f"{len(against)} pairs ordered oppositely ({', '.join(f'{x} < {y}' for x, y in against)} here)"
+               if against else "no pair of arms ordered oppositely")
+            + f"; Kendall tau of the mean makespan orders {tau:.2f}.\n")
+    return {"previous": previous["_path"], "same_ranking": same, "contradictions": against, "kendall_tau": tau,
+            "previous_tiers": prev_tiers, "text": text}
 
 
 def _cores() -> int:

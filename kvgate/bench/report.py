@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 from typing import Iterable
 
-from kvgate.bench.ranking import block_hsd, mean_ci, paired_diff, tiers
+from kvgate.bench.ranking import block_mse, mean_ci, paired_diff, tiers
 
 HEADLINE = "makespan_s"
 # metric -> (column title, format); lower is better for every time and for recomputed/evictions.
@@ -209,14 +209,16 @@ def _paired_cell(m: dict, base: dict) -> str:
 
 
 def ranked_tiers(metrics: dict[str, dict]) -> tuple[list[list[str]], float | None, int]:
-    """(tiers, HSD s, residual df): arms in tiers by their per-seed makespans (kvgate.bench.ranking.tiers; an arm
-    ranks below another only when their mean makespans differ by more than Tukey's HSD at 95%). Arms with errors
-    or no makespan come last and do not enter the HSD."""
+    """(tiers, standard error of one arm's mean makespan s, its degrees of freedom): arms in Scott-Knott tiers
+    by their per-seed makespans (kvgate.bench.ranking.tiers, 99%). Arms with errors or no makespan come last and
+    do not enter the variance. The standard error is None with one seed."""
     failed = [a for a, m in metrics.items() if m.get("errors") or not m.get("makespan_s_reps")
               or any(x is None or (isinstance(x, float) and math.isnan(x)) for x in m["makespan_s_reps"])]
     samples = {a: list(m.get("makespan_s_reps") or []) for a, m in metrics.items()}
-    hsd, df = block_hsd({a: v for a, v in samples.items() if a not in failed})
-    return tiers(samples, failed), hsd, df
+    good = {a: v for a, v in samples.items() if a not in failed}
+    mse, df = block_mse(good)
+    se = math.sqrt(mse / len(next(iter(good.values())))) if mse is not None else None
+    return tiers(samples, failed), se, df
 
 
 def ranking(metrics: dict[str, dict], key: str = HEADLINE) -> list[str]:

@@ -94,9 +94,9 @@ class Fleet:
         for p in self.procs:
             procs.wait_http(p.url + "/health", 30, p)
         rport, mport = procs.free_port(), procs.free_port()
-        extra = []
+        extra = [str(x) for x in self.sc.router_extra]
         if self.arm.router_limit:
-            extra = ["--max-concurrent-requests", str(self.arm.router_limit),
+            extra += ["--max-concurrent-requests", str(self.arm.router_limit),
                      "--queue-size", str(self.sc.router_queue_size),
                      "--queue-timeout-secs", str(max(1, int(round(self.scaled.router_queue_timeout_s))))]
         router = procs.start("smg", procs.smg_command(rport, self.engine_urls, mport, policy=self.sc.router_policy,
@@ -165,7 +165,10 @@ async def send_turn(http: aiohttp.ClientSession, base: str, rec: Recorder, sid: 
     r = {"session": sid, "turn": turn, "start": rec.now(), "ttft": None, "end": None, "ok": False,
          "status": None, "error": None, "output_tokens": 0, "prompt_tokens": None, "cached_tokens": None,
          "admission": None, "queue_ms": None, "prompt_len": len(prompt), "retries": 0, "kv_session": None}
-    headers = {"Content-Type": "application/json", **({"X-Session-ID": sid} if named else {})}
+    # a client that names its sessions also asks smg for session affinity (X-SMG-Routing-Key: read by smg's
+    # manual policy, ignored by the others), as kvgate does for it when lifecycle is on
+    headers = {"Content-Type": "application/json",
+               **({"X-Session-ID": sid, "X-SMG-Routing-Key": sid} if named else {})}
     parts: list[str] = []
     while True:
         try:

@@ -44,6 +44,8 @@ class Scenario:
     max_total_num_tokens: int = 200_000
     unbounded_max_total_num_tokens: int = 4_000_000
     router_policy: str = "cache_aware"
+    # more smg flags, the same in every arm (e.g. ["--assignment-mode", "min_group"] for policy manual)
+    router_extra: list[str] = field(default_factory=list)
     router_limits: list[int] = field(default_factory=lambda: [8, 16])
     router_queue_size: int = 10_000
     router_queue_timeout_s: float = 3600.0
