@@ -108,12 +108,21 @@ def test_aggregate_means_over_seeds_and_the_replicated_table():
     direct = aggregate([{**a, "errors": 0}, {**b, "errors": 0}])
     slow = aggregate([{**a, "errors": 0, "makespan_s": 10.0}, {**b, "errors": 0, "makespan_s": 12.0}])
     md = markdown({"direct": direct, "slow": slow})
-    assert "step makespan s (mean ± 95% CI, 2 seeds) | vs direct s (paired) |" in md
-    # 8, 10 -> mean 9, sd 1.414, half-width 12.706 x 1.414 / 1.414 = 12.706
+    assert "step makespan s (mean ± 95% CI, 2 seeds) | vs direct s (paired, 95%) |" in md
+    # 8, 10 -> mean 9, sd 1.414, half-width 12.706 x 1.414 / 1.414 = 12.706; slow - direct = +2 on both seeds
     assert "| direct | 9.0 ± 12.7 | - |" in md and "| slow | 11.0 ± 12.7 | +2.0 ± 0.0 |" in md
     # no residual noise, but two arms on two seeds cannot pass Scott-Knott's 99% test (lambda <= 1.376 x 3)
     ts, se, df = ranked_tiers({"direct": direct, "slow": slow})
     assert ts == [["direct", "slow"]] and se == 0.0 and df == 1
+    # the difference's interval pools the residual over every arm: noise of +-1 on one arm's seeds
+    from kvgate.bench.report import vs_base
+    noisy = aggregate([{**a, "errors": 0, "makespan_s": 11.0}, {**b, "errors": 0, "makespan_s": 11.0}])
+    d = vs_base({"direct": direct, "slow": slow, "noisy": noisy})
+    # residuals (value - arm mean - seed mean + grand mean): +-1/3 for direct and slow, +-2/3 for noisy ->
+    # SS = 4/9 + 8/9 = 4/3 on (3-1)(2-1) = 2 df, MSE = 2/3; half-width t(2) x sqrt(2 x MSE / 2 seeds)
+    assert d["slow"][0] == 2.0 and d["noisy"][0] == 2.0
+    assert d["slow"][1] == pytest.approx(4.303 * (2 / 3) ** 0.5, abs=1e-3) and d["noisy"][1] == d["slow"][1]
+    assert vs_base({"slow": slow}) == {}
     # an arm with errors is last whatever its makespan
     bad = aggregate([{**a, "makespan_s": 1.0}, {**b, "makespan_s": 1.0}])
     assert ranked_tiers({"direct": direct, "bad": bad}) == ([["direct"], ["bad"]], None, 0)

@@ -80,3 +80,18 @@ def test_shipped_scenarios_parse():
         sim_cli.add_arguments(p)
         argv = [x for k, v in sc.sim_extra.items() for x in ("--" + k.replace("_", "-"), str(v))]
         p.parse_args(argv)
+
+
+def test_arms_flag_picks_any_known_arm():
+    from kvgate.bench.cli import _pick_arms
+    from kvgate.bench.runner import expand_arms
+    assert _pick_arms("proxy-only,lifecycle-inferred") == (["proxy-only", "lifecycle-inferred"],
+                                                            {"proxy-only", "lifecycle-inferred"})
+    arms, keep = _pick_arms("router-limit-8,direct")
+    sc = parse_scenario({"arms": ["direct"], "workload": {"kind": "agentic"}, "router_limits": [8, 16]})
+    sc.arms = arms
+    picked = [a.name for a in expand_arms(sc) if a.name in keep or a.name.rsplit("-", 1)[0] in keep]
+    assert picked == ["router-limit-8", "direct"]
+    for bad in ("nope", "lifecycle-2", "direct,admision"):
+        with pytest.raises(ValueError, match="unknown arm"):
+            _pick_arms(bad)

@@ -2,7 +2,8 @@
 kvgate's arms with the plain router, the router's own limiter and unbounded KV (issue 4).
 
 Pure: scenario.py (scenario file), speed.py (speed-factor scaling), workload.py (closed-loop sessions and the
-Mooncake window), report.py (metrics, ratios, the table). Edge: runner.py (fleets, client, sampler), plots.py,
+Mooncake window), report.py (metrics, ratios, the table, the mean over seeds), ranking.py (intervals, the
+seeds-as-blocks residual, Scott-Knott tiers, run-to-run comparison). Edge: runner.py (fleets, client, sampler), plots.py,
 cli.py.
 
 Why turns go over /v1/completions as text and not /generate with input_ids: smg 1.13.0 and sglang-router 0.3.2

@@ -19,7 +19,7 @@ from pathlib import Path
 from kvgate import procs
 from kvgate.bench import ranking, report
 from kvgate.bench.runner import expand_arms, run_arm
-from kvgate.bench.scenario import load_scenario
+from kvgate.bench.scenario import ARMS, load_scenario
 from kvgate.bench.speed import scale
 from kvgate.bench.workload import (ideal_prefill_agentic, ideal_prefill_mooncake, plan_agentic, plan_mooncake,
                                    plan_summary)
@@ -85,10 +85,19 @@ def run(args: argparse.Namespace) -> int:
     if procs.find_executable("smg") is None:
         print("kvgate bench: the smg router is not installed (pip install smg)", file=sys.stderr)
         return 2
-    arms = expand_arms(sc)
     if args.arms:
-        wanted = set(args.arms.split(","))
-        arms = [a for a in arms if a.name in wanted or a.name.rsplit("-", 1)[0] in wanted]
+        try:
+            sc.arms, wanted = _pick_arms(args.arms)
+        except ValueError as exc:
+            print(f"kvgate bench: {exc}", file=sys.stderr)
+            return 2
+        arms = [a for a in expand_arms(sc) if a.name in wanted or a.name.rsplit("-", 1)[0] in wanted]
+    else:
+        arms = expand_arms(sc)
+    if not arms:
+        print(f"kvgate bench: --arms {args.arms}: no arm to run (router-limit-N needs N in router_limits: "
+              f"{sc.router_limits})", file=sys.stderr)
+        return 2
     scaled = scale(sc.speed, sc.kvgate_times, sc.router_queue_timeout_s, sc.sample_interval_s)
     seeds = [sc.seed + i for i in range(sc.replicates)]
     workloads = [_workload(sc, seed) for seed in seeds]  # (plan, ideal prefill, summary) per replicate
@@ -114,7 +123,7 @@ def run(args: argparse.Namespace) -> int:
     t_all = time.monotonic()
     # replicate-major order: every arm sees replicate i before any arm sees replicate i+1, so a slow drift of
     # the machine spreads over all arms instead of landing on the last ones
-    for rep, (seed, (plan, ideal, _)) in enumerate(zip(seeds, workloads)):
+    for seed, (plan, ideal, _) in zip(seeds, workloads):
         for arm in arms:
             label = arm.name if len(seeds) == 1 else f"{arm.name} seed {seed}"
             if bar is not None:
@@ -139,7 +148,8 @@ def run(args: argparse.Namespace) -> int:
     metrics = {a: report.aggregate(ms) for a, ms in per_rep.items()}
     tiers, se, se_df = report.ranked_tiers(metrics)
     summary = workloads[0][2] if len(workloads) == 1 else {"replicates": [w[2] for w in workloads]}
-    per_seed = f"{n_req // len(seeds)} requests per arm and seed" if len(seeds) > 1 else f"{n_req} requests per arm"
+    per_seed = (f"{'/'.join(str(w[2]['requests']) for w in workloads)} requests per arm for the seeds"
+                if len(seeds) > 1 else f"{n_req} requests per arm")
     header = (f"Scenario `{sc.name}`: speed factor {sc.speed:g} (times below are simulated seconds = wall x "
               f"{sc.speed:g}), seed{'s' if len(seeds) > 1 else ''} {', '.join(map(str, seeds))}, "
               f"{sc.engines} engines x {sc.max_total_num_tokens:,} KV tokens "
@@ -172,6 +182,20 @@ def run(args: argparse.Namespace) -> int:
     bad = any(m["errors"] for m in metrics.values()) or any(r.get("timed_out") or r.get("failed")
                                                             for rs in raws.values() for r in rs)
     return 1 if bad else 0
+
+
+def _pick_arms(spec: str) -> tuple[list[str], set[str]]:
+    """--arms a,b,router-limit-8: (the scenario arms to expand, the names to keep). Any known arm may be named,
+    also one the scenario's own list leaves out; router-limit-N keeps only that limit. Raises ValueError."""
+    wanted = [w.strip() for w in spec.split(",") if w.strip()]
+    base = []
+    for w in wanted:
+        b = w if w in ARMS else w.rsplit("-", 1)[0]
+        if b not in ARMS or (b != w and b != "router-limit"):
+            raise ValueError(f"--arms: unknown arm {w!r}; choose from {list(ARMS)} (router-limit-N for one limit)")
+        if b not in base:
+            base.append(b)
+    return base, set(wanted)
 
 
 def _ranking_text(tiers: list[list[str]], n_seeds: int, se: float | None, df: int) -> str:

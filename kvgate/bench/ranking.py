@@ -1,12 +1,12 @@
-"""Ranking arms from replicated runs (pure): means with 95% confidence intervals, paired differences, tiers of
-arms that the replicates cannot tell apart, and whether two bench runs rank the arms the same.
+"""Ranking arms from replicated runs (pure): means with 95% confidence intervals, the residual noise of the
+seeds-as-blocks design, tiers of arms that the replicates cannot tell apart, and whether two bench runs rank the
+arms the same.
 
 Why tiers: one bench run of a KV-bound fleet is noisy (which engine smg's cache_aware policy picks, which batch a
 turn joins and what is evicted depend on microsecond timing), so arms whose makespans differ by less than the
 run-to-run noise swap places between runs. Each arm is therefore run on R workloads (seeds seed .. seed+R-1, the
 same R in every arm, so the seeds are blocks and differences are paired), and the arms' means are grouped by
 Scott and Knott's test at 99% (scott_knott): an arm ranks below another only when they land in different groups.
-
 """
 
 from __future__ import annotations
@@ -36,14 +36,6 @@ def mean_ci(xs: Sequence[float]) -> tuple[float, float | None]:
         return m, None
     sd = math.sqrt(sum((x - m) ** 2 for x in xs) / (n - 1))
     return m, t975(n - 1) * sd / math.sqrt(n)
-
-
-def paired_diff(a: Sequence[float], b: Sequence[float]) -> tuple[float, float | None]:
-    """Mean and 95% half-width of a[i] - b[i] over replicates (replicate i of both arms ran the same workload).
-    Raises ValueError when the lengths differ or are 0."""
-    if len(a) != len(b):
-        raise ValueError(f"paired samples differ in length: {len(a)} vs {len(b)}")
-    return mean_ci([x - y for x, y in zip(a, b)])
 
 
 def block_mse(samples: dict[str, Sequence[float]]) -> tuple[float | None, int]:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 from typing import Iterable
 
-from kvgate.bench.ranking import block_mse, mean_ci, paired_diff, tiers
+from kvgate.bench.ranking import block_mse, mean_ci, t975, tiers
 
 HEADLINE = "makespan_s"
 # metric -> (column title, format); lower is better for every time and for recomputed/evictions.
@@ -169,12 +169,13 @@ def markdown(metrics: dict[str, dict], header: str = "") -> str:
     """The report table: one row per arm (insertion order), then makespan ratios to direct and unbounded-kv."""
     lines = [header] if header else []
     reps = max((len(m.get("makespan_s_reps") or []) for m in metrics.values()), default=0)
+    diffs = vs_base(metrics, "direct")
     paired = reps >= 2 and "direct" in metrics
     titles = [t for _, t, _ in COLUMNS]
     if reps >= 2:
         titles[0] += f" (mean ± 95% CI, {reps} seeds)"
     if paired:
-        titles.insert(1, "vs direct s (paired)")
+        titles.insert(1, "vs direct s (paired, 95%)")
     lines.append("| arm | " + " | ".join(titles) + " |")
     lines.append("|---|" + "---|" * len(titles))
     for arm, m in metrics.items():
@@ -184,7 +185,7 @@ def markdown(metrics: dict[str, dict], header: str = "") -> str:
             mean, hw = mean_ci(xs)
             cells[0] = f"{mean:.1f} ± {hw:.1f}"
         if paired:
-            cells.insert(1, _paired_cell(m, metrics["direct"]) if arm != "direct" else "-")
+            cells.insert(1, _paired_cell(arm, diffs))
         lines.append(f"| {arm} | " + " | ".join(cells) + " |")
     for base in ("direct", "unbounded-kv"):
         r = ratios(metrics, base)
@@ -200,20 +201,46 @@ def markdown(metrics: dict[str, dict], header: str = "") -> str:
     return "\n".join(lines) + "\n"
 
 
-def _paired_cell(m: dict, base: dict) -> str:
-    a, b = m.get("makespan_s_reps") or [], base.get("makespan_s_reps") or []
-    if len(a) != len(b) or len(a) < 2 or None in a or None in b:
+def _failed(metrics: dict[str, dict]) -> list[str]:
+    """Arms whose makespans cannot be compared: errors, or a seed without a makespan."""
+    return [a for a, m in metrics.items() if m.get("errors") or not m.get("makespan_s_reps")
+            or any(x is None or (isinstance(x, float) and math.isnan(x)) for x in m["makespan_s_reps"])]
+
+
+def vs_base(metrics: dict[str, dict], base: str = "direct") -> dict[str, tuple[float, float | None]]:
+    """arm -> (mean makespan difference to ``base`` s, 95% half-width), seed by seed (paired). The half-width
+    uses the residual variance pooled over every comparable arm (block_mse; Student t on its degrees of freedom),
+    so it matches the ranking's noise; with one comparable pair it is the plain paired t interval. {} when
+    ``base`` is missing or failed, or there is one seed."""
+    failed = set(_failed(metrics))
+    if base not in metrics or base in failed:
+        return {}
+    good = {a: list(m["makespan_s_reps"]) for a, m in metrics.items() if a not in failed}
+    r = len(good[base])
+    if r < 2:
+        return {}
+    mse, df = block_mse(good)
+    out = {}
+    for a, xs in good.items():
+        if a == base:
+            continue
+        d = sum(x - y for x, y in zip(xs, good[base])) / r
+        out[a] = (d, t975(df) * math.sqrt(2.0 * mse / r) if mse is not None else None)
+    return out
+
+
+def _paired_cell(arm: str, diffs: dict[str, tuple[float, float | None]]) -> str:
+    if arm not in diffs:
         return "-"
-    d, hw = paired_diff(a, b)
-    return f"{d:+.1f} ± {hw:.1f}"
+    d, hw = diffs[arm]
+    return f"{d:+.1f} ± {hw:.1f}" if hw is not None else f"{d:+.1f}"
 
 
 def ranked_tiers(metrics: dict[str, dict]) -> tuple[list[list[str]], float | None, int]:
     """(tiers, standard error of one arm's mean makespan s, its degrees of freedom): arms in Scott-Knott tiers
     by their per-seed makespans (kvgate.bench.ranking.tiers, 99%). Arms with errors or no makespan come last and
     do not enter the variance. The standard error is None with one seed."""
-    failed = [a for a, m in metrics.items() if m.get("errors") or not m.get("makespan_s_reps")
-              or any(x is None or (isinstance(x, float) and math.isnan(x)) for x in m["makespan_s_reps"])]
+    failed = _failed(metrics)
     samples = {a: list(m.get("makespan_s_reps") or []) for a, m in metrics.items()}
     good = {a: v for a, v in samples.items() if a not in failed}
     mse, df = block_mse(good)

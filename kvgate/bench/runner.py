@@ -94,13 +94,8 @@ class Fleet:
         for p in self.procs:
             procs.wait_http(p.url + "/health", 30, p)
         rport, mport = procs.free_port(), procs.free_port()
-        extra = [str(x) for x in self.sc.router_extra]
-        if self.arm.router_limit:
-            extra += ["--max-concurrent-requests", str(self.arm.router_limit),
-                     "--queue-size", str(self.sc.router_queue_size),
-                     "--queue-timeout-secs", str(max(1, int(round(self.scaled.router_queue_timeout_s))))]
-        router = procs.start("smg", procs.smg_command(rport, self.engine_urls, mport, policy=self.sc.router_policy,
-                                                      extra=extra), self.log_dir, url=f"http://127.0.0.1:{rport}")
+        router = procs.start("smg", self.router_command(rport, mport), self.log_dir,
+                             url=f"http://127.0.0.1:{rport}")
         self.procs.append(router)
         self.router_url = router.url
         procs.wait_http(router.url + "/readiness", 60, router, procs.router_ready(len(self.engine_urls)))
@@ -124,6 +119,16 @@ class Fleet:
         if self.arm.admission:  # start once the ledger has its first capacity snapshot
             procs.wait_http(kv.url + "/kvgate/stats", 30, kv,
                             lambda st, body: st == 200 and not json.loads(body)["ledger"]["degraded"])
+
+    def router_command(self, port: int, prometheus_port: int) -> list[str]:
+        """smg's command line for this arm: the scenario's policy and router_extra in every arm, the limiter
+        flags in router-limit arms (queue timeout scaled by the speed factor)."""
+        extra = [str(x) for x in self.sc.router_extra]
+        if self.arm.router_limit:
+            extra += ["--max-concurrent-requests", str(self.arm.router_limit),
+                      "--queue-size", str(self.sc.router_queue_size),
+                      "--queue-timeout-secs", str(max(1, int(round(self.scaled.router_queue_timeout_s))))]
+        return procs.smg_command(port, self.engine_urls, prometheus_port, policy=self.sc.router_policy, extra=extra)
 
     def stop(self) -> None:
         """Stop every process group, newest first."""

@@ -1,0 +1,43 @@
+"""Print the compact per-arm table the README quotes from a bench run: ``python scripts/bench_readme_table.py
+DIR`` (DIR holds results.json from ``kvgate bench``). Every figure is the mean over the run's seeds."""
+
+import json
+import sys
+from pathlib import Path
+
+from kvgate.bench.ranking import mean_ci, tier_text
+from kvgate.bench.report import vs_base
+
+
+def main(argv: list[str]) -> int:
+    if len(argv) != 1:
+        print(__doc__, file=sys.stderr)
+        return 2
+    res = json.loads((Path(argv[0]) / "results.json").read_text())
+    metrics = res["metrics"]
+    diffs = vs_base(metrics, "direct")
+    print("| arm | step makespan s | vs direct s | session mean s | turn p50 s | TTFT p50 / p99 s | prefix hit | "
+          "recomputed prefill | kvgate queue p50 / p99 s | admit/wait/bypass |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for arm, m in metrics.items():
+        reps = m["makespan_s_reps"]
+        mean, hw = mean_ci(reps)
+        span = f"{mean:.0f} ± {hw:.0f}" if hw is not None else f"{mean:.0f}"
+        vs = "-"
+        if arm in diffs:
+            d, dhw = diffs[arm]
+            vs = f"{d:+.0f} ± {dhw:.0f}" if dhw is not None else f"{d:+.0f}"
+        q = (f"{m['queue_p50_s']:.1f} / {m['queue_p99_s']:.1f}" if m.get("queue_p50_s") is not None else "-")
+        print(f"| {arm} | {span} | {vs} | {m['session_mean_s']:.0f} | {m['turn_p50_s']:.1f} | "
+              f"{m['ttft_p50_s']:.1f} / {m['ttft_p99_s']:.1f} | {m['cache_hit_rate']:.1%} | "
+              f"{m['recomputed_prefill_tokens']:,.0f} | {q} | {m['admit_wait_bypass']} |")
+    print()
+    print(f"Ranking: {tier_text(res['tiers'])}; wall {res['wall_s']:.0f} s, seeds {res['seeds']}, "
+          f"speed {res['speed']:g}")
+    if res.get("compare"):
+        print(res["compare"]["text"].strip())
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main(sys.argv[1:]))

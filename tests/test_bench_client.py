@@ -1,0 +1,68 @@
+"""The bench's rollout client against a recording endpoint on 127.0.0.1: what a named and an unnamed client
+send, and what it records from a streamed /v1/completions answer."""
+
+import orjson
+from aiohttp import web
+
+from kvgate.bench.runner import Recorder, send_turn
+from kvgate.bench.speed import scale
+
+
+async def test_named_and_unnamed_turns(aiohttp_client):
+    seen = []
+
+    async def completions(request):
+        seen.append((dict(request.headers), await request.json()))
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "X-Kvgate-Session-Id": "kv-1"})
+        await resp.prepare(request)
+        for text in ("ab", "c"):
+            await resp.write(b"data: " + orjson.dumps({"choices": [{"text": text}]}) + b"\n\n")
+        usage = {"prompt_tokens": 5, "completion_tokens": 3, "prompt_tokens_details": {"cached_tokens": 4}}
+        await resp.write(b"data: " + orjson.dumps({"choices": [], "usage": usage}) + b"\n\n")
+        await resp.write(b"data: [DONE]\n\n")
+        return resp
+
+    app = web.Application()
+    app.router.add_post("/v1/completions", completions)
+    client = await aiohttp_client(app)
+    base = str(client.make_url("")).rstrip("/")
+    rec = Recorder()
+    scaled = scale(1.0, {}, 10.0, 1.0)
+    ok, text = await send_turn(client.session, base, rec, "s1", 2, "hello", 3, scaled, named=True)
+    assert ok and text == "abc"
+    headers, body = seen[0]
+    # the named client asks for session affinity under smg's manual policy and names the request
+    assert headers["X-Session-ID"] == "s1" and headers["X-SMG-Routing-Key"] == "s1"
+    assert body["rid"] == "s1-turn2" and body["prompt"] == "hello" and body["max_tokens"] == 3 and body["stream"]
+    r = rec.requests[0]
+    assert (r["prompt_tokens"], r["output_tokens"], r["cached_tokens"], r["kv_session"]) == (5, 3, 4, "kv-1")
+    assert r["ttft"] is not None and r["start"] <= r["ttft"] <= r["end"]
+
+    ok, _ = await send_turn(client.session, base, rec, "s1", 3, "hello abc", 3, scaled, named=False)
+    headers, body = seen[1]
+    assert ok and "X-Session-ID" not in headers and "X-SMG-Routing-Key" not in headers and "rid" not in body
+
+
+def test_router_command_per_arm(tmp_path):
+    import pytest
+
+    from kvgate import procs
+    from kvgate.bench.runner import Fleet, expand_arms
+    from kvgate.bench.scenario import parse_scenario
+    if procs.find_executable("smg") is None:
+        pytest.skip("smg router not installed")
+    sc = parse_scenario({"arms": ["direct", "router-limit"], "workload": {"kind": "agentic"}, "speed": 4,
+                         "router_policy": "manual", "router_extra": ["--assignment-mode", "min_group"],
+                         "router_limits": [8], "router_queue_timeout_s": 60})
+    direct, limit8 = expand_arms(sc)
+    scaled = scale(sc.speed, sc.kvgate_times, sc.router_queue_timeout_s, sc.sample_interval_s)
+    f = Fleet(sc, direct, scaled, tmp_path)
+    f.engine_urls = ["http://127.0.0.1:1", "http://127.0.0.1:2"]
+    cmd = f.router_command(5, 6)
+    assert cmd[cmd.index("--policy") + 1] == "manual" and cmd[-2:] == ["--assignment-mode", "min_group"]
+    assert "--max-concurrent-requests" not in cmd
+    f.arm = limit8
+    cmd = f.router_command(5, 6)
+    assert cmd[cmd.index("--max-concurrent-requests") + 1] == "8"
+    assert cmd[cmd.index("--queue-timeout-secs") + 1] == "15"       # 60 s at speed 4
+    assert "--assignment-mode" in cmd
