@@ -155,8 +155,7 @@ def run(args: argparse.Namespace) -> int:
               f"{sc.engines} engines x {sc.max_total_num_tokens:,} KV tokens "
               f"(unbounded-kv: {sc.unbounded_max_total_num_tokens:,}), smg policy {sc.router_policy}; "
               f"{per_seed}; bench wall time {wall:.0f} s on {platform.machine()} ({_cores()} cores)."
-              + (" Every figure is the mean over the seeds; each seed is one workload, the same in every arm."
-                 if len(seeds) > 1 else "") + "\n")
+              + _replicate_note(sc.workload["kind"], len(seeds)) + "\n")
     md = report.markdown(metrics, header)
     md += _ranking_text(tiers, len(seeds), se, se_df)
     comparison = None
@@ -182,6 +181,14 @@ def run(args: argparse.Namespace) -> int:
     bad = any(m["errors"] for m in metrics.values()) or any(r.get("timed_out") or r.get("failed")
                                                             for rs in raws.values() for r in rs)
     return 1 if bad else 0
+
+
+def _replicate_note(kind: str, n: int) -> str:
+    if n == 1:
+        return ""
+    if kind == "mooncake":  # a trace window has no seed: replicates repeat it, measuring run-to-run noise
+        return f" Every figure is the mean over {n} repeats of the same trace window (the seed does not change it)."
+    return " Every figure is the mean over the seeds; each seed is one workload, the same in every arm."
 
 
 def _pick_arms(spec: str) -> tuple[list[str], set[str]]:
