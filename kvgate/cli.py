@@ -81,6 +81,13 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "check-config" and args.config_file:
         args.config = args.config_file
     if args.command in ("demo", "bench"):
-        from kvgate.procs import exit_on_sigterm
-        exit_on_sigterm()  # they start engines, a router and kvgate: a SIGTERM must stop those too
+        from kvgate.procs import exit_on_signals
+        exit_on_signals()  # they start engines, a router and kvgate: a SIGTERM or SIGHUP must stop those too
+        try:
+            return int(args.func(args) or 0)
+        except KeyboardInterrupt:  # Ctrl-C: the children are stopped by then (finally blocks); no traceback
+            import signal
+            signal.signal(signal.SIGINT, signal.SIG_IGN)  # a further press must not interrupt the exit
+            print(f"kvgate {args.command}: interrupted", file=sys.stderr)
+            return 130
     return int(args.func(args) or 0)

@@ -249,8 +249,7 @@ def _run_once(args: argparse.Namespace, records, sessions, admission: bool, log_
         stats = asyncio.run(_get_json(kvgate.url + "/kvgate/stats")) if admission else None
         health = asyncio.run(_get_json(kvgate.url + "/kvgate/health"))
     finally:
-        for p in reversed(started):
-            p.stop()
+        procs.stop_all(started)
 
     closes = {k: int(_sum_metric(mtext, "agentic_kv_session_close_total", reason=k))
               for k in ("idle", "explicit", "api")}

@@ -19,12 +19,35 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 
-def exit_on_sigterm() -> None:
-    """Turn SIGTERM into SystemExit(143) in this (orchestrating) process, so its ``finally`` blocks run and
-    every child process group it started is stopped instead of being orphaned."""
+# Signals that end an orchestrating process (demo, bench) while it owns child process groups: SIGTERM (kill,
+# systemd), SIGHUP (the terminal or ssh session closed). Children run in their own sessions, so none of these
+# reach them by themselves.
+TERMINATING_SIGNALS = (signal.SIGTERM, signal.SIGHUP)
+
+
+def exit_on_signals() -> None:
+    """Turn SIGTERM and SIGHUP into SystemExit(128 + signum) in this (orchestrating) process, so its ``finally``
+    blocks run and every child process group it started is stopped instead of being orphaned (SIGINT already
+    raises KeyboardInterrupt)."""
     def _raise(signum, frame):
         raise SystemExit(128 + signum)
-    signal.signal(signal.SIGTERM, _raise)
+    for sig in TERMINATING_SIGNALS:
+        signal.signal(sig, _raise)
+
+
+def stop_all(started: list["Proc"], grace_s: float = 5.0) -> None:
+    """Stop every process group in ``started`` (newest first) without being interrupted half way: SIGINT,
+    SIGTERM and SIGHUP are held back until every group is gone (a second Ctrl-C while waiting for one child
+    used to leave the rest running), and every group gets its SIGTERM before the first wait."""
+    held = {signal.SIGINT, *TERMINATING_SIGNALS}
+    old = signal.pthread_sigmask(signal.SIG_BLOCK, held)
+    try:
+        for p in reversed(started):
+            p.terminate()
+        for p in reversed(started):
+            p.stop(grace_s)
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, old)
 
 
 def free_port() -> int:
@@ -61,6 +84,14 @@ class Proc:
             return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
         except OSError:
             return ""
+
+    def terminate(self) -> None:
+        """SIGTERM the whole process group (no wait)."""
+        if self.popen.poll() is None:
+            try:
+                os.killpg(self.popen.pid, signal.SIGTERM)
+            except ProcessLookupError:
+                pass
 
     def stop(self, grace_s: float = 5.0) -> int | None:
         """End the whole process group: SIGTERM, then SIGKILL after ``grace_s`` seconds."""

@@ -43,9 +43,23 @@ def main() -> int:
     p.add_argument("--shrink", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=1)
     a = p.parse_args()
-    res = json.loads((Path(a.dir) / "results.json").read_text())
-    data = {arm: [m["makespan_s"] for m in ms] for arm, ms in res["metrics_by_seed"].items()}
-    arms, r = list(data), len(next(iter(data.values())))
+    if a.runs < 1:
+        p.error("--runs must be >= 1")
+    try:
+        res = json.loads((Path(a.dir) / "results.json").read_text())
+        by_seed = res["metrics_by_seed"]
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        p.error(f"{a.dir}: no kvgate bench results.json with metrics_by_seed ({exc})")
+
+    def finished(ms: list) -> bool:  # every seed ran to the end without errors
+        return all(isinstance(m.get("makespan_s"), (int, float)) and not m.get("errors") and not m.get("failed")
+                   and math.isfinite(m["makespan_s"]) for m in ms)
+    data = {arm: [m["makespan_s"] for m in ms] for arm, ms in by_seed.items() if ms and finished(ms)}
+    r = min((len(v) for v in data.values()), default=0)
+    if len(data) < 2 or r < 2:
+        p.error(f"{a.dir}: needs at least 2 arms that finished on at least 2 seeds (replicates >= 2); "
+                f"has {len(data)} arms x {r} seeds")
+    arms = list(data)
     mse, _ = block_mse(data)
     means = {x: sum(v) / r for x, v in data.items()}
     grand = sum(means.values()) / len(arms)

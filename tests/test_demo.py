@@ -37,10 +37,12 @@ def test_demo_short_window_both_runs(tmp_path):
 
 
 @pytest.mark.skipif(procs.find_executable("smg") is None, reason="the smg router is not installed")
-def test_demo_sigterm_stops_every_child(tmp_path):
+@pytest.mark.parametrize("how", ["SIGTERM", "SIGHUP", "SIGINT-repeated"])
+def test_demo_signal_stops_every_child(tmp_path, how):
+    """kill, a closed terminal, and Ctrl-C pressed again and again while the demo is stopping its children:
+    every engine, router and kvgate process it started is gone afterwards."""
     import os
     import signal
-    import time
     log_dir = tmp_path / "logs"
     p = subprocess.Popen([sys.executable, "-m", "kvgate", "demo", "--duration-s", "60", "--runs", "lifecycle",
                           "--log-dir", str(log_dir)], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
@@ -54,8 +56,20 @@ def test_demo_sigterm_stops_every_child(tmp_path):
         assert "listening" in kvgate_log
         children = _descendants(p.pid)
         assert len(children) >= 4  # two engines, the router (launcher + smg::router), kvgate
-        p.send_signal(signal.SIGTERM)
-        assert p.wait(timeout=60) == 143
+        if how == "SIGINT-repeated":
+            # keep pressing Ctrl-C until it exits, so presses land while it is stopping its children
+            while p.poll() is None:
+                p.send_signal(signal.SIGINT)
+                try:
+                    p.wait(timeout=0.05)
+                except subprocess.TimeoutExpired:
+                    pass
+            assert p.returncode == 130
+            assert b"Traceback" not in p.stdout.read()
+        else:
+            sig = getattr(signal, how)
+            p.send_signal(sig)
+            assert p.wait(timeout=60) == 128 + sig
     finally:
         if p.poll() is None:
             os.killpg(p.pid, signal.SIGKILL)

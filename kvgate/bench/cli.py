@@ -74,33 +74,34 @@ def run(args: argparse.Namespace) -> int:
             if args.replicates < 1:
                 raise ValueError(f"--replicates: must be >= 1, got {args.replicates}")
             sc.replicates = args.replicates
-        previous = _load_previous(args.compare) if args.compare else None
+        if args.speed is not None:
+            if not (math.isfinite(args.speed) and args.speed > 0):
+                raise ValueError(f"--speed: must be a number > 0, got {args.speed}")
+            sc.speed = args.speed
+        if args.seed is not None:
+            sc.seed = args.seed
+        if not args.arm_timeout_s > 0:
+            raise ValueError(f"--arm-timeout-s: must be > 0, got {args.arm_timeout_s}")
+        if Path(args.out).exists() and not Path(args.out).is_dir():
+            raise ValueError(f"--out: {args.out} exists and is not a directory")
+        previous = _load_previous(args.compare) if args.compare is not None else None
+        arms = expand_arms(sc)
+        if args.arms is not None:
+            sc.arms, wanted = _pick_arms(args.arms)
+            arms = [a for a in expand_arms(sc) if a.name in wanted or a.name.rsplit("-", 1)[0] in wanted]
+            if not arms:
+                raise ValueError(f"--arms {args.arms}: no arm to run (router-limit-N needs N in router_limits: "
+                                 f"{sc.router_limits})")
+        seeds = [sc.seed + i for i in range(sc.replicates)]
+        # every workload is drawn before any fleet starts: a bad distribution stops the bench here
+        workloads = [_workload(sc, seed) for seed in seeds]  # (plan, ideal prefill, summary) per replicate
     except (OSError, ValueError) as exc:
         print(f"kvgate bench: {exc}", file=sys.stderr)
         return 2
-    if args.speed is not None:
-        sc.speed = args.speed
-    if args.seed is not None:
-        sc.seed = args.seed
     if procs.find_executable("smg") is None:
         print("kvgate bench: the smg router is not installed (pip install smg)", file=sys.stderr)
         return 2
-    if args.arms:
-        try:
-            sc.arms, wanted = _pick_arms(args.arms)
-        except ValueError as exc:
-            print(f"kvgate bench: {exc}", file=sys.stderr)
-            return 2
-        arms = [a for a in expand_arms(sc) if a.name in wanted or a.name.rsplit("-", 1)[0] in wanted]
-    else:
-        arms = expand_arms(sc)
-    if not arms:
-        print(f"kvgate bench: --arms {args.arms}: no arm to run (router-limit-N needs N in router_limits: "
-              f"{sc.router_limits})", file=sys.stderr)
-        return 2
     scaled = scale(sc.speed, sc.kvgate_times, sc.router_queue_timeout_s, sc.sample_interval_s)
-    seeds = [sc.seed + i for i in range(sc.replicates)]
-    workloads = [_workload(sc, seed) for seed in seeds]  # (plan, ideal prefill, summary) per replicate
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     n_req = sum(w[2]["requests"] for w in workloads)
@@ -138,6 +139,9 @@ def run(args: argparse.Namespace) -> int:
                 print(f"kvgate bench: arm {label} failed to run: {exc}", file=sys.stderr)
                 raw = {"arm": arm.name, "failed": str(exc), "requests": [], "sessions": [], "steps": [],
                        "samples": [], "sim_totals": {}, "kvgate_counters": None, "wall_s": 0.0, "timed_out": False}
+            if raw.get("timed_out"):
+                print(f"kvgate bench: arm {label} timed out after {args.arm_timeout_s:g} s wall (--arm-timeout-s); "
+                      "its figures cover only what finished and it ranks last", file=sys.stderr)
             raw["arm_wall_s"] = time.monotonic() - t
             raw["seed"] = seed
             raws[arm.name].append(raw)
@@ -157,10 +161,10 @@ def run(args: argparse.Namespace) -> int:
               f"{per_seed}; bench wall time {wall:.0f} s on {platform.machine()} ({_cores()} cores)."
               + _replicate_note(sc.workload["kind"], len(seeds)) + "\n")
     md = report.markdown(metrics, header)
-    md += _ranking_text(tiers, len(seeds), se, se_df)
+    md += _ranking_text(tiers, len(seeds), se, se_df, report.failed_arms(metrics))
     comparison = None
     if previous is not None:
-        comparison = _compare(tiers, report.ranking(metrics), previous)
+        comparison = _compare(tiers, report.ranking(metrics), previous, sc.name)
         md += comparison["text"]
     md += "\nPer-arm wall time (s): " + ", ".join(
         f"{a} {sum(r['arm_wall_s'] for r in rs):.0f}" for a, rs in raws.items()) + "\n"
@@ -172,7 +176,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"kvgate bench: no plots ({exc}; pip install matplotlib)", file=sys.stderr)
     results = {"scenario": sc.__dict__, "speed": sc.speed, "seeds": seeds, "scaled": scaled.__dict__,
                "workload": summary, "ideal_prefill_tokens": [w[1] for w in workloads], "wall_s": wall,
-               "metrics": metrics, "metrics_by_seed": per_rep, "tiers": tiers, "se_of_mean_s": se, "se_df": se_df, "ranking": report.ranking(metrics),
+               "metrics": metrics, "metrics_by_seed": per_rep, "tiers": tiers, "se_of_mean_s": se, "se_df": se_df,
+               "ranking": report.ranking(metrics),
                "compare": comparison, "plots": files, "arms": raws}
     (out / "results.json").write_text(json.dumps(_clean(results), indent=1, default=str))
     print(md)
@@ -195,6 +200,8 @@ def _pick_arms(spec: str) -> tuple[list[str], set[str]]:
     """--arms a,b,router-limit-8: (the scenario arms to expand, the names to keep). Any known arm may be named,
     also one the scenario's own list leaves out; router-limit-N keeps only that limit. Raises ValueError."""
     wanted = [w.strip() for w in spec.split(",") if w.strip()]
+    if not wanted:
+        raise ValueError(f"--arms: no arm named in {spec!r}; choose from {list(ARMS)}")
     base = []
     for w in wanted:
         b = w if w in ARMS else w.rsplit("-", 1)[0]
@@ -205,45 +212,73 @@ def _pick_arms(spec: str) -> tuple[list[str], set[str]]:
     return base, set(wanted)
 
 
-def _ranking_text(tiers: list[list[str]], n_seeds: int, se: float | None, df: int) -> str:
-    if n_seeds == 1 or se is None:
-        return (f"\nRanking by step makespan: {ranking.tier_text(tiers)} (one seed: no confidence intervals, so "
-                "arms closer than the run-to-run noise may swap between runs; set replicates >= 3)\n")
-    return (f"\nRanking by step makespan: {ranking.tier_text(tiers)}\n\nBraces hold arms the {n_seeds} seeds "
-            "cannot tell apart: tiers are Scott-Knott groups of the mean makespans at 99% (seeds as blocks; the "
-            f"residual noise gives each arm's mean a standard error of {se:.1f} s, {df} degrees of freedom). An arm "
-            "ranks below another only when they are in different tiers.\n")
+def _ranking_text(tiers: list[list[str]], n_seeds: int, se: float | None, df: int, failed: list[str]) -> str:
+    out = ""
+    if n_seeds == 1:
+        out = (f"\nRanking by step makespan: {ranking.tier_text(tiers)} (one seed: no confidence intervals, so "
+               "arms closer than the run-to-run noise may swap between runs; set replicates >= 3)\n")
+    elif se is None:
+        out = (f"\nRanking by step makespan: {ranking.tier_text(tiers)} (fewer than two arms finished on every "
+               "seed: nothing to test)\n")
+    else:
+        out = (f"\nRanking by step makespan: {ranking.tier_text(tiers)}\n\nBraces hold arms the {n_seeds} seeds "
+               "cannot tell apart: tiers are Scott-Knott groups of the mean makespans at 99% (seeds as blocks; the "
+               f"residual noise gives each arm's mean a standard error of {se:.1f} s, {df} degrees of freedom). An "
+               "arm ranks below another only when they are in different tiers.\n")
+    if failed:
+        out += (f"\nDid not finish (errors, a timeout or a fleet that failed to start; ranked last, not compared): "
+                f"{', '.join(failed)}. See logs/ and the errors column.\n")
+    return out
 
 
 def _load_previous(path: str) -> dict:
-    """The results.json of an earlier run (a directory or the file). Raises OSError / ValueError."""
+    """The results.json of an earlier run (a directory or the file). Raises OSError / ValueError naming
+    --compare."""
     p = Path(path)
     if p.is_dir():
         p = p / "results.json"
     try:
         res = json.loads(p.read_text())
+    except FileNotFoundError:
+        raise ValueError(f"--compare: {p} not found (give an earlier run's --out directory)") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ValueError(f"--compare: cannot read {p} ({exc})") from None
     except json.JSONDecodeError as exc:
         raise ValueError(f"--compare: {p} is not JSON ({exc})") from None
-    if not isinstance(res, dict) or "ranking" not in res:
+    def names(x) -> bool:
+        return isinstance(x, list) and all(isinstance(a, str) for a in x)
+    tiers = res.get("tiers") if isinstance(res, dict) else None
+    if not isinstance(res, dict) or not names(res.get("ranking")) \
+            or not (tiers is None or (isinstance(tiers, list) and all(names(t) for t in tiers))):
         raise ValueError(f"--compare: {p} is not a kvgate bench results.json")
     res["_path"] = str(p)
     return res
 
 
-def _compare(tiers: list[list[str]], order: list[str], previous: dict) -> dict:
+def _compare(tiers: list[list[str]], order: list[str], previous: dict, scenario: str | None = None) -> dict:
     """This run's tiers and mean order against an earlier run's: the same tiers? any pair the two runs order
-    oppositely?"""
+    oppositely? ``same_ranking`` is None when the runs share fewer than two arms (nothing to compare)."""
     prev_tiers = previous.get("tiers") or [[a] for a in previous["ranking"]]
+    common = {a for t in tiers for a in t} & {a for t in prev_tiers for a in t}
+    prev_name = (previous.get("scenario") or {}).get("name") if isinstance(previous.get("scenario"), dict) else None
+    note = (f" (that run was scenario {prev_name}, this one {scenario})"
+            if prev_name and scenario and prev_name != scenario else "")
+    if len(common) < 2:
+        text = (f"\nCompared with {previous['_path']}: nothing to compare, the runs share {len(common)} arm(s)"
+                f"{note}.\n")
+        return {"previous": previous["_path"], "same_ranking": None, "contradictions": [], "kendall_tau": None,
+                "common_arms": sorted(common), "previous_tiers": prev_tiers, "text": text}
     same = ranking.same_ranking(tiers, prev_tiers)
     against = ranking.contradictions(tiers, prev_tiers)
     tau = ranking.kendall_tau(order, previous["ranking"])
-    text = (f"\nCompared with {previous['_path']} (then: {ranking.tier_text(prev_tiers)}): "
-            f"{'the same' if same else 'a DIFFERENT'} ranking; "
+    only = "" if len(common) == len({a for t in tiers for a in t}) else f" over the {len(common)} arms in common"
+    text = (f"\nCompared with {previous['_path']}{note} (then: {ranking.tier_text(prev_tiers)}): "
+            f"{'the same' if same else 'a DIFFERENT'} ranking{only}; "
             + (f"{len(against)} pairs ordered oppositely ({', '.join(f'{x} < {y}' for x, y in against)} here)"
                if against else "no pair of arms ordered oppositely")
             + f"; Kendall tau of the mean makespan orders {tau:.2f}.\n")
     return {"previous": previous["_path"], "same_ranking": same, "contradictions": against, "kendall_tau": tau,
-            "previous_tiers": prev_tiers, "text": text}
+            "common_arms": sorted(common), "previous_tiers": prev_tiers, "text": text}
 
 
 def _cores() -> int:

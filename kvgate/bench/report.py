@@ -96,6 +96,8 @@ def summarize(raw: dict, speed: float, ideal_prefill_tokens: int) -> dict:
         if counters else None,
     }
     m["admit_wait_bypass"] = (f"{m['admit']}/{m['wait']}/{m['bypass']}" if counters else "-")
+    # the arm did not run to the end (its fleet failed to start, or --arm-timeout-s cut it): not comparable
+    m["failed"] = bool(raw.get("failed") or raw.get("timed_out"))
     m["session_precision"], m["session_recall"] = session_accuracy(reqs)
     return m
 
@@ -110,6 +112,9 @@ def aggregate(reps: list[dict]) -> dict:
     out: dict = {}
     for k in reps[0]:
         vals = [r.get(k) for r in reps]
+        if k == "failed":
+            out[k] = any(vals)
+            continue
         nums = [v for v in vals if isinstance(v, (int, float)) and not isinstance(v, bool)
                 and not (isinstance(v, float) and math.isnan(v))]
         if nums:
@@ -186,7 +191,8 @@ def markdown(metrics: dict[str, dict], header: str = "") -> str:
             cells[0] = f"{mean:.1f} ± {hw:.1f}"
         if paired:
             cells.insert(1, _paired_cell(arm, diffs))
-        lines.append(f"| {arm} | " + " | ".join(cells) + " |")
+        shown = arm + (" (did not finish)" if m.get("failed") else "")
+        lines.append(f"| {shown} | " + " | ".join(cells) + " |")
     for base in ("direct", "unbounded-kv"):
         r = ratios(metrics, base)
         if not r:
@@ -201,9 +207,9 @@ def markdown(metrics: dict[str, dict], header: str = "") -> str:
     return "\n".join(lines) + "\n"
 
 
-def _failed(metrics: dict[str, dict]) -> list[str]:
+def failed_arms(metrics: dict[str, dict]) -> list[str]:
     """Arms whose makespans cannot be compared: errors, or a seed without a makespan."""
-    return [a for a, m in metrics.items() if m.get("errors") or not m.get("makespan_s_reps")
+    return [a for a, m in metrics.items() if m.get("errors") or m.get("failed") or not m.get("makespan_s_reps")
             or any(x is None or (isinstance(x, float) and math.isnan(x)) for x in m["makespan_s_reps"])]
 
 
@@ -212,7 +218,7 @@ def vs_base(metrics: dict[str, dict], base: str = "direct") -> dict[str, tuple[f
     uses the residual variance pooled over every comparable arm (block_mse; Student t on its degrees of freedom),
     so it matches the ranking's noise; with one comparable pair it is the plain paired t interval. {} when
     ``base`` is missing or failed, or there is one seed."""
-    failed = set(_failed(metrics))
+    failed = set(failed_arms(metrics))
     if base not in metrics or base in failed:
         return {}
     good = {a: list(m["makespan_s_reps"]) for a, m in metrics.items() if a not in failed}
@@ -240,7 +246,7 @@ def ranked_tiers(metrics: dict[str, dict]) -> tuple[list[list[str]], float | Non
     """(tiers, standard error of one arm's mean makespan s, its degrees of freedom): arms in Scott-Knott tiers
     by their per-seed makespans (kvgate.bench.ranking.tiers, 99%). Arms with errors or no makespan come last and
     do not enter the variance. The standard error is None with one seed."""
-    failed = _failed(metrics)
+    failed = failed_arms(metrics)
     samples = {a: list(m.get("makespan_s_reps") or []) for a, m in metrics.items()}
     good = {a: v for a, v in samples.items() if a not in failed}
     mse, df = block_mse(good)
@@ -252,7 +258,8 @@ def ranking(metrics: dict[str, dict], key: str = HEADLINE) -> list[str]:
     """Arms ordered by ``key`` ascending; arms with errors (their sessions ended early) and NaN go last."""
     def k(arm):
         v = metrics[arm].get(key)
-        if v is None or (isinstance(v, float) and math.isnan(v)) or metrics[arm].get("errors"):
+        if v is None or (isinstance(v, float) and math.isnan(v)) or metrics[arm].get("errors") \
+                or metrics[arm].get("failed"):
             return (1, 0.0 if v is None or isinstance(v, float) and math.isnan(v) else v)
         return (0, v)
     return sorted(metrics, key=k)

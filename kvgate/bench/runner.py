@@ -20,6 +20,7 @@ from typing import Callable
 
 import aiohttp
 import orjson
+import yaml
 
 from kvgate import procs
 from kvgate.bench.scenario import Scenario
@@ -104,8 +105,11 @@ class Fleet:
         kport = procs.free_port()
         cmd = [sys.executable, "-m", "kvgate", "serve", "--upstream", router.url, "--port", str(kport),
                *kvgate_flags(self.scaled.kvgate_times)]
-        for k, v in self.sc.kvgate_extra.items():
-            cmd += ["--" + k.replace("_", "-"), str(v)]
+        if self.sc.kvgate_extra:  # as a config file: YAML keeps every type (booleans, lists, null) intact
+            extra_yaml = self.log_dir / "kvgate-extra.yaml"
+            extra_yaml.parent.mkdir(parents=True, exist_ok=True)
+            extra_yaml.write_text(yaml.safe_dump(dict(self.sc.kvgate_extra)))
+            cmd += ["--config", str(extra_yaml)]
         if self.arm.lifecycle:
             cmd.append("--agentic-session-lifecycle")
         if self.arm.admission:
@@ -132,8 +136,7 @@ class Fleet:
 
     def stop(self) -> None:
         """Stop every process group, newest first."""
-        for p in reversed(self.procs):
-            p.stop()
+        procs.stop_all(self.procs)
 
 
 class Recorder:

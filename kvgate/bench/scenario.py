@@ -7,6 +7,7 @@ sessions or ``kind: mooncake`` open-loop trace window). See configs/bench/*.yaml
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -56,8 +57,49 @@ class Scenario:
     explicit_close: bool = True
 
 
+WORKLOAD_KEYS = {
+    "agentic": {"kind", "steps", "groups", "group_size", "task_prompt_tokens", "turns", "observation_tokens",
+                "output_tokens", "tool_gap_s"},
+    "mooncake": {"kind", "trace", "start_s", "duration_s"},
+}
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_num(v) -> bool:
+    return (isinstance(v, (int, float)) and not isinstance(v, bool)) and math.isfinite(v)
+
+
+# key -> (check, what it must be); keys absent here are checked below (arms, workload, the extras)
+_CHECKS = {
+    "name": (lambda v: isinstance(v, str) and v != "", "a non-empty string"),
+    "seed": (_is_int, "an integer"),
+    "replicates": (lambda v: _is_int(v) and v >= 1, "an integer >= 1"),
+    "speed": (lambda v: _is_num(v) and v > 0, "a number > 0"),
+    "engines": (lambda v: _is_int(v) and v >= 1, "an integer >= 1"),
+    "max_total_num_tokens": (lambda v: _is_int(v) and v >= 1, "an integer >= 1 (tokens)"),
+    "unbounded_max_total_num_tokens": (lambda v: _is_int(v) and v >= 1, "an integer >= 1 (tokens)"),
+    "router_policy": (lambda v: isinstance(v, str) and v != "", "an smg --policy name"),
+    "router_extra": (lambda v: isinstance(v, list) and all(isinstance(x, (str, int, float)) for x in v),
+                     "a list of smg flags and values"),
+    "router_limits": (lambda v: isinstance(v, list) and v != [] and all(_is_int(x) and x >= 1 for x in v),
+                      "a non-empty list of integers >= 1"),
+    "router_queue_size": (lambda v: _is_int(v) and v >= 1, "an integer >= 1"),
+    "router_queue_timeout_s": (lambda v: _is_num(v) and v > 0, "a number of seconds > 0"),
+    "sample_interval_s": (lambda v: _is_num(v) and v > 0, "a number of seconds > 0"),
+    "explicit_close": (lambda v: isinstance(v, bool), "true or false"),
+    "kvgate_extra": (lambda v: isinstance(v, dict), "a mapping of kvgate config keys to values"),
+    "sim_extra": (lambda v: isinstance(v, dict), "a mapping of kvgate sim-engine flags (as keys) to values"),
+    "kvgate_times": (lambda v: isinstance(v, dict), "a mapping of kvgate time keys to seconds"),
+}
+
+
 def parse_scenario(obj: dict[str, Any], name: str = "scenario") -> Scenario:
-    """A Scenario from a YAML mapping. Raises ValueError naming the bad key."""
+    """A Scenario from a YAML mapping, every key checked (type, range; workload keys; kvgate_extra against
+    kvgate's config schema; sim_extra against the simulator's flags), so a typo stops the bench before any
+    fleet starts. Raises ValueError naming the bad key."""
     if not isinstance(obj, dict):
         raise ValueError("scenario: must be a mapping")
     known = set(Scenario.__dataclass_fields__)
@@ -66,32 +108,68 @@ def parse_scenario(obj: dict[str, Any], name: str = "scenario") -> Scenario:
         raise ValueError(f"scenario: unknown keys {sorted(unknown)}")
     data = dict(obj)
     data.setdefault("name", name)
-    if "arms" not in data or not data["arms"]:
-        raise ValueError("arms: at least one arm is needed")
-    bad = [a for a in data["arms"] if a not in ARMS]
+    for key, value in data.items():
+        if key in _CHECKS and not _CHECKS[key][0](value):
+            raise ValueError(f"{key}: must be {_CHECKS[key][1]}, got {value!r}")
+    arms = data.get("arms")
+    if not isinstance(arms, list) or not arms:
+        raise ValueError(f"arms: must be a non-empty list of arms, got {arms!r}")
+    bad = [a for a in arms if a not in ARMS]
     if bad:
         raise ValueError(f"arms: unknown {bad}; choose from {list(ARMS)}")
     wl = data.get("workload")
-    if not isinstance(wl, dict) or wl.get("kind") not in ("agentic", "mooncake"):
+    if not isinstance(wl, dict) or wl.get("kind") not in WORKLOAD_KEYS:
         raise ValueError("workload: needs kind: agentic | mooncake")
+    extra = set(wl) - WORKLOAD_KEYS[wl["kind"]]
+    if extra:
+        raise ValueError(f"workload: unknown keys {sorted(extra)} for kind {wl['kind']}; known "
+                         f"{sorted(WORKLOAD_KEYS[wl['kind']])}")
+    for k in ("steps", "groups", "group_size"):
+        if k in wl and not (_is_int(wl[k]) and wl[k] >= 1):
+            raise ValueError(f"workload.{k}: must be an integer >= 1, got {wl[k]!r}")
     times = dict(KVGATE_TIME_DEFAULTS)
     extra_times = data.get("kvgate_times") or {}
-    for k in extra_times:
+    for k, v in extra_times.items():
         if k not in KVGATE_TIME_DEFAULTS:
             raise ValueError(f"kvgate_times: unknown key {k}; known {sorted(KVGATE_TIME_DEFAULTS)}")
+        if not (_is_num(v) and v >= 0):
+            raise ValueError(f"kvgate_times.{k}: must be a number of seconds >= 0, got {v!r}")
     times.update({k: float(v) for k, v in extra_times.items()})
     data["kvgate_times"] = times
-    sc = Scenario(**data)
-    if not sc.speed > 0:
-        raise ValueError(f"speed: must be > 0, got {sc.speed}")
-    if not isinstance(sc.replicates, int) or sc.replicates < 1:
-        raise ValueError(f"replicates: must be an integer >= 1, got {sc.replicates!r}")
-    if sc.engines < 1:
-        raise ValueError("engines: must be >= 1")
-    return sc
+    _check_kvgate_extra(data.get("kvgate_extra") or {})
+    _check_sim_extra(data.get("sim_extra") or {})
+    return Scenario(**data)
+
+
+def _check_kvgate_extra(extra: dict) -> None:
+    """kvgate_extra keys are kvgate config keys (kvgate.config): validate them with kvgate's own rules."""
+    from kvgate.config import ConfigError, validate
+    try:
+        validate(dict(extra))
+    except ConfigError as exc:
+        raise ValueError(f"kvgate_extra: {exc}") from None
+
+
+def _check_sim_extra(extra: dict) -> None:
+    """sim_extra keys are ``kvgate sim-engine`` flags: parse them with the simulator's own parser."""
+    import argparse
+
+    from kvgate.sim import cli as sim_cli
+
+    class _Parser(argparse.ArgumentParser):
+        def error(self, message):  # raise instead of printing usage and exiting
+            raise ValueError(f"sim_extra: {message}")
+
+    p = _Parser(add_help=False)
+    sim_cli.add_arguments(p)
+    p.parse_args([x for k, v in extra.items() for x in ("--" + str(k).replace("_", "-"), str(v))])
 
 
 def load_scenario(path: str | Path) -> Scenario:
-    """Read and parse a scenario file. Raises ValueError / OSError."""
+    """Read and parse a scenario file. Raises ValueError (bad YAML or a bad key, naming it) / OSError."""
     p = Path(path)
-    return parse_scenario(yaml.safe_load(p.read_text()), name=p.stem)
+    try:
+        obj = yaml.safe_load(p.read_text())
+    except yaml.YAMLError as exc:
+        raise ValueError(f"{p}: not valid YAML ({' '.join(str(exc).split())})") from None
+    return parse_scenario(obj, name=p.stem)

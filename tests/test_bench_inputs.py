@@ -1,0 +1,122 @@
+"""Bad bench input stops `kvgate bench` with exit 2 and one line naming what is wrong, before any fleet starts
+(no output directory, no processes). Pure argument and scenario checks; nothing is started."""
+
+import argparse
+import json
+
+import pytest
+
+from kvgate.bench import cli
+from kvgate.bench.scenario import parse_scenario
+
+GOOD = """
+name: t
+arms: [direct, proxy-only]
+workload: {kind: agentic, groups: 1, group_size: 2, turns: {dist: const, value: 2}}
+"""
+
+
+def _run(tmp_path, scenario_text, *flags):
+    sc = tmp_path / "s.yaml"
+    sc.write_text(scenario_text)
+    p = argparse.ArgumentParser()
+    cli.add_arguments(p)
+    out = tmp_path / "out"
+    return cli.run(p.parse_args(["--scenario", str(sc), "--out", str(out), "--no-progress", *flags])), out
+
+
+@pytest.mark.parametrize("text, flags, expect", [
+    ("arms: [direct]\nworkload: {kind: agentic}\nspeed: fast\n", [], "speed: must be a number > 0"),
+    ("arms: [direct]\nworkload: {kind: agentic}\nengines: '2'\n", [], "engines: must be an integer"),
+    ("arms: [direct]\nworkload: {kind: agentic}\nseed: abc\n", [], "seed: must be an integer"),
+    ("arms: direct\nworkload: {kind: agentic}\n", [], "arms: must be a non-empty list"),
+    ("arms: [direct]\nworkload: {kind: agentic}\nrouter_limits: 4\n", [], "router_limits: must be"),
+    ("arms: [direct]\nworkload: {kind: agentic}\nrouter_limits: [0]\n", [], "router_limits: must be"),
+    ("arms: [direct]\nworkload: {kind: agentic}\nreplicates: true\n", [], "replicates: must be"),
+    ("arms: [direct]\nworkload: {kind: agentic, grup_size: 2}\n", [], "workload: unknown keys ['grup_size']"),
+    ("arms: [direct]\nworkload: {kind: agentic, groups: 0}\n", [], "workload.groups: must be an integer >= 1"),
+    ("arms: [direct]\nworkload: {kind: agentic, turns: {dist: cosnt, value: 2}}\n", [], "unknown distribution"),
+    ("arms: [direct]\nworkload: {kind: agentic}\nsim_extra: {compute_profile: nope}\n", [],
+     "sim_extra: argument --compute-profile: invalid choice: 'nope'"),
+    ("arms: [direct]\nworkload: {kind: agentic}\nkvgate_extra: {bogus_option: 1}\n", [],
+     "kvgate_extra: bogus_option: unknown key"),
+    ("arms: [direct]\nworkload: {kind: agentic}\nkvgate_times: {session_idle_close_s: -1}\n", [],
+     "kvgate_times.session_idle_close_s: must be"),
+    ("arms: [direct\n", [], "not valid YAML"),
+    (GOOD, ["--speed", "0"], "--speed: must be a number > 0"),
+    (GOOD, ["--speed", "nan"], "--speed: must be a number > 0"),
+    (GOOD, ["--replicates", "0"], "--replicates: must be >= 1"),
+    (GOOD, ["--arm-timeout-s", "0"], "--arm-timeout-s: must be > 0"),
+    (GOOD, ["--arms", ""], "--arms: no arm named"),
+    (GOOD, ["--arms", ","], "--arms: no arm named"),
+    (GOOD, ["--arms", "direcct"], "--arms: unknown arm 'direcct'"),
+    (GOOD, ["--arms", "router-limit-3"], "no arm to run (router-limit-N needs N in router_limits"),
+    (GOOD, ["--compare", "/nonexistent/run"], "--compare: /nonexistent/run not found"),
+])
+def test_bad_input_exits_2_with_one_line(tmp_path, capsys, text, flags, expect):
+    rc, out = _run(tmp_path, text, *flags)
+    err = capsys.readouterr().err.strip()
+    assert rc == 2
+    assert len(err.splitlines()) == 1 and expect in err, err
+    assert not out.exists()
+
+
+def test_out_that_is_a_file(tmp_path, capsys):
+    sc = tmp_path / "s.yaml"
+    sc.write_text(GOOD)
+    (tmp_path / "f").write_text("x")
+    p = argparse.ArgumentParser()
+    cli.add_arguments(p)
+    assert cli.run(p.parse_args(["--scenario", str(sc), "--out", str(tmp_path / "f")])) == 2
+    assert "--out:" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("content, expect", [
+    ("{}", "is not a kvgate bench results.json"),
+    ('{"ranking": null}', "is not a kvgate bench results.json"),
+    ('{"ranking": ["a"], "tiers": [["a", 1]]}', "is not a kvgate bench results.json"),
+    ("[1, 2]", "is not a kvgate bench results.json"),
+    ("not json", "is not JSON"),
+])
+def test_compare_with_a_file_that_is_not_a_result(tmp_path, capsys, content, expect):
+    prev = tmp_path / "prev"
+    prev.mkdir()
+    (prev / "results.json").write_text(content)
+    rc, out = _run(tmp_path, GOOD, "--compare", str(prev))
+    assert rc == 2 and expect in capsys.readouterr().err and not out.exists()
+
+
+def test_compare_with_no_arm_in_common_says_so():
+    prev = {"_path": "p", "ranking": ["direct", "proxy-only"], "tiers": [["direct", "proxy-only"]],
+            "scenario": {"name": "other"}}
+    c = cli._compare([["router-limit-4"]], ["router-limit-4"], prev, "tiny")
+    assert c["same_ranking"] is None and "nothing to compare, the runs share 0 arm(s)" in c["text"]
+    assert "that run was scenario other, this one tiny" in c["text"]
+    c = cli._compare([["direct"], ["lifecycle"], ["proxy-only"]], ["direct", "lifecycle", "proxy-only"], prev, "other")
+    assert c["same_ranking"] is False and "over the 2 arms in common" in c["text"]
+
+
+def test_kvgate_extra_keeps_types_and_sim_extra_is_checked():
+    sc = parse_scenario({"arms": ["direct"], "workload": {"kind": "agentic"},
+                         "kvgate_extra": {"admission_chars_per_token": 1.0, "max_response_length": 1024},
+                         "sim_extra": {"compute_profile": "qwen2.5-32b-h100"}})
+    assert sc.kvgate_extra["max_response_length"] == 1024
+    with pytest.raises(ValueError, match="sim_extra: unrecognized arguments"):
+        parse_scenario({"arms": ["direct"], "workload": {"kind": "agentic"}, "sim_extra": {"no_such_flag": 1}})
+
+
+def test_a_failed_arm_is_shown_and_ranked_last():
+    from kvgate.bench.report import aggregate, failed_arms, markdown, ranked_tiers, summarize
+    ok = {"requests": [{"session": "a", "start": 0.0, "ttft": 0.1, "end": 1.0, "ok": True, "output_tokens": 1}],
+          "sessions": [{"id": "a", "step": 0, "start": 0.0, "end": 1.0, "ok": True}],
+          "steps": [{"step": 0, "start": 0.0, "end": 1.0}], "sim_totals": {}, "kvgate_counters": None}
+    cut = {**ok, "timed_out": True}
+    m = {"direct": aggregate([summarize(ok, 1.0, 0), summarize(ok, 1.0, 0)]),
+         "proxy-only": aggregate([summarize(ok, 1.0, 0), summarize(cut, 1.0, 0)])}
+    assert m["proxy-only"]["failed"] is True and m["direct"]["failed"] is False
+    assert failed_arms(m) == ["proxy-only"]
+    assert ranked_tiers(m)[0] == [["direct"], ["proxy-only"]]
+    assert "| proxy-only (did not finish) |" in markdown(m)
+    text = cli._ranking_text([["direct"], ["proxy-only"]], 2, None, 0, ["proxy-only"])
+    assert "Did not finish" in text and "proxy-only" in text and "nothing to test" in text
+    json.dumps(m)  # results.json stays serialisable
