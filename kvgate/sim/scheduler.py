@@ -60,8 +60,8 @@ DEFAULT_DECODE_PER_CTX_TOKEN_US = 0.05
 #   the usual SWE-agent RL policy size. prefill: 2 x 32.5e9 = 65 GFLOP/token at ~350 TFLOP/s -> ~5.4k tokens/s;
 #   decode base: 65.5 GB of weights at ~3 TB/s -> ~21.8 ms + ~1 ms overhead -> 23 ms; per sequence: twice the
 #   8B figure (hidden 5120 vs 4096, 64 vs 32 layers) -> 0.06 ms; per context token: KV bytes/token = 2 x 64
-#   layers x 8 heads x 128 dim x 2 B = 256 KiB at ~2.6 TB/s -> ~0.1 us. Its KV pool is small: with SGLang's
-#   mem_fraction_static ~0.9, 80 GB x 0.9 - 65.5 GB of weights leaves ~6-12 GB, i.e. ~24k-48k tokens.
+#   layers x 8 heads x 128 dim x 2 B = 256 KiB at ~2.6 TB/s -> ~0.1 us. Its KV pool is small: SGLang's
+#   mem_fraction_static of 0.9-0.97 of 80 GB minus 65.5 GB of weights leaves ~6.5-12 GB, i.e. ~26k-49k tokens.
 COMPUTE_PROFILES = {
     "llama-3-8b-h100": (DEFAULT_PREFILL_TOKENS_PER_S, DEFAULT_DECODE_BASE_MS, DEFAULT_DECODE_PER_SEQ_MS,
                         DEFAULT_DECODE_PER_CTX_TOKEN_US),
