@@ -1,5 +1,6 @@
 """Print the compact per-arm table the README quotes from a bench run: ``python scripts/bench_readme_table.py
-DIR`` (DIR holds results.json from ``kvgate bench``). Every figure is the mean over the run's seeds."""
+DIR`` (DIR holds results.json from ``kvgate bench``; a results file such as docs/bench/kvb-A.json works too).
+Every figure is the mean over the run's seeds."""
 
 import json
 import sys
@@ -9,12 +10,18 @@ from kvgate.bench.ranking import mean_ci, tier_text
 from kvgate.bench.report import vs_base
 
 
+def _results_path(where: str) -> Path:
+    """DIR/results.json of a bench run, or a results file itself (docs/bench/*.json keep the README's runs)."""
+    p = Path(where)
+    return p / "results.json" if p.is_dir() else p
+
+
 def main(argv: list[str]) -> int:
     if len(argv) != 1:
         print(__doc__, file=sys.stderr)
         return 2
     try:
-        res = json.loads((Path(argv[0]) / "results.json").read_text())
+        res = json.loads(_results_path(argv[0]).read_text())
         metrics = res["metrics"]
     except (OSError, ValueError, KeyError, TypeError) as exc:
         print(f"bench_readme_table: {argv[0]}: no kvgate bench results.json ({exc})", file=sys.stderr)

@@ -1,7 +1,7 @@
 """How often would two runs of a bench scenario rank the arms the same? A Monte-Carlo estimate from one run.
 
-``python scripts/rank_stability.py DIR [--runs 300] [--shrink 1.0]`` reads DIR/results.json (a replicated
-``kvgate bench`` run), fits the seeds-as-blocks model (arm effect + seed effect + noise, kvgate.bench.ranking.
+``python scripts/rank_stability.py DIR [--runs 300] [--shrink 1.0]`` reads DIR/results.json (or a results file
+such as docs/bench/kvb-A.json) of a replicated ``kvgate bench`` run, fits the seeds-as-blocks model (arm effect + seed effect + noise, kvgate.bench.ranking.
 block_mse), draws pairs of synthetic runs from it and ranks each with the bench's own rule
 (kvgate.bench.ranking.tiers) and, for comparison, with a pairwise rule (an arm joins the current tier while
 its mean is within Tukey's HSD at 95% of the tier's best). Prints, per rule, how often the two runs' tiers are
@@ -36,6 +36,12 @@ def hsd_tiers(samples: dict[str, list[float]]) -> list[list[str]]:
     return out
 
 
+def _results_path(where: str) -> Path:
+    """DIR/results.json of a bench run, or a results file itself (docs/bench/*.json keep the README's runs)."""
+    p = Path(where)
+    return p / "results.json" if p.is_dir() else p
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("dir")
@@ -46,7 +52,7 @@ def main() -> int:
     if a.runs < 1:
         p.error("--runs must be >= 1")
     try:
-        res = json.loads((Path(a.dir) / "results.json").read_text())
+        res = json.loads(_results_path(a.dir).read_text())
         by_seed = res["metrics_by_seed"]
     except (OSError, ValueError, KeyError, TypeError) as exc:
         p.error(f"{a.dir}: no kvgate bench results.json with metrics_by_seed ({exc})")
