@@ -2,12 +2,13 @@
 
 ``python scripts/rank_stability.py DIR [--runs 300] [--shrink 1.0]`` reads DIR/results.json (or a results file
 such as docs/bench/kvb-A.json) of a replicated ``kvgate bench`` run, fits the seeds-as-blocks model (arm effect +
-seed effect + noise, kvgate.bench.ranking. block_mse), draws pairs of synthetic runs from it and ranks each with
+seed effect + noise, kvgate.bench.ranking.block_mse), draws pairs of synthetic runs from it and ranks each with
 the bench's own rule (kvgate.bench.ranking.tiers) and, for comparison, with a pairwise rule (an arm joins the
 current tier while its mean is within Tukey's HSD at 95% of the tier's best). Prints, per rule, how often the two
 runs' tiers are identical and how often no pair of arms is ordered oppositely. ``--shrink`` scales the arms'
 observed differences from the grand mean (the observed spread includes noise, so the truth is likely smaller; 0.5
-is a fair guess); unbounded-kv keeps its full difference. """
+is a fair guess); unbounded-kv keeps its full difference.
+"""
 
 import argparse
 import json
