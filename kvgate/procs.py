@@ -96,10 +96,7 @@ class Proc:
     def stop(self, grace_s: float = 5.0) -> int | None:
         """End the whole process group: SIGTERM, then SIGKILL after ``grace_s`` seconds."""
         if self.popen.poll() is None:
-            try:
-                os.killpg(self.popen.pid, signal.SIGTERM)
-            except ProcessLookupError:
-                pass
+            self.terminate()
             try:
                 self.popen.wait(timeout=grace_s)
             except subprocess.TimeoutExpired:

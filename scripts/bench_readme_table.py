@@ -4,16 +4,10 @@ Every figure is the mean over the run's seeds."""
 
 import json
 import sys
-from pathlib import Path
 
+from kvgate.bench.cli import results_path
 from kvgate.bench.ranking import mean_ci, tier_text
 from kvgate.bench.report import vs_base
-
-
-def _results_path(where: str) -> Path:
-    """DIR/results.json of a bench run, or a results file itself (docs/bench/*.json keep the README's runs)."""
-    p = Path(where)
-    return p / "results.json" if p.is_dir() else p
 
 
 def main(argv: list[str]) -> int:
@@ -21,7 +15,7 @@ def main(argv: list[str]) -> int:
         print(__doc__, file=sys.stderr)
         return 2
     try:
-        res = json.loads(_results_path(argv[0]).read_text())
+        res = json.loads(results_path(argv[0]).read_text())
         metrics = res["metrics"]
     except (OSError, ValueError, KeyError, TypeError) as exc:
         print(f"bench_readme_table: {argv[0]}: no kvgate bench results.json ({exc})", file=sys.stderr)

@@ -14,11 +14,12 @@ import argparse
 import json
 import math
 import random
-from pathlib import Path
 
 from scipy.stats import studentized_range
 
+from kvgate.bench.cli import results_path
 from kvgate.bench.ranking import block_mse, contradictions, same_ranking, tiers
+from kvgate.bench.report import aggregate, failed_arms
 
 
 def hsd_tiers(samples: dict[str, list[float]]) -> list[list[str]]:
@@ -36,12 +37,6 @@ def hsd_tiers(samples: dict[str, list[float]]) -> list[list[str]]:
     return out
 
 
-def _results_path(where: str) -> Path:
-    """DIR/results.json of a bench run, or a results file itself (docs/bench/*.json keep the README's runs)."""
-    p = Path(where)
-    return p / "results.json" if p.is_dir() else p
-
-
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("dir")
@@ -52,15 +47,15 @@ def main() -> int:
     if a.runs < 1:
         p.error("--runs must be >= 1")
     try:
-        res = json.loads(_results_path(a.dir).read_text())
+        res = json.loads(results_path(a.dir).read_text())
         by_seed = res["metrics_by_seed"]
     except (OSError, ValueError, KeyError, TypeError) as exc:
         p.error(f"{a.dir}: no kvgate bench results.json with metrics_by_seed ({exc})")
 
-    def finished(ms: list) -> bool:  # every seed ran to the end without errors
-        return all(isinstance(m.get("makespan_s"), (int, float)) and not m.get("errors") and not m.get("failed")
-                   and math.isfinite(m["makespan_s"]) for m in ms)
-    data = {arm: [m["makespan_s"] for m in ms] for arm, ms in by_seed.items() if ms and finished(ms)}
+    # arms that ran every seed to the end without errors: the bench's own rule (report.failed_arms)
+    metrics = {arm: aggregate(ms) for arm, ms in by_seed.items() if ms}
+    failed = set(failed_arms(metrics))
+    data = {arm: m["makespan_s_reps"] for arm, m in metrics.items() if arm not in failed}
     r = min((len(v) for v in data.values()), default=0)
     if len(data) < 2 or r < 2:
         p.error(f"{a.dir}: needs at least 2 arms that finished on at least 2 seeds (replicates >= 2); "

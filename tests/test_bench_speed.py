@@ -1,9 +1,12 @@
 """The speed factor scales every duration together (pure)."""
 
+import argparse
+
 import pytest
 
-from kvgate.bench.scenario import KVGATE_TIME_DEFAULTS, parse_scenario
+from kvgate.bench.scenario import KVGATE_TIME_DEFAULTS, parse_scenario, sim_extra_flags
 from kvgate.bench.speed import kvgate_flags, scale
+from kvgate.sim import cli as sim_cli
 
 
 def test_every_duration_divides_by_the_factor_and_ratios_stay():
@@ -73,13 +76,9 @@ def test_shipped_scenarios_parse():
         sc = load_scenario(root / f"{n}.yaml")
         assert sc.speed > 0
         # every sim_extra key is a flag the simulator takes (a typo would fail only when the bench starts engines)
-        import argparse
-
-        from kvgate.sim import cli as sim_cli
         p = argparse.ArgumentParser()
         sim_cli.add_arguments(p)
-        argv = [x for k, v in sc.sim_extra.items() for x in ("--" + k.replace("_", "-"), str(v))]
-        p.parse_args(argv)
+        p.parse_args(sim_extra_flags(sc.sim_extra))
 
 
 def test_arms_flag_picks_any_known_arm():

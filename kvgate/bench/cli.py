@@ -94,7 +94,10 @@ def run(args: argparse.Namespace) -> int:
                                  f"{sc.router_limits})")
         seeds = [sc.seed + i for i in range(sc.replicates)]
         # every workload is drawn before any fleet starts: a bad distribution stops the bench here
-        workloads = [_workload(sc, seed) for seed in seeds]  # (plan, ideal prefill, summary) per replicate
+        if sc.workload["kind"] == "agentic":
+            workloads = [_workload(sc, seed) for seed in seeds]  # (plan, ideal prefill, summary) per replicate
+        else:  # a trace window has no seed: read it once, repeat it
+            workloads = [_workload(sc, sc.seed)] * len(seeds)
     except (OSError, ValueError) as exc:
         print(f"kvgate bench: {exc}", file=sys.stderr)
         return 2
@@ -151,6 +154,7 @@ def run(args: argparse.Namespace) -> int:
     wall = time.monotonic() - t_all
     metrics = {a: report.aggregate(ms) for a, ms in per_rep.items()}
     tiers, se, se_df = report.ranked_tiers(metrics)
+    order = report.ranking(metrics)  # plain order of the means (for Kendall tau against another run)
     summary = workloads[0][2] if len(workloads) == 1 else {"replicates": [w[2] for w in workloads]}
     per_seed = (f"{'/'.join(str(w[2]['requests']) for w in workloads)} requests per arm for the seeds"
                 if len(seeds) > 1 else f"{n_req} requests per arm")
@@ -164,7 +168,7 @@ def run(args: argparse.Namespace) -> int:
     md += _ranking_text(tiers, len(seeds), se, se_df, report.failed_arms(metrics))
     comparison = None
     if previous is not None:
-        comparison = _compare(tiers, report.ranking(metrics), previous, sc.name)
+        comparison = _compare(tiers, order, previous, sc.name)
         md += comparison["text"]
     md += "\nPer-arm wall time (s): " + ", ".join(
         f"{a} {sum(r['arm_wall_s'] for r in rs):.0f}" for a, rs in raws.items()) + "\n"
@@ -177,7 +181,7 @@ def run(args: argparse.Namespace) -> int:
     results = {"scenario": sc.__dict__, "speed": sc.speed, "seeds": seeds, "scaled": scaled.__dict__,
                "workload": summary, "ideal_prefill_tokens": [w[1] for w in workloads], "wall_s": wall,
                "metrics": metrics, "metrics_by_seed": per_rep, "tiers": tiers, "se_of_mean_s": se, "se_df": se_df,
-               "ranking": report.ranking(metrics),
+               "ranking": order,
                "compare": comparison, "plots": files, "arms": raws}
     (out / "results.json").write_text(json.dumps(_clean(results), indent=1, default=str))
     print(md)
@@ -231,12 +235,17 @@ def _ranking_text(tiers: list[list[str]], n_seeds: int, se: float | None, df: in
     return out
 
 
+def results_path(where: str) -> Path:
+    """DIR/results.json of a bench run's --out directory, or ``where`` itself when it names a results file
+    (docs/bench/*.json keep the README's runs)."""
+    p = Path(where)
+    return p / "results.json" if p.is_dir() else p
+
+
 def _load_previous(path: str) -> dict:
     """The results.json of an earlier run (a directory or the file). Raises OSError / ValueError naming
     --compare."""
-    p = Path(path)
-    if p.is_dir():
-        p = p / "results.json"
+    p = results_path(path)
     try:
         res = json.loads(p.read_text())
     except FileNotFoundError:

@@ -23,7 +23,7 @@ import orjson
 import yaml
 
 from kvgate import procs
-from kvgate.bench.scenario import Scenario
+from kvgate.bench.scenario import Scenario, sim_extra_flags
 from kvgate.bench.speed import Scaled, kvgate_flags
 from kvgate.bench.workload import SessionPlan, TraceRequest, next_prompt
 
@@ -88,8 +88,7 @@ class Fleet:
             url = f"http://127.0.0.1:{port}"
             cmd = [sys.executable, "-m", "kvgate", "sim-engine", "--port", str(port),
                    "--max-total-num-tokens", str(self.arm.pool_tokens), "--speed", repr(self.scaled.sim_speed)]
-            for k, v in self.sc.sim_extra.items():
-                cmd += ["--" + k.replace("_", "-"), str(v)]
+            cmd += sim_extra_flags(self.sc.sim_extra)
             self.procs.append(procs.start(f"engine{i}", cmd, self.log_dir, url=url))
             self.engine_urls.append(url)
         for p in self.procs:

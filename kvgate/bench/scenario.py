@@ -150,6 +150,13 @@ def _check_kvgate_extra(extra: dict) -> None:
         raise ValueError(f"kvgate_extra: {exc}") from None
 
 
+def sim_extra_flags(extra: dict) -> list[str]:
+    """The ``kvgate sim-engine`` command-line flags for a scenario's sim_extra: key ``compute_profile`` -> flag
+    ``--compute-profile``, then the value as text. The runner starts engines with these and the scenario check
+    parses these, so the check sees exactly what the engines will."""
+    return [x for k, v in extra.items() for x in ("--" + str(k).replace("_", "-"), str(v))]
+
+
 def _check_sim_extra(extra: dict) -> None:
     """sim_extra keys are ``kvgate sim-engine`` flags: parse them with the simulator's own parser."""
     import argparse
@@ -162,7 +169,7 @@ def _check_sim_extra(extra: dict) -> None:
 
     p = _Parser(add_help=False)
     sim_cli.add_arguments(p)
-    p.parse_args([x for k, v in extra.items() for x in ("--" + str(k).replace("_", "-"), str(v))])
+    p.parse_args(sim_extra_flags(extra))
 
 
 def load_scenario(path: str | Path) -> Scenario:

@@ -51,7 +51,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def options_from_args(args: argparse.Namespace) -> dict:
     """Keyword options for ``start_sim_engine`` from parsed args: the compute profile's constants unless a flag
     sets one."""
-    prefill, base, per_seq, per_ctx = COMPUTE_PROFILES[getattr(args, "compute_profile", "llama-3-8b-h100")]
+    prefill, base, per_seq, per_ctx = COMPUTE_PROFILES[args.compute_profile]
     pick = lambda v, d: d if v is None else v  # noqa: E731
     return dict(
         max_total_num_tokens=args.max_total_num_tokens,
