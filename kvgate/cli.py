@@ -29,7 +29,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     if cfg is None:
         return 2
     _setup_logging(cfg.log_level)
-    from kvgate.server import serve
+    from kvgate.proxy.app import serve
     return serve(cfg)
 
 
@@ -57,17 +57,17 @@ def build_parser() -> argparse.ArgumentParser:
     add_flags(check)
     check.set_defaults(func=_cmd_check_config)
 
-    from kvgate.sim import cli as sim_cli
+    from kvgate.sim import args as sim_cli
     sim = sub.add_parser("sim-engine", help="run a simulated SGLang engine (for tests, demo and bench)")
     sim_cli.add_arguments(sim)
     sim.set_defaults(func=sim_cli.run)
 
-    from kvgate import demo
+    from kvgate.tools import demo
     d = sub.add_parser("demo", help="replay a Mooncake trace slice through kvgate, smg and two simulated engines")
     demo.add_arguments(d)
     d.set_defaults(func=demo.run)
 
-    from kvgate.bench import cli as bench_cli
+    from kvgate.bench import command as bench_cli
     b = sub.add_parser("bench", help="compare kvgate arms, the plain router and its limiter on KV-bound simulated "
                                      "engines")
     bench_cli.add_arguments(b)
@@ -81,7 +81,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "check-config" and args.config_file:
         args.config = args.config_file
     if args.command in ("demo", "bench"):
-        from kvgate.procs import exit_on_signals
+        from kvgate.tools.procs import exit_on_signals
         exit_on_signals()  # they start engines, a router and kvgate: a SIGTERM or SIGHUP must stop those too
         try:
             return int(args.func(args) or 0)

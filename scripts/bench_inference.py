@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Benchmark of kvgate.inference: the time inference adds per request, and precision/recall on a
+"""Benchmark of kvgate.sessions.inference: the time inference adds per request, and precision/recall on a
 synthetic agentic workload with GRPO groups (issue 5, Done-when: under 1 ms for a 64K-token prompt).
 
 Prints one line per figure. Timings are the median (and p99) of --reps runs, in milliseconds, measured
@@ -21,7 +21,7 @@ import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from kvgate.inference import SessionInference, score
+from kvgate.sessions.inference import SessionInference, score
 
 
 def _ids(rng: random.Random, n: int) -> list[int]:

@@ -5,7 +5,7 @@ Every figure is the mean over the run's seeds."""
 import json
 import sys
 
-from kvgate.bench.cli import results_path
+from kvgate.bench.command import results_path
 from kvgate.bench.ranking import mean_ci, tier_text
 from kvgate.bench.report import vs_base
 

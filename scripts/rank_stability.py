@@ -17,7 +17,7 @@ import random
 
 from scipy.stats import studentized_range
 
-from kvgate.bench.cli import results_path
+from kvgate.bench.command import results_path
 from kvgate.bench.ranking import block_mse, contradictions, same_ranking, tiers
 from kvgate.bench.report import aggregate, failed_arms
 

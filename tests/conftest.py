@@ -1,7 +1,7 @@
 """Shared fixtures: kvgate in-process on a random port, an echo upstream, the real smg router.
 
 Everything listens on 127.0.0.1 with ports chosen by the OS. Subprocesses (the router) run in their own
-process group and are ended by group id (kvgate.procs).
+process group and are ended by group id (kvgate.tools.procs).
 """
 
 from __future__ import annotations
@@ -14,9 +14,9 @@ import orjson
 import pytest
 from aiohttp import web
 
-from kvgate import procs
+from kvgate.tools import procs
 from kvgate.config import validate
-from kvgate.server import start_gateway
+from kvgate.proxy.app import start_gateway
 
 
 @pytest.fixture
@@ -157,7 +157,7 @@ class CloseWatcher:
 @pytest.fixture
 async def sim_factory():
     """``await make(**opts)`` -> an in-process simulated engine handle (kvgate.sim) on a random port."""
-    from kvgate.sim.server import start_sim_engine
+    from kvgate.sim.http_api import start_sim_engine
     handles = []
 
     async def make(**opts):

@@ -46,7 +46,7 @@ async def test_named_and_unnamed_turns(aiohttp_client):
 def test_router_command_per_arm(tmp_path):
     import pytest
 
-    from kvgate import procs
+    from kvgate.tools import procs
     from kvgate.bench.runner import Fleet, expand_arms
     from kvgate.bench.scenario import parse_scenario
     if procs.find_executable("smg") is None:

@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from kvgate import procs
-from kvgate.bench import cli
+from kvgate.tools import procs
+from kvgate.bench import command as cli
 
 pytestmark = pytest.mark.skipif(procs.find_executable("smg") is None, reason="smg router not installed")
 

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from kvgate.bench import cli
+from kvgate.bench import command as cli
 from kvgate.bench.scenario import parse_scenario
 
 GOOD = """

@@ -6,7 +6,7 @@ import pytest
 
 from kvgate.bench.scenario import KVGATE_TIME_DEFAULTS, parse_scenario, sim_extra_flags
 from kvgate.bench.speed import kvgate_flags, scale
-from kvgate.sim import cli as sim_cli
+from kvgate.sim import args as sim_cli
 
 
 def test_every_duration_divides_by_the_factor_and_ratios_stay():
@@ -82,7 +82,7 @@ def test_shipped_scenarios_parse():
 
 
 def test_arms_flag_picks_any_known_arm():
-    from kvgate.bench.cli import _pick_arms
+    from kvgate.bench.command import _pick_arms
     from kvgate.bench.runner import expand_arms
     assert _pick_arms("proxy-only,lifecycle-inferred") == (["proxy-only", "lifecycle-inferred"],
                                                             {"proxy-only", "lifecycle-inferred"})

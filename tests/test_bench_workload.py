@@ -10,7 +10,7 @@ from kvgate.bench.workload import (DEFAULT_AGENTIC, SessionPlan, TurnPlan, ideal
                                    quantile, sample)
 from kvgate.sim.scheduler import TokenModel
 from kvgate.sim.tokenizer import decode, encode
-from kvgate.trace import TraceRecord
+from kvgate.bench.trace import TraceRecord
 
 SMALL = {"groups": 2, "group_size": 3, "task_prompt_tokens": {"dist": "const", "value": 50},
          "turns": {"dist": "const", "value": 4}, "observation_tokens": {"dist": "const", "value": 7},

@@ -3,11 +3,11 @@
 import orjson
 import pytest
 
-from kvgate import compat
-from kvgate.classify import classify, inject_top_level, with_session_id
-from kvgate.discovery import DiscoveryError, engine_base_url, parse_list_workers, parse_workers
-from kvgate.observe import ResponseObserver
-from kvgate.session_identity import SessionResolver
+from kvgate.fleet import compat
+from kvgate.proxy.classify import classify, inject_top_level, with_session_id
+from kvgate.fleet.discovery import DiscoveryError, engine_base_url, parse_list_workers, parse_workers
+from kvgate.sessions.observe import ResponseObserver
+from kvgate.sessions.identity import SessionResolver
 
 
 def test_classify_generate_routes_and_bad_bodies():

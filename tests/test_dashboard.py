@@ -1,4 +1,4 @@
-"""The committed Grafana dashboard is what kvgate/dashboard.py builds, and a valid grafana-foundation-sdk model.
+"""The committed Grafana dashboard is what kvgate/tools/dashboard.py builds, and a valid grafana-foundation-sdk model.
 
 (tests/test_prometheus_dashboard.py evaluates every query against a real Prometheus.)
 """
@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from kvgate import dashboard
+from kvgate.tools import dashboard
 
 DASHBOARD = Path(__file__).resolve().parent.parent / "configs" / "grafana" / "kvgate.json"
 
@@ -36,7 +36,7 @@ def committed() -> dict:
 def test_committed_json_is_what_the_code_builds():
     _sdk()
     assert DASHBOARD.read_text() == dashboard.render(), \
-        "configs/grafana/kvgate.json is stale: run python -m kvgate.dashboard --out configs/grafana/kvgate.json"
+        "configs/grafana/kvgate.json is stale: run python -m kvgate.tools.dashboard --out configs/grafana/kvgate.json"
 
 
 def test_committed_json_loads_as_an_sdk_dashboard_model_without_loss(committed):

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from kvgate import procs
-from kvgate.trace import infer_sessions, read_trace
+from kvgate.tools import procs
+from kvgate.bench.trace import infer_sessions, read_trace
 
 ROOT = Path(__file__).resolve().parents[1]
 

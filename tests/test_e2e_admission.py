@@ -7,7 +7,7 @@ import aiohttp
 import orjson
 import pytest
 
-from kvgate.procs import free_port
+from kvgate.tools.procs import free_port
 
 POLL = 0.1  # admission_poll_interval_s in these tests (staleness bound: max(3 x POLL, 5 s) = 5 s)
 
@@ -148,7 +148,7 @@ async def test_protected_and_eval_scope(fleet):
 
 
 async def test_router_down_degrades_to_bypass_within_staleness_bound(sim_factory, kvgate_factory, log_dir):
-    from kvgate import procs
+    from kvgate.tools import procs
     e = await sim_factory(max_total_num_tokens=2000)
     port, mport = free_port(), free_port()
     p = procs.start("smg-adm", procs.smg_command(port, [e.url], mport), log_dir, url=f"http://127.0.0.1:{port}")

@@ -7,7 +7,7 @@ import aiohttp
 import orjson
 
 from conftest import CloseWatcher
-from kvgate.procs import free_port
+from kvgate.tools.procs import free_port
 
 
 async def _post(http, url, body, headers=None):
@@ -153,7 +153,7 @@ async def test_legacy_sglang_router_drops_session_id_and_kvgate_says_so(sim_fact
                                                                          kvgate_factory, caplog):
     e1 = await sim_factory(max_total_num_tokens=10_000, speed=50)
     router = await router_factory([e1.url], legacy=True)
-    caplog.set_level("INFO", logger="kvgate.engines")
+    caplog.set_level("INFO", logger="kvgate.fleet.directory")
     gw, kv = await kvgate_factory(upstream=router, agentic_session_lifecycle=True, compat_probe=True)
     await asyncio.wait_for(gw.directory.compat_checked.wait(), 30)
     assert gw.directory.verdict == "dropped"
@@ -168,7 +168,7 @@ async def test_legacy_sglang_router_drops_session_id_and_kvgate_says_so(sim_fact
 
 
 async def test_router_down_then_discovery_keeps_last_good_list(sim_factory, kvgate_factory, log_dir):
-    from kvgate import procs
+    from kvgate.tools import procs
     e1 = await sim_factory(max_total_num_tokens=10_000, speed=50)
     port, mport = free_port(), free_port()
     p = procs.start("smg-down", procs.smg_command(port, [e1.url], mport), log_dir, url=f"http://127.0.0.1:{port}")

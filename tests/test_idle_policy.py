@@ -1,4 +1,4 @@
-"""Adaptive idle close, step boundaries and abort (kvgate.idle_policy), with a hand-driven clock."""
+"""Adaptive idle close, step boundaries and abort (kvgate.sessions.idle_policy), with a hand-driven clock."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvgate.classify import STEP_BOUNDARY_ROUTES
-from kvgate.idle_policy import ADAPTIVE, FIXED, GapWindow, IdlePolicy, StepTracker, ends_session, flushes_kv
+from kvgate.proxy.classify import STEP_BOUNDARY_ROUTES
+from kvgate.sessions.idle_policy import ADAPTIVE, FIXED, GapWindow, IdlePolicy, StepTracker, ends_session, flushes_kv
 
 
 def turns(policy: IdlePolicy, sid: str, gaps, start: float = 0.0, busy_s: float = 1.0) -> float:

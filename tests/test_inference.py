@@ -1,4 +1,4 @@
-"""Prefix-based session inference (kvgate.inference), driven by hand with synthetic agents.
+"""Prefix-based session inference (kvgate.sessions.inference), driven by hand with synthetic agents.
 
 Numbers, not status codes: which session id each request gets, the counters, pairwise precision/recall.
 Timing is not asserted here (scripts/bench_inference.py shows the 1 ms figure).
@@ -11,7 +11,7 @@ import tracemalloc
 
 import pytest
 
-from kvgate.inference import SessionInference, chat_output_text, chat_to_text, score
+from kvgate.sessions.inference import SessionInference, chat_output_text, chat_to_text, score
 
 
 def ids(rng: random.Random, n: int) -> list[int]:
@@ -440,7 +440,7 @@ def test_score_hand_computed():
 # --- request/response extraction -----------------------------------------------------------------
 
 def test_request_units_per_route():
-    from kvgate.inference import request_units
+    from kvgate.sessions.inference import request_units
     assert request_units("/generate", {"input_ids": [1, 2, 3]}) == [1, 2, 3]
     assert request_units("/generate", {"text": "hi"}) == "hi"
     assert request_units("/generate", {"input_ids": [[1], [2]]}) is None  # batch
@@ -457,7 +457,7 @@ def test_request_units_per_route():
 
 
 def test_response_units_per_route():
-    from kvgate.inference import response_units
+    from kvgate.sessions.inference import response_units
     gen = {"text": "ab", "output_ids": [7, 8], "meta_info": {}}
     assert response_units("/generate", gen, prompt_kind_text=False) == [7, 8]
     assert response_units("/generate", gen, prompt_kind_text=True) == "ab"

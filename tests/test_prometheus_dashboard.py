@@ -29,7 +29,8 @@ import orjson
 import pytest
 import yaml
 
-from kvgate import dashboard, procs
+from kvgate.tools import dashboard
+from kvgate.tools import procs
 
 pytestmark = pytest.mark.router
 

@@ -104,7 +104,7 @@ async def test_sse_relayed_chunk_by_chunk(kvgate_factory, echo_upstream):
 
 
 async def test_upstream_down_is_502_naming_it(kvgate_factory):
-    from kvgate.procs import free_port
+    from kvgate.tools.procs import free_port
     dead = f"http://127.0.0.1:{free_port()}"
     gw, url = await kvgate_factory(upstream=dead)
     async with aiohttp.ClientSession() as http:

@@ -1,6 +1,6 @@
 """The session registry with a hand-driven clock."""
 
-from kvgate.sessions import ACTIVE, CLOSED, CLOSING, SessionRegistry
+from kvgate.sessions.registry import ACTIVE, CLOSED, CLOSING, SessionRegistry
 
 
 def test_turns_inflight_tokens_and_idle():

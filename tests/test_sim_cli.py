@@ -4,7 +4,7 @@ import argparse
 
 import pytest
 
-from kvgate.sim import cli
+from kvgate.sim import args as cli
 from kvgate.sim.scheduler import COMPUTE_PROFILES
 
 

@@ -7,10 +7,10 @@ import aiohttp
 import orjson
 import pytest
 
-from kvgate.sim import cli
+from kvgate.sim import args as cli
 from kvgate.sim.radix import SessionConfigError
 from kvgate.sim.scheduler import TokenModel
-from kvgate.sim.server import start_sim_engine
+from kvgate.sim.http_api import start_sim_engine
 from kvgate.sim.tokenizer import decode, encode, render_chat
 
 

@@ -4,8 +4,8 @@ import re
 
 import aiohttp
 
-from kvgate.sim.metrics import RankSnapshot, render
-from kvgate.sim.server import start_sim_engine
+from kvgate.sim.exposition import RankSnapshot, render
+from kvgate.sim.http_api import start_sim_engine
 
 LINE = re.compile(r'^([a-zA-Z_:][a-zA-Z0-9_:]*)\{(.*)\} (\S+)$')
 

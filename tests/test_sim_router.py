@@ -13,7 +13,7 @@ import orjson
 import pytest
 
 from kvgate.sim.scheduler import TokenModel
-from kvgate.sim.server import start_sim_engine
+from kvgate.sim.http_api import start_sim_engine
 
 pytestmark = pytest.mark.router
 

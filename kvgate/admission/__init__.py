@@ -1,6 +1,9 @@
-"""Program-aware admission core (issue 3): pure capacity parsing, reservation estimates, the token ledger,
-the global FIFO coordinator and the scope policy. No asyncio and no I/O here: the aiohttp shell, pollers and
-Prometheus registration live elsewhere and drive these objects with a monotonic ``now``."""
+"""Admission: whether a generate call may go to the engines now, from the engines' own KV figures.
+
+Pure core (no asyncio, no I/O, injected monotonic ``now``): capacity parsing (capacity), reservation estimates
+(reservation), the token ledger (ledger), the global FIFO around it (coordinator) and which requests admission
+may hold (policy). Edges: the asyncio gate that parks waiting requests (gate) and the capacity poller (poller).
+May import kvgate.common, kvgate.proxy.admit (the seam it implements) and kvgate.proxy.metrics."""
 
 from .capacity import (
     ClusterSnapshot,

@@ -26,9 +26,9 @@ from kvgate.admission.coordinator import ADMISSION_OFF, AdmissionCoordinator, De
 from kvgate.admission.ledger import Ledger
 from kvgate.admission.policy import ScopeRules, classify_scope
 from kvgate.admission.reservation import estimate_reservation, load_tokenizer_counter
-from kvgate.aio import cancel_tasks
-from kvgate.gate import RequestInfo, Ticket
-from kvgate.metrics import Metrics
+from kvgate.common.aio import cancel_tasks
+from kvgate.proxy.admit import RequestInfo, Ticket
+from kvgate.proxy.metrics import Metrics
 
 log = logging.getLogger("kvgate.admission")
 
@@ -38,7 +38,7 @@ OFF_HEADERS = [(HEADER_DECISION, ADMISSION_OFF), (HEADER_QUEUE_MS, "0")]
 
 
 class AdmissionGate:
-    """Implements kvgate.gate.Gate with the coordinator; ``poller`` feeds it capacity snapshots.
+    """Implements kvgate.proxy.admit.Gate with the coordinator; ``poller`` feeds it capacity snapshots.
 
     cfg: the validated Config; metrics: the app's Metrics (series are added to its registry);
     clock: monotonic seconds.

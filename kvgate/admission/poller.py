@@ -18,10 +18,10 @@ from typing import Callable
 import aiohttp
 import orjson
 
-from kvgate.aio import cancel_tasks
+from kvgate.common.aio import cancel_tasks
 from kvgate.admission.capacity import ClusterSnapshot, EngineCapacity, parse_engine_loads, parse_engine_metrics
 from kvgate.admission.gate import AdmissionGate
-from kvgate.engines import EngineDirectory
+from kvgate.fleet.directory import EngineDirectory
 
 log = logging.getLogger("kvgate.admission.poller")
 

@@ -1,10 +1,10 @@
 """kvgate bench: one command that replays agentic sessions against KV-bound simulated engines and compares
-kvgate's arms with the plain router, the router's own limiter and unbounded KV (issue 4).
+kvgate's arms with the plain router, the router's own limiter and unbounded KV.
 
 Pure: scenario.py (scenario file), speed.py (speed-factor scaling), workload.py (closed-loop sessions and the
 Mooncake window), report.py (metrics, ratios, the table, the mean over seeds), ranking.py (intervals, the
 seeds-as-blocks residual, Scott-Knott tiers, run-to-run comparison). Edge: runner.py (fleets, client, sampler), plots.py,
-cli.py.
+command.py (``kvgate bench``). trace.py reads the Mooncake conversation trace (pure; the demo uses it too).
 
 Why turns go over /v1/completions as text and not /generate with input_ids: smg 1.13.0 and sglang-router 0.3.2
 drop a top-level ``session_id`` on /generate and /v1/chat/completions and forward it only on /v1/completions,

@@ -138,8 +138,8 @@ def aggregate(reps: list[dict]) -> dict:
 def session_accuracy(reqs: list[dict]) -> tuple[float | None, float | None]:
     """Precision and recall of the session ids kvgate gave the turns (``kv_session``, from its
     X-Kvgate-Session-Id header) against the workload's true sessions, over same-session pairs of turns
-    (kvgate.inference.score). (None, None) when kvgate named no turn (no kvgate, or lifecycle off)."""
-    from kvgate.inference import score
+    (kvgate.sessions.inference.score). (None, None) when kvgate named no turn (no kvgate, or lifecycle off)."""
+    from kvgate.sessions.inference import score
     named = [r for r in reqs if r.get("kv_session")]
     if not named:
         return None, None

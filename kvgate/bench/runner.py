@@ -1,6 +1,6 @@
 """Run one arm on a fresh fleet (edge): simulated engines, a real smg router, kvgate where the arm needs it,
 the workload client and a KV sampler. Every child is a subprocess in its own process group on 127.0.0.1
-(kvgate.procs) and is stopped by group when the arm ends.
+(kvgate.tools.procs) and is stopped by group when the arm ends.
 
 Turns go to /v1/completions as text with ``stream: true`` (TTFT = first non-empty text chunk) and
 ``stream_options.include_usage``: smg 1.13 and sglang-router 0.3.2 drop a top-level session_id on /generate and
@@ -22,7 +22,7 @@ import aiohttp
 import orjson
 import yaml
 
-from kvgate import procs
+from kvgate.tools import procs
 from kvgate.bench.scenario import Scenario, sim_extra_flags
 from kvgate.bench.speed import Scaled, kvgate_flags
 from kvgate.bench.workload import SessionPlan, TraceRequest, next_prompt

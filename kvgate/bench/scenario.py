@@ -161,7 +161,7 @@ def _check_sim_extra(extra: dict) -> None:
     """sim_extra keys are ``kvgate sim-engine`` flags: parse them with the simulator's own parser."""
     import argparse
 
-    from kvgate.sim import cli as sim_cli
+    from kvgate.sim import args as sim_cli
 
     class _Parser(argparse.ArgumentParser):
         def error(self, message):  # raise instead of printing usage and exiting

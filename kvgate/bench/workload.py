@@ -21,7 +21,7 @@ import random
 from dataclasses import dataclass
 from typing import Sequence
 
-from kvgate.trace import BLOCK_TOKENS, TokenBook, TraceRecord, infer_sessions, iter_turns
+from kvgate.bench.trace import BLOCK_TOKENS, TokenBook, TraceRecord, infer_sessions, iter_turns
 
 ALPHABET = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789 .,;:=()[]{}_-+*/\n"
 
@@ -164,7 +164,7 @@ class TraceRequest:
 
 
 def plan_mooncake(records: list[TraceRecord]) -> list[TraceRequest]:
-    """The open-loop plan of a trace window: sessions from hash chains (kvgate.trace), prompts as text of
+    """The open-loop plan of a trace window: sessions from hash chains (kvgate.bench.trace), prompts as text of
     input_length characters, times relative to the first record."""
     if not records:
         return []

@@ -15,7 +15,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Optional
 
-from kvgate.sim.metrics import (E2E_BUCKETS, TTFT_BUCKETS, Histogram, render, snapshot)
+from kvgate.sim.exposition import (E2E_BUCKETS, TTFT_BUCKETS, Histogram, render, snapshot)
 from kvgate.sim.radix import RadixCache
 from kvgate.sim.scheduler import Event, Request, Scheduler, SchedulerConfig
 
@@ -24,7 +24,7 @@ SLEEP_QUANTUM_S = 0.001
 
 @dataclass
 class EngineOptions:
-    """Engine-wide options (see kvgate/sim/cli.py for the flags)."""
+    """Engine-wide options (see kvgate/sim/args.py for the flags)."""
 
     max_total_num_tokens: int = 200000
     session_semantics: str = "0.5.17"          # "0.5.17" | "0.5.15"

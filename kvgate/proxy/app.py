@@ -19,18 +19,18 @@ import orjson
 from aiohttp import web
 
 from kvgate import __version__
-from kvgate.classify import STEP_BOUNDARY_ROUTES, classify, parse_json_object, with_session_id
+from kvgate.proxy.classify import STEP_BOUNDARY_ROUTES, classify, parse_json_object, with_session_id
 from kvgate.config import Config
-from kvgate.engines import EngineDirectory
-from kvgate.forward import Upstream, forward_headers
-from kvgate.gate import Gate, OpenGate, RequestInfo, Ticket
-from kvgate.idle_policy import IdlePolicy, StepTracker
-from kvgate.inference import SessionInference, request_units
-from kvgate.lifecycle import SessionLifecycle
-from kvgate.metrics import Metrics
-from kvgate.observe import ResponseObserver
-from kvgate.session_identity import SessionResolver
-from kvgate.sessions import SessionRegistry
+from kvgate.fleet.directory import EngineDirectory
+from kvgate.proxy.relay import Upstream, forward_headers
+from kvgate.proxy.admit import Gate, OpenGate, RequestInfo, Ticket
+from kvgate.sessions.idle_policy import IdlePolicy, StepTracker
+from kvgate.sessions.inference import SessionInference, request_units
+from kvgate.sessions.lifecycle import SessionLifecycle
+from kvgate.proxy.metrics import Metrics
+from kvgate.sessions.observe import ResponseObserver
+from kvgate.sessions.identity import SessionResolver
+from kvgate.sessions.registry import SessionRegistry
 
 log = logging.getLogger("kvgate")
 

@@ -13,7 +13,7 @@ from typing import Any
 
 import orjson
 
-from kvgate.inference import chat_output_text, response_units
+from kvgate.sessions.inference import chat_output_text, response_units
 
 
 @dataclass
@@ -21,7 +21,7 @@ class Observed:
     """meta_info (prompt_tokens, completion_tokens, cached_tokens, finish_reason ...) and output_ids.
 
     For a batch response, the per-sequence lists are summed into one meta_info. ``output`` is what
-    session inference needs (kvgate.inference.response_units): the output ids, or the output text for
+    session inference needs (kvgate.sessions.inference.response_units): the output ids, or the output text for
     text prompts and the OpenAI routes; None when the observer was not asked for it.
     """
 

@@ -1,6 +1,6 @@
 """Session lifecycle: feeds the registry and fans /close_session out to every engine (I/O edge).
 
-Decisions (who is idle, whether a close is due) are the registry's (kvgate.sessions). Here:
+Decisions (who is idle, whether a close is due) are the registry's (kvgate.sessions.registry). Here:
   - a close waits for the session's in-flight requests (bounded by ``session_close_drain_s``),
   - then POSTs /close_session {"session_id"} to every engine base URL at once, each call bounded
     by ``close_timeout_s`` and retried ``close_retries`` times on connect errors and 5xx,
@@ -17,14 +17,14 @@ from typing import Callable
 
 import aiohttp
 
-from kvgate.aio import cancel_tasks
+from kvgate.common.aio import cancel_tasks
 
-from kvgate.engines import EngineDirectory
-from kvgate.idle_policy import IdlePolicy, StepTracker, ends_session
-from kvgate.metrics import Metrics
-from kvgate.sessions import ACTIVE, CLOSED, CLOSING, SessionRegistry
+from kvgate.fleet.directory import EngineDirectory
+from kvgate.sessions.idle_policy import IdlePolicy, StepTracker, ends_session
+from kvgate.proxy.metrics import Metrics
+from kvgate.sessions.registry import ACTIVE, CLOSED, CLOSING, SessionRegistry
 
-log = logging.getLogger("kvgate.lifecycle")
+log = logging.getLogger("kvgate.sessions.lifecycle")
 
 
 async def close_on_engine(session: aiohttp.ClientSession, url: str, session_id: str, timeout_s: float,
@@ -60,7 +60,7 @@ async def close_on_engine(session: aiohttp.ClientSession, url: str, session_id: 
 class SessionLifecycle:
     """Owns the registry, runs closes and the idle sweep.
 
-    policy: when a session counts as idle (fixed or adaptive, kvgate.idle_policy); steps: which sessions
+    policy: when a session counts as idle (fixed or adaptive, kvgate.sessions.idle_policy); steps: which sessions
     still have KV since the last cache flush; close_on_abort: close a session whose turn ended in an
     abort. clock: monotonic seconds (injectable for tests of the shell).
     """

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Protocol
 
-from kvgate.classify import Classified
+from kvgate.proxy.classify import Classified
 
 
 @dataclass

@@ -17,9 +17,9 @@ from aiohttp import web
 from multidict import CIMultiDict
 from yarl import URL
 
-from kvgate.observe import ResponseObserver
+from kvgate.sessions.observe import ResponseObserver
 
-log = logging.getLogger("kvgate.forward")
+log = logging.getLogger("kvgate.proxy.relay")
 
 HOP_BY_HOP = frozenset({
     "connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "proxy-connection", "te",

@@ -4,7 +4,7 @@ Shapes (router-compat.md): smg and sglang-router >= 0.2.0 answer GET /workers wi
 {"workers":[{"url", "worker_type": regular|prefill|decode, "is_healthy", ...}], ...};
 sglang-router <= 0.2.1 answers GET /list_workers with {"urls": [...]}. With --dp-aware every DP
 rank is its own worker "http://host:port@RANK": the engine is the URL without "@RANK".
-The poller that calls these lives in kvgate.engines.
+The poller that calls these lives in kvgate.fleet.directory.
 """
 
 from __future__ import annotations

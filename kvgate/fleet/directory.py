@@ -3,7 +3,7 @@
 Engines come from the config's static list, or from the router's GET /workers (fallback
 GET /list_workers), refreshed every ``discovery_interval_s``. A failed refresh keeps the last good
 list, is counted (agentic_kv_discovery_failures_total) and logged once per failure streak.
-Parsing and verdicts are pure (kvgate.discovery, kvgate.compat); this module only moves bytes.
+Parsing and verdicts are pure (kvgate.fleet.discovery, kvgate.fleet.compat); this module only moves bytes.
 """
 
 from __future__ import annotations
@@ -17,12 +17,12 @@ from typing import Any, Callable
 import aiohttp
 import orjson
 
-from kvgate.aio import cancel_tasks
-from kvgate import compat
-from kvgate.discovery import DiscoveryError, Engine, parse_list_workers, parse_workers, static_engines
-from kvgate.metrics import Metrics
+from kvgate.common.aio import cancel_tasks
+from kvgate.fleet import compat
+from kvgate.fleet.discovery import DiscoveryError, Engine, parse_list_workers, parse_workers, static_engines
+from kvgate.proxy.metrics import Metrics
 
-log = logging.getLogger("kvgate.engines")
+log = logging.getLogger("kvgate.fleet.directory")
 
 CONTROL_TIMEOUT_S = 2.0
 
@@ -149,7 +149,7 @@ class EngineDirectory:
     # --- compatibility ---------------------------------------------------------------------------
 
     async def probe_passthrough(self) -> str:
-        """Send the session_id probe (kvgate.compat) through the router; return and record the verdict."""
+        """Send the session_id probe (kvgate.fleet.compat) through the router; return and record the verdict."""
         probe_id = "kvgate-probe-" + secrets.token_hex(8)
         try:
             async with self.session.post(self.upstream + "/generate", data=compat.probe_body(probe_id),

@@ -3,7 +3,7 @@
 Starts two simulated engines, a real smg router in front of them and kvgate in front of that (each a
 subprocess in its own process group), replays a slice of the Mooncake conversation trace through
 kvgate at its real timestamps (scaled by --speed), closes the sessions that remain, prints a summary
-and stops everything it started. Sessions come from hash-block chains (kvgate.trace) and are sent as
+and stops everything it started. Sessions come from hash-block chains (kvgate.bench.trace) and are sent as
 X-Session-ID, which kvgate turns into a top-level session_id.
 """
 
@@ -22,9 +22,9 @@ from pathlib import Path
 import aiohttp
 import orjson
 
-from kvgate import procs
+from kvgate.tools import procs
 from kvgate.bench.report import percentile
-from kvgate.trace import TokenBook, infer_sessions, iter_turns, read_trace
+from kvgate.bench.trace import TokenBook, infer_sessions, iter_turns, read_trace
 
 DEFAULT_TRACE = "mooncake_slice.jsonl"
 

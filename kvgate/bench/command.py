@@ -1,4 +1,4 @@
-"""``kvgate bench`` / ``python -m kvgate.bench.cli``: run a scenario's arms, each on a fresh fleet, and write
+"""``kvgate bench`` / ``python -m kvgate.bench.command``: run a scenario's arms, each on a fresh fleet, and write
 DIR/results.json, DIR/report.md and PNG plots.
 
 ``add_arguments(parser)`` registers the flags; ``run(args) -> int`` runs (0 = every arm finished without
@@ -16,14 +16,14 @@ import time
 from importlib import resources
 from pathlib import Path
 
-from kvgate import procs
+from kvgate.tools import procs
 from kvgate.bench import ranking, report
 from kvgate.bench.runner import expand_arms, run_arm
 from kvgate.bench.scenario import ARMS, load_scenario
 from kvgate.bench.speed import scale
 from kvgate.bench.workload import (ideal_prefill_agentic, ideal_prefill_mooncake, plan_agentic, plan_mooncake,
                                    plan_summary)
-from kvgate.trace import read_trace
+from kvgate.bench.trace import read_trace
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -296,7 +296,7 @@ def _cores() -> int:
 
 
 def main(argv=None) -> int:
-    """Standalone entry: ``python -m kvgate.bench.cli``."""
+    """Standalone entry: ``python -m kvgate.bench.command``."""
     p = argparse.ArgumentParser(prog="kvgate bench", description=__doc__.splitlines()[0])
     add_arguments(p)
     return run(p.parse_args(argv))

@@ -19,7 +19,7 @@ import orjson
 from aiohttp import web
 
 from kvgate.sim.engine import EngineOptions, RequestHandle, SimEngine
-from kvgate.sim.metrics import render_loads_prometheus
+from kvgate.sim.exposition import render_loads_prometheus
 from kvgate.sim.scheduler import Request
 from kvgate.sim.tokenizer import decode, encode, render_chat
 

@@ -1,7 +1,7 @@
 """The session registry: what kvgate knows of each session, and when one should close (pure).
 
 No I/O and no clock of its own: every call takes ``now`` (monotonic seconds). The shell
-(kvgate.lifecycle) turns its decisions into /close_session fan-outs.
+(kvgate.sessions.lifecycle) turns its decisions into /close_session fan-outs.
 
 A session moves active -> closing -> closed. A request for a closed session reopens it: the agent
 went on after all, and the engines tag its KV again.

@@ -71,7 +71,7 @@ def options_from_args(args: argparse.Namespace) -> dict:
 
 
 async def _serve(args: argparse.Namespace) -> int:
-    from kvgate.sim.server import start_sim_engine
+    from kvgate.sim.http_api import start_sim_engine
     try:
         handle = await start_sim_engine(args.host, args.port, **options_from_args(args))
     except SessionConfigError as e:
@@ -105,7 +105,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def main(argv=None) -> int:
-    """Standalone entry: ``python -m kvgate.sim.cli``."""
+    """Standalone entry: ``python -m kvgate.sim.args``."""
     p = argparse.ArgumentParser(prog="kvgate sim-engine")
     add_arguments(p)
     return run(p.parse_args(argv))

@@ -1,8 +1,8 @@
 """kvgate's Grafana dashboard, built from code with grafana-foundation-sdk (Grafana 11.6 types).
 
-``python -m kvgate.dashboard --out configs/grafana/kvgate.json`` writes the committed dashboard;
+``python -m kvgate.tools.dashboard --out configs/grafana/kvgate.json`` writes the committed dashboard;
 tests/test_dashboard.py checks that the committed file is what this module produces.
-``python -m kvgate.dashboard --check http://127.0.0.1:9090`` evaluates every panel query against a
+``python -m kvgate.tools.dashboard --check http://127.0.0.1:9090`` evaluates every panel query against a
 live Prometheus (the dashboard's template variables set to "All") and prints the ones with no series.
 
 The panels are declared as data (:data:`ROWS`) so the queries can be listed and checked without
@@ -387,7 +387,7 @@ def check(prom_url: str, qs: list[tuple[str, str, str]], variables: dict[str, li
 
 def main(argv: list[str] | None = None) -> int:
     """CLI: write the dashboard JSON (--out) and/or check its queries against a Prometheus (--check)."""
-    ap = argparse.ArgumentParser(prog="python -m kvgate.dashboard", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m kvgate.tools.dashboard", description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", help="write the dashboard JSON here ('-' = stdout)")
     ap.add_argument("--check", metavar="PROMETHEUS_URL", help="evaluate every panel query on this Prometheus")
     ap.add_argument("--rate-interval", default="5m", help="value for $__rate_interval in --check (default 5m)")
@@ -405,7 +405,7 @@ def main(argv: list[str] | None = None) -> int:
         try:
             problems = check(args.check, qs, rate_interval=args.rate_interval)
         except (OSError, ValueError) as exc:  # URLError is an OSError; ValueError: not JSON
-            print(f"kvgate.dashboard: cannot query Prometheus at {args.check}: {exc}", file=sys.stderr)
+            print(f"kvgate.tools.dashboard: cannot query Prometheus at {args.check}: {exc}", file=sys.stderr)
             return 2
         for title, ref, q, problem in problems:
             print(f"{title} [{ref}]: {problem}: {q}", file=sys.stderr)
