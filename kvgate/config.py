@@ -42,7 +42,7 @@ class Key:
     check: Callable[[Any], bool] | None = None
     allowed: str = ""
     nullable: bool = False
-    # When set, the range check only applies while this boolean key is on (issue 3: the admission
+    # When set, the range check only applies while this boolean key is on (the admission
     # numbers are checked only when admission is enabled).
     only_when: str | None = None
     choices: tuple = ()
@@ -98,7 +98,7 @@ KEYS: list[Key] = [
         "Set the routing-key header to the session id unless the client set one, so smg keeps a session on one engine."),
     Key("routing_key_header", str, "X-SMG-Routing-Key", "Header smg's consistent_hashing / manual policies read."),
     Key("session_inference", bool, True,
-        "When body, header and field give no session id, infer it from the prompt's prefix (issue 5)."),
+        "When body, header and field give no session id, infer it from the prompt's prefix."),
     Key("session_inference_block_tokens", int, 64, "Token ids per hashed block for prefix inference.", _pos, "> 0"),
     Key("session_inference_block_chars", int, 256, "Characters per hashed block (text and chat prompts).",
         _pos, "> 0"),
@@ -133,7 +133,7 @@ KEYS: list[Key] = [
         _pos, "> 0"),
     Key("compat_probe", bool, True,
         "At startup, probe whether the router forwards a top-level session_id and check each engine's server_info."),
-    # --- admission (issue 3) ---------------------------------------------------------------------
+    # --- admission --------------------------------------------------------------------------------
     Key("agentic_program_admission", bool, False,
         "Hold each request in one global FIFO until the KV token ledger admits it."),
     Key("agentic_admission_headroom", float, 0.90,
@@ -218,7 +218,7 @@ class Config:
 
     @property
     def decode_cap(self) -> int:
-        """Completion tokens reserved per sequence at most (issue 3: defaults to max_response_length)."""
+        """Completion tokens reserved per sequence at most (Relax's rule: defaults to max_response_length)."""
         cap = self.values["agentic_admission_expected_decode_cap"]
         return cap if cap is not None else self.values["max_response_length"]
 

@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """Benchmark of kvgate.sessions.inference: the time inference adds per request, and precision/recall on a
-synthetic agentic workload with GRPO groups (issue 5, Done-when: under 1 ms for a 64K-token prompt).
+synthetic agentic workload with GRPO groups (target: under 1 ms for a 64K-token prompt).
 
 Prints one line per figure. Timings are the median (and p99) of --reps runs, in milliseconds, measured
 with time.perf_counter on this machine; the index holds --sessions other sessions so lookups are not

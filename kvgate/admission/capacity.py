@@ -1,6 +1,6 @@
 """Capacity signal: parse SGLang engine load reports into per-engine KV pools (pure, no I/O).
 
-Rules (issue 3, "Capacity signal"; /work/shared/reference/sglang-engine-api.md, GET /metrics):
+Rules (SGLang's GET /metrics and /v1/loads, see docs/compatibility.md):
 - identical copies exported by tensor-parallel (and pipeline / MoE-EP) ranks are taken ONCE: max over
   the copies, never the sum (a sum would inflate capacity and shrink usage by the TP degree);
 - data-parallel ranks (label ``dp_rank``, or one entry per rank in /v1/loads) are separate KV pools: their
@@ -39,7 +39,7 @@ _WANTED = (METRIC_MAX_TOTAL, METRIC_NUM_USED, METRIC_TOKEN_USAGE)
 def stale_after_s(poll_interval_s: float) -> float:
     """Staleness bound in seconds for a snapshot polled every ``poll_interval_s`` seconds.
 
-    Returns max(3 x poll_interval_s, 5.0) (issue 3, "Capacity signal"). Raises ValueError if the interval
+    Returns max(3 x poll_interval_s, 5.0) (a busy engine answering one poll late must not turn admission off). Raises ValueError if the interval
     is not a positive finite number.
     """
     if not isinstance(poll_interval_s, (int, float)) or not math.isfinite(poll_interval_s) or poll_interval_s <= 0:
@@ -215,7 +215,7 @@ class ClusterSnapshot:
     ``engines`` maps engine URL -> EngineCapacity for every engine whose poll succeeded (the healthy set);
     engines whose poll failed are listed in ``unhealthy``. Figures: ``capacity`` and ``used`` summed over
     healthy engines (tokens), ``worst_usage`` the highest single-pool usage in the fleet, ``mean_usage`` the
-    capacity-weighted mean usage. Source: issue 3 "Capacity signal" (engines are summed).
+    capacity-weighted mean usage. Engines are summed.
     """
 
     taken_at: float

@@ -1,6 +1,6 @@
 """Admission coordinator: the one global FIFO around the token ledger (pure, injected ``now``).
 
-Source: issue 3, "The behaviour" (decision order) and "Ledger and queue". The async shell maps tickets to
+Source: Relax's global FIFO + token ledger (decision order, queue). The async shell maps tickets to
 futures; this class only decides. Flow for the shell:
 
     d = coord.submit(ticket, tokens, protected, now)
@@ -101,7 +101,7 @@ class AdmissionCoordinator:
     window (seconds) for defer_rate / degraded_rate and the wait-time summary in stats() (default: the
     ledger's window_s). Raises ValueError for a negative max_wait_s.
 
-    Decision order per request (issue 3): protected -> BYPASS_PROTECTED; ledger degraded -> BYPASS_DEGRADED;
+    Decision order per request: protected -> BYPASS_PROTECTED; ledger degraded -> BYPASS_DEGRADED;
     an earlier waiter exists or the ledger refuses -> WAIT; otherwise ADMIT with a lease. In pump():
     degraded -> every waiter BYPASS_DEGRADED in order; head fits -> ADMIT; head waited >= max_wait_s ->
     BYPASS_AGED; else stop (strict FIFO: a later waiter never goes while an earlier one waits).

@@ -1,6 +1,6 @@
 """The admission shell: maps the pure coordinator's tickets to waiting requests (asyncio edge).
 
-Flow per generate request (issue 3, "The behaviour"):
+Flow per generate request:
   out of scope (or admission off) -> untouched, X-Kvgate-Admission: off
   protected -> bypass-protected; no fresh capacity snapshot -> bypass-degraded
   an earlier waiter or the ledger refuses -> wait in the one global FIFO (no upstream connection held)

@@ -1,6 +1,6 @@
 """Token ledger: bounds the KV tokens committed to the fleet (pure: no asyncio, no I/O, injected ``now``).
 
-Source: issue 3, "Ledger and queue" and "The behaviour":
+Source: Relax's global FIFO + token ledger:
 - ceiling = sum over healthy engines of max_total_num_tokens x headroom;
 - refusals: pressure_guard (the worst engine pool's token_usage >= pressure_threshold) is checked before
   capacity_exhausted (reserved + tokens > ceiling);
@@ -23,7 +23,7 @@ __all__ = ["Grant", "Refusal", "Lease", "Ledger", "REFUSAL_REASONS"]
 
 RefusalReason = Literal["pressure_guard", "capacity_exhausted", "degraded"]
 #: Reasons a ledger refuses. "degraded" is only returned if a caller acquires while degraded (the
-#: coordinator bypasses before that, issue 3 step 3).
+#: coordinator bypasses before that).
 REFUSAL_REASONS: tuple[str, ...] = ("pressure_guard", "capacity_exhausted", "degraded")
 
 
@@ -154,7 +154,7 @@ class Ledger:
         return self._snapshot
 
     def is_degraded(self, now: float) -> bool:
-        """True if there is no snapshot, it has no healthy engine, or its age >= stale_after_s (issue 3 step 3)."""
+        """True if there is no snapshot, it has no healthy engine, or its age >= stale_after_s."""
         s = self._snapshot
         return s is None or not s.engines or self._ceiling <= 0 or (now - s.taken_at) >= self.stale_after_s
 

@@ -1,6 +1,6 @@
 """Scope and protection of a request (pure): which requests admission may hold.
 
-Source: issue 3, "The behaviour" step 1-2 and "Ledger and queue": protected and scope are decided from the
+Source: Relax's admission rules: protected and scope are decided from the
 request: headers (X-Kvgate-Protected: 1, X-Kvgate-Scope: eval|train) and configurable match rules (path,
 body field values). Scope train (default) holds only training work; scope all holds eval work too.
 """
@@ -147,7 +147,7 @@ def classify_scope(path: str, headers: Any, body: Any, rules: ScopeRules | None 
     else any ``rules.protected`` rule matches. Eval work: header X-Kvgate-Scope eval -> eval, train -> train
     (header wins), else any ``rules.eval`` rule matches. in_scope = scope == "all" or not eval.
     The caller leaves out-of-scope requests untouched (X-Kvgate-Admission: off) before asking about
-    protection (issue 3 step 1 before step 2). Never raises.
+    protection first, then scope. Never raises.
     """
     rules = rules or ScopeRules()
     hp = _header(headers, HEADER_PROTECTED)

@@ -1,6 +1,6 @@
 """Reservation estimate: how many KV tokens a request may occupy (pure, no I/O except the optional loader).
 
-Rule (issue 3, "The behaviour"): reservation = prompt tokens + completion budget, the completion part bounded
+Rule (Relax's ledger): reservation = prompt tokens + completion budget, the completion part bounded
 by min(max_new_tokens or SGLang's default 128, expected_decode_cap); batch and n>1 requests reserve for every
 sequence. The 128 default comes from SGLang srt/managers/io_struct.py / srt/sampling/sampling_params.py
 (``max_new_tokens`` defaults to 128).

@@ -38,7 +38,7 @@ class ArmSpec:
     admission: bool = False
     router_limit: int | None = None
     pool_tokens: int = 0
-    # False: the client names no session and never closes one (the unchanged rollout loop of issue 5);
+    # False: the client names no session and never closes one (an unchanged rollout loop);
     # kvgate must infer sessions from prompt prefixes and end them itself.
     named_sessions: bool = True
 

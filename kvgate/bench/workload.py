@@ -25,7 +25,7 @@ from kvgate.bench.trace import BLOCK_TOKENS, TokenBook, TraceRecord, infer_sessi
 
 ALPHABET = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789 .,;:=()[]{}_-+*/\n"
 
-# SWE-style agent defaults (issue 4): ~11 turns, tool gaps p10 1.6 s, p50 2.5 s, p90 7.8 s, tail to minutes.
+# SWE-style agent defaults: ~11 turns, tool gaps p10 1.6 s, p50 2.5 s, p90 7.8 s, tail to minutes.
 DEFAULT_AGENTIC = {
     "steps": 1,
     "groups": 4,

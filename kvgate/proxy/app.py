@@ -158,7 +158,7 @@ class Gateway:
         return _json(self.directory.as_json())
 
     async def handle_stats(self, request: web.Request) -> web.Response:
-        """Admission figures (issue 3): counters, waiting, defer/degraded rate over the window, the ledger."""
+        """Admission figures: counters, waiting, defer/degraded rate over the window, the ledger."""
         stats = getattr(self.gate, "stats", None)
         out = stats() if stats is not None else {"admission": "off"}
         if self.poller is not None:
@@ -379,7 +379,7 @@ async def start_gateway(cfg: Config, gate: Gate | None = None) -> tuple[Gateway,
     """Start kvgate on cfg.host:cfg.port (port 0 = a free one). Returns (gateway, runner, bound port).
 
     handler_cancellation: a client that disconnects cancels its handler, which closes the upstream
-    request (issue 2, point 2).
+    request.
     """
     gw = Gateway(cfg, gate)
     runner = web.AppRunner(gw.app, handler_cancellation=True, access_log=None)

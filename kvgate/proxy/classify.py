@@ -15,7 +15,7 @@ import orjson
 # (srt/managers/io_struct.py GenerateReqInput; the OpenAI protocol classes accept it too).
 GENERATE_ROUTES = frozenset({"/generate", "/v1/completions", "/v1/chat/completions", "/v1/responses"})
 
-# Routes that mark a training-step boundary: the engines' radix cache is flushed or replaced (issue 5).
+# Routes that mark a training-step boundary: the engines' radix cache is flushed or replaced.
 STEP_BOUNDARY_ROUTES = frozenset({
     "/update_weights_from_disk", "/update_weights_from_distributed", "/update_weights_from_tensor",
     "/flush_cache", "/release_memory_occupation",

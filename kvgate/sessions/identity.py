@@ -1,10 +1,10 @@
 """Session identity: which session a generate call belongs to (pure).
 
-Resolution order is configurable (issue 2, point 3); the default is
+Resolution order is configurable; the default is
   body   - a top-level ``session_id`` the client already sent is kept as it is;
   header - else a configured header (default X-Session-ID);
   field  - else a configured body field (``rid``, ``user`` ...) with an optional regex capture.
-Prefix inference (issue 5) will slot in as the last step.
+Prefix inference (kvgate.sessions.inference) is the last step.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Ending sessions from what kvgate sees (issue 5, point 2): adaptive idle close, training-step
+"""Ending sessions from what kvgate sees: adaptive idle close, training-step
 boundaries, and abort (pure).
 
 No I/O and no clock of its own: every call that cares about time takes ``now`` (monotonic seconds).

@@ -1,6 +1,6 @@
 """Prefix-based session inference: which session a request without any session id continues (pure).
 
-The last step of the resolution chain (issue 5, point 1), after body, header and field. No I/O, no
+The last step of the resolution chain, after body, header and field. No I/O, no
 clock of its own: calls that care about time take ``now`` (monotonic seconds).
 
 The rule. An agent turn's prompt is the previous turn's prompt P + that turn's output O + new units
