@@ -33,12 +33,12 @@ def finished(sched):
 
 
 def test_waiting_request_held_until_budget_allows():
-    s, clock = make(1000)
+    s, clock = make(1000, new_token_ratio_semantics="0.5.23")
     s.add_request(Request("A", ids(1000, 100), max_new_tokens=500, ignore_eos=True))
     b = s.step()
     assert b.kind == "prefill" and [r.rid for r, _ in b.items] == ["A"]
     s.add_request(Request("B", ids(5000, 300), max_new_tokens=200, ignore_eos=True))
-    # budget = available 900 + evictable 0 - A's 499 remaining (ratio 1.0 with ignore_eos)
+    # budget = available 900 + evictable 0 - A's 499 remaining (0.5.23: ratio 1.0 with ignore_eos)
     assert s.admission_budget() == 401
     steps = 0
     while "A" in s.requests:
@@ -133,7 +133,8 @@ def test_retraction_victim_order_and_sole_request_abort():
     s.cache.alloc(s.cache.available)
     b = s.schedule()   # R1 (40) before R2 (30)
     assert [r.rid for r, _ in b.items] == ["R2"]
-    assert [r.rid for r in s.waiting] == ["R1", "R3"]
+    # retracted requests go to the BACK of the waiting queue (scheduler.py _add_request_to_queue)
+    assert [r.rid for r in s.waiting] == ["R3", "R1"]
     assert s.retracted_total == 2
     s.commit(b)
     s.cache.alloc(s.cache.available)
@@ -156,10 +157,13 @@ def test_retraction_victim_order_and_sole_request_abort():
 
 
 def test_natural_retraction_under_pressure():
-    # three prompts admitted with new_token_ratio < 1 overcommit a 400-token pool
+    # three prompts admitted with new_token_ratio < 1 overcommit a 400-token pool; R3 arrives after the
+    # first prefill round (in the same round it would find no tokens and latch batch_is_full)
     s, _ = make(400)
-    for rid, start, n in (("R1", 1000, 40), ("R2", 2000, 30), ("R3", 3000, 50)):
+    for rid, start, n in (("R1", 1000, 40), ("R2", 2000, 30)):
         s.add_request(Request(rid, ids(start, n), max_new_tokens=100))
+    assert s.step().kind == "prefill"
+    s.add_request(Request("R3", ids(3000, 50), max_new_tokens=100))
     s.run_until_idle()
     done = finished(s)
     assert s.retracted_total == 1
@@ -171,16 +175,19 @@ def test_natural_retraction_under_pressure():
     assert s.cache.num_used == 0 and s.aborted_total == 0
 
 
-def test_lone_oversized_request_is_aborted_after_filling_pool():
+def test_prompt_plus_max_new_over_the_pool_is_clipped_on_arrival():
+    """scheduler.py init_req_max_new_tokens + allocator/base.py max_new_tokens_for_memory: max_new is
+    clipped to max_total - prompt - 2 when the request arrives, so it ends with "length" (no OOM abort)."""
     s, _ = make(100)
-    s.add_request(Request("big", ids(1, 90), max_new_tokens=50, ignore_eos=True))
+    big = Request("big", ids(1, 90), max_new_tokens=50, ignore_eos=True)
+    s.add_request(big)
+    assert big.max_new_tokens == 8 and s.clipped_total == 1
     s.run_until_idle()
     done = finished(s)
-    big = done["big"]
-    assert big.finish_reason["type"] == "abort" and big.finish_reason["message"] == OOM_MESSAGE
-    # prefill (90 KV) gives token 1, 10 decode steps fill KV 91..100 -> 11 tokens
-    assert len(big.output_ids) == 11
-    assert (s.cache.available, s.cache.evictable, s.aborted_total) == (100, 0, 1)
+    assert done["big"].finish_reason == {"type": "length", "length": 8}
+    assert s.aborted_total == 0
+    # 90 prompt + 7 decoded tokens' KV cached (the last token's KV is never written)
+    assert (s.cache.available, s.cache.evictable) == (3, 97)
 
 
 def test_outputs_identical_with_and_without_caching_and_pressure():

@@ -113,6 +113,9 @@ class RadixCache:
             self.session_freed_total = 0
             self.closed: OrderedDict[str, None] = OrderedDict()
             self.closes_received = 0
+            # session id -> generation of its current opening (session_ref_tracker.py)
+            self.generations: dict[str, int] = {}
+            self._incarnations = 0
         # session id -> set of nodes carrying it
         self._session_nodes: dict[str, set[TreeNode]] = {}
 
@@ -135,10 +138,35 @@ class RadixCache:
         self._tick += 1
         return self._tick
 
-    def tracks_sessions(self, session_id: Optional[str]) -> bool:
-        """Whether ``session_id`` affects caching in this mode (False for None / "off" / tombstoned)."""
-        return bool(session_id) and self.session_mode != "off" and (
-            self.session_mode != "0.5.17" or session_id not in self.closed)
+    def tracks_sessions(self, session_id: Optional[str], generation: Optional[int] = None) -> bool:
+        """Whether ``session_id`` affects caching in this mode (False for None / "off" / tombstoned).
+
+        0.5.17: a request carries the ``generation`` its session had when it was admitted; only the
+        current generation of an open session tags (session_ref_tracker.py register_session_ref:
+        "called for stale request; Skip it"). ``generation=None`` means "the current one"."""
+        if not session_id or self.session_mode == "off":
+            return False
+        if self.session_mode != "0.5.17":
+            return True
+        if session_id in self.closed:
+            return False
+        return generation is None or self.generations.get(session_id) == generation
+
+    def ensure_session_generation(self, session_id: Optional[str]) -> Optional[int]:
+        """Generation of ``session_id`` for a NEW request, opening (or re-opening) it when needed.
+
+        SGLang 0.5.17+ mem_cache/unified_cache/session_ref_tracker.py ensure_session_generation ->
+        open_radix_session (called by scheduler.py for every request with a session_id): a closed id
+        re-opens on a new request (tombstone cleared, a new generation). None without a session or
+        outside 0.5.17 semantics."""
+        if not session_id or self.session_mode != "0.5.17":
+            return None
+        gen = self.generations.get(session_id)
+        if gen is None:
+            self.closed.pop(session_id, None)
+            self._incarnations += 1
+            gen = self.generations[session_id] = self._incarnations
+        return gen
 
     # ------------------------------------------------------------------ match
     def match_prefix(self, ids: Sequence[int]) -> MatchResult:
@@ -233,11 +261,14 @@ class RadixCache:
 
     # ------------------------------------------------------------------ insert
     def insert(self, ids: Sequence[int], session_id: Optional[str] = None, priority: int = 0,
-               n_private: int = 0) -> int:
+               n_private: int = 0, generation: Optional[int] = None, tag: bool = True) -> int:
         """cache_finished_req: insert ``ids`` (tokens whose KV exists) into the tree and release
         ``n_private`` private tokens (the request's own KV). Tokens already cached are freed
         (deduplicated). Returns the number of newly cached tokens. Tags / references every node
-        of the path with ``session_id`` when sessions are tracked."""
+        of the path with ``session_id`` when sessions are tracked (and ``tag``: the prefill-end
+        insert of a running request, cache_unfinished_req, tags nothing; SGLang registers session
+        refs in cache_finished_req only, and not for aborted requests). ``generation`` as in
+        :meth:`tracks_sessions`."""
         if n_private > self.private:
             raise ValueError("n_private exceeds private allocation")
         t = self._touch()
@@ -270,10 +301,12 @@ class RadixCache:
         self.private -= n_private
         if self.private < 0:  # pragma: no cover - guarded above
             raise RuntimeError("negative private")
-        track = self.tracks_sessions(session_id)
+        track = tag and self.tracks_sessions(session_id, generation)
         for nd in path:
             if priority > nd.priority:
                 nd.priority = priority
+            if not tag:
+                continue
             if track:
                 nd.sessions[session_id] = nd.sessions.get(session_id, 0) + 1
                 self._session_nodes.setdefault(session_id, set()).add(nd)
@@ -344,6 +377,7 @@ class RadixCache:
             return 0
         nodes = self._session_nodes.pop(session_id, set())
         if self.session_mode == "0.5.17":
+            self.generations.pop(session_id, None)
             for nd in nodes:
                 nd.sessions.pop(session_id, None)
             self.closed[session_id] = None
@@ -371,6 +405,15 @@ class RadixCache:
     def session_ref_tokens(self, session_id: str) -> int:
         """Tokens in nodes carrying ``session_id`` (references or tags)."""
         return sum(len(nd.key) for nd in self._session_nodes.get(session_id, ()))
+
+    def session_states(self) -> dict[str, dict]:
+        """Per session id: ``ref_tokens`` (tokens in nodes it references/tags) and ``closed``
+        (tombstoned), for every id with references or a tombstone."""
+        out = {sid: {"ref_tokens": self.session_ref_tokens(sid), "closed": sid in self.closed}
+               for sid in self._session_nodes}
+        for sid in self.closed:
+            out.setdefault(sid, {"ref_tokens": 0, "closed": True})
+        return out
 
     def cached_len(self, ids: Sequence[int]) -> int:
         """Read-only longest cached prefix length (tokens); no LRU update, no split."""

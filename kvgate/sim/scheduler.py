@@ -20,8 +20,9 @@ Usage (driving the core directly)::
 from __future__ import annotations
 
 import hashlib
-from array import array
+import random
 import time
+from array import array
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable, Optional, Sequence
@@ -37,6 +38,7 @@ RETRACT_DECODE_STEPS = 20           # schedule_batch.py retract_decode
 NEW_TOKEN_RATIO_DECAY_STEPS = 600   # server_args default_new_token_ratio_decay_steps
 MIN_NEW_TOKEN_RATIO_FACTOR = 0.14   # global_config min_new_token_ratio factor
 OOM_MESSAGE = "Out of memory even after retracting all other requests"
+NEW_TOKEN_RATIO_SEMANTICS = ("0.5.17", "0.5.23")
 
 # --- compute-time model calibration -------------------------------------------------------
 # Reference: Llama-3-8B (bf16, 32 layers, 8 KV heads x 128 dim) served by SGLang on ONE H100
@@ -89,14 +91,20 @@ class TokenModel:
         self._eos_threshold = int(self.eos_rate * (1 << 32))
 
     @staticmethod
-    def seed(input_ids: Sequence[int]) -> bytes:
-        """16-byte digest of the prompt token ids (computed once per request)."""
+    def seed(input_ids: Sequence[int], sample_key: Optional[int] = None) -> bytes:
+        """16-byte digest of the prompt token ids (computed once per request) and, for a sampled
+        request (temperature > 0), of its ``sample_key`` (the sampling_seed): greedy decoding is a
+        function of the prompt alone, sampling also of the seed (SGLang srt/layers/sampler.py:
+        ``sampling_seed`` seeds the per-request multinomial draw; without one the draw comes from the
+        engine's generator state)."""
         h = hashlib.blake2b(digest_size=16)
         h.update(len(input_ids).to_bytes(4, "little"))
         try:
             h.update(array("q", input_ids).tobytes())
         except (OverflowError, TypeError):
             h.update(repr(tuple(input_ids)).encode())
+        if sample_key is not None:
+            h.update(b"sample" + int(sample_key).to_bytes(16, "little", signed=True))
         return h.digest()
 
     def token(self, seed: bytes, position: int) -> int:
@@ -110,9 +118,11 @@ class TokenModel:
         tok = (v & 0xFFFFFFFF) % VOCAB_SIZE
         return EOS_ID + 1 if tok == EOS_ID else tok
 
-    def generate(self, input_ids: Sequence[int], n: int, ignore_eos: bool = True) -> list[int]:
-        """Reference output (what the scheduler must produce) for ``n`` max new tokens."""
-        s = self.seed(input_ids)
+    def generate(self, input_ids: Sequence[int], n: int, ignore_eos: bool = True,
+                 sample_key: Optional[int] = None) -> list[int]:
+        """Reference output (what the scheduler must produce) for ``n`` max new tokens; a greedy
+        request with ``sample_key=None``, a sampled one with its sampling_seed."""
+        s = self.seed(input_ids, sample_key)
         out = []
         for p in range(n):
             t = self.token(s, p)
@@ -137,6 +147,19 @@ class SchedulerConfig:
     speed: float = 1.0
     eos_rate: float = 0.0
     token_vocab: str = "byte"     # TokenModel vocab: "byte" (text round-trips) | "wide"
+    # --enable-priority-scheduling: the waiting queue sorted by (priority desc, queue entry)
+    enable_priority_scheduling: bool = False
+    # "0.5.17": new_token_ratio discounts every running request's reservation; "0.5.23": ignore_eos ones
+    # reserve at ratio 1.0 (schedule_policy.py _get_running_request_total_token_offset)
+    new_token_ratio_semantics: str = "0.5.17"
+    # --random-seed: draws the sampling key of sampled requests without a sampling_seed (None: random)
+    random_seed: Optional[int] = None
+    # attention share of prefill time: FLOPs per extended token per attended context token
+    # (4 x layers x q_heads x head_dim) and the weight FLOPs per token (2 x params); 0 = context-free
+    prefill_attn_flops_per_ctx_token: float = 0.0
+    prefill_weight_flops_per_token: float = 0.0
+    # the weights are read at least once per forward pass: minimum time of any batch (ms)
+    forward_min_ms: float = 0.0
 
 
 @dataclass(eq=False)
@@ -149,6 +172,8 @@ class Request:
     ignore_eos: bool = False
     session_id: Optional[str] = None
     priority: int = 0
+    temperature: float = 0.0      # 0 = greedy (the core's default; the HTTP layer uses SGLang's 1.0)
+    sampling_seed: Optional[int] = None
     # --- state (managed by the scheduler)
     output_ids: list = field(default_factory=list)
     state: str = "new"           # new|waiting|prefill|running|finished
@@ -164,6 +189,8 @@ class Request:
     first_token_time: Optional[float] = None
     finish_time: Optional[float] = None
     seq: int = 0
+    queue_seq: int = 0           # waiting-queue entry order (re-stamped on retraction)
+    session_generation: Optional[int] = None
     _seed: Optional[bytes] = None
 
     def __post_init__(self):
@@ -209,14 +236,19 @@ class Scheduler:
                  clock: Callable[[], float] = time.monotonic):
         self.cache = cache
         self.cfg = config or SchedulerConfig()
+        if self.cfg.new_token_ratio_semantics not in NEW_TOKEN_RATIO_SEMANTICS:
+            raise ValueError(f"new_token_ratio_semantics must be one of {NEW_TOKEN_RATIO_SEMANTICS}")
         self.clock = clock
         self.model = TokenModel(self.cfg.eos_rate, self.cfg.token_vocab)
+        self._rng = random.Random(self.cfg.random_seed)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.chunked: Optional[Request] = None
         self.requests: dict[str, Request] = {}
         self._events: list[Event] = []
         self._seq = 0
+        self._queue_seq = 0
+        self.batch_is_full = False
         self.init_new_token_ratio = min(0.7 * self.cfg.schedule_conservativeness, 1.0)
         self.min_new_token_ratio = self.init_new_token_ratio * MIN_NEW_TOKEN_RATIO_FACTOR
         self.new_token_ratio_decay = (self.init_new_token_ratio - self.min_new_token_ratio) \
@@ -234,12 +266,20 @@ class Scheduler:
         self.prefill_batches = 0
         self.admitted_input_tokens = 0
         self.admitted_cached_tokens = 0
+        self.clipped_total = 0
         self.sessions_seen: dict[str, int] = {}
 
     # ------------------------------------------------------------------ inputs
     def add_request(self, req: Request) -> None:
         """Queue ``req`` (fcfs). Raises ValueError for an empty prompt, a prompt that cannot fit
-        the pool (len >= max_total) or a duplicate rid."""
+        the pool (len >= max_total) or a duplicate rid.
+
+        ``max_new_tokens`` is clipped on arrival to what an empty pool can hold:
+        ``min(max_new, max_total - prompt - 2)`` (scheduler.py init_req_max_new_tokens: max_req_len -
+        input_len - 1 with max_req_len = max_total - 1, and allocator/base.py max_new_tokens_for_memory:
+        capacity - input - page_size - 1), so such a request ends with finish_reason length instead of
+        running alone into an out-of-memory abort. A request with a session_id takes its session's
+        current generation, re-opening a closed id (session_ref_tracker.py ensure_session_generation)."""
         if not req.input_ids:
             raise ValueError("The input_ids is empty.")
         if len(req.input_ids) >= self.cache.max_total:
@@ -250,15 +290,37 @@ class Scheduler:
             raise ValueError(f"Duplicate request id {req.rid}")
         if req.max_new_tokens < 0:
             raise ValueError("max_new_tokens must be >= 0")
+        cap = max(0, self.cache.max_total - len(req.input_ids) - 2)
+        if req.max_new_tokens > cap:
+            req.max_new_tokens = cap
+            self.clipped_total += 1
         self._seq += 1
         req.seq = self._seq
         req.arrival_time = self.clock()
         req.state = "waiting"
-        req._seed = self.model.seed(req.input_ids)
+        key = None
+        if req.temperature > 0:
+            key = req.sampling_seed if req.sampling_seed is not None else self._rng.getrandbits(64)
+        req._seed = self.model.seed(req.input_ids, key)
         self.requests[req.rid] = req
         if req.session_id:
             self.sessions_seen[req.session_id] = self.sessions_seen.get(req.session_id, 0) + 1
+            req.session_generation = self.cache.ensure_session_generation(req.session_id)
+        self._enqueue(req)
+
+    def _enqueue(self, req: Request) -> None:
+        """Append to the BACK of the waiting queue (scheduler.py _add_request_to_queue; retracted
+        requests too), stamping the queue-entry order the priority sort breaks ties with."""
+        self._queue_seq += 1
+        req.queue_seq = self._queue_seq
         self.waiting.append(req)
+
+    def _order_waiting(self) -> None:
+        """schedule_policy.py calc_priority: with fcfs the queue stays in entry order; with
+        --enable-priority-scheduling it is sorted by (priority, queue entry time), higher priority
+        first (_sort_by_priority_and_fcfs, schedule_low_priority_values_first off)."""
+        if self.cfg.enable_priority_scheduling and len(self.waiting) > 1:
+            self.waiting = deque(sorted(self.waiting, key=lambda r: (-r.priority, r.queue_seq)))
 
     def abort(self, rid: str, message: str = "Abort request") -> bool:
         """Abort ``rid`` wherever it is (not while a batch containing it is in flight: call
@@ -272,9 +334,10 @@ class Scheduler:
         elif req.state in ("running", "prefill"):
             if req in self.running:
                 self.running.remove(req)
+                self.batch_is_full = False
             if self.chunked is req:
                 self.chunked = None
-            self._release(req, cache=True)
+            self._release(req, cache=True, tag=False)
         self._finish(req, {"type": "abort", "message": message}, aborted=True)
         return True
 
@@ -296,12 +359,19 @@ class Scheduler:
     def _fill_ids(self, req: Request) -> tuple:
         return req.input_ids + tuple(req.output_ids)
 
+    def _running_ratio(self, r: Request) -> float:
+        if r.ignore_eos and self.cfg.new_token_ratio_semantics == "0.5.23":
+            return 1.0
+        return self.new_token_ratio
+
     def _reserved(self, batch: list[tuple[Request, int]]) -> float:
-        """Tokens reserved for future decode of running/chunked/in-batch requests."""
+        """Tokens reserved for future decode of running/chunked/in-batch requests: a running
+        request reserves min(max_new - generated, 4096) x new_token_ratio (0.5.17
+        schedule_policy.py _get_running_request_total_token_offset; 0.5.23 uses 1.0 for ignore_eos),
+        a request of the batch being formed reserves its full min(max_new, 4096)."""
         total = 0.0
         for r in self.running:
-            est = min(r.remaining_new, CLIP_MAX_NEW_TOKENS)
-            total += est if r.ignore_eos else est * self.new_token_ratio
+            total += min(r.remaining_new, CLIP_MAX_NEW_TOKENS) * self._running_ratio(r)
         for r, _ in batch:
             total += min(r.remaining_new, CLIP_MAX_NEW_TOKENS)
         if self.chunked is not None and all(r is not self.chunked for r, _ in batch):
@@ -313,12 +383,14 @@ class Scheduler:
         """PrefillAdder rem_total_tokens: available + evictable - reserved decode tokens."""
         return self.cache.available + self.cache.evictable - self._reserved(batch or [])
 
-    def _release(self, req: Request, cache: bool) -> None:
-        """Give back req's KV: insert into the radix tree (cache=True) or free it uncached."""
+    def _release(self, req: Request, cache: bool, tag: bool = True) -> None:
+        """Give back req's KV: insert into the radix tree (cache=True, cache_finished_req; session
+        refs only with ``tag``: not for aborted requests) or free only its private tokens (the
+        retraction path: the prompt inserted at prefill end stays cached, just unlocked)."""
         if cache and req.kv_len > 0:
             ids = self._fill_ids(req)[:req.kv_len]
             self.cache.insert(ids, session_id=req.session_id, priority=req.priority,
-                              n_private=req.private)
+                              n_private=req.private, generation=req.session_generation, tag=tag)
         else:
             self.cache.free(req.private)
         if req.last_node is not None:
@@ -326,6 +398,20 @@ class Scheduler:
         req.last_node = None
         req.private = 0
         req.kv_len = 0
+
+    def _cache_unfinished(self, req: Request) -> None:
+        """cache_unfinished_req after a prefill (or a prefill chunk): the KV written so far goes into
+        the radix tree and the request's lock moves to its new last node, so a running request's prompt
+        is shareable at once and a retraction frees only what was generated after it
+        (batch_result_processor.py maybe_cache_unfinished_req; scheduler.py for chunks)."""
+        ids = self._fill_ids(req)[:req.kv_len]
+        self.cache.insert(ids, priority=req.priority, n_private=req.private, tag=False)
+        m = self.cache.match_prefix(ids)
+        self.cache.lock(m.node)
+        if req.last_node is not None:
+            self.cache.unlock(req.last_node)
+        req.last_node = m.node
+        req.private = 0
 
     def _finish(self, req: Request, reason: dict, aborted: bool = False,
                 new_ids: Optional[list] = None) -> None:
@@ -354,6 +440,7 @@ class Scheduler:
             self._events.append(Event(req, [tok], False))
             return
         self.running.remove(req)
+        self.batch_is_full = False   # a running request left (scheduler.py filter_batch)
         self._release(req, cache=True)
         self._finish(req, reason, new_ids=[tok])
 
@@ -368,7 +455,20 @@ class Scheduler:
         return self._schedule_decode()
 
     def _schedule_prefill(self) -> Optional[Batch]:
+        """get_new_batch_prefill + PrefillAdder. Rules (SGLang 0.5.17/0.5.23 scheduler.py):
+
+        * batch_is_full latches when a round stops for lack of tokens (add_one_req NO_TOKEN) or of
+          request slots while something runs or was admitted; no prefill is tried again until a running
+          request leaves (finish, retraction, abort) or nothing runs.
+        * every request's prefix is matched and locked first and the batch's extend KV is allocated
+          once the batch is formed (prepare_for_extend), so admitting one request cannot evict the
+          prefix a later request of the same batch matched.
+        """
+        if self.batch_is_full and not self.running:
+            self.batch_is_full = False
         if not self.waiting and self.chunked is None:
+            return None
+        if self.batch_is_full and self.chunked is None:
             return None
         cfg = self.cfg
         items: list[tuple[Request, int]] = []
@@ -387,8 +487,12 @@ class Scheduler:
             if r.kv_len < r.fill_len:
                 return self._prefill_batch(items)
             self.chunked = None
+        self._order_waiting()
+        pending = 0          # extend tokens of this batch not yet allocated
+        new: list[tuple[Request, int]] = []
         while self.waiting:
             if len(self.running) + len(items) >= cfg.max_running_requests:
+                self.batch_is_full = True
                 break
             if rem_chunk <= 0 or rem_input <= 0:
                 break
@@ -398,14 +502,16 @@ class Scheduler:
             extend = len(fill) - m.length
             need = extend + min(r.remaining_new, CLIP_MAX_NEW_TOKENS)
             cache.lock(m.node)
-            budget = self.admission_budget(items)
+            budget = self.admission_budget(items) - pending
             lone = not items and not self.running and self.chunked is None
             ok = need <= budget or (lone and extend <= cache.available + cache.evictable)
             if not ok or (extend > rem_input and items):
                 cache.unlock(m.node)
+                if not ok and (items or self.running):
+                    self.batch_is_full = True
                 break
             take = min(extend, rem_chunk)
-            cache.alloc(take)
+            pending += take
             self.waiting.popleft()
             r.state = "prefill"
             r.last_node = m.node
@@ -417,19 +523,41 @@ class Scheduler:
             self.admitted_cached_tokens += m.length
             self.admitted_input_tokens += len(fill)
             items.append((r, take))
+            new.append((r, take))
             rem_chunk -= take
             rem_input -= take
             if take < extend:
                 self.chunked = r
                 break
+        if pending:
+            cache.alloc(pending)   # every prefix is locked: evicts only unlocked entries
         if not items:
             return None
         return self._prefill_batch(items)
 
-    def _prefill_batch(self, items) -> Batch:
+    def prefill_time_s(self, items) -> float:
+        """Simulated time of a prefill batch of ``(request, extend tokens)`` (seconds, at speed 1
+        before dividing by ``speed``).
+
+        Without the attention constants: extend tokens / prefill_tokens_per_s. With them, the weight
+        FLOPs (2 x params per token) cost exactly that, and attention adds per extended token
+        4 x layers x q_heads x head_dim x (cached prefix + extend / 2) FLOPs at the same throughput
+        (causal attention over the prefix and half the new tokens); a re-prefilled long agent context
+        costs +60% for a 32B model at 30k tokens. Any forward pass takes at least ``forward_min_ms``
+        (the weights are read from HBM once per pass)."""
+        cfg = self.cfg
         tokens = sum(t for _, t in items)
-        dur = tokens / self.cfg.prefill_tokens_per_s / self.cfg.speed
-        return Batch("prefill", items, dur)
+        dur = tokens / cfg.prefill_tokens_per_s
+        if cfg.prefill_attn_flops_per_ctx_token > 0 and cfg.prefill_weight_flops_per_token > 0:
+            attn = 0.0
+            for r, t in items:
+                prefix = r.kv_len - t
+                attn += t * (prefix + t / 2.0) * cfg.prefill_attn_flops_per_ctx_token
+            dur *= 1.0 + attn / (tokens * cfg.prefill_weight_flops_per_token) if tokens else 1.0
+        return max(dur, cfg.forward_min_ms * 1e-3)
+
+    def _prefill_batch(self, items) -> Batch:
+        return Batch("prefill", items, self.prefill_time_s(items) / self.cfg.speed)
 
     def _schedule_decode(self) -> Optional[Batch]:
         if not self.running:
@@ -451,12 +579,19 @@ class Scheduler:
         cfg = self.cfg
         ctx = sum(r.kv_len for r in self.running)
         dur = (cfg.decode_base_ms * 1e-3 + cfg.decode_per_seq_ms * 1e-3 * len(self.running)
-               + cfg.decode_per_ctx_token_us * 1e-6 * ctx) / cfg.speed
-        return Batch("decode", [(r, 1) for r in self.running], dur)
+               + cfg.decode_per_ctx_token_us * 1e-6 * ctx)
+        return Batch("decode", [(r, 1) for r in self.running],
+                     max(dur, cfg.forward_min_ms * 1e-3) / cfg.speed)
 
     def _retract(self) -> None:
-        """retract_decode: pop requests with the fewest output tokens (ties: longest input)
-        until one decode step fits; a lone request that still does not fit is aborted."""
+        """retract_decode (schedule_batch.py): pop requests with the fewest output tokens (ties:
+        longest input) until one decode step fits; a lone request that still does not fit is aborted.
+
+        release_req frees only the request's own KV past its protected prefix (the prompt was inserted
+        at prefill end, mem_cache/common.py release_kv_cache), so the prompt stays cached, unlocked;
+        then evicts until ``remaining requests x SGLANG_RETRACT_DECODE_STEPS (20)`` slots are free
+        (evict_from_tree_cache). Retracted requests go to the BACK of the waiting queue in retraction
+        order (scheduler.py update_running_batch -> _add_request_to_queue)."""
         order = sorted(self.running, key=lambda r: (len(r.output_ids), -len(r.input_ids)),
                        reverse=True)
         retracted: list[Request] = []
@@ -471,12 +606,16 @@ class Scheduler:
             r = order.pop()
             self.running.remove(r)
             self._release(r, cache=False)
+            want = len(order) * RETRACT_DECODE_STEPS
+            if self.cache.available < want:
+                self.cache.evict(want - self.cache.available)
             r.num_retractions += 1
             r.state = "waiting"
             retracted.append(r)
+        self.batch_is_full = False
         if retracted:
-            for r in sorted(retracted, key=lambda r: r.seq, reverse=True):
-                self.waiting.appendleft(r)
+            for r in retracted:
+                self._enqueue(r)
             self.retracted_total += len(retracted)
             self.last_retracted = len(retracted)
             if order:
@@ -492,7 +631,10 @@ class Scheduler:
         if batch.kind == "prefill":
             self.prefill_batches += 1
             for r, _ in batch.items:
-                if r.finished or r.kv_len < r.fill_len:
+                if r.finished:
+                    continue
+                self._cache_unfinished(r)
+                if r.kv_len < r.fill_len:
                     continue
                 r.state = "running"
                 self.running.append(r)
