@@ -11,7 +11,8 @@ import signal
 import sys
 
 from kvgate.sim.radix import SessionConfigError
-from kvgate.sim.scheduler import COMPUTE_PROFILES
+from kvgate.sim.radix import HICACHE_WRITE_POLICIES
+from kvgate.sim.scheduler import COMPUTE_PROFILES, DEFAULT_H2D_BYTES_PER_S, NEW_TOKEN_RATIO_SEMANTICS, PROFILE_CONTEXT
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -24,7 +25,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
       help="session radix cache close semantics (and reported version)")
     a("--enable-session-radix-cache", dest="enable_session_radix_cache",
       action=argparse.BooleanOptionalAction, default=True)
-    a("--radix-eviction-policy", choices=("lru", "priority"), default="lru")
+    a("--radix-eviction-policy", choices=("lru", "priority"), default="lru",
+      help="priority: evict by (max priority of the requests that touched a node, last access)")
     a("--speed", type=float, default=1.0, help="simulated time runs this many times faster")
     a("--compute-profile", choices=sorted(COMPUTE_PROFILES), default="llama-3-8b-h100",
       help="the model + GPU the compute times are calibrated to (kvgate/sim/scheduler.py says how); the four "
@@ -41,6 +43,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("--token-vocab", choices=("byte", "wide"), default="byte",
       help="generated ids: byte = printable ASCII byte tokens whose text re-tokenizes to the same ids "
            "(multi-turn text prompts reuse the cache); wide = ids in [3, 32000) rendered as words")
+    a("--new-token-ratio-semantics", choices=NEW_TOKEN_RATIO_SEMANTICS, default="0.5.17",
+      help="0.5.17: new_token_ratio discounts every running request's reserved decode tokens; 0.5.23: requests "
+           "with ignore_eos reserve all of theirs")
+    a("--enable-priority-scheduling", action="store_true",
+      help="order the waiting queue by request priority (higher first), then arrival")
+    a("--random-seed", type=int, default=None,
+      help="seed of the sampling draws of requests with temperature > 0 and no sampling_seed (default: random)")
+    a("--enable-hierarchical-cache", action="store_true",
+      help="HiCache: keep KV in a host-memory tier and load it back instead of recomputing")
+    a("--hicache-ratio", type=float, default=2.0, help="host tier size as a multiple of the KV pool")
+    a("--hicache-size", type=float, default=0.0, help="host tier size in GB per DP rank (overrides the ratio)")
+    a("--hicache-write-policy", choices=HICACHE_WRITE_POLICIES, default="write_through")
+    a("--hicache-h2d-gbps", type=float, default=DEFAULT_H2D_BYTES_PER_S / 1e9,
+      help="host-to-device copy bandwidth for HiCache load-back (GB/s)")
     a("--tp-copies", type=int, default=1,
       help="emit identical metric copies for tp_rank 0..N-1")
     a("--dp-size", type=int, default=1)
@@ -52,6 +68,7 @@ def options_from_args(args: argparse.Namespace) -> dict:
     """Keyword options for ``start_sim_engine`` from parsed args: the compute profile's constants unless a flag
     sets one."""
     prefill, base, per_seq, per_ctx = COMPUTE_PROFILES[args.compute_profile]
+    attn_flops, weight_flops, forward_min_ms, kv_bytes = PROFILE_CONTEXT[args.compute_profile]
     pick = lambda v, d: d if v is None else v  # noqa: E731
     return dict(
         max_total_num_tokens=args.max_total_num_tokens,
@@ -66,6 +83,13 @@ def options_from_args(args: argparse.Namespace) -> dict:
         chunked_prefill_size=args.chunked_prefill_size,
         max_prefill_tokens=args.max_prefill_tokens, eos_rate=args.eos_rate,
         token_vocab=args.token_vocab,
+        prefill_attn_flops_per_ctx_token=attn_flops, prefill_weight_flops_per_token=weight_flops,
+        forward_min_ms=forward_min_ms, kv_bytes_per_token=kv_bytes,
+        hicache_h2d_bytes_per_s=args.hicache_h2d_gbps * 1e9,
+        new_token_ratio_semantics=args.new_token_ratio_semantics,
+        enable_priority_scheduling=args.enable_priority_scheduling, random_seed=args.random_seed,
+        enable_hierarchical_cache=args.enable_hierarchical_cache, hicache_ratio=args.hicache_ratio,
+        hicache_size=args.hicache_size, hicache_write_policy=args.hicache_write_policy,
         tp_copies=args.tp_copies, dp_size=args.dp_size, disable_metrics=args.disable_metrics,
         model_name=args.model_name)
 

@@ -34,7 +34,21 @@ class EngineOptions:
     tp_copies: int = 1
     disable_metrics: bool = False
     model_name: str = "kvgate-sim"
+    # HiCache (server_args.py): host tier of hicache_size GB when > 0, else hicache_ratio x the device pool
+    # (mem_cache/pool_host/base.py HostKVCache.__init__)
+    enable_hierarchical_cache: bool = False
+    hicache_ratio: float = 2.0
+    hicache_size: float = 0.0
+    hicache_write_policy: str = "write_through"
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+
+    def host_pool_tokens(self) -> int:
+        """Host-tier size per DP rank (tokens); 0 without HiCache."""
+        if not self.enable_hierarchical_cache:
+            return 0
+        if self.hicache_size > 0:
+            return int(self.hicache_size * 1e9 // self.scheduler.kv_bytes_per_token)
+        return int(self.max_total_num_tokens * self.hicache_ratio)
 
     @property
     def session_mode(self) -> str:
@@ -65,6 +79,8 @@ class Rank:
         self.idx = idx
         self.cache = RadixCache(opts.max_total_num_tokens, opts.session_mode,
                                 opts.radix_eviction_policy)
+        if opts.enable_hierarchical_cache:
+            self.cache.attach_host(opts.host_pool_tokens(), opts.hicache_write_policy)
         self.sched = Scheduler(self.cache, opts.scheduler, clock=clock)
         self.ttft = Histogram(TTFT_BUCKETS)
         self.e2e = Histogram(E2E_BUCKETS)
@@ -251,6 +267,14 @@ class SimEngine:
                 "used": c.num_used, "available": c.available, "evictable": c.evictable,
                 "running": len(s.running), "waiting": s.num_queue(),
                 "new_token_ratio": s.new_token_ratio,
+                "clipped_max_new_tokens": s.clipped_total,
+                "host_hit_tokens": s.host_hit_tokens,
+                "load_back_tokens": s.load_back_tokens,
+                "load_back_seconds": s.load_back_seconds,
+                "hicache_backup_tokens": c.backup_tokens_total,
+                "hicache_host_used_tokens": c.host.tree_tokens if c.host else 0,
+                "hicache_host_total_tokens": c.host.max_total if c.host else 0,
+                "session_state": c.session_states(),
             })
         sessions: dict[str, int] = {}
         for rk in ranks:
@@ -258,11 +282,22 @@ class SimEngine:
                 sessions[k] = sessions.get(k, 0) + v
         keys = ("cached_tokens", "prompt_tokens", "generation_tokens", "evicted_tokens",
                 "session_freed_tokens", "retractions", "aborted", "num_requests", "used",
-                "available", "evictable", "running", "waiting", "max_total_num_tokens")
+                "available", "evictable", "running", "waiting", "max_total_num_tokens",
+                "clipped_max_new_tokens", "host_hit_tokens", "load_back_tokens", "hicache_backup_tokens",
+                "hicache_host_used_tokens", "hicache_host_total_tokens")
         totals = {k: sum(rk[k] for rk in ranks) for k in keys}
+        # per session id: tokens it references in any rank's cache, and whether every rank that knows
+        # it has it closed (tombstoned)
+        session_state: dict[str, dict] = {}
+        for rk in ranks:
+            for sid, st in rk["session_state"].items():
+                cur = session_state.setdefault(sid, {"ref_tokens": 0, "closed": True})
+                cur["ref_tokens"] += st["ref_tokens"]
+                cur["closed"] = cur["closed"] and st["closed"]
         totals["closes_received"] = self.closes_received
         return {"session_semantics": self.opts.session_semantics,
                 "enable_session_radix_cache": self.opts.enable_session_radix_cache,
                 "radix_eviction_policy": self.opts.radix_eviction_policy,
-                "dp_size": len(self.ranks), "sessions": sessions,
+                "dp_size": len(self.ranks), "sessions": sessions, "session_state": session_state,
+                "enable_hierarchical_cache": self.opts.enable_hierarchical_cache,
                 "closes_received": self.closes_received, "totals": totals, "ranks": ranks}

@@ -77,6 +77,12 @@ class RankSnapshot:
     cached_tokens_total: int
     num_requests_total: int
     aborted_total: int
+    # HiCache (0 / False without it)
+    hicache: bool = False
+    host_total_tokens: int = 0
+    host_used_tokens: int = 0
+    load_back_tokens_total: int = 0
+    backup_tokens_total: int = 0
     ttft: Histogram = field(default_factory=lambda: Histogram(TTFT_BUCKETS))
     e2e: Histogram = field(default_factory=lambda: Histogram(E2E_BUCKETS))
 
@@ -99,7 +105,10 @@ def snapshot(scheduler, dp_rank: int, ttft: Optional[Histogram] = None,
         evicted_total=c.evicted_total, prompt_tokens_total=scheduler.prompt_tokens_total,
         generation_tokens_total=scheduler.generation_tokens_total,
         cached_tokens_total=scheduler.cached_tokens_total,
-        num_requests_total=scheduler.num_requests_total, aborted_total=scheduler.aborted_total)
+        num_requests_total=scheduler.num_requests_total, aborted_total=scheduler.aborted_total,
+        hicache=c.host is not None, host_total_tokens=c.host.max_total if c.host else 0,
+        host_used_tokens=c.host.tree_tokens if c.host else 0,
+        load_back_tokens_total=scheduler.load_back_tokens, backup_tokens_total=c.backup_tokens_total)
     if ttft is not None:
         s.ttft = ttft
     if e2e is not None:
@@ -170,6 +179,16 @@ def render(ranks: list[RankSnapshot], model_name: str = "kvgate-sim", tp_copies:
            lambda s: s.num_requests_total)
     family("sglang:num_aborted_requests", c, "Number of requests aborted",
            lambda s: s.aborted_total)
+    if any(snap.hicache for snap in ranks):
+        # observability/metrics_collector.py (0.5.23): host pool gauges, load-back / backup counters (pool="kv")
+        family("sglang:hicache_host_used_tokens", g, "The number of used tokens in the HiCache host pool",
+               lambda s: s.host_used_tokens)
+        family("sglang:hicache_host_total_tokens", g, "The total number of tokens in the HiCache host pool",
+               lambda s: s.host_total_tokens)
+        family("sglang:load_back_tokens", c, "The number of tokens loaded back from local host memory",
+               lambda s: s.load_back_tokens_total, extra={"pool": "kv"})
+        family("sglang:hicache_backup_tokens", c, "The number of tokens backed up from GPU to local host",
+               lambda s: s.backup_tokens_total, extra={"pool": "kv"})
     for name, attr, help_ in (
             ("sglang:time_to_first_token_seconds", "ttft", "Histogram of time to first token"),
             ("sglang:e2e_request_latency_seconds", "e2e", "Histogram of end-to-end latency")):

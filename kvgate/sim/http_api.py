@@ -10,6 +10,7 @@ Endpoints and shapes follow /work/shared/reference/sglang-engine-api.md and what
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 import uuid
 from dataclasses import dataclass
@@ -17,6 +18,7 @@ from typing import Any, Optional
 
 import orjson
 from aiohttp import web
+from aiohttp.http_exceptions import BadHttpMessage
 
 from kvgate.sim.engine import EngineOptions, RequestHandle, SimEngine
 from kvgate.sim.exposition import render_loads_prometheus
@@ -35,6 +37,22 @@ SAMPLING_KEYS = frozenset({
 })
 
 ENGINE_KEY = web.AppKey("sim_engine", SimEngine)
+
+
+class _Http2ProbeFilter(logging.Filter):
+    """Drops aiohttp's traceback for an HTTP/2 prior-knowledge preface (``PRI * HTTP/2.0``): smg sends one to
+    every worker it registers; aiohttp already answers it 400 (HTTP/1.1 only, as SGLang's uvicorn), so the
+    probe is expected and the traceback is noise."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        exc = record.exc_info[1] if record.exc_info else None
+        return not (isinstance(exc, BadHttpMessage) and "PRI/Upgrade" in str(exc))
+
+
+def _quiet_http2_probe() -> None:
+    log = logging.getLogger("aiohttp.server")
+    if not any(isinstance(f, _Http2ProbeFilter) for f in log.filters):
+        log.addFilter(_Http2ProbeFilter())
 
 
 class HTTPError(Exception):
@@ -87,6 +105,8 @@ class GenSpec:
     priority: int
     dp_rank: Optional[int]
     legacy_session: Optional[dict] = None
+    temperature: float = 1.0
+    sampling_seed: Optional[int] = None
 
 
 def _check_sampling(sp: Any) -> dict:
@@ -103,7 +123,22 @@ def _check_sampling(sp: Any) -> dict:
         mnt = 128
     if not isinstance(mnt, int) or isinstance(mnt, bool) or mnt < 0:
         raise HTTPError(400, "max_new_tokens must be a non-negative integer")
+    _sampling(sp.get("temperature"), sp.get("top_k"), sp.get("sampling_seed"))
     return sp
+
+
+def _sampling(temperature: Any, top_k: Any, seed: Any) -> tuple[float, Optional[int]]:
+    """(temperature, sampling_seed) of a request; temperature 0 means greedy. SGLang
+    sampling/sampling_params.py: temperature defaults to 1.0, and a temperature below 1e-6 or top_k 1 is
+    greedy (top_k becomes 1). Raises HTTPError 400 on a bad type or a negative temperature."""
+    t = 1.0 if temperature is None else temperature
+    if isinstance(t, bool) or not isinstance(t, (int, float)) or t < 0:
+        raise HTTPError(400, "temperature must be a non-negative number")
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
+        raise HTTPError(400, "sampling_seed must be an integer")
+    if t < 1e-6 or top_k == 1:
+        t = 0.0
+    return float(t), seed
 
 
 class SimServer:
@@ -306,9 +341,10 @@ class SimServer:
                 if n > 1:
                     rid = f"{rid}_{j}" if rid else None
                 mnt = sp.get("max_new_tokens")
+                temp, seed = _sampling(sp.get("temperature"), sp.get("top_k"), sp.get("sampling_seed"))
                 specs.append(GenSpec(list(ids), 128 if mnt is None else mnt,
                                      bool(sp.get("ignore_eos", False)), rid, sid, int(prio), dp,
-                                     legacy if isinstance(legacy, dict) else None))
+                                     legacy if isinstance(legacy, dict) else None, temp, seed))
         return specs, batch or len(specs) > 1
 
     def _submit(self, spec: GenSpec) -> RequestHandle:
@@ -329,7 +365,8 @@ class SimServer:
                       max_new_tokens=spec.max_new_tokens, ignore_eos=spec.ignore_eos,
                       session_id=spec.session_id or (str(spec.legacy_session.get("id"))
                                                      if spec.legacy_session else None),
-                      priority=spec.priority)
+                      priority=spec.priority, temperature=spec.temperature,
+                      sampling_seed=spec.sampling_seed)
         try:
             h = self.engine.submit(req, spec.dp_rank)
         except ValueError as e:
@@ -476,11 +513,15 @@ class SimServer:
             return None
         return {"length": "length", "stop": "stop"}.get(fr["type"], "abort")
 
-    def _oa_specs(self, body: dict, ids_list: list[list[int]], max_default: int) -> list[GenSpec]:
+    def _oa_specs(self, body: dict, ids_list: list[list[int]], max_default: Optional[int]) -> list[GenSpec]:
+        """GenSpecs of an OpenAI request. Without max_tokens / max_completion_tokens a chat request runs to
+        the context length (protocol.py ChatCompletionRequest: max_new_tokens None; scheduler.py
+        init_req_max_new_tokens clips it to the pool), a completion to 16 (CompletionRequest.max_tokens)."""
         mt = body.get("max_completion_tokens", body.get("max_tokens"))
-        mt = max_default if mt is None else mt
-        if not isinstance(mt, int) or mt < 0:
+        mt = (max_default if max_default is not None else 1 << 30) if mt is None else mt
+        if not isinstance(mt, int) or isinstance(mt, bool) or mt < 0:
             raise HTTPError(400, "max_tokens must be a non-negative integer")
+        temp, seed = _sampling(body.get("temperature"), body.get("top_k"), body.get("seed"))
         n = body.get("n") or 1
         sid = body.get("session_id")
         prio = body.get("priority") or 0
@@ -491,7 +532,7 @@ class SimServer:
             for j in range(n):
                 r = rid if (rid and len(ids_list) * n == 1) else (f"{rid}_{i}_{j}" if rid else None)
                 specs.append(GenSpec(ids, mt, bool(body.get("ignore_eos", False)), r,
-                                     str(sid) if sid else None, int(prio), dp))
+                                     str(sid) if sid else None, int(prio), dp, None, temp, seed))
         return specs
 
     def _usage(self, handles) -> dict:
@@ -499,7 +540,8 @@ class SimServer:
         c = sum(len(h.req.output_ids) for h in handles)
         return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c,
                 "prompt_tokens_details": {"cached_tokens": sum(h.req.cached_tokens
-                                                               for h in handles)}}
+                                                               for h in handles)},
+                "reasoning_tokens": 0, "completion_tokens_details": None}
 
     async def completions(self, request):
         body = await _body(request)
@@ -524,7 +566,7 @@ class SimServer:
             text = render_chat(body.get("messages"))
         except ValueError as e:
             raise HTTPError(400, str(e))
-        return await self._openai(request, body, [encode(text)], 128, chat=True)
+        return await self._openai(request, body, [encode(text)], None, chat=True)
 
     async def _openai(self, request, body, ids_list, max_default, chat: bool):
         specs = self._oa_specs(body, ids_list, max_default)
@@ -626,6 +668,7 @@ async def start_sim_engine(host: str = "127.0.0.1", port: int = 0, **opts) -> Si
     ``opts`` as in :func:`build_options`. Raises SessionConfigError for 0.5.15 semantics with
     the session cache on and radix_eviction_policy != "priority" (SGLang refuses to start)."""
     options = build_options(**opts)
+    _quiet_http2_probe()
     engine = SimEngine(options)
     engine.start()
     runner = web.AppRunner(SimServer(engine).app(), handler_cancellation=True,

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from typing import Optional, Sequence
 
 SESSION_MODES = ("0.5.17", "0.5.15", "off")
+HICACHE_WRITE_POLICIES = ("write_through", "write_back")
 EVICTION_POLICIES = ("lru", "priority")
 TOMBSTONE_MAX = 8192
 
@@ -98,7 +99,56 @@ class RadixCache:
         self.session_mode = session_mode
         self.eviction_policy = eviction_policy
         self._tick = 0
+        self.host: Optional[RadixCache] = None
+        self.host_write_policy = "write_through"
+        self.backup_tokens_total = 0
         self.reset()
+
+    # ------------------------------------------------------------------ host tier (HiCache)
+    def attach_host(self, capacity_tokens: int, write_policy: str = "write_through") -> None:
+        """Give this device cache a host-memory tier of ``capacity_tokens`` (SGLang HiRadixCache,
+        ``--enable-hierarchical-cache``). ``write_through``: every KV inserted into the device tree is
+        backed up to host at once; ``write_back``: only when the device tree evicts it
+        (mem_cache/hiradix_cache.py write_backup / evict). The host tier is a second radix tree over
+        the same token keys, evicted by the same policy (evict_host: leaves by the eviction key).
+        Raises ValueError for an unknown policy or a non-positive capacity."""
+        if write_policy not in HICACHE_WRITE_POLICIES:
+            raise ValueError(f"hicache write policy must be one of {HICACHE_WRITE_POLICIES}")
+        if capacity_tokens <= 0:
+            raise ValueError("host capacity must be positive")
+        self.host = RadixCache(capacity_tokens, "off", self.eviction_policy)
+        self.host_write_policy = write_policy
+
+    def host_match(self, ids: Sequence[int]) -> int:
+        """Longest prefix of ``ids`` held by the host tier (tokens; 0 without one). Refreshes its LRU."""
+        if self.host is None:
+            return 0
+        return self.host.match_prefix(ids).length
+
+    def _backup(self, ids: Sequence[int], priority: int = 0) -> int:
+        """Copy ``ids``' KV to the host tier, evicting host leaves to make room; returns tokens written.
+        A sequence longer than the whole host pool is not backed up."""
+        h = self.host
+        new = len(ids) - h.cached_len(ids)
+        if new <= 0:
+            h.match_prefix(ids)
+            return 0
+        if new > h.max_total:
+            return 0
+        if h.available < new:
+            h.evict(new - h.available)
+        if h.available < new:   # pragma: no cover - the host tree holds no locks
+            return 0
+        h.insert(ids, priority=priority)
+        self.backup_tokens_total += new
+        return new
+
+    def _path_ids(self, node: TreeNode) -> tuple:
+        parts = []
+        while node is not None and node is not self.root:
+            parts.append(node.key)
+            node = node.parent
+        return tuple(t for key in reversed(parts) for t in key)
 
     # ------------------------------------------------------------------ state
     def reset(self) -> None:
@@ -118,6 +168,8 @@ class RadixCache:
             self._incarnations = 0
         # session id -> set of nodes carrying it
         self._session_nodes: dict[str, set[TreeNode]] = {}
+        if getattr(self, "host", None) is not None:
+            self.host.reset()   # flush_cache drops the host tier too (HiRadixCache.reset)
 
     @property
     def available(self) -> int:
@@ -312,6 +364,8 @@ class RadixCache:
                 self._session_nodes.setdefault(session_id, set()).add(nd)
             else:
                 nd.untagged = True
+        if self.host is not None and self.host_write_policy == "write_through":
+            self._backup(ids, priority)
         return new_tokens
 
     # ------------------------------------------------------------------ evict
@@ -361,6 +415,8 @@ class RadixCache:
         while evicted < num_tokens and heap:
             _, nd = heapq.heappop(heap)
             parent = nd.parent
+            if self.host is not None and self.host_write_policy == "write_back":
+                self._backup(self._path_ids(nd), nd.priority)
             evicted += self._remove_leaf(nd)
             if parent is not self.root and not parent.children and parent.lock_ref == 0:
                 heapq.heappush(heap, (self._evict_key(parent), parent))

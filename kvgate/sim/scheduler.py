@@ -39,6 +39,9 @@ NEW_TOKEN_RATIO_DECAY_STEPS = 600   # server_args default_new_token_ratio_decay_
 MIN_NEW_TOKEN_RATIO_FACTOR = 0.14   # global_config min_new_token_ratio factor
 OOM_MESSAGE = "Out of memory even after retracting all other requests"
 NEW_TOKEN_RATIO_SEMANTICS = ("0.5.17", "0.5.23")
+# HiCache host <-> device copies go over PCIe Gen5 x16 on an H100 SXM: 64 GB/s per direction on paper
+# (NVIDIA H100 datasheet: 128 GB/s bidirectional); pinned-memory copies reach ~50 GB/s, the default here.
+DEFAULT_H2D_BYTES_PER_S = 50e9
 
 # --- compute-time model calibration -------------------------------------------------------
 # Reference: Llama-3-8B (bf16, 32 layers, 8 KV heads x 128 dim) served by SGLang on ONE H100
@@ -62,12 +65,28 @@ DEFAULT_DECODE_PER_CTX_TOKEN_US = 0.05
 #   the usual SWE-agent RL policy size. prefill: 2 x 32.5e9 = 65 GFLOP/token at ~350 TFLOP/s -> ~5.4k tokens/s;
 #   decode base: 65.5 GB of weights at ~3 TB/s -> ~21.8 ms + ~1 ms overhead -> 23 ms; per sequence: twice the
 #   8B figure (hidden 5120 vs 4096, 64 vs 32 layers) -> 0.06 ms; per context token: KV bytes/token = 2 x 64
-#   layers x 8 heads x 128 dim x 2 B = 256 KiB at ~2.6 TB/s -> ~0.1 us. Its KV pool is small: SGLang's
-#   mem_fraction_static of 0.9-0.97 of 80 GB minus 65.5 GB of weights leaves ~6.5-12 GB, i.e. ~26k-49k tokens.
+#   layers x 8 heads x 128 dim x 2 B = 256 KiB at ~2.6 TB/s -> ~0.1 us. Its KV pool is small: SGLang's default
+#   mem_fraction_static on an 80 GB GPU is (80 GB - reserved_mem) / 80 GB ~ 0.84 (server_args.py
+#   _handle_gpu_memory_settings: reserved_mem = 512 MB + chunked_prefill_size x 1.5 MB + tp/8 GB + cuda-graph
+#   buffers ~ 13 GB), so 0.84 x 80 GiB = 67 GiB minus 61 GiB (65.5 GB) of weights leaves ~6 GiB: ~20k-25k KV
+#   tokens at 256 KiB each (the bench's kv-bound scenario sets its pool explicitly).
 COMPUTE_PROFILES = {
     "llama-3-8b-h100": (DEFAULT_PREFILL_TOKENS_PER_S, DEFAULT_DECODE_BASE_MS, DEFAULT_DECODE_PER_SEQ_MS,
                         DEFAULT_DECODE_PER_CTX_TOKEN_US),
     "qwen2.5-32b-h100": (5400.0, 23.0, 0.06, 0.1),
+}
+
+# Context terms of the same profiles: (prefill attention FLOPs per extended token per attended context token,
+# prefill weight FLOPs per token, minimum ms of any forward pass, KV bytes per token).
+# * attention: QK^T and PV are 2 matmuls of 2 FLOPs per (query, key) pair per head dim: 4 x layers x q_heads
+#   x head_dim per context token. Llama-3-8B: 4 x 32 x 32 x 128 = 524,288; Qwen2.5-32B: 4 x 64 x 40 x 128 =
+#   1,310,720 (config.json num_hidden_layers, num_attention_heads, head_dim). Against 2 x params weight FLOPs
+#   (16e9 / 65e9) a 30k-token prefix adds +98% / +60% to a prefilled token.
+# * every forward pass reads all weights from HBM at least once: 16 GB / 65.5 GB at ~3 TB/s -> 5.3 / 21.8 ms.
+# * KV bytes per token (bf16): 2 (K, V) x layers x kv_heads x head_dim x 2 B = 131,072 (8B) / 262,144 (32B).
+PROFILE_CONTEXT = {
+    "llama-3-8b-h100": (524288.0, 16e9, 5.3, 131072),
+    "qwen2.5-32b-h100": (1310720.0, 65e9, 21.8, 262144),
 }
 
 
@@ -160,6 +179,9 @@ class SchedulerConfig:
     prefill_weight_flops_per_token: float = 0.0
     # the weights are read at least once per forward pass: minimum time of any batch (ms)
     forward_min_ms: float = 0.0
+    # HiCache load-back: KV bytes per token of the model and the host-to-device bandwidth (bytes/s)
+    kv_bytes_per_token: int = 131072
+    hicache_h2d_bytes_per_s: float = DEFAULT_H2D_BYTES_PER_S
 
 
 @dataclass(eq=False)
@@ -190,6 +212,7 @@ class Request:
     finish_time: Optional[float] = None
     seq: int = 0
     queue_seq: int = 0           # waiting-queue entry order (re-stamped on retraction)
+    loading: int = 0             # tokens loaded back from the host tier in the current prefill
     session_generation: Optional[int] = None
     _seed: Optional[bytes] = None
 
@@ -267,6 +290,9 @@ class Scheduler:
         self.admitted_input_tokens = 0
         self.admitted_cached_tokens = 0
         self.clipped_total = 0
+        self.host_hit_tokens = 0      # prompt tokens loaded back from the host tier (not recomputed)
+        self.load_back_tokens = 0
+        self.load_back_seconds = 0.0
         self.sessions_seen: dict[str, int] = {}
 
     # ------------------------------------------------------------------ inputs
@@ -499,28 +525,34 @@ class Scheduler:
             r = self.waiting[0]
             fill = self._fill_ids(r)
             m = cache.match_prefix(fill[:len(fill) - 1])
-            extend = len(fill) - m.length
-            need = extend + min(r.remaining_new, CLIP_MAX_NEW_TOKENS)
+            # HiCache: a device miss that hits the host tier is loaded back (device KV allocated like an
+            # extend, no prefill compute); schedule_policy.py add_one_req counts host_hit_length in the
+            # request's tokens, init_load_back allocates them (hiradix_cache.py)
+            load = max(0, cache.host_match(fill[:len(fill) - 1]) - m.length)
+            extend = len(fill) - m.length - load
+            need = extend + load + min(r.remaining_new, CLIP_MAX_NEW_TOKENS)
             cache.lock(m.node)
             budget = self.admission_budget(items) - pending
             lone = not items and not self.running and self.chunked is None
-            ok = need <= budget or (lone and extend <= cache.available + cache.evictable)
+            ok = need <= budget or (lone and extend + load <= cache.available + cache.evictable)
             if not ok or (extend > rem_input and items):
                 cache.unlock(m.node)
                 if not ok and (items or self.running):
                     self.batch_is_full = True
                 break
             take = min(extend, rem_chunk)
-            pending += take
+            pending += take + load
             self.waiting.popleft()
             r.state = "prefill"
             r.last_node = m.node
             r.prefix_len = m.length
             r.fill_len = len(fill)
-            r.kv_len = m.length + take
-            r.private = take
-            r.cached_tokens += m.length
-            self.admitted_cached_tokens += m.length
+            r.kv_len = m.length + load + take
+            r.private = load + take
+            r.loading = load
+            r.cached_tokens += m.length + load
+            self.host_hit_tokens += load
+            self.admitted_cached_tokens += m.length + load
             self.admitted_input_tokens += len(fill)
             items.append((r, take))
             new.append((r, take))
@@ -548,15 +580,24 @@ class Scheduler:
         cfg = self.cfg
         tokens = sum(t for _, t in items)
         dur = tokens / cfg.prefill_tokens_per_s
-        if cfg.prefill_attn_flops_per_ctx_token > 0 and cfg.prefill_weight_flops_per_token > 0:
+        if tokens and cfg.prefill_attn_flops_per_ctx_token > 0 and cfg.prefill_weight_flops_per_token > 0:
             attn = 0.0
             for r, t in items:
                 prefix = r.kv_len - t
                 attn += t * (prefix + t / 2.0) * cfg.prefill_attn_flops_per_ctx_token
-            dur *= 1.0 + attn / (tokens * cfg.prefill_weight_flops_per_token) if tokens else 1.0
+            dur *= 1.0 + attn / (tokens * cfg.prefill_weight_flops_per_token)
+        load = sum(r.loading for r, _ in items)
+        if load:
+            # layer-wise load-back overlaps the forward (cache_controller.py LayerDoneCounter: layer i
+            # computes once its KV arrived), so the batch takes the longer of the two
+            dur = max(dur, load * cfg.kv_bytes_per_token / cfg.hicache_h2d_bytes_per_s)
         return max(dur, cfg.forward_min_ms * 1e-3)
 
     def _prefill_batch(self, items) -> Batch:
+        load = sum(r.loading for r, _ in items)
+        if load:
+            self.load_back_tokens += load
+            self.load_back_seconds += load * self.cfg.kv_bytes_per_token / self.cfg.hicache_h2d_bytes_per_s
         return Batch("prefill", items, self.prefill_time_s(items) / self.cfg.speed)
 
     def _schedule_decode(self) -> Optional[Batch]:
@@ -631,6 +672,7 @@ class Scheduler:
         if batch.kind == "prefill":
             self.prefill_batches += 1
             for r, _ in batch.items:
+                r.loading = 0
                 if r.finished:
                     continue
                 self._cache_unfinished(r)
