@@ -41,7 +41,7 @@ async def test_generate_meta_info_and_prefix_cache(sim):
     prompt = list(range(100, 200))
     st, raw = await post(sim.url + "/generate", {
         "input_ids": prompt, "session_id": "s-1", "rid": "r1",
-        "sampling_params": {"max_new_tokens": 6, "ignore_eos": True}})
+        "sampling_params": {"max_new_tokens": 6, "ignore_eos": True, "temperature": 0}})
     assert st == 200
     out = orjson.loads(raw)
     ref = TokenModel().generate(prompt, 6)
@@ -55,7 +55,7 @@ async def test_generate_meta_info_and_prefix_cache(sim):
     assert m["e2e_latency"] >= 0
     st, raw = await post(sim.url + "/generate", {
         "input_ids": prompt, "session_id": "s-1",
-        "sampling_params": {"max_new_tokens": 6, "ignore_eos": True}})
+        "sampling_params": {"max_new_tokens": 6, "ignore_eos": True, "temperature": 0}})
     m2 = orjson.loads(raw)["meta_info"]
     assert m2["cached_tokens"] == 99 and orjson.loads(raw)["output_ids"] == ref
     s = sim.stats()
@@ -65,7 +65,7 @@ async def test_generate_meta_info_and_prefix_cache(sim):
 
 
 async def test_stream_matches_non_stream(sim):
-    body = {"text": "hello simulated world", "sampling_params": {"max_new_tokens": 5}}
+    body = {"text": "hello simulated world", "sampling_params": {"max_new_tokens": 5, "temperature": 0}}
     st, raw = await post(sim.url + "/generate", body)
     plain = orjson.loads(raw)
     st2, raw2 = await post(sim.url + "/generate", dict(body, stream=True))
@@ -80,7 +80,7 @@ async def test_stream_matches_non_stream(sim):
 
 async def test_batch_generate(sim):
     st, raw = await post(sim.url + "/generate", {
-        "input_ids": [[1, 2, 3], [4, 5, 6, 7]], "sampling_params": {"max_new_tokens": 3}})
+        "input_ids": [[1, 2, 3], [4, 5, 6, 7]], "sampling_params": {"max_new_tokens": 3, "temperature": 0}})
     out = orjson.loads(raw)
     assert st == 200 and len(out) == 2
     assert [o["output_ids"] for o in out] == [TokenModel().generate([1, 2, 3], 3),
@@ -132,7 +132,7 @@ async def test_close_session_endpoint(sim):
 async def test_openai_routes(sim):
     st, raw = await post(sim.url + "/v1/chat/completions", {
         "model": "kvgate-sim", "messages": [{"role": "user", "content": "hi"}],
-        "max_tokens": 4, "session_id": "c1"})
+        "max_tokens": 4, "session_id": "c1", "temperature": 0})
     out = orjson.loads(raw)
     ids = encode(render_chat([{"role": "user", "content": "hi"}]))
     assert out["usage"]["prompt_tokens"] == len(ids) == 26
@@ -140,7 +140,7 @@ async def test_openai_routes(sim):
     assert out["choices"][0]["message"]["content"] == decode(TokenModel().generate(ids, 4))
     assert out["choices"][0]["finish_reason"] == "length"
     st, raw = await post(sim.url + "/v1/completions", {
-        "prompt": "abc", "max_tokens": 3, "stream": True,
+        "prompt": "abc", "max_tokens": 3, "stream": True, "temperature": 0,
         "stream_options": {"include_usage": True}})
     ev = sse_events(raw)
     assert "".join(e["choices"][0]["text"] for e in ev if e["choices"]) == \
@@ -149,19 +149,20 @@ async def test_openai_routes(sim):
     assert sim.stats()["sessions"] == {"c1": 1}
 
 
-async def test_oom_non_stream_is_500():
+async def test_prompt_plus_max_new_over_the_pool_is_clipped_not_aborted():
+    """scheduler.py init_req_max_new_tokens: max_new is clipped to the pool on arrival (100 - 90 - 2 = 8), so
+    the request finishes with "length" instead of an out-of-memory abort."""
     h = await start_sim_engine(max_total_num_tokens=100, speed=1000.0)
     try:
         st, raw = await post(h.url + "/generate", {
             "input_ids": list(range(10, 100)),
             "sampling_params": {"max_new_tokens": 50, "ignore_eos": True}})
         body = orjson.loads(raw)
-        assert st == 500
-        assert body["error"]["message"] == \
-            "Out of memory even after retracting all other requests"
-        assert body["meta_info"]["finish_reason"]["type"] == "abort"
-        assert body["meta_info"]["completion_tokens"] == 11
-        assert h.stats()["totals"]["aborted"] == 1
+        assert st == 200
+        assert body["meta_info"]["finish_reason"] == {"type": "length", "length": 8}
+        assert body["meta_info"]["completion_tokens"] == 8
+        t = h.stats()["totals"]
+        assert t["aborted"] == 0 and t["clipped_max_new_tokens"] == 1
     finally:
         await h.close()
 

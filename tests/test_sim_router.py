@@ -84,7 +84,7 @@ async def test_generate_and_session_passthrough_through_smg(routed):
     url, sims = routed
     prompt = list(range(300, 420))
     body = {"input_ids": prompt, "session_id": "sess-e2e", "rid": "rid-e2e-1",
-            "sampling_params": {"max_new_tokens": 8, "ignore_eos": True}}
+            "sampling_params": {"max_new_tokens": 8, "ignore_eos": True, "temperature": 0}}
     async with aiohttp.ClientSession() as cs:
         async with cs.post(url + "/generate", json=body) as r:
             assert r.status == 200
