@@ -20,7 +20,9 @@ async def test_session_id_reaches_engine_through_smg_and_answers_are_identical(s
     e1 = await sim_factory(max_total_num_tokens=50_000, speed=50)
     router = await router_factory([e1.url])
     gw, kv = await kvgate_factory(upstream=router, agentic_session_lifecycle=True)
-    req = {"input_ids": list(range(1, 301)), "sampling_params": {"max_new_tokens": 16, "ignore_eos": True}}
+    # greedy: identical answers direct and through the proxy (the default temperature 1.0 samples)
+    req = {"input_ids": list(range(1, 301)),
+           "sampling_params": {"max_new_tokens": 16, "ignore_eos": True, "temperature": 0}}
     async with aiohttp.ClientSession() as http:
         st, direct, _ = await _post(http, e1.url + "/generate", req)
         assert st == 200

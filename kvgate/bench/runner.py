@@ -41,6 +41,8 @@ class ArmSpec:
     # False: the client names no session and never closes one (an unchanged rollout loop);
     # kvgate must infer sessions from prompt prefixes and end them itself.
     named_sessions: bool = True
+    # engines run SGLang's hierarchical cache (a host-memory KV tier, --enable-hierarchical-cache)
+    hicache: bool = False
 
 
 def expand_arms(sc: Scenario) -> list[ArmSpec]:
@@ -64,6 +66,12 @@ def expand_arms(sc: Scenario) -> list[ArmSpec]:
             out += [ArmSpec(f"router-limit-{n}", router_limit=n, pool_tokens=pool) for n in sc.router_limits]
         elif a == "unbounded-kv":
             out.append(ArmSpec(a, pool_tokens=sc.unbounded_max_total_num_tokens))
+        elif a == "hicache":
+            out.append(ArmSpec(a, pool_tokens=pool, hicache=True))
+        elif a == "hicache+lifecycle":
+            out.append(ArmSpec(a, kvgate=True, lifecycle=True, pool_tokens=pool, hicache=True))
+        elif a == "hicache+lifecycle+admission":
+            out.append(ArmSpec(a, kvgate=True, lifecycle=True, admission=True, pool_tokens=pool, hicache=True))
     return out
 
 
@@ -89,6 +97,8 @@ class Fleet:
             cmd = [sys.executable, "-m", "kvgate", "sim-engine", "--port", str(port),
                    "--max-total-num-tokens", str(self.arm.pool_tokens), "--speed", repr(self.scaled.sim_speed)]
             cmd += sim_extra_flags(self.sc.sim_extra)
+            if self.arm.hicache:
+                cmd.append("--enable-hierarchical-cache")
             self.procs.append(procs.start(f"engine{i}", cmd, self.log_dir, url=url))
             self.engine_urls.append(url)
         for p in self.procs:

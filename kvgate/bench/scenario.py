@@ -15,7 +15,7 @@ from typing import Any
 import yaml
 
 ARMS = ("direct", "proxy-only", "lifecycle", "lifecycle-inferred", "admission", "lifecycle+admission", "router-limit",
-        "unbounded-kv")
+        "unbounded-kv", "hicache", "hicache+lifecycle", "hicache+lifecycle+admission")
 
 # kvgate settings that are durations (seconds at speed 1); speed.scale() divides every one by the factor.
 KVGATE_TIME_DEFAULTS = {

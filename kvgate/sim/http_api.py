@@ -209,6 +209,9 @@ class SimServer:
             "enable_dp_attention": False, "disable_radix_cache": False,
             "enable_session_radix_cache": o.enable_session_radix_cache,
             "radix_eviction_policy": o.radix_eviction_policy,
+            "enable_priority_scheduling": sc.enable_priority_scheduling, "random_seed": sc.random_seed,
+            "enable_hierarchical_cache": o.enable_hierarchical_cache, "hicache_ratio": o.hicache_ratio,
+            "hicache_size": o.hicache_size, "hicache_write_policy": o.hicache_write_policy,
             "enable_metrics": not o.disable_metrics, "disaggregation_mode": "null",
             "context_length": o.max_total_num_tokens, "sim_speed": sc.speed,
             "version": SIM_VERSION[o.session_semantics], "kvgate_sim": True,
@@ -646,10 +649,12 @@ class SimEngineHandle:
 def build_options(**opts) -> EngineOptions:
     """EngineOptions from keyword options: engine fields (max_total_num_tokens,
     session_semantics, enable_session_radix_cache, radix_eviction_policy, dp_size, tp_copies,
-    disable_metrics, model_name) and SchedulerConfig fields (speed, prefill_tokens_per_s,
+    disable_metrics, model_name, enable_hierarchical_cache, hicache_ratio, hicache_size,
+    hicache_write_policy) and SchedulerConfig fields (speed, prefill_tokens_per_s,
     decode_base_ms, decode_per_seq_ms, decode_per_ctx_token_us, max_running_requests,
-    chunked_prefill_size, max_prefill_tokens, eos_rate, schedule_conservativeness).
-    Raises TypeError on unknown keys."""
+    chunked_prefill_size, max_prefill_tokens, eos_rate, schedule_conservativeness,
+    enable_priority_scheduling, new_token_ratio_semantics, random_seed, the prefill context
+    constants, kv_bytes_per_token, hicache_h2d_bytes_per_s). Raises TypeError on unknown keys."""
     from dataclasses import fields
 
     from kvgate.sim.scheduler import SchedulerConfig

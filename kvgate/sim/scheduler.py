@@ -68,8 +68,8 @@ DEFAULT_DECODE_PER_CTX_TOKEN_US = 0.05
 #   layers x 8 heads x 128 dim x 2 B = 256 KiB at ~2.6 TB/s -> ~0.1 us. Its KV pool is small: SGLang's default
 #   mem_fraction_static on an 80 GB GPU is (80 GB - reserved_mem) / 80 GB ~ 0.84 (server_args.py
 #   _handle_gpu_memory_settings: reserved_mem = 512 MB + chunked_prefill_size x 1.5 MB + tp/8 GB + cuda-graph
-#   buffers ~ 13 GB), so 0.84 x 80 GiB = 67 GiB minus 61 GiB (65.5 GB) of weights leaves ~6 GiB: ~20k-25k KV
-#   tokens at 256 KiB each (the bench's kv-bound scenario sets its pool explicitly).
+#   buffers ~ 13 GB), so 0.84 x 79.6 GiB = 66.9 GiB minus 61 GiB (65.5 GB) of weights leaves ~6 GiB: ~20k-24k
+#   KV tokens at 256 KiB each; 48k (the kv-bound bench scenario) needs --mem-fraction-static ~0.91.
 COMPUTE_PROFILES = {
     "llama-3-8b-h100": (DEFAULT_PREFILL_TOKENS_PER_S, DEFAULT_DECODE_BASE_MS, DEFAULT_DECODE_PER_SEQ_MS,
                         DEFAULT_DECODE_PER_CTX_TOKEN_US),
