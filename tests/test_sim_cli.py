@@ -29,3 +29,20 @@ def test_a_profile_and_a_single_override():
 def test_unknown_profile_is_refused():
     with pytest.raises(SystemExit):
         _opts("--compute-profile", "gpt-9")
+
+
+def test_profiles_carry_their_context_constants_and_the_new_flags_parse():
+    o = _opts("--compute-profile", "qwen2.5-32b-h100", "--enable-hierarchical-cache", "--hicache-size", "25",
+              "--hicache-write-policy", "write_back", "--hicache-h2d-gbps", "25", "--enable-priority-scheduling",
+              "--new-token-ratio-semantics", "0.5.23", "--random-seed", "3")
+    assert (o["prefill_attn_flops_per_ctx_token"], o["prefill_weight_flops_per_token"], o["forward_min_ms"],
+            o["kv_bytes_per_token"]) == (4 * 64 * 40 * 128, 65e9, 21.8, 2 * 64 * 8 * 128 * 2)
+    assert (o["enable_hierarchical_cache"], o["hicache_size"], o["hicache_write_policy"], o["hicache_ratio"],
+            o["hicache_h2d_bytes_per_s"]) == (True, 25.0, "write_back", 2.0, 25e9)
+    assert (o["enable_priority_scheduling"], o["new_token_ratio_semantics"], o["random_seed"]) == (True, "0.5.23", 3)
+    from kvgate.sim.http_api import build_options
+    opts = build_options(**o)
+    # --hicache-size is GB per rank: 25e9 / 256 KiB per token
+    assert opts.host_pool_tokens() == 95367
+    assert build_options(**_opts("--enable-hierarchical-cache")).host_pool_tokens() == 400000
+    assert build_options(**_opts()).host_pool_tokens() == 0
