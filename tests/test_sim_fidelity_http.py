@@ -179,3 +179,12 @@ async def test_smg_registering_a_sim_engine_leaves_no_traceback_in_its_log(engin
     assert st == 200
     log = proc.log_path.read_text()
     assert "Traceback" not in log and "BadHttpMessage" not in log and "PRI/Upgrade" not in log
+
+
+async def test_usage_counts_the_prompt_once_for_n_choices(sim_factory):
+    """usage_processor.py: with n choices the prompt (and its cached tokens) counts once, completions n times."""
+    sim = await sim_factory(max_total_num_tokens=10_000, speed=1000.0)
+    st, raw = await post(sim.url + "/v1/completions", {"model": "m", "prompt": "abcd", "max_tokens": 3, "n": 3})
+    u = orjson.loads(raw)["usage"]
+    assert (u["prompt_tokens"], u["completion_tokens"], u["total_tokens"]) == (4, 9, 13)
+    assert len(orjson.loads(raw)["choices"]) == 3

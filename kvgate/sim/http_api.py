@@ -538,12 +538,16 @@ class SimServer:
                                      str(sid) if sid else None, int(prio), dp, None, temp, seed))
         return specs
 
-    def _usage(self, handles) -> dict:
-        p = sum(len(h.req.input_ids) for h in handles)
+    def _usage(self, handles, n: int = 1) -> dict:
+        """OpenAI usage block (usage_processor.py): prompt and cached tokens count once per prompt (the first
+        of its ``n`` choices), completion tokens for every choice."""
+        n = max(int(n or 1), 1)
+        firsts = [h for i, h in enumerate(handles) if i % n == 0]
+        p = sum(len(h.req.input_ids) for h in firsts)
         c = sum(len(h.req.output_ids) for h in handles)
         return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c,
                 "prompt_tokens_details": {"cached_tokens": sum(h.req.cached_tokens
-                                                               for h in handles)},
+                                                               for h in firsts)},
                 "reasoning_tokens": 0, "completion_tokens_details": None}
 
     async def completions(self, request):
@@ -599,7 +603,7 @@ class SimServer:
                     return []
                 return [{"id": cid, "object": obj + (".chunk" if chat else ""),
                          "created": created, "model": model, "choices": [],
-                         "usage": self._usage(handles)}]
+                         "usage": self._usage(handles, body.get("n"))}]
             return await self._stream_handles(request, handles, chunk, done_chunk=done_chunk)
         await self._wait(handles)
         status = self._status(handles)
@@ -621,7 +625,7 @@ class SimServer:
                 c["text"] = text
             choices.append(c)
         return _json({"id": cid, "object": obj, "created": created, "model": model,
-                      "choices": choices, "usage": self._usage(handles),
+                      "choices": choices, "usage": self._usage(handles, body.get("n")),
                       "metadata": {"weight_version": self.engine.weight_version}})
 
 
