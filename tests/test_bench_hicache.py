@@ -54,3 +54,4 @@ def test_hicache_arm_runs_and_its_engines_hold_a_host_tier(tmp_path):
     # device pool, so evicted prefixes come back from host memory instead of being prefilled again
     assert t["hicache_host_total_tokens"] == 8000
     assert t["hicache_backup_tokens"] > 0 and t["load_back_tokens"] > 0 and t["host_hit_tokens"] == t["load_back_tokens"]
+    assert res["metrics"]["hicache"]["load_back_tokens"] == t["load_back_tokens"]

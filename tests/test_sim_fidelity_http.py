@@ -158,6 +158,9 @@ async def test_hicache_host_hits_in_stats_and_metrics(sim_factory):
     t = sim.stats()["totals"]
     assert (t["host_hit_tokens"], t["load_back_tokens"], t["hicache_host_total_tokens"]) == (599, 599, 2000)
     assert t["hicache_backup_tokens"] == 600 + 900
+    # the default profile (Llama-3-8B): 128 KiB of KV per token, at 50 GB/s
+    assert t["load_back_seconds"] == pytest.approx(599 * 131072 / 50e9)
+    assert t["hicache_backup_seconds"] == pytest.approx(1500 * 131072 / 50e9)
     async with aiohttp.ClientSession() as cs:
         async with cs.get(sim.url + "/metrics") as r:
             text = await r.text()

@@ -82,6 +82,8 @@ def summarize(raw: dict, speed: float, ideal_prefill_tokens: int) -> dict:
         "recomputed_prefill_tokens": max(0, computed - ideal_prefill_tokens),
         "evicted_tokens": totals.get("evicted_tokens", 0),
         "retractions": totals.get("retractions", 0),
+        # HiCache arms: prompt tokens loaded back from host memory instead of prefilled (counted as cached)
+        "load_back_tokens": totals.get("load_back_tokens", 0),
         "aborted": totals.get("aborted", 0),
         "errors": len(reqs) - len(ok),
         "retries": sum(r.get("retries", 0) for r in reqs),

@@ -272,6 +272,9 @@ class SimEngine:
                 "load_back_tokens": s.load_back_tokens,
                 "load_back_seconds": s.load_back_seconds,
                 "hicache_backup_tokens": c.backup_tokens_total,
+                # device-to-host copy time of those backups at the same PCIe bandwidth; it overlaps compute
+                "hicache_backup_seconds": c.backup_tokens_total * s.cfg.kv_bytes_per_token
+                / s.cfg.hicache_h2d_bytes_per_s,
                 "hicache_host_used_tokens": c.host.tree_tokens if c.host else 0,
                 "hicache_host_total_tokens": c.host.max_total if c.host else 0,
                 "session_state": c.session_states(),
@@ -284,7 +287,8 @@ class SimEngine:
                 "session_freed_tokens", "retractions", "aborted", "num_requests", "used",
                 "available", "evictable", "running", "waiting", "max_total_num_tokens",
                 "clipped_max_new_tokens", "host_hit_tokens", "load_back_tokens", "hicache_backup_tokens",
-                "hicache_host_used_tokens", "hicache_host_total_tokens")
+                "hicache_host_used_tokens", "hicache_host_total_tokens", "load_back_seconds",
+                "hicache_backup_seconds")
         totals = {k: sum(rk[k] for rk in ranks) for k in keys}
         # per session id: tokens it references in any rank's cache, and whether every rank that knows
         # it has it closed (tombstoned)
