@@ -349,3 +349,28 @@ def test_pressure_with_every_rule_keeps_the_pool_accounting_and_the_outputs(seed
     s.cache.check_invariants()
     s.cache.host.check_invariants()
     assert s.retracted_total > 0 and s.load_back_tokens > 0     # the rules under test were exercised
+
+
+def test_hicache_write_through_selective_backs_up_on_the_second_insert():
+    """unified_radix_cache.py: write_through_threshold is 1 for write_through, 2 otherwise."""
+    s = hicache(1000, 2000, policy="write_through_selective")
+    s.add_request(Request("a", ids(1000, 200), max_new_tokens=1))
+    s.run_until_idle()
+    # inserted at prefill end and again at finish: 2 hits on the 200-token prompt
+    assert s.cache.backup_tokens_total == 200
+    s.add_request(Request("b", ids(1000, 200) + ids(5000, 100), max_new_tokens=1))
+    s.run_until_idle()
+    # b's own 100 tokens were inserted twice too (prefill end, finish): backed up; the prompt was already
+    assert s.cache.backup_tokens_total == 300 and s.cache.host.cached_len(ids(1000, 200) + ids(5000, 100)) == 300
+
+
+def test_hicache_prefill_chunks_count_no_hits():
+    """hiradix_cache.py _inc_hit_count skips chunked inserts: a chunk's KV is backed up when its request's
+    prefill ends, not per chunk."""
+    s = hicache(5000, 8000, chunked_prefill_size=256)
+    s.add_request(Request("long", ids(1000, 600), max_new_tokens=50, ignore_eos=True))
+    assert s.step().items[0][1] == 256 and s.cache.tree_tokens == 256 and s.cache.backup_tokens_total == 0
+    s.step()
+    assert s.cache.backup_tokens_total == 0
+    s.step()                                   # the last chunk ends the prefill: the whole prompt backed up
+    assert s.cache.backup_tokens_total == 600

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from typing import Optional, Sequence
 
 SESSION_MODES = ("0.5.17", "0.5.15", "off")
-HICACHE_WRITE_POLICIES = ("write_through", "write_back")
+HICACHE_WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
 EVICTION_POLICIES = ("lru", "priority")
 TOMBSTONE_MAX = 8192
 
@@ -46,7 +46,7 @@ class TreeNode:
     """One radix node: ``key`` is the token-id tuple on the edge into this node (its KV length)."""
 
     __slots__ = ("key", "children", "parent", "lock_ref", "last_access", "priority",
-                 "sessions", "untagged", "id")
+                 "sessions", "untagged", "id", "hits")
 
     _next_id = 0
 
@@ -60,6 +60,7 @@ class TreeNode:
         # session id -> number of inserts through this node (0.5.17 refs / 0.5.15 tags)
         self.sessions: dict[str, int] = {}
         self.untagged = False  # used by a request without a (tracked) session (0.5.15 "shared")
+        self.hits = 0          # inserts through this node (HiCache write_through_selective)
         TreeNode._next_id += 1
         self.id = TreeNode._next_id
 
@@ -108,8 +109,9 @@ class RadixCache:
     def attach_host(self, capacity_tokens: int, write_policy: str = "write_through") -> None:
         """Give this device cache a host-memory tier of ``capacity_tokens`` (SGLang HiRadixCache,
         ``--enable-hierarchical-cache``). ``write_through``: every KV inserted into the device tree is
-        backed up to host at once; ``write_back``: only when the device tree evicts it
-        (mem_cache/hiradix_cache.py write_backup / evict). The host tier is a second radix tree over
+        backed up to host at once; ``write_through_selective``: once a node was inserted twice (SGLang's
+        write_through_threshold 2 vs 1, unified_radix_cache.py); ``write_back``: only when the device tree
+        evicts it (mem_cache/hiradix_cache.py write_backup / evict). The host tier is a second radix tree over
         the same token keys, evicted by the same policy (evict_host: leaves by the eviction key).
         Raises ValueError for an unknown policy or a non-positive capacity."""
         if write_policy not in HICACHE_WRITE_POLICIES:
@@ -256,6 +258,7 @@ class RadixCache:
         new.priority = child.priority
         new.sessions = dict(child.sessions)
         new.untagged = child.untagged
+        new.hits = child.hits
         for sid in new.sessions:
             self._session_nodes.setdefault(sid, set()).add(new)
         parent.children[new.key[0]] = new
@@ -313,14 +316,16 @@ class RadixCache:
 
     # ------------------------------------------------------------------ insert
     def insert(self, ids: Sequence[int], session_id: Optional[str] = None, priority: int = 0,
-               n_private: int = 0, generation: Optional[int] = None, tag: bool = True) -> int:
+               n_private: int = 0, generation: Optional[int] = None, tag: bool = True,
+               chunked: bool = False) -> int:
         """cache_finished_req: insert ``ids`` (tokens whose KV exists) into the tree and release
         ``n_private`` private tokens (the request's own KV). Tokens already cached are freed
         (deduplicated). Returns the number of newly cached tokens. Tags / references every node
         of the path with ``session_id`` when sessions are tracked (and ``tag``: the prefill-end
         insert of a running request, cache_unfinished_req, tags nothing; SGLang registers session
         refs in cache_finished_req only, and not for aborted requests). ``generation`` as in
-        :meth:`tracks_sessions`."""
+        :meth:`tracks_sessions`. HiCache: every insert through a node counts a hit and backs it up at the
+        write policy's threshold, except the insert of a prefill chunk (hiradix_cache.py _inc_hit_count)."""
         if n_private > self.private:
             raise ValueError("n_private exceeds private allocation")
         t = self._touch()
@@ -364,8 +369,16 @@ class RadixCache:
                 self._session_nodes.setdefault(session_id, set()).add(nd)
             else:
                 nd.untagged = True
-        if self.host is not None and self.host_write_policy == "write_through":
-            self._backup(ids, priority)
+        if self.host is not None and self.host_write_policy != "write_back" and not chunked:
+            threshold = 1 if self.host_write_policy == "write_through" else 2
+            upto, hot = 0, True
+            for nd in path:          # the path's keys add up to ids
+                nd.hits += 1
+                hot = hot and nd.hits >= threshold
+                if hot:
+                    upto += len(nd.key)
+            if upto:
+                self._backup(ids[:upto], priority)
         return new_tokens
 
     # ------------------------------------------------------------------ evict

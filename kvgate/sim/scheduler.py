@@ -431,7 +431,8 @@ class Scheduler:
         is shareable at once and a retraction frees only what was generated after it
         (batch_result_processor.py maybe_cache_unfinished_req; scheduler.py for chunks)."""
         ids = self._fill_ids(req)[:req.kv_len]
-        self.cache.insert(ids, priority=req.priority, n_private=req.private, tag=False)
+        self.cache.insert(ids, priority=req.priority, n_private=req.private, tag=False,
+                          chunked=req.kv_len < req.fill_len)
         m = self.cache.match_prefix(ids)
         self.cache.lock(m.node)
         if req.last_node is not None:
