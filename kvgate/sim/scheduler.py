@@ -123,7 +123,7 @@ class TokenModel:
         except (OverflowError, TypeError):
             h.update(repr(tuple(input_ids)).encode())
         if sample_key is not None:
-            h.update(b"sample" + int(sample_key).to_bytes(16, "little", signed=True))
+            h.update(b"sample" + (int(sample_key) & ((1 << 128) - 1)).to_bytes(16, "little"))
         return h.digest()
 
     def token(self, seed: bytes, position: int) -> int:
