@@ -441,7 +441,10 @@ def chat_output_text(message: Mapping[str, Any] | None) -> str:
         text = content if isinstance(content, str) else ""
     calls = message.get("tool_calls")
     if calls:
-        text += orjson.dumps(calls, option=orjson.OPT_SORT_KEYS).decode()
+        try:
+            text += orjson.dumps(calls, option=orjson.OPT_SORT_KEYS).decode()
+        except TypeError:  # orjson.JSONEncodeError: nested deeper than orjson writes (254 levels)
+            text += repr(calls)
     return text
 
 

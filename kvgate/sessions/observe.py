@@ -115,7 +115,13 @@ class ResponseObserver:
                 break
 
     def result(self) -> Observed:
-        """Parse what was kept; never raises (unparsable -> empty Observed)."""
+        """Parse what was kept; never raises (unparsable or unexpected -> empty Observed)."""
+        try:
+            return self._result()
+        except Exception:  # a response kvgate cannot read must never fail the request it came with
+            return Observed()
+
+    def _result(self) -> Observed:
         try:
             if self.is_sse:
                 if not self._last_event:
@@ -148,6 +154,7 @@ class _OpenAIDeltas:
         self.size = 0
         self.text: list[str] = []
         self.calls: dict[int, dict[str, Any]] = {}
+        self._last = 0
         self.finish: str | None = None
 
     def add(self, data: bytes) -> None:
@@ -158,10 +165,9 @@ class _OpenAIDeltas:
             obj = orjson.loads(data)
         except orjson.JSONDecodeError:
             return
-        choices = obj.get("choices") if isinstance(obj, dict) else None
-        if not isinstance(choices, list) or not choices or not isinstance(choices[0], dict):
+        c0 = _first_choice(obj.get("choices") if isinstance(obj, dict) else None)
+        if c0 is None:
             return
-        c0 = choices[0]
         if isinstance(c0.get("finish_reason"), str):
             self.finish = c0["finish_reason"]
         if isinstance(c0.get("text"), str):
@@ -171,16 +177,35 @@ class _OpenAIDeltas:
             return
         if isinstance(delta.get("content"), str):
             self.text.append(delta["content"])
-        for call in delta.get("tool_calls") or ():
-            if not isinstance(call, dict):
-                continue
-            slot = self.calls.setdefault(int(call.get("index", 0)), {"id": None, "type": "function",
-                                                                    "function": {"name": "", "arguments": ""}})
-            if call.get("id"):
-                slot["id"] = call["id"]
-            fn = call.get("function") if isinstance(call.get("function"), dict) else {}
-            slot["function"]["name"] += fn.get("name") or ""
-            slot["function"]["arguments"] += fn.get("arguments") or ""
+        calls = delta.get("tool_calls")
+        for call in calls if isinstance(calls, list) else ():
+            if isinstance(call, dict):
+                self._add_call(call)
+
+    def _add_call(self, call: dict[str, Any]) -> None:
+        """One tool-call delta. ``index`` names the call it extends; SGLang's ToolCall.index is optional
+        (protocol.py) and some tool parsers stream it as null or leave it out: such a delta extends the
+        last call, unless it carries an id not seen yet, which starts the next one."""
+        index = call.get("index")
+        call_id = call.get("id") if isinstance(call.get("id"), str) else None
+        if not isinstance(index, int) or isinstance(index, bool):
+            known = call_id is not None and any(s["id"] == call_id for s in self.calls.values())
+            if not self.calls:
+                index = 0
+            elif call_id is not None and not known:
+                index = max(self.calls) + 1
+            else:
+                index = self._last
+        self._last = index
+        slot = self.calls.setdefault(index, {"id": None, "type": "function",
+                                             "function": {"name": "", "arguments": ""}})
+        if call_id:
+            slot["id"] = call_id
+        fn = call.get("function") if isinstance(call.get("function"), dict) else {}
+        if isinstance(fn.get("name"), str):
+            slot["function"]["name"] += fn["name"]
+        if isinstance(fn.get("arguments"), str):
+            slot["function"]["arguments"] += fn["arguments"]
 
     def output(self, route: str) -> str:
         text = "".join(self.text)
@@ -190,6 +215,17 @@ class _OpenAIDeltas:
         if self.calls:
             message["tool_calls"] = [self.calls[i] for i in sorted(self.calls)]
         return chat_output_text(message)
+
+
+def _first_choice(choices: Any) -> dict[str, Any] | None:
+    """The stream's first choice in this chunk: the one with ``index`` 0 (or without an index). With
+    ``n > 1`` each chunk carries one choice of any index; only the first sequence is the turn's output."""
+    if not isinstance(choices, list):
+        return None
+    for c in choices:
+        if isinstance(c, dict) and c.get("index", 0) in (0, None):
+            return c
+    return None
 
 
 def _event_data(event: bytes) -> bytes | None:
