@@ -491,15 +491,19 @@ class SimServer:
         body = await _body(request)
         specs, is_batch = self._specs(body)
         handles = self._submit_all(specs)
+        lp = body.get("return_logprob")
+        logprobs = any(lp) if isinstance(lp, list) else bool(lp)
         if body.get("stream"):
             def chunk(i, h, ev, ids):
                 out = self._out(h, ev.finished, ids)
                 if is_batch:
                     out["index"] = i
-                return [out]
+                return [with_logprobs(out) if logprobs else out]
             return await self._stream_handles(request, handles, chunk)
         await self._wait(handles)
         outs = [self._out(h, True) for h in handles]
+        if logprobs:
+            outs = [with_logprobs(o) for o in outs]
         status = self._status(handles)
         if status != 200:
             fr = next(h.req.finish_reason for h in handles
@@ -627,6 +631,22 @@ class SimServer:
         return _json({"id": cid, "object": obj, "created": created, "model": model,
                       "choices": choices, "usage": self._usage(handles, body.get("n")),
                       "metadata": {"weight_version": self.engine.weight_version}})
+
+
+# ---------------------------------------------------------------------- logprobs
+def sim_logprob(token_id: int, position: int) -> float:
+    """A deterministic stand-in for a token's log-probability (nats, in (-5, 0]): same token at the same
+    output position, same value, so answers through a proxy and direct compare exactly."""
+    return -((token_id * 2654435761 + position * 40503) % 1000) / 200.0
+
+
+def with_logprobs(out: dict) -> dict:
+    """``out`` (one /generate answer) with meta_info.output_token_logprobs as SGLang writes it for
+    ``return_logprob``: one [logprob, token_id, None] per output token, the text left None as without
+    return_text_in_logprobs (srt/managers/tokenizer_manager.py, detokenize_logprob_tokens)."""
+    out["meta_info"]["output_token_logprobs"] = [[sim_logprob(t, i), t, None]
+                                                 for i, t in enumerate(out["output_ids"])]
+    return out
 
 
 # ---------------------------------------------------------------------- in-process helper
