@@ -49,11 +49,11 @@ def _from_obj(obj: Any) -> Observed:
         ftype = fr.get("type") if isinstance(fr, dict) else None
         out_ids = obj.get("output_ids")
         return Observed(meta, out_ids if isinstance(out_ids, list) else None, ftype)
-    usage = obj.get("usage")  # OpenAI-compatible routes
+    usage = obj.get("usage")  # OpenAI-compatible routes; /v1/responses names them input and output tokens
     if isinstance(usage, dict):
-        meta = {"prompt_tokens": usage.get("prompt_tokens", 0),
-                "completion_tokens": usage.get("completion_tokens", 0)}
-        details = usage.get("prompt_tokens_details")
+        meta = {"prompt_tokens": usage.get("prompt_tokens", usage.get("input_tokens", 0)),
+                "completion_tokens": usage.get("completion_tokens", usage.get("output_tokens", 0))}
+        details = usage.get("prompt_tokens_details", usage.get("input_tokens_details"))
         if isinstance(details, dict) and isinstance(details.get("cached_tokens"), int):
             meta["cached_tokens"] = details["cached_tokens"]
         ftype = None
