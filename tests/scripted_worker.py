@@ -48,7 +48,6 @@ TOOL_STREAM: list[dict] = [
      "choices": [], "usage": {"prompt_tokens": 412, "completion_tokens": 31, "total_tokens": 443,
                               "prompt_tokens_details": None, "reasoning_tokens": 0}},
 ]
-TOOL_STREAM_BYTES = b"".join(b"data: " + orjson.dumps(c) + b"\n\n" for c in TOOL_STREAM) + b"data: [DONE]\n\n"
 
 TOOL_ANSWER = {
     "id": TOOL_ID, "object": "chat.completion", "created": 1767225600, "model": "kvgate-sim",

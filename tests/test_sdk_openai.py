@@ -9,10 +9,12 @@ ScriptedWorker: a simulated engine that also replays SGLang-shaped tool-call str
 from __future__ import annotations
 
 import asyncio
+import math
 
 import openai
 import pytest
 
+from kvgate.admission.reservation import estimate_reservation
 from kvgate.sim.engine import SimEngine
 from scripted_worker import CALL_ARGS, RESPONSE, TOOL_ANSWER, TOOL_STREAM
 from sdk_fleet import Fleet, fleet, metric as _metric, settled as _settled  # noqa: F401 (fleet is a fixture)
@@ -144,10 +146,14 @@ async def test_async_client_n_greater_than_one_concurrently(fleet):
     for sid, n, completion in (("kv-n", 3, 24), ("kv-ns", 2, 12), ("kv-c", 2, 8), ("kv-cs", 3, 9)):
         s = await _settled(f, sid, 1)
         assert s.completion_tokens == completion, sid
-    # admission reserves for every sequence: n x (prompt + max_tokens); completions prompts are exact
-    # byte counts here only through kvgate's chars-per-token estimate, so check the multiple of n.
-    tokens = sorted(t for _, t in f.reservations)
-    assert len(tokens) == 4 and all(t > 0 for t in tokens)
+    # admission reserves for every sequence: n times what the same call with n = 1 reserves
+    def one(path, **body):
+        return estimate_reservation(path, {"model": MODEL, **body}, expected_decode_cap=4096)
+    assert sorted(t for _, t in f.reservations) == sorted([
+        3 * one("/v1/chat/completions", messages=_messages("Name three fixes."), max_tokens=8),
+        2 * one("/v1/chat/completions", messages=_messages("Name two fixes."), max_tokens=6),
+        2 * (math.ceil(len(SYSTEM + "Two ideas:") / 3) + 4),  # text: ceil(characters / 3) + max_tokens
+        3 * (math.ceil(len(SYSTEM + "Three ideas:") / 3) + 3)])
     assert f.gw.gate.ledger.reserved == 0 and f.gw.gate.coord.counters["admit"] == 4
 
 
