@@ -193,7 +193,7 @@ async def test_tool_call_stream_with_null_index_relays_whole_and_the_next_turn_l
 
 
 async def test_sdk_timeout_cancels_each_attempt_and_frees_its_reservation(fleet):
-    f = await fleet(engine_opts={"speed": 1.0})  # a few seconds per 2,000 tokens: longer than the timeout
+    f = await fleet(engine_opts={"speed": 1.0})  # about 80 tokens a second: 4,000 tokens outlast the timeout
     aborts: list = []
     both_aborted = asyncio.Event()
     engine: SimEngine = f.engine.engine
@@ -207,10 +207,10 @@ async def test_sdk_timeout_cancels_each_attempt_and_frees_its_reservation(fleet)
         return out
 
     engine.abort = abort
-    via, _ = _clients(f, timeout=0.5, max_retries=1)
+    via, _ = _clients(f, timeout=2.0, max_retries=1)
     with pytest.raises(openai.APITimeoutError):
         await asyncio.to_thread(lambda: via.completions.create(
-            model=MODEL, prompt=SYSTEM + "Write a long report.", max_tokens=2000,
+            model=MODEL, prompt=SYSTEM + "Write a long report.", max_tokens=4000,
             extra_body={"session_id": "slow", "ignore_eos": True}))
     s = await _settled(f, "slow", 2)  # the SDK's first attempt and its one retry
     assert s.completion_tokens == 0
