@@ -18,8 +18,9 @@ from sdk_fleet import fleet, metric, settled  # noqa: F401 (fleet is a fixture)
 
 pytestmark = pytest.mark.router
 
+# slime's sampling params with its deterministic-inference seed: the same prompt samples the same tokens
 SAMPLING = {"temperature": 1.0, "top_p": 1.0, "top_k": -1, "max_new_tokens": 16, "no_stop_trim": True,
-            "spaces_between_special_tokens": False, "skip_special_tokens": False}
+            "spaces_between_special_tokens": False, "skip_special_tokens": False, "sampling_seed": 1234}
 
 
 def _prompt(n: int, first: int = 40) -> list[int]:

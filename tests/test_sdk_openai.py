@@ -1,9 +1,9 @@
 """The official OpenAI Python SDK through kvgate (session lifecycle + admission on) -> real smg -> engines.
 
-Each call is made twice, through kvgate and straight at smg (same fleet), and the answers must match:
-the simulated engines are deterministic (same prompt, same output). The engine behind smg is a
-ScriptedWorker: a simulated engine that also replays SGLang-shaped tool-call streams and serves
-/v1/responses. The sync client runs in a thread: the engines and kvgate share this test's event loop.
+Each call is made twice, through kvgate and straight at smg (same fleet), and the answers must match: the
+calls decode greedily (temperature 0), so the simulated engine gives the same prompt the same output. The
+engine behind smg is a ScriptedWorker: a simulated engine that also replays SGLang-shaped tool-call streams
+and serves /v1/responses. The sync client runs in a thread: the engines and kvgate share this event loop.
 """
 
 from __future__ import annotations
@@ -75,16 +75,16 @@ async def test_sync_client_chat_and_completions_streamed_and_not_match_smg(fleet
     def run(client):
         out = {}
         raw = client.chat.completions.with_raw_response.create(
-            model=MODEL, messages=_messages("Fix the failing test."), max_tokens=12, extra_body=extra)
+            model=MODEL, temperature=0, messages=_messages("Fix the failing test."), max_tokens=12, extra_body=extra)
         out["header"] = raw.headers.get("x-kvgate-session-id")
         out["chat"] = _answer(raw.parse())
         out["chat_stream"] = _streamed(client.chat.completions.create(
-            model=MODEL, messages=_messages("Fix the flaky test."), max_tokens=9, stream=True,
+            model=MODEL, temperature=0, messages=_messages("Fix the flaky test."), max_tokens=9, stream=True,
             stream_options={"include_usage": True}, extra_body=extra))
         out["completion"] = _answer(client.completions.create(
-            model=MODEL, prompt=SYSTEM + "Task: rename the module.", max_tokens=7, extra_body=extra))
+            model=MODEL, temperature=0, prompt=SYSTEM + "Task: rename the module.", max_tokens=7, extra_body=extra))
         out["completion_stream"] = _streamed(client.completions.create(
-            model=MODEL, prompt=SYSTEM + "Task: add a docstring.", max_tokens=5, stream=True,
+            model=MODEL, temperature=0, prompt=SYSTEM + "Task: add a docstring.", max_tokens=5, stream=True,
             stream_options={"include_usage": True}, extra_body=extra))
         return out
 
@@ -119,14 +119,14 @@ async def test_async_client_n_greater_than_one_concurrently(fleet):
     async def run(client, tag):
         sid = {"session_id": f"{tag}-n"}
         chat, chat_stream, comp, comp_stream = await asyncio.gather(
-            client.chat.completions.create(model=MODEL, messages=_messages("Name three fixes."), max_tokens=8,
-                                           n=3, extra_body=sid),
-            client.chat.completions.create(model=MODEL, messages=_messages("Name two fixes."), max_tokens=6,
-                                           n=2, stream=True, stream_options={"include_usage": True},
+            client.chat.completions.create(model=MODEL, temperature=0, messages=_messages("Name three fixes."),
+                                           max_tokens=8, n=3, extra_body=sid),
+            client.chat.completions.create(model=MODEL, temperature=0, messages=_messages("Name two fixes."),
+                                           max_tokens=6, n=2, stream=True, stream_options={"include_usage": True},
                                            extra_body={"session_id": f"{tag}-ns"}),
-            client.completions.create(model=MODEL, prompt=SYSTEM + "Two ideas:", max_tokens=4, n=2,
+            client.completions.create(model=MODEL, temperature=0, prompt=SYSTEM + "Two ideas:", max_tokens=4, n=2,
                                       extra_body={"session_id": f"{tag}-c"}),
-            client.completions.create(model=MODEL, prompt=SYSTEM + "Three ideas:", max_tokens=3, n=3,
+            client.completions.create(model=MODEL, temperature=0, prompt=SYSTEM + "Three ideas:", max_tokens=3, n=3,
                                       stream=True, stream_options={"include_usage": True},
                                       extra_body={"session_id": f"{tag}-cs"}))
         return (_answer(chat), _streamed([c async for c in chat_stream]), _answer(comp),
@@ -140,7 +140,7 @@ async def test_async_client_n_greater_than_one_concurrently(fleet):
     assert len({c["message"]["content"] for c in chat["choices"]}) == 1  # same prompt, deterministic engine
     assert sorted(chat_stream["choices"]) == [0, 1] and chat_stream["usage"][1] == 2 * 6
     assert all(len(c["text"]) == 6 and c["finish"] == "length" for c in chat_stream["choices"].values())
-    assert [c["index"] for c in comp["choices"]] == [0, 1] and comp["tokens"] == (2 * (len(SYSTEM) + 10), 8)
+    assert [c["index"] for c in comp["choices"]] == [0, 1] and comp["tokens"] == (len(SYSTEM) + 10, 8)
     assert sorted(comp_stream["choices"]) == [0, 1, 2] and comp_stream["usage"][1] == 3 * 3
 
     for sid, n, completion in (("kv-n", 3, 24), ("kv-ns", 2, 12), ("kv-c", 2, 8), ("kv-cs", 3, 9)):
@@ -224,10 +224,10 @@ async def test_sdk_retries_a_503_and_gets_the_same_answer(fleet):
     f = await fleet(router_extra=["--disable-retries"])  # smg retries 5xx itself unless told not to
     via, direct = _clients(f, max_retries=2)
     want = await asyncio.to_thread(lambda: direct.completions.create(
-        model=MODEL, prompt=SYSTEM + "Summarise.", max_tokens=6, extra_body={"session_id": "retry"}))
+        model=MODEL, temperature=0, prompt=SYSTEM + "Summarise.", max_tokens=6, extra_body={"session_id": "retry"}))
     f.worker.fail_next["/v1/completions"] = 2
     got = await asyncio.to_thread(lambda: via.completions.create(
-        model=MODEL, prompt=SYSTEM + "Summarise.", max_tokens=6, extra_body={"session_id": "retry"}))
+        model=MODEL, temperature=0, prompt=SYSTEM + "Summarise.", max_tokens=6, extra_body={"session_id": "retry"}))
     assert _answer(got) == _answer(want) and len(got.choices[0].text) == 6
     bodies = f.worker.bodies("/v1/completions")
     assert len(bodies) == 4 and all(b == bodies[0] for b in bodies)  # 1 direct + 3 attempts, the same body
