@@ -557,3 +557,15 @@ def score(predicted: Sequence[Any], truth: Sequence[Any]) -> tuple[float, float]
 
     tp, pp, tt = pairs(per_both), pairs(per_p), pairs(per_t)
     return (tp / pp if pp else 1.0), (tp / tt if tt else 1.0)
+
+
+def prefix_keys(units: Sequence[int] | str | None, block_tokens: int = 64, block_chars: int = 256) -> list[int]:
+    """The prompt fingerprint session placement matches on: the chain hashes of ``units`` after 1, 2, ...
+    full blocks (the same chain inference indexes), or [] when ``units`` is not a non-empty id list or string.
+    Two prompts that agree on their first k blocks share their first k keys."""
+    norm = _normalize(units) if units is not None else None
+    if norm is None:
+        return []
+    seq, kind = norm
+    block = (block_tokens, block_chars)[kind]
+    return _chain(seq, block, _SEED[kind], 0, len(seq) // block)[1:]

@@ -524,6 +524,9 @@ class SimServer:
         """GenSpecs of an OpenAI request. Without max_tokens / max_completion_tokens a chat request runs to
         the context length (protocol.py ChatCompletionRequest: max_new_tokens None; scheduler.py
         init_req_max_new_tokens clips it to the pool), a completion to 16 (CompletionRequest.max_tokens)."""
+        # The OpenAI routes build the same GenerateReqInput, whose validation rejects both fields.
+        if "session_id" in body and body.get("session_params") is not None:
+            raise HTTPError(400, "session_id and session_params cannot both be set.")
         mt = body.get("max_completion_tokens", body.get("max_tokens"))
         mt = (max_default if max_default is not None else 1 << 30) if mt is None else mt
         if not isinstance(mt, int) or isinstance(mt, bool) or mt < 0:

@@ -1,0 +1,290 @@
+"""Session placement: which engine (and DP rank) a session's generate calls go to when kvgate places them (pure).
+
+No I/O and no clock of its own: calls that care about time take ``now`` (monotonic seconds). The edge
+(kvgate.proxy.app) feeds it the engine list (kvgate.fleet.directory), the engines' KV figures (the capacity
+poller's snapshot, engine-reported) and each call's prompt prefix keys, and sends the call where it says.
+
+Rules (docs/placement.md):
+  - sticky: a placed session stays on its engine and DP rank while that engine is usable; its radix cache
+    holds the session's prefix. On an engine with DP > 1 a rank is pinned with ``routed_dp_rank``
+    (SGLang's DP controller round-robins otherwise and splits the prefix across ranks' radix trees,
+    sglang-engine-api.md "Data parallel inside one engine").
+  - prefix: a new session whose prompt extends a prompt kvgate already placed (GRPO siblings share the
+    task prompt; a session reopened after a close continues its old prompt) goes to that prompt's engine and
+    rank, while that rank is below ``pressure_threshold`` (engine-reported usage plus kvgate's in-flight
+    prompt tokens there). Prompts are matched by chain hashes over fixed blocks (kvgate.sessions.inference's
+    fingerprint), at block granularity: the longest indexed prefix wins.
+  - free KV: otherwise the usable engine (then rank) with the most free KV tokens (capacity - used - in-flight
+    prompt tokens), free KV within ``tie_fraction`` of the largest pool counting as a tie; ties by fewest
+    active sessions, then by the engine list order. Engines with no KV figures yet count as fully free.
+  - an engine that leaves the list, turns unhealthy or refuses a connection: its sessions are re-placed on
+    their next call (counted in ``replaced``); a refused connection keeps the engine out for
+    ``unreachable_s`` seconds or until the next engine list.
+  - a closed session is forgotten; at most ``max_sessions`` are kept (the longest idle dropped first).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Iterable, Mapping, Sequence
+
+
+@dataclass(frozen=True)
+class Target:
+    """Where one call goes: the engine base URL and the DP rank to pin (None: the engine has one rank)."""
+
+    engine: str
+    dp_rank: int | None = None
+
+
+@dataclass
+class _Session:
+    target: Target
+    last_used: float
+    in_flight_tokens: int = 0
+
+
+@dataclass
+class _Engine:
+    url: str
+    order: int
+    healthy: bool = True
+    # One (capacity, used) per DP rank, engine-reported tokens; None = no figures yet.
+    pools: list[tuple[int, int]] | None = None
+    in_flight: dict[int, int] = field(default_factory=dict)  # rank (0 when single) -> prompt tokens
+    sessions: dict[int, int] = field(default_factory=dict)   # rank -> active sessions
+    unreachable_until: float = float("-inf")
+
+    @property
+    def dp_size(self) -> int:
+        return len(self.pools) if self.pools else 1
+
+    def rank_free(self, rank: int) -> int | None:
+        if not self.pools or rank >= len(self.pools):
+            return None
+        cap, used = self.pools[rank]
+        return cap - used - self.in_flight.get(rank, 0)
+
+    def rank_usage(self, rank: int) -> float:
+        if not self.pools or rank >= len(self.pools) or self.pools[rank][0] <= 0:
+            return 0.0
+        cap, used = self.pools[rank]
+        return (used + self.in_flight.get(rank, 0)) / cap
+
+    def free(self) -> int | None:
+        if not self.pools:
+            return None
+        return sum(self.rank_free(r) or 0 for r in range(len(self.pools)))
+
+    def n_sessions(self) -> int:
+        return sum(self.sessions.values())
+
+
+class Placement:
+    """Session -> engine placement (see the module docstring for the rules).
+
+    pressure_threshold: KV usage in (0, 1] at or above which a prefix's engine takes no new session.
+    tie_fraction: free-KV differences below this share of the largest pool count as ties, in [0, 1).
+    unreachable_s: seconds an engine that refused a connection stays out (until the next engine list).
+    max_sessions / max_prefixes: caps on remembered sessions and indexed prompts (oldest dropped first).
+    """
+
+    def __init__(self, *, pressure_threshold: float = 0.85, tie_fraction: float = 0.02, unreachable_s: float = 5.0,
+                 max_sessions: int = 100_000, max_prefixes: int = 100_000):
+        if not 0 < pressure_threshold <= 1 or not 0 <= tie_fraction < 1 or max_sessions < 1 or max_prefixes < 1:
+            raise ValueError("pressure_threshold in (0, 1], tie_fraction in [0, 1), caps >= 1")
+        self.pressure_threshold = pressure_threshold
+        self.tie_fraction = tie_fraction
+        self.unreachable_s = unreachable_s
+        self.max_sessions = max_sessions
+        self.max_prefixes = max_prefixes
+        self._engines: dict[str, _Engine] = {}
+        self._sessions: OrderedDict[str, _Session] = OrderedDict()  # first = longest idle
+        self._prefixes: OrderedDict[int, Target] = OrderedDict()    # prompt chain key -> where it went
+        self.placements: dict[str, int] = {}  # engine -> sessions placed there (new and re-placed)
+        self.counts = {"sticky": 0, "prefix": 0, "free_kv": 0, "replaced": 0, "no_engine": 0,
+                       "unreachable": 0, "dropped": 0}
+
+    # --- the fleet ---------------------------------------------------------------------------------
+
+    def set_engines(self, engines: Iterable[tuple[str, bool]]) -> None:
+        """The current engine list as (base URL, healthy) pairs, in the router's order. Engines not in
+        it are dropped (their sessions are re-placed on their next call); a new list clears ``unreachable``."""
+        new: dict[str, _Engine] = {}
+        for i, (url, healthy) in enumerate(engines):
+            e = self._engines.get(url) or _Engine(url, i)
+            e.order, e.healthy, e.unreachable_until = i, bool(healthy), float("-inf")
+            new[url] = e
+        self._engines = new
+        for e in new.values():
+            e.sessions = {}
+        for s in self._sessions.values():  # an engine that left and came back gets its sessions counted again
+            self._count_session(s.target, +1)
+
+    def set_capacity(self, pools: Mapping[str, Sequence[tuple[int, int]] | None]) -> None:
+        """Engine-reported KV figures: engine URL -> one (max_total_num_tokens, num_used_tokens) per DP rank,
+        or None when its poll failed (then the engine counts as unhealthy until a poll succeeds)."""
+        for url, e in self._engines.items():
+            if url not in pools:
+                continue
+            p = pools[url]
+            if p is None:
+                e.healthy = False
+            else:
+                e.pools = [(int(c), int(u)) for c, u in p]
+                e.healthy = True
+
+    def mark_unreachable(self, engine: str, now: float) -> None:
+        """A connection to ``engine`` was refused before any byte went out: keep it out for a while."""
+        e = self._engines.get(engine)
+        if e is not None:
+            e.unreachable_until = now + self.unreachable_s
+            self.counts["unreachable"] += 1
+
+    def _usable(self, e: _Engine, now: float) -> bool:
+        return e.healthy and now >= e.unreachable_until
+
+    # --- placing -----------------------------------------------------------------------------------
+
+    def place(self, session_id: str, prefix_keys: Sequence[int], now: float,
+              exclude: Iterable[str] = ()) -> Target | None:
+        """Where ``session_id``'s next call goes, or None when no engine is usable (forward to the router).
+
+        prefix_keys: chain hashes of the call's prompt after 1, 2, ... full blocks (may be empty).
+        exclude: engines already tried for this call. Records the placement (sticky from now on).
+        """
+        excluded = set(exclude)
+        s = self._sessions.get(session_id)
+        if s is not None:
+            e = self._engines.get(s.target.engine)
+            if e is not None and e.url not in excluded and self._usable(e, now):
+                self._sessions.move_to_end(session_id)
+                s.last_used = now
+                if s.target.dp_rank is None and e.dp_size > 1:  # ranks became known after the first call
+                    self._set_target(session_id, s, Target(e.url, self._best_rank(e)))
+                self.counts["sticky"] += 1
+                return s.target
+            self.counts["replaced"] += 1
+        target, reason = self._choose(prefix_keys, now, excluded)
+        if target is None:
+            self.counts["no_engine"] += 1
+            return None
+        self.counts[reason] += 1
+        self.placements[target.engine] = self.placements.get(target.engine, 0) + 1
+        if s is None:
+            s = _Session(target, now)
+            self._sessions[session_id] = s
+            self._count_session(target, +1)
+            self._evict_over_cap()
+        else:
+            self._sessions.move_to_end(session_id)
+            s.last_used = now
+            self._set_target(session_id, s, target)
+        return target
+
+    def _set_target(self, session_id: str, s: _Session, target: Target) -> None:
+        self._count_session(s.target, -1)
+        s.target = target
+        self._count_session(target, +1)
+
+    def _count_session(self, t: Target, delta: int) -> None:
+        e = self._engines.get(t.engine)
+        if e is not None:
+            r = t.dp_rank or 0
+            e.sessions[r] = max(0, e.sessions.get(r, 0) + delta)
+
+    def _choose(self, prefix_keys: Sequence[int], now: float, excluded: set) -> tuple[Target | None, str]:
+        usable = [e for e in self._engines.values() if e.url not in excluded and self._usable(e, now)]
+        if not usable:
+            return None, "no_engine"
+        for key in reversed(prefix_keys):
+            t = self._prefixes.get(key)
+            if t is None:
+                continue
+            e = self._engines.get(t.engine)
+            if e is not None and e in usable and e.rank_usage(t.dp_rank or 0) < self.pressure_threshold:
+                rank = t.dp_rank if e.dp_size > 1 else None
+                if rank is not None and rank >= e.dp_size:
+                    rank = self._best_rank(e)
+                return Target(e.url, rank), "prefix"
+            break  # the longest known prefix sits on a busy or gone engine: place by free KV
+        e = min(usable, key=lambda x: self._engine_key(x, usable))
+        return Target(e.url, self._best_rank(e) if e.dp_size > 1 else None), "free_kv"
+
+    def _tie_unit(self, engines: Sequence[_Engine]) -> int:
+        largest = max((c for e in engines for c, _ in (e.pools or [])), default=0)
+        return max(1, int(largest * self.tie_fraction))
+
+    def _engine_key(self, e: _Engine, usable: Sequence[_Engine]) -> tuple:
+        free = e.free()
+        unit = self._tie_unit(usable)
+        # No figures yet: count as fully free (an engine that just joined is as good as an idle one).
+        free_q = (free // unit) if free is not None else float("inf")
+        return (-free_q, e.n_sessions(), e.order)
+
+    def _best_rank(self, e: _Engine) -> int:
+        unit = self._tie_unit([e])
+        return min(range(e.dp_size), key=lambda r: (-((e.rank_free(r) or 0) // unit), e.sessions.get(r, 0), r))
+
+    # --- per-call accounting -------------------------------------------------------------------------
+
+    def remember_prefix(self, prefix_keys: Sequence[int], target: Target) -> None:
+        """Index a placed call's prompt (its longest full-block key) as living on ``target``."""
+        if not prefix_keys:
+            return
+        key = prefix_keys[-1]
+        self._prefixes[key] = target
+        self._prefixes.move_to_end(key)
+        while len(self._prefixes) > self.max_prefixes:
+            self._prefixes.popitem(last=False)
+
+    def call_started(self, target: Target, prompt_tokens: int) -> None:
+        """A call with ``prompt_tokens`` (an estimate, tokens) went to ``target``: count it until it ends."""
+        e = self._engines.get(target.engine)
+        if e is not None:
+            r = target.dp_rank or 0
+            e.in_flight[r] = e.in_flight.get(r, 0) + max(0, prompt_tokens)
+
+    def call_finished(self, target: Target, prompt_tokens: int) -> None:
+        """The call counted by :meth:`call_started` ended (any outcome)."""
+        e = self._engines.get(target.engine)
+        if e is not None:
+            r = target.dp_rank or 0
+            e.in_flight[r] = max(0, e.in_flight.get(r, 0) - max(0, prompt_tokens))
+
+    def forget(self, session_id: str) -> bool:
+        """The session closed: drop it. Returns whether it was known."""
+        s = self._sessions.pop(session_id, None)
+        if s is None:
+            return False
+        self._count_session(s.target, -1)
+        return True
+
+    def _evict_over_cap(self) -> None:
+        while len(self._sessions) > self.max_sessions:
+            _, s = self._sessions.popitem(last=False)
+            self._count_session(s.target, -1)
+            self.counts["dropped"] += 1
+
+    # --- the read interface --------------------------------------------------------------------------
+
+    def engine_of(self, session_id: str) -> tuple[str, int | None] | None:
+        """(engine base URL, DP rank or None) a session is placed on, or None when kvgate did not place it."""
+        s = self._sessions.get(session_id)
+        return None if s is None else (s.target.engine, s.target.dp_rank)
+
+    def sessions_on(self, engine: str) -> int:
+        """Active sessions placed on ``engine`` (all DP ranks)."""
+        e = self._engines.get(engine)
+        return e.n_sessions() if e is not None else 0
+
+    def __len__(self) -> int:
+        return len(self._sessions)
+
+    def as_json(self) -> dict:
+        """Per-engine figures for /kvgate/engines: sessions, placements, in-flight prompt tokens, free KV."""
+        return {url: {"sessions": e.n_sessions(), "sessions_by_rank": {str(r): n for r, n in sorted(e.sessions.items())},
+                      "placements": self.placements.get(url, 0), "in_flight_prompt_tokens": sum(e.in_flight.values()),
+                      "free_tokens": e.free(), "dp_size": e.dp_size, "usable": e.healthy}
+                for url, e in self._engines.items()}

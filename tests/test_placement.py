@@ -1,0 +1,114 @@
+"""Session placement rules (kvgate.fleet.placement): pure, deterministic, no I/O."""
+
+from kvgate.fleet.placement import Placement, Target
+from kvgate.sessions.inference import prefix_keys
+
+A, B, C = "http://a:1", "http://b:1", "http://c:1"
+
+
+def fleet(**kw) -> Placement:
+    p = Placement(**kw)
+    p.set_engines([(A, True), (B, True), (C, True)])
+    return p
+
+
+def test_new_sessions_go_to_most_free_kv_then_fewest_sessions_then_list_order():
+    p = fleet()
+    p.set_capacity({A: [(10_000, 6_000)], B: [(10_000, 1_000)], C: [(10_000, 1_000)]})
+    assert p.place("s1", [], 0.0) == Target(B)        # B and C tie on free KV; B first in the list
+    assert p.place("s2", [], 0.0) == Target(C)        # tie on free KV, C has fewer sessions
+    p.call_started(Target(B), 3_000)                  # kvgate's own in-flight prompt on B
+    assert p.place("s3", [], 0.0) == Target(C)
+    p.call_finished(Target(B), 3_000)
+    assert p.engine_of("s1") == (B, None) and p.engine_of("nope") is None
+    assert p.counts["free_kv"] == 3 and p.placements == {B: 1, C: 2}
+    assert (p.sessions_on(A), p.sessions_on(B), p.sessions_on(C)) == (0, 1, 2)
+
+
+def test_sticky_until_the_engine_leaves_or_turns_unhealthy_then_replaced_and_counted():
+    p = fleet()
+    t = p.place("s", [], 0.0)
+    assert t == Target(A)
+    for i in range(5):
+        assert p.place("s", [], float(i)) == Target(A)
+    assert p.counts["sticky"] == 5
+    p.set_capacity({A: None})                         # its poll failed: unhealthy
+    assert p.place("s", [], 6.0) == Target(B)
+    assert p.counts["replaced"] == 1 and p.sessions_on(A) == 0 and p.sessions_on(B) == 1
+    p.set_engines([(A, True), (C, True)])             # B left the router's list
+    assert p.place("s", [], 7.0) == Target(A)
+    assert p.counts["replaced"] == 2
+
+
+def test_grpo_siblings_share_the_prefix_engine_below_pressure_else_most_free():
+    p = fleet(pressure_threshold=0.8)
+    p.set_capacity({A: [(10_000, 0)], B: [(10_000, 0)], C: [(10_000, 0)]})
+    p.place("other", [], 0.0)                         # A gets one session: the group goes elsewhere first
+    task = list(range(1, 200))                        # 3 full blocks of 64 ids
+    keys = prefix_keys(task)
+    assert len(keys) == 3
+    first = p.place("g0", keys, 0.0)
+    assert first == Target(B)
+    p.remember_prefix(keys, first)
+    for i in range(1, 4):
+        assert p.place(f"g{i}", keys, 0.0) == first
+    assert p.counts["prefix"] == 3
+    # a prompt extending the group's prompt (a later turn of a reopened session) goes there too
+    assert p.place("g-cont", prefix_keys(task + list(range(500, 600))), 0.0) == first
+    # the group's engine at the pressure threshold: the next sibling goes by free KV
+    p.set_capacity({B: [(10_000, 7_000)]})
+    p.call_started(first, 1_000)
+    assert p.place("g-late", keys, 0.0) == Target(C)
+    # an unrelated prompt shares no key
+    assert prefix_keys(list(range(7, 200)))[0] != keys[0]
+
+
+def test_dp_engine_pins_one_rank_and_spreads_sessions_over_ranks():
+    p = Placement()
+    p.set_engines([(A, True)])
+    p.set_capacity({A: [(5_000, 0), (5_000, 0)]})
+    t1, t2 = p.place("s1", [], 0.0), p.place("s2", [], 0.0)
+    assert {t1.dp_rank, t2.dp_rank} == {0, 1} and t1.engine == t2.engine == A
+    for _ in range(3):
+        assert p.place("s1", [], 1.0) == t1
+    assert p.as_json()[A]["sessions_by_rank"] == {"0": 1, "1": 1}
+
+
+def test_a_rank_is_pinned_once_ranks_become_known():
+    p = Placement()
+    p.set_engines([(A, True)])
+    assert p.place("s", [], 0.0) == Target(A, None)   # no figures yet: one rank assumed
+    p.set_capacity({A: [(5_000, 4_000), (5_000, 0)]})
+    assert p.place("s", [], 1.0) == Target(A, 1)
+    assert p.place("s", [], 2.0) == Target(A, 1)
+
+
+def test_unreachable_engine_is_skipped_for_a_while_and_none_when_nothing_is_usable():
+    p = fleet(unreachable_s=5.0)
+    assert p.place("s", [], 0.0) == Target(A)
+    p.mark_unreachable(A, 0.0)
+    assert p.place("s", [], 0.1, exclude=[A]) == Target(B)
+    assert p.place("t", [], 1.0) == Target(C)         # A still out; C has fewer sessions than B
+    assert p.place("u", [], 6.0) == Target(A)         # A's time out is over
+    p.set_engines([(A, False)])
+    assert p.place("v", [], 7.0) is None and p.counts["no_engine"] == 1
+    p.set_engines([])
+    assert p.place("s", [], 8.0) is None
+
+
+def test_forget_and_cap():
+    p = fleet(max_sessions=2)
+    p.place("s1", [], 0.0)
+    p.place("s2", [], 1.0)
+    p.place("s3", [], 2.0)
+    assert p.engine_of("s1") is None and p.counts["dropped"] == 1 and len(p) == 2
+    assert p.forget("s2") and not p.forget("s2")
+    assert sum(p.sessions_on(u) for u in (A, B, C)) == 1
+
+
+def test_engine_that_returns_counts_its_sessions_again():
+    p = fleet()
+    p.place("s1", [], 0.0)
+    p.set_engines([(B, True)])
+    p.set_engines([(A, True), (B, True)])
+    assert p.sessions_on(A) == 1 and p.place("s1", [], 1.0) == Target(A)
