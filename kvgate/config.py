@@ -65,6 +65,10 @@ def _port(x):
     return 0 <= x <= 65535
 
 
+# Session placement modes and the routes the placement path serves (docs/placement.md).
+PLACEMENT_MODES = ("auto", "kvgate", "router")
+PLACEMENT_ROUTES = ("/generate", "/v1/chat/completions", "/v1/completions")
+
 KEYS: list[Key] = [
     # --- where kvgate listens and what it fronts -------------------------------------------------
     Key("upstream", str, "http://127.0.0.1:30000", "Base URL of the router (smg / sglang-router) kvgate forwards to.",
@@ -96,7 +100,10 @@ KEYS: list[Key] = [
         nullable=True),
     Key("set_routing_key", bool, True,
         "Set the routing-key header to the session id unless the client set one, so smg keeps a session on one engine."),
-    Key("routing_key_header", str, "X-SMG-Routing-Key", "Header smg's consistent_hashing / manual policies read."),
+    Key("routing_key_header", str, "X-SMG-Routing-Key", "Header smg's manual policy reads (the others ignore it)."),
+    Key("router_policy", str, None,
+        "The --policy the router was started with (smg does not report it); kvgate warns at startup when it "
+        "ignores the routing key kvgate sets. null = not said.", nullable=True),
     Key("session_inference", bool, True,
         "When body, header and field give no session id, infer it from the prompt's prefix."),
     Key("session_inference_block_tokens", int, 64, "Token ids per hashed block for prefix inference.", _pos, "> 0"),
@@ -132,7 +139,20 @@ KEYS: list[Key] = [
     Key("discovery_interval_s", float, 10.0, "How often the engine list is refreshed from the router, seconds.",
         _pos, "> 0"),
     Key("compat_probe", bool, True,
-        "At startup, probe whether the router forwards a top-level session_id and check each engine's server_info."),
+        "Probe whether the router forwards a top-level session_id on each generate route (at startup, when the "
+        "router restarts and when its workers change) and check each engine's server_info."),
+    # --- session placement ------------------------------------------------------------------------
+    Key("session_placement", str, "auto",
+        "Who picks the engine for session traffic: auto (kvgate on the routes where the probe finds the router "
+        "drops session_id, with session lifecycle on), kvgate (always kvgate) or router (always the router).",
+        choices=PLACEMENT_MODES),
+    Key("session_placement_routes", dict, {},
+        "Per-route override of session_placement: {/generate: kvgate, /v1/completions: router, ...}.",
+        lambda v: all(k in PLACEMENT_ROUTES and m in PLACEMENT_MODES for k, m in v.items()),
+        "a mapping from /generate, /v1/chat/completions or /v1/completions to auto, kvgate or router"),
+    Key("placement_pressure_threshold", float, 0.85,
+        "A new session joins the engine holding its prefix only while that engine's KV usage is below this.",
+        _unit, "in (0, 1]"),
     # --- admission --------------------------------------------------------------------------------
     Key("agentic_program_admission", bool, False,
         "Hold each request in one global FIFO until the KV token ledger admits it."),
@@ -151,8 +171,8 @@ KEYS: list[Key] = [
         only_when="agentic_program_admission"),
     Key("agentic_admission_scope", str, "train", "Which work admission holds: train (eval bypasses) or all.",
         choices=("train", "all")),
-    Key("admission_poll_interval_s", float, 2.0, "How often each engine's KV metrics are read, seconds.",
-        _pos, "> 0", only_when="agentic_program_admission"),
+    Key("admission_poll_interval_s", float, 2.0,
+        "How often each engine's KV metrics are read (admission and session placement), seconds.", _pos, "> 0"),
     Key("admission_capacity_source", str, "auto",
         "Where engine KV figures are read: auto (/v1/loads, else /metrics), loads or metrics.",
         choices=("auto", "loads", "metrics")),
@@ -178,7 +198,8 @@ KEYS_BY_NAME = {k.name: k for k in KEYS}
 
 
 def _type_name(t) -> str:
-    return {bool: "a boolean", int: "an integer", float: "a number", str: "a string", list: "a list"}[t]
+    return {bool: "a boolean", int: "an integer", float: "a number", str: "a string", list: "a list",
+            dict: "a mapping"}[t]
 
 
 def _coerce(key: Key, value: Any) -> Any:
@@ -239,7 +260,8 @@ def validate(raw: dict[str, Any]) -> Config:
             raise ConfigError(f"{name}: unknown key{hint}")
         values[name] = _coerce(key, value)
     for key in KEYS:
-        values.setdefault(key.name, list(key.default) if isinstance(key.default, list) else key.default)
+        values.setdefault(key.name, type(key.default)(key.default) if isinstance(key.default, (list, dict))
+                          else key.default)
     for key in KEYS:
         value = values[key.name]
         if key.check is None or value is None:
@@ -298,6 +320,8 @@ def add_flags(parser: argparse.ArgumentParser) -> None:
         kwargs: dict[str, Any] = {"dest": key.name, "default": None, "help": key.doc}
         if key.type is bool:
             kwargs["action"] = argparse.BooleanOptionalAction
+        elif key.type is dict:
+            kwargs["metavar"] = "YAML"
         elif key.type is list:
             if key.name in ("admission_protected_rules", "admission_eval_rules"):
                 kwargs["metavar"] = "YAML"  # parsed in _from_flag, so a bad value is a one-line ConfigError
@@ -310,7 +334,7 @@ def add_flags(parser: argparse.ArgumentParser) -> None:
 
 
 def _from_flag(key: Key, text: Any) -> Any:
-    if key.type is list and key.name in ("admission_protected_rules", "admission_eval_rules"):
+    if key.type is dict or key.type is list and key.name in ("admission_protected_rules", "admission_eval_rules"):
         try:
             return yaml.safe_load(text)
         except yaml.YAMLError:

@@ -122,8 +122,17 @@ def test_probe_verdicts():
     body = orjson.loads(compat.probe_body("p1"))
     assert body["session_id"] == "p1" and body["session_params"] == {"id": "p1"}
     assert body["sampling_params"]["max_new_tokens"] == 1
-    assert "DROPS" in compat.verdict_line(compat.DROPPED, "http://r", True)
-    assert "/v1/completions" in compat.verdict_line(compat.DROPPED, "http://r", True)
+    for route in compat.PROBE_ROUTES:
+        chat = orjson.loads(compat.probe_body("p2", route, "m"))
+        assert chat["session_id"] == "p2" and chat["session_params"] == {"id": "p2"}
+    assert orjson.loads(compat.probe_body("p", "/v1/completions", "m"))["model"] == "m"
+    line = compat.verdict_line({"/generate": compat.DROPPED, "/v1/completions": compat.FORWARDED}, "http://r", True,
+                               {"/generate": True})
+    assert line == ("compat: router http://r top-level session_id: /generate dropped (kvgate places sessions), "
+                    "/v1/chat/completions unknown (via the router), /v1/completions forwarded (via the router)")
+    assert compat.routing_key_warning("cache_aware", "X-SMG-Routing-Key").startswith("router policy 'cache_aware'")
+    assert compat.routing_key_warning("manual", "X-SMG-Routing-Key") is None
+    assert compat.routing_key_warning(None, "X-SMG-Routing-Key") is None
 
 
 def test_engine_warnings():

@@ -32,7 +32,7 @@ def test_sticky_until_the_engine_leaves_or_turns_unhealthy_then_replaced_and_cou
     for i in range(5):
         assert p.place("s", [], float(i)) == Target(A)
     assert p.counts["sticky"] == 5
-    p.set_capacity({A: None})                         # its poll failed: unhealthy
+    p.set_engines([(A, False), (B, True), (C, True)])  # the router marks it unhealthy
     assert p.place("s", [], 6.0) == Target(B)
     assert p.counts["replaced"] == 1 and p.sessions_on(A) == 0 and p.sessions_on(B) == 1
     p.set_engines([(A, True), (C, True)])             # B left the router's list

@@ -27,11 +27,13 @@ log = logging.getLogger("kvgate.admission.poller")
 
 
 class CapacityPoller:
-    """Polls engines for KV capacity and feeds ``gate``. interval_s: seconds between rounds."""
+    """Polls engines for KV capacity and feeds ``gate`` (None: no admission) and every ``listeners`` callback
+    (called with each new ClusterSnapshot; session placement reads it). interval_s: seconds between rounds."""
 
-    def __init__(self, gate: AdmissionGate, directory: EngineDirectory, interval_s: float,
+    def __init__(self, gate: AdmissionGate | None, directory: EngineDirectory, interval_s: float,
                  source: str = "auto", clock: Callable[[], float] = time.monotonic):
         self.gate = gate
+        self.listeners: list[Callable[[ClusterSnapshot], None]] = []
         self.source = source
         self.directory = directory
         self.interval_s = interval_s
@@ -90,7 +92,8 @@ class CapacityPoller:
         """One round: scrape every engine, reconcile or invalidate. Returns the snapshot (None = degraded)."""
         urls = self.directory.urls
         if not urls:
-            self.gate.invalidate()
+            if self.gate is not None:
+                self.gate.invalidate()
             return None
         if self.directory.static is None and self.directory.last_error is not None:
             return None  # router unreachable: no fresh engine list, let the snapshot go stale
@@ -99,11 +102,19 @@ class CapacityPoller:
         if all(c is None for c in caps):
             return None
         snapshot = ClusterSnapshot.build(dict(zip(urls, caps)), taken)
-        self.gate.reconcile(snapshot)
+        if self.gate is not None:
+            self.gate.reconcile(snapshot)
+        for cb in self.listeners:
+            try:
+                cb(snapshot)
+            except Exception:  # a consumer's fault must not stop polling
+                log.exception("capacity listener failed")
         return snapshot
 
     def _log_transition(self) -> None:
         # One line when admission loses or regains its capacity signal, not one per round.
+        if self.gate is None:
+            return
         degraded = self.gate.ledger.is_degraded(self.clock())
         if degraded != self._degraded:
             if degraded:

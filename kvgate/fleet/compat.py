@@ -1,20 +1,19 @@
 """Compatibility verdicts: does session_id reach the engines, are the engines set up for it (pure).
 
-The session_id probe
---------------------
-kvgate sends one request through the router:
-    POST /generate {"input_ids": [0], "sampling_params": {"max_new_tokens": 1},
-                    "session_id": "kvgate-probe-<random>", "session_params": {"id": "kvgate-probe-<random>"}}
-An SGLang engine (>= 0.5.15) that receives both fields rejects the request at validation with
-400 "session_id and session_params cannot both be set." (srt/managers/io_struct.py), before any KV
-is touched. So:
-  - that 400 comes back               -> the router forwarded session_id: "forwarded" (smg);
-  - any other answer from an engine   -> session_id was dropped on the way (sglang-router <= 0.3.2
-    re-serialises /generate through a typed struct) or the engine predates 0.5.15: "dropped";
-    the engine then sees only session_params for a session that was never opened and aborts it
-    without generating;
+The session_id probe, once per generate route
+---------------------------------------------
+kvgate sends one request through the router on each of /generate, /v1/chat/completions and /v1/completions
+carrying both ``"session_id": "kvgate-probe-<random>"`` and ``"session_params": {"id": ...}`` (and a
+1-token budget). An SGLang engine (>= 0.5.15) that receives both fields rejects the request at validation
+with 400 "session_id and session_params cannot both be set." (srt/managers/io_struct.py, GenerateReqInput;
+the OpenAI routes build the same GenerateReqInput), before any KV is touched. So, per route:
+  - that 400 comes back               -> the router forwarded session_id there: "forwarded";
+  - any other answer from an engine   -> session_id was dropped on the way (smg 1.13.0 and sglang-router
+    0.3.2 re-serialise /generate and chat through typed structs) or the engine predates 0.5.15: "dropped";
+    the engine then sees at most session_params for a session that was never opened, or a plain request
+    that generates one token;
   - no answer / no healthy worker     -> "unknown" (probed again later).
-The probe costs one rejected request and no generation.
+Measured through smg 1.13.0: /generate dropped, /v1/chat/completions dropped, /v1/completions forwarded.
 """
 
 from __future__ import annotations
@@ -28,14 +27,22 @@ FORWARDED, DROPPED, UNKNOWN = "forwarded", "dropped", "unknown"
 BOTH_SET_MESSAGE = "session_id and session_params cannot both be set"
 
 
-def probe_body(probe_id: str) -> bytes:
-    """The probe request body (see module doc)."""
-    return orjson.dumps({
-        "input_ids": [0],
-        "sampling_params": {"max_new_tokens": 1},
-        "session_id": probe_id,
-        "session_params": {"id": probe_id},
-    })
+# The generate routes probed (and served by session placement when the router drops session_id there).
+PROBE_ROUTES = ("/generate", "/v1/chat/completions", "/v1/completions")
+
+
+def probe_body(probe_id: str, route: str = "/generate", model: str | None = None) -> bytes:
+    """The probe request body for ``route`` (see module doc). ``model``: a served model name (smg's
+    /v1/completions needs one). Raises ValueError on a route that is not in PROBE_ROUTES."""
+    both = {"session_id": probe_id, "session_params": {"id": probe_id}}
+    if route == "/generate":
+        return orjson.dumps({"input_ids": [0], "sampling_params": {"max_new_tokens": 1}, **both})
+    if route == "/v1/chat/completions":
+        return orjson.dumps({"model": model or "default", "messages": [{"role": "user", "content": "kvgate probe"}],
+                             "max_tokens": 1, **both})
+    if route == "/v1/completions":
+        return orjson.dumps({"model": model or "default", "prompt": "kvgate probe", "max_tokens": 1, **both})
+    raise ValueError(f"no probe for {route}")
 
 
 def classify_probe(status: int | None, body: bytes) -> str:
@@ -56,19 +63,27 @@ def classify_probe(status: int | None, body: bytes) -> str:
     return DROPPED
 
 
-def verdict_line(verdict: str, upstream: str, lifecycle_on: bool) -> str:
-    """The one startup line that tells the operator what the probe found and what to do."""
-    if verdict == FORWARDED:
-        return (f"compat: router {upstream} forwards top-level session_id on /generate to the engines: " +
-                ("session lifecycle is effective" if lifecycle_on else
-                 "session lifecycle would be effective (agentic_session_lifecycle is off)"))
-    if verdict == DROPPED:
-        return (f"compat: router {upstream} DROPS top-level session_id on /generate (measured: smg 1.13.0 and "
-                f"sglang-router 0.3.2 re-serialise /generate), or the engines predate SGLang 0.5.15: engines "
-                f"cannot tag /generate turns' KV by session. Turns sent as /v1/completions keep it (both routers "
-                f"forward it there); /close_session fan-out runs either way")
-    return (f"compat: could not tell whether router {upstream} forwards session_id (no engine answered the "
-            f"probe yet); will probe again when engines appear")
+def verdict_line(verdicts: dict[str, str], upstream: str, lifecycle_on: bool, placed: dict[str, bool]) -> str:
+    """The one line that tells the operator what the probe found per route and who places session traffic.
+
+    verdicts: route -> forwarded | dropped | unknown; placed: route -> kvgate places that route's sessions."""
+    parts = []
+    for route in PROBE_ROUTES:
+        v = verdicts.get(route, UNKNOWN)
+        who = "kvgate places sessions" if placed.get(route) else "via the router"
+        parts.append(f"{route} {v} ({who})")
+    tail = "" if lifecycle_on else "; agentic_session_lifecycle is off, so no session_id is added"
+    return f"compat: router {upstream} top-level session_id: " + ", ".join(parts) + tail
+
+
+def routing_key_warning(router_policy: str | None, routing_key_header: str) -> str | None:
+    """One line when the router's --policy ignores the routing key kvgate sets (everything but ``manual`` in
+    smg 1.13: router-compat.md), else None. None too when the policy is not known."""
+    if router_policy is None or router_policy == "manual":
+        return None
+    return (f"router policy {router_policy!r} ignores {routing_key_header}: session traffic kvgate leaves to the "
+            f"router is spread without session affinity; start smg with --policy manual, or let kvgate place "
+            f"sessions (session_placement: kvgate)")
 
 
 def engine_warnings(server_info: dict[str, Any] | None, metrics_status: int | None) -> list[tuple[str, str]]:

@@ -3,6 +3,8 @@
 Engines come from the config's static list, or from the router's GET /workers (fallback
 GET /list_workers), refreshed every ``discovery_interval_s``. A failed refresh keeps the last good
 list, is counted (agentic_kv_discovery_failures_total) and logged once per failure streak.
+The session_id probe runs per generate route at start, and again when the router comes back after a
+failed refresh or lists other workers (new URLs, or new worker ids: a restarted router re-registers them).
 Parsing and verdicts are pure (kvgate.fleet.discovery, kvgate.fleet.compat); this module only moves bytes.
 """
 
@@ -19,6 +21,7 @@ import orjson
 
 from kvgate.common.aio import cancel_tasks
 from kvgate.fleet import compat
+from kvgate.fleet.placement import placement_active
 from kvgate.fleet.discovery import DiscoveryError, Engine, parse_list_workers, parse_workers, static_engines
 from kvgate.proxy.metrics import Metrics
 
@@ -31,11 +34,12 @@ class EngineDirectory:
     """Current engines plus the compatibility verdicts.
 
     upstream: router base URL; static: configured engine URLs (empty = discover); interval_s: refresh
-    period, seconds. ``on_change(engines)`` callbacks run when the set of engine URLs changes.
+    period, seconds. ``on_change(engines)`` callbacks run when the engine URLs or their health change.
     """
 
     def __init__(self, upstream: str, static: list[str], interval_s: float, metrics: Metrics,
-                 probe: bool = True, lifecycle_on: bool = False):
+                 probe: bool = True, lifecycle_on: bool = False,
+                 placement_modes: dict[str, str] | None = None):
         self.upstream = upstream.rstrip("/")
         self.static = static_engines(static) if static else None
         self.interval_s = interval_s
@@ -46,7 +50,12 @@ class EngineDirectory:
         self.source = "static" if self.static else "router"
         self.last_error: str | None = None
         self.last_success: float | None = None
-        self.verdict = compat.UNKNOWN
+        self.verdicts: dict[str, str] = {r: compat.UNKNOWN for r in compat.PROBE_ROUTES}
+        self.placement_modes = dict(placement_modes or {})
+        self.model_id: str | None = None  # a served model name, for the OpenAI-route probes
+        self.probes = 0  # probe rounds run
+        self._worker_ids: frozenset = frozenset()
+        self._reprobe = False
         self.warnings: dict[str, list[tuple[str, str]]] = {}
         self.on_change: list[Callable[[list[Engine]], None]] = []
         self._session: aiohttp.ClientSession | None = None
@@ -55,7 +64,19 @@ class EngineDirectory:
         self.first_refresh = asyncio.Event()
         self.refreshed = asyncio.Event()  # replaced after each refresh: await it to see the next one
         self.compat_checked = asyncio.Event()
-        metrics.set_passthrough(self.verdict)
+        self.probed = asyncio.Event()  # replaced after each probe round: await it to see the next one
+        for r in compat.PROBE_ROUTES:
+            metrics.set_passthrough(r, compat.UNKNOWN)
+
+    @property
+    def verdict(self) -> str:
+        """The /generate verdict (the route RL rollouts use)."""
+        return self.verdicts["/generate"]
+
+    def placed(self, route: str) -> bool:
+        """Whether kvgate places ``route``'s session traffic now (mode and the route's probe verdict)."""
+        return placement_active(self.placement_modes.get(route, "router"), self.verdicts.get(route, compat.UNKNOWN),
+                                self.lifecycle_on)
 
     @property
     def urls(self) -> list[str]:
@@ -93,6 +114,7 @@ class EngineDirectory:
             status, obj = await self._get_json(self.upstream + "/workers")
             if status == 200:
                 found = parse_workers(obj)
+                self._note_workers(obj)
             else:
                 status2, obj2 = await self._get_json(self.upstream + "/list_workers")
                 if status2 != 200:
@@ -108,6 +130,8 @@ class EngineDirectory:
             return self.engines
         if self.last_error is not None:
             log.info("engine discovery from %s recovered", self.upstream)
+            self._reprobe = True  # the router may have restarted: probe again
+            self._changed.set()
         self.last_error = None
         self.last_success = time.time()
         self.metrics.discovery_last_success.set(self.last_success)
@@ -116,6 +140,9 @@ class EngineDirectory:
 
     def _set(self, engines: list[Engine]) -> None:
         changed = [e.url for e in engines] != self.urls
+        if changed:
+            self._reprobe = True
+        health_changed = [e.healthy for e in engines] != [e.healthy for e in self.engines]
         self.engines = list(engines)
         by_type: dict[str, int] = {"regular": 0, "prefill": 0, "decode": 0}
         for e in engines:
@@ -125,6 +152,7 @@ class EngineDirectory:
         if changed:
             log.info("engines (%s): %s", self.source, ", ".join(self.urls) or "none")
             self._changed.set()
+        if changed or health_changed:
             for cb in self.on_change:
                 try:
                     cb(self.engines)
@@ -148,18 +176,42 @@ class EngineDirectory:
 
     # --- compatibility ---------------------------------------------------------------------------
 
-    async def probe_passthrough(self) -> str:
-        """Send the session_id probe (kvgate.fleet.compat) through the router; return and record the verdict."""
+    def _note_workers(self, obj: dict) -> None:
+        ids = frozenset(w.get("id") for w in obj.get("workers", []) if isinstance(w, dict) and w.get("id"))
+        if ids and self._worker_ids and ids != self._worker_ids:
+            self._reprobe = True  # same URLs, new registrations: the router restarted
+            self._changed.set()
+        if ids:
+            self._worker_ids = ids
+        for w in obj.get("workers", []):
+            if isinstance(w, dict) and isinstance(w.get("model_id"), str) and w["model_id"]:
+                self.model_id = w["model_id"]
+                break
+
+    async def probe_passthrough(self, route: str = "/generate") -> str:
+        """Send the session_id probe (kvgate.fleet.compat) for ``route`` through the router; return and record
+        the verdict."""
         probe_id = "kvgate-probe-" + secrets.token_hex(8)
         try:
-            async with self.session.post(self.upstream + "/generate", data=compat.probe_body(probe_id),
+            async with self.session.post(self.upstream + route, data=compat.probe_body(probe_id, route, self.model_id),
                                          headers={"Content-Type": "application/json"}) as resp:
                 verdict = compat.classify_probe(resp.status, await resp.read())
         except (aiohttp.ClientError, asyncio.TimeoutError, OSError):
             verdict = compat.UNKNOWN
-        self.verdict = verdict
-        self.metrics.set_passthrough(verdict)
+        self.verdicts[route] = verdict
+        self.metrics.set_passthrough(route, verdict)
         return verdict
+
+    async def _model_from_router(self) -> None:
+        if self.model_id is not None:
+            return
+        try:
+            status, obj = await self._get_json(self.upstream + "/v1/models")
+        except (aiohttp.ClientError, asyncio.TimeoutError, orjson.JSONDecodeError, OSError):
+            return
+        data = obj.get("data") if status == 200 and isinstance(obj, dict) else None
+        if isinstance(data, list) and data and isinstance(data[0], dict) and isinstance(data[0].get("id"), str):
+            self.model_id = data[0]["id"]
 
     async def check_engine(self, url: str) -> list[tuple[str, str]]:
         """Read one engine's /server_info (fallback /get_server_info) and /metrics status; record warnings."""
@@ -187,22 +239,34 @@ class EngineDirectory:
         self.warnings[url] = warnings
         return warnings
 
-    async def check_compat(self) -> str:
-        """Run the probe and every engine check once; log the verdict line. Returns the verdict."""
-        verdict = await self.probe_passthrough() if self.engines or self.static is None else compat.UNKNOWN
+    async def check_compat(self) -> dict[str, str]:
+        """Run the probe on every generate route and every engine check once; log the verdict line.
+        Returns route -> verdict."""
+        self._reprobe = False
+        if self.engines or self.static is None:
+            await self._model_from_router()
+            for route in compat.PROBE_ROUTES:
+                await self.probe_passthrough(route)
         await asyncio.gather(*(self.check_engine(u) for u in self.urls))
-        line = compat.verdict_line(verdict, self.upstream, self.lifecycle_on)
-        (log.warning if verdict == compat.DROPPED else log.info)(line)
+        placed = {r: self.placed(r) for r in compat.PROBE_ROUTES}
+        line = compat.verdict_line(self.verdicts, self.upstream, self.lifecycle_on, placed)
+        dropped = [r for r, v in self.verdicts.items() if v == compat.DROPPED and not placed[r]]
+        (log.warning if dropped and self.lifecycle_on else log.info)(line)
+        self.probes += 1
         self.compat_checked.set()
-        return verdict
+        self._probed()
+        return dict(self.verdicts)
+
+    def _probed(self) -> None:
+        self.probed.set()
+        self.probed = asyncio.Event()
 
     async def _compat_loop(self) -> None:
-        # Probe at start; while the verdict is unknown, probe again whenever engines change (bounded
-        # by the discovery interval) - the router may still be registering its workers.
-        checked: list[str] | None = None
+        # Probe at start; again when the worker set changes or the router restarted, and while any verdict
+        # is unknown (bounded by the discovery interval): the router may still be registering its workers.
+        self._reprobe = True
         while True:
-            if checked != self.urls or self.verdict == compat.UNKNOWN:
-                checked = self.urls
+            if self._reprobe or compat.UNKNOWN in self.verdicts.values():
                 await self.check_compat()
             self._changed.clear()
             try:
@@ -221,4 +285,6 @@ class EngineDirectory:
             "last_error": self.last_error,
             "last_success_unix": self.last_success,
             "session_id_passthrough": self.verdict,
+            "session_id_passthrough_by_route": dict(self.verdicts),
+            "session_placement": {r: ("kvgate" if self.placed(r) else "router") for r in compat.PROBE_ROUTES},
         }

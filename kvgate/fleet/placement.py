@@ -17,9 +17,9 @@ Rules (docs/placement.md):
   - free KV: otherwise the usable engine (then rank) with the most free KV tokens (capacity - used - in-flight
     prompt tokens), free KV within ``tie_fraction`` of the largest pool counting as a tie; ties by fewest
     active sessions, then by the engine list order. Engines with no KV figures yet count as fully free.
-  - an engine that leaves the list, turns unhealthy or refuses a connection: its sessions are re-placed on
+  - an engine that leaves the router's list, is marked unhealthy there or refuses a connection: its sessions are re-placed on
     their next call (counted in ``replaced``); a refused connection keeps the engine out for
-    ``unreachable_s`` seconds or until the next engine list.
+    ``unreachable_s`` seconds.
   - a closed session is forgotten; at most ``max_sessions`` are kept (the longest idle dropped first).
 """
 
@@ -86,7 +86,7 @@ class Placement:
 
     pressure_threshold: KV usage in (0, 1] at or above which a prefix's engine takes no new session.
     tie_fraction: free-KV differences below this share of the largest pool count as ties, in [0, 1).
-    unreachable_s: seconds an engine that refused a connection stays out (until the next engine list).
+    unreachable_s: seconds an engine that refused a connection stays out.
     max_sessions / max_prefixes: caps on remembered sessions and indexed prompts (oldest dropped first).
     """
 
@@ -103,6 +103,8 @@ class Placement:
         self._sessions: OrderedDict[str, _Session] = OrderedDict()  # first = longest idle
         self._prefixes: OrderedDict[int, Target] = OrderedDict()    # prompt chain key -> where it went
         self.placements: dict[str, int] = {}  # engine -> sessions placed there (new and re-placed)
+        self.last_reason: str | None = None  # why the last place() chose its target: sticky | prefix | free_kv
+        self.last_replaced = False           # the last place() moved a session off an engine it cannot use
         self.counts = {"sticky": 0, "prefix": 0, "free_kv": 0, "replaced": 0, "no_engine": 0,
                        "unreachable": 0, "dropped": 0}
 
@@ -110,11 +112,11 @@ class Placement:
 
     def set_engines(self, engines: Iterable[tuple[str, bool]]) -> None:
         """The current engine list as (base URL, healthy) pairs, in the router's order. Engines not in
-        it are dropped (their sessions are re-placed on their next call); a new list clears ``unreachable``."""
+        it are dropped (their sessions are re-placed on their next call)."""
         new: dict[str, _Engine] = {}
         for i, (url, healthy) in enumerate(engines):
             e = self._engines.get(url) or _Engine(url, i)
-            e.order, e.healthy, e.unreachable_until = i, bool(healthy), float("-inf")
+            e.order, e.healthy = i, bool(healthy)
             new[url] = e
         self._engines = new
         for e in new.values():
@@ -122,18 +124,14 @@ class Placement:
         for s in self._sessions.values():  # an engine that left and came back gets its sessions counted again
             self._count_session(s.target, +1)
 
-    def set_capacity(self, pools: Mapping[str, Sequence[tuple[int, int]] | None]) -> None:
-        """Engine-reported KV figures: engine URL -> one (max_total_num_tokens, num_used_tokens) per DP rank,
-        or None when its poll failed (then the engine counts as unhealthy until a poll succeeds)."""
-        for url, e in self._engines.items():
-            if url not in pools:
-                continue
-            p = pools[url]
-            if p is None:
-                e.healthy = False
-            else:
+    def set_capacity(self, pools: Mapping[str, Sequence[tuple[int, int]]]) -> None:
+        """Engine-reported KV figures: engine URL -> one (max_total_num_tokens, num_used_tokens) per DP rank.
+        An engine missing here keeps its last figures (a failed scrape is not a dead engine: health comes from
+        the router's list and from refused connections)."""
+        for url, p in pools.items():
+            e = self._engines.get(url)
+            if e is not None and p:
                 e.pools = [(int(c), int(u)) for c, u in p]
-                e.healthy = True
 
     def mark_unreachable(self, engine: str, now: float) -> None:
         """A connection to ``engine`` was refused before any byte went out: keep it out for a while."""
@@ -155,6 +153,7 @@ class Placement:
         exclude: engines already tried for this call. Records the placement (sticky from now on).
         """
         excluded = set(exclude)
+        self.last_reason, self.last_replaced = None, False
         s = self._sessions.get(session_id)
         if s is not None:
             e = self._engines.get(s.target.engine)
@@ -164,13 +163,16 @@ class Placement:
                 if s.target.dp_rank is None and e.dp_size > 1:  # ranks became known after the first call
                     self._set_target(session_id, s, Target(e.url, self._best_rank(e)))
                 self.counts["sticky"] += 1
+                self.last_reason = "sticky"
                 return s.target
             self.counts["replaced"] += 1
+            self.last_replaced = True
         target, reason = self._choose(prefix_keys, now, excluded)
         if target is None:
             self.counts["no_engine"] += 1
             return None
         self.counts[reason] += 1
+        self.last_reason = reason
         self.placements[target.engine] = self.placements.get(target.engine, 0) + 1
         if s is None:
             s = _Session(target, now)
@@ -288,3 +290,11 @@ class Placement:
                       "placements": self.placements.get(url, 0), "in_flight_prompt_tokens": sum(e.in_flight.values()),
                       "free_tokens": e.free(), "dp_size": e.dp_size, "usable": e.healthy}
                 for url, e in self._engines.items()}
+
+
+def placement_active(mode: str, verdict: str, lifecycle_on: bool) -> bool:
+    """Whether kvgate places a route's session traffic: ``kvgate`` always, ``router`` never, ``auto`` when
+    session lifecycle is on and the route's probe verdict is ``dropped`` (the router would lose session_id)."""
+    if mode == "kvgate":
+        return True
+    return mode == "auto" and lifecycle_on and verdict == "dropped"

@@ -1,6 +1,9 @@
 """The kvgate aiohttp application: wires the request path and kvgate's own endpoints (I/O edge).
 
 Request path: request in -> classify -> resolve session -> admit (gate) -> forward -> release and record.
+Forward: to the router, or, for a session's call on a route where kvgate places sessions (docs/placement.md),
+straight to the engine kvgate.fleet.placement picks (the next one on a refused connection; the router when
+none is usable).
 kvgate's own routes: GET /metrics, GET /kvgate/health, GET /kvgate/engines, GET /kvgate/sessions,
 GET /kvgate/sessions/{id}, POST /kvgate/sessions/{id}/close, and (lifecycle on) GET|POST /close_session.
 Everything else is forwarded to the router unchanged.
@@ -19,13 +22,16 @@ import orjson
 from aiohttp import web
 
 from kvgate import __version__
-from kvgate.proxy.classify import STEP_BOUNDARY_ROUTES, classify, parse_json_object, with_session_id
-from kvgate.config import Config
+from kvgate.proxy.classify import (STEP_BOUNDARY_ROUTES, classify, inject_top_level, parse_json_object,
+                                   with_session_id)
+from kvgate.config import PLACEMENT_ROUTES, Config
+from kvgate.fleet import compat
+from kvgate.fleet.placement import Placement, Target
 from kvgate.fleet.directory import EngineDirectory
 from kvgate.proxy.relay import Upstream, forward_headers
 from kvgate.proxy.admit import Gate, OpenGate, RequestInfo, Ticket
 from kvgate.sessions.idle_policy import IdlePolicy, StepTracker
-from kvgate.sessions.inference import SessionInference, request_units
+from kvgate.sessions.inference import SessionInference, prefix_keys, request_units
 from kvgate.sessions.lifecycle import SessionLifecycle
 from kvgate.proxy.metrics import Metrics
 from kvgate.sessions.observe import ResponseObserver
@@ -65,8 +71,16 @@ class Gateway:
         self.cfg = cfg
         self.metrics = Metrics()
         self.upstream = Upstream(cfg.upstream, cfg.connect_timeout_s, cfg.read_timeout_s, cfg.upstream_pool_size)
+        self.placement_modes = {r: cfg.session_placement_routes.get(r, cfg.session_placement) for r in PLACEMENT_ROUTES}
         self.directory = EngineDirectory(cfg.upstream, cfg.engines, cfg.discovery_interval_s, self.metrics,
-                                         probe=cfg.compat_probe, lifecycle_on=cfg.agentic_session_lifecycle)
+                                         probe=cfg.compat_probe, lifecycle_on=cfg.agentic_session_lifecycle,
+                                         placement_modes=self.placement_modes)
+        self.placement = Placement(pressure_threshold=cfg.placement_pressure_threshold,
+                                   max_sessions=cfg.max_tracked_sessions, max_prefixes=cfg.max_tracked_sessions)
+        self.directory.on_change.append(self._engines_changed)
+        self._engines_changed(self.directory.engines)  # a static list is there from the start
+        for r in PLACEMENT_ROUTES:
+            self.metrics.placement_active.labels(r).set_function(lambda r=r: 1 if self.directory.placed(r) else 0)
         self.lifecycle_on = cfg.agentic_session_lifecycle
         self.metrics.lifecycle_enabled.set(1 if self.lifecycle_on else 0)
         self.resolver = SessionResolver(cfg.session_resolution_order, cfg.session_header, cfg.session_field,
@@ -80,6 +94,7 @@ class Gateway:
                                           close_retries=cfg.close_retries, policy=policy,
                                           steps=StepTracker(cfg.max_tracked_sessions),
                                           close_on_abort=cfg.session_close_on_abort)
+        self.lifecycle.on_close.append(self._placement_forget)
         self.inference: SessionInference | None = None
         if self.lifecycle_on and cfg.session_inference:
             self.inference = SessionInference(
@@ -95,6 +110,12 @@ class Gateway:
             gate = AdmissionGate(cfg, self.metrics)
             self.poller = CapacityPoller(gate, self.directory, cfg.admission_poll_interval_s,
                                          cfg.admission_capacity_source)
+        elif any(m != "router" for m in self.placement_modes.values()):
+            from kvgate.admission.poller import CapacityPoller
+            self.poller = CapacityPoller(None, self.directory, cfg.admission_poll_interval_s,
+                                         cfg.admission_capacity_source)
+        if self.poller is not None:
+            self.poller.listeners.append(self._capacity)
         self.gate: Gate = gate or OpenGate()
         self.started = time.time()
         self.app = self._build_app()
@@ -123,6 +144,9 @@ class Gateway:
     async def _on_startup(self, app: web.Application) -> None:
         log.info("kvgate %s: upstream %s, session lifecycle %s, admission %s", __version__, self.cfg.upstream,
                  "on" if self.lifecycle_on else "off", "on" if self.cfg.agentic_program_admission else "off")
+        warning = self._routing_key_warning()
+        if warning is not None:
+            log.warning(warning)
         await self.directory.start()
         await self.lifecycle.start()
         start = getattr(self.gate, "start", None)
@@ -152,10 +176,24 @@ class Gateway:
                       "upstream": self.cfg.upstream, "engines": len(self.directory.engines),
                       "session_lifecycle": self.lifecycle_on,
                       "program_admission": self.cfg.agentic_program_admission,
-                      "session_id_passthrough": self.directory.verdict})
+                      "session_id_passthrough": self.directory.verdict,
+                      "session_id_passthrough_by_route": dict(self.directory.verdicts),
+                      "session_placement": {r: ("kvgate" if self.directory.placed(r) else "router")
+                                            for r in PLACEMENT_ROUTES},
+                      "placement_modes": dict(self.placement_modes)})
 
     async def handle_engines(self, request: web.Request) -> web.Response:
-        return _json(self.directory.as_json())
+        out = self.directory.as_json()
+        per_engine = self.placement.as_json()
+        for e in out["engines"]:
+            p = per_engine.get(e["url"], {})
+            e["placed_sessions"] = p.get("sessions", 0)
+            e["placed_sessions_by_rank"] = p.get("sessions_by_rank", {})
+            e["placements"] = p.get("placements", 0)
+            e["placed_in_flight_prompt_tokens"] = p.get("in_flight_prompt_tokens", 0)
+        out["placement"] = {"modes": dict(self.placement_modes), "counts": dict(self.placement.counts),
+                            "sessions": len(self.placement)}
+        return _json(out)
 
     async def handle_stats(self, request: web.Request) -> web.Response:
         """Admission figures: counters, waiting, defer/degraded rate over the window, the ledger."""
@@ -186,6 +224,8 @@ class Gateway:
         sid = entry["session_id"]
         entry["kv_step"] = self.lifecycle.steps.kv_step(sid)
         entry["idle_threshold_s"] = round(self.lifecycle.policy.threshold(sid), 3)
+        where = self.placement.engine_of(sid)
+        entry["engine"] = None if where is None else {"url": where[0], "dp_rank": where[1]}
         return entry
 
     async def handle_session(self, request: web.Request) -> web.Response:
@@ -229,6 +269,100 @@ class Gateway:
         if self.inference is not None:
             self.inference.forget(sid)
         self.lifecycle.forget(sid)
+        self._placement_forget(sid)
+
+    # --- session placement (the pure rules are kvgate.fleet.placement) ----------------------------------
+
+    def _routing_key_warning(self) -> str | None:
+        # kvgate relies on the router's routing key for session traffic it leaves to the router.
+        relies = (self.lifecycle_on and self.cfg.set_routing_key
+                  and any(m != "kvgate" for m in self.placement_modes.values()))
+        return compat.routing_key_warning(self.cfg.router_policy, self.cfg.routing_key_header) if relies else None
+
+    def _engines_changed(self, engines) -> None:
+        self.placement.set_engines([(e.url, e.healthy) for e in engines if e.worker_type == "regular"])
+        self._publish_placed()
+
+    def _capacity(self, snapshot) -> None:
+        self.placement.set_capacity({url: [(p.capacity, p.used) for p in cap.pools]
+                                     for url, cap in snapshot.engines.items()})
+
+    def _placement_forget(self, sid: str) -> None:
+        try:
+            if self.placement.forget(sid):
+                self._publish_placed()
+        except Exception:
+            log.exception("placement forget failed")
+            self.metrics.faults.labels("placement").inc()
+
+    def _publish_placed(self) -> None:
+        for url in self.directory.urls:
+            self.metrics.placed_sessions.labels(url).set(self.placement.sessions_on(url))
+
+    def _placed_route(self, c, plan: SessionPlan) -> bool:
+        return (plan.session_id is not None and c.body is not None and c.path in self.placement_modes
+                and self.directory.placed(c.path))
+
+    async def _relay_placed(self, request: web.Request, c, plan: SessionPlan, observe, add):
+        """Relay a session's call to the engine placement picks; on a refused connection (nothing sent) the
+        next engine. Returns (response, outcome), or None when no engine is usable or placement itself failed
+        (the caller then uses the router: fail-open)."""
+        try:
+            units = request_units(c.path, c.body)
+            keys = prefix_keys(units, self.cfg.session_inference_block_tokens, self.cfg.session_inference_block_chars)
+            tokens = (len(units) if isinstance(units, list) else
+                      int(len(units) / self.cfg.admission_chars_per_token) if isinstance(units, str) else 0)
+        except Exception:
+            log.exception("session placement failed; forwarding to the router")
+            self.metrics.faults.labels("placement").inc()
+            return None
+        headers = forward_headers(request.headers)  # no routing key: it is for the router
+        tried: list[str] = []
+        while True:
+            try:
+                target, body = self._pick(plan, c.body, keys, tried)
+                if target is not None:
+                    self.placement.call_started(target, tokens)
+            except Exception:  # fail-open: nothing went out yet
+                log.exception("session placement failed; forwarding to the router")
+                self.metrics.faults.labels("placement").inc()
+                return None
+            if target is None:
+                self.metrics.placement_calls.labels("router_fallback").inc()
+                return None
+            try:
+                resp, outcome = await self.upstream.relay(request, request.raw_path, headers, body, observe=observe,
+                                                          add_headers=add, base=target.engine)
+            finally:
+                self.placement.call_finished(target, tokens)
+            if outcome.ended == "unreachable" and not outcome.sent:
+                # Refused before any byte went out: safe to try the next engine (never after the body went out).
+                log.warning("engine %s refused a connection; session %s goes to the next engine",
+                            target.engine, plan.session_id)
+                self.placement.mark_unreachable(target.engine, self.lifecycle.clock())
+                self.metrics.placement_calls.labels("connect_retry").inc()
+                tried.append(target.engine)
+                continue
+            self.metrics.placement_calls.labels("engine").inc()
+            return resp, outcome
+
+    def _pick(self, plan: SessionPlan, body_obj: dict, keys: list[int], tried: list[str]):
+        target = self.placement.place(plan.session_id, keys, self.lifecycle.clock(), exclude=tried)
+        if target is None:
+            return None, None
+        if self.placement.last_reason != "sticky":
+            reason = "replaced" if self.placement.last_replaced else self.placement.last_reason
+            self.metrics.placements.labels(target.engine, reason).inc()
+            self._publish_placed()
+        self.placement.remember_prefix(keys, target)
+        return target, self._engine_body(plan.body, body_obj, target)
+
+    @staticmethod
+    def _engine_body(raw: bytes, body_obj: dict, target: Target) -> bytes:
+        # routed_dp_rank pins the DP rank that holds the session's prefix; a client's own pin is kept.
+        if target.dp_rank is None or "routed_dp_rank" in body_obj or "data_parallel_rank" in body_obj:
+            return raw
+        return inject_top_level(raw, "routed_dp_rank", target.dp_rank)
 
     # --- the request path ------------------------------------------------------------------------
 
@@ -244,7 +378,15 @@ class Gateway:
                 log.exception("session resolution failed; forwarding unchanged")
                 self.metrics.faults.labels("session").inc()
                 plan = SessionPlan(body=raw)
-        session_id = plan.session_id
+        elif c.body is not None and self.placement_modes.get(c.path) == "kvgate":
+            # Lifecycle off, placement on: the session only picks the engine; the body goes out unchanged.
+            try:
+                res = self.resolver.resolve(c.body, request.headers)
+                plan = SessionPlan(res.session_id, res.source, raw)
+            except Exception:
+                log.exception("session resolution failed; forwarding unchanged")
+                self.metrics.faults.labels("session").inc()
+        session_id = plan.session_id if self.lifecycle_on else None
         try:
             ticket = await self.gate.acquire(RequestInfo(c, request.headers, session_id))
         except asyncio.CancelledError:  # client gone while waiting for admission: it never went out
@@ -265,16 +407,22 @@ class Gateway:
                 session_id = None
         headers = forward_headers(request.headers, plan.extra)
         observe = None
-        if plan.session_id is not None:
+        if session_id is not None:
             def observe(is_sse: bool, route=c.path, text=plan.prompt_is_text) -> ResponseObserver:
                 return ResponseObserver(is_sse, route=route, prompt_is_text=text)
         self.metrics.inflight.inc()
         t1 = time.perf_counter()
         outcome = None
         try:
-            add = ticket.headers if plan.session_id is None else [*ticket.headers, (SESSION_HEADER, plan.session_id)]
-            resp, outcome = await self.upstream.relay(request, request.raw_path, headers, plan.body,
-                                                      observe=observe, add_headers=add)
+            add = ticket.headers if session_id is None else [*ticket.headers, (SESSION_HEADER, session_id)]
+            placed = None
+            if self._placed_route(c, plan):
+                placed = await self._relay_placed(request, c, plan, observe, add)
+            if placed is not None:
+                resp, outcome = placed
+            else:
+                resp, outcome = await self.upstream.relay(request, request.raw_path, headers, plan.body,
+                                                          observe=observe, add_headers=add)
             return resp
         except asyncio.CancelledError:
             self.metrics.client_disconnects.inc()

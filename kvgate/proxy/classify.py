@@ -69,7 +69,7 @@ def classify(method: str, path: str, raw_body: bytes) -> Classified:
     return Classified(method=method, path=path, route=route_label(path), is_generate=is_generate, body=body)
 
 
-def inject_top_level(raw: bytes, key: str, value: str) -> bytes:
+def inject_top_level(raw: bytes, key: str, value: str | int) -> bytes:
     """Return ``raw`` (a JSON object's bytes) with ``"key": value`` added as its first member.
 
     Everything else stays byte-for-byte as the client sent it (no re-serialisation, so numbers,

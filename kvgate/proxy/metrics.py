@@ -70,8 +70,19 @@ class Metrics:
                                           "(the last good list is kept)", registry=r)
         self.discovery_last_success = Gauge(p + "discovery_last_success_unixtime", "When engine discovery "
                                             "last succeeded", registry=r)
-        self.passthrough = Gauge(p + "router_session_id_passthrough", "1 on the probe's verdict: does the "
-                                 "router forward top-level session_id to the engines", ["verdict"], registry=r)
+        self.passthrough = Gauge(p + "router_session_id_passthrough", "1 on the probe's verdict per generate "
+                                 "route: does the router forward top-level session_id to the engines",
+                                 ["route", "verdict"], registry=r)
+        self.placement_active = Gauge(p + "session_placement_active", "1 when kvgate places the route's session "
+                                      "traffic on engines itself (0: the router picks)", ["route"], registry=r)
+        self.placements = Counter(p + "session_placements", "Sessions placed on an engine by kvgate, by engine "
+                                  "and why (free_kv, prefix, replaced)", ["engine", "reason"], registry=r)
+        self.placed_sessions = Gauge(p + "placed_sessions", "Active sessions kvgate placed, by engine",
+                                     ["engine"], registry=r)
+        self.placement_calls = Counter(p + "placement_calls", "Session calls on a placed route, by where they "
+                                       "went (engine; router_fallback: no engine usable; connect_retry: an "
+                                       "engine refused the connection and the next was tried)", ["outcome"],
+                                       registry=r)
         self.engine_warning = Gauge(p + "engine_warning", "1 when an engine is misconfigured for kvgate",
                                     ["engine", "kind"], registry=r)
 
@@ -81,13 +92,15 @@ class Metrics:
 
         # Known label values exist from the start at 0, so dashboards and alerts see a series before the
         # first event (a missing series and a zero rate are different things to Prometheus).
-        for stage in ("session", "registry", "admission", "idle_sweep", "inference"):
+        for stage in ("session", "registry", "admission", "idle_sweep", "inference", "placement"):
             self.faults.labels(stage)
         for kind in ("unreachable", "timeout", "cut"):
             self.upstream_errors.labels(kind)
         for reason in ("explicit", "api", "idle", "abort"):
             self.session_close.labels(reason)
         self.session_close_skipped.labels("no_kv")
+        for outcome in ("engine", "router_fallback", "connect_retry"):
+            self.placement_calls.labels(outcome)
         for result in ("decisive", "partial", "rerender", "prompt-only", "new", "new-ambiguous", "unsupported"):
             self.session_inference.labels(result)
 
@@ -95,6 +108,6 @@ class Metrics:
     def render(self) -> tuple[bytes, str]:
         return generate_latest(self.registry), CONTENT_TYPE_LATEST
 
-    def set_passthrough(self, verdict: str) -> None:
+    def set_passthrough(self, route: str, verdict: str) -> None:
         for v in ("forwarded", "dropped", "unknown"):
-            self.passthrough.labels(v).set(1 if v == verdict else 0)
+            self.passthrough.labels(route, v).set(1 if v == verdict else 0)

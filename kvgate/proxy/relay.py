@@ -68,6 +68,8 @@ class RelayOutcome:
     status: int | None
     observer: ResponseObserver | None
     ended: str  # "complete" | "upstream_error" | "client_gone" | "unreachable" | "timeout"
+    # False only when the connection was never made, so no byte of the request went out (safe to resend).
+    sent: bool = True
 
 
 class Upstream:
@@ -100,8 +102,11 @@ class Upstream:
 
     async def relay(self, request: web.Request, path_qs: str, headers: CIMultiDict, body: bytes,
                     observe: Callable[[bool], ResponseObserver] | None, add_headers: Iterable[tuple[str, str]] = (),
-                    on_headers: Callable[[int], None] | None = None) -> tuple[web.StreamResponse, RelayOutcome]:
+                    on_headers: Callable[[int], None] | None = None,
+                    base: str | None = None) -> tuple[web.StreamResponse, RelayOutcome]:
         """Send ``body`` to base+``path_qs`` and stream the answer to ``request``'s client.
+
+        base: another base URL than the router's (an engine kvgate placed a session on); same pool.
 
         observe: None, or a factory (is_sse -> ResponseObserver) for responses kvgate reads as they pass.
         Returns the response object (already prepared and finished, or an error Response to return)
@@ -110,7 +115,8 @@ class Upstream:
         cancels the upstream request.
         """
         # The raw path and query, not re-encoded: what the client sent is what the router gets.
-        url = URL(self.base + path_qs, encoded=True)
+        base = base or self.base
+        url = URL(base + path_qs, encoded=True)
         try:
             async with self.session.request(request.method, url, headers=headers, data=body,
                                             allow_redirects=False) as up:
@@ -133,7 +139,7 @@ class Upstream:
                         break
                     except (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError, asyncio.TimeoutError) as exc:
                         # Upstream cut the body mid-way: the client sees the cut too (no fake completion).
-                        log.warning("upstream %s cut the response to %s mid-way: %s", self.base, path_qs, exc)
+                        log.warning("upstream %s cut the response to %s mid-way: %s", base, path_qs, exc)
                         _abort_client(request)
                         return resp, RelayOutcome(up.status, observer, "upstream_error")
                     if observer is not None:
@@ -145,12 +151,11 @@ class Upstream:
                 await resp.write_eof()
                 return resp, RelayOutcome(up.status, observer, "complete")
         except asyncio.TimeoutError:
-            err = error_response(504, f"kvgate: upstream router {self.base} timed out", "upstream_timeout", self.base)
+            err = error_response(504, f"kvgate: upstream {base} timed out", "upstream_timeout", base)
             outcome = RelayOutcome(None, None, "timeout")
         except (aiohttp.ClientConnectorError, aiohttp.ServerDisconnectedError, aiohttp.ClientOSError) as exc:
-            err = error_response(502, f"kvgate: upstream router {self.base} unreachable: {exc}",
-                                 "upstream_unreachable", self.base)
-            outcome = RelayOutcome(None, None, "unreachable")
+            err = error_response(502, f"kvgate: upstream {base} unreachable: {exc}", "upstream_unreachable", base)
+            outcome = RelayOutcome(None, None, "unreachable", sent=not isinstance(exc, aiohttp.ClientConnectorError))
         for k, v in add_headers:  # the admission decision is reported on kvgate's own errors too
             err.headers[k] = v
         return err, outcome

@@ -84,6 +84,8 @@ class SessionLifecycle:
         self._session: aiohttp.ClientSession | None = None
         self._idle_task: asyncio.Task | None = None
         self._changed = asyncio.Event()
+        # Called with the session id when a close begins (session placement forgets the session).
+        self.on_close: list[Callable[[str], None]] = []
         self._publish()
 
     @property
@@ -136,6 +138,11 @@ class SessionLifecycle:
             return task
         if not self.registry.begin_close(session_id, reason, self.clock()):
             return None
+        for cb in self.on_close:
+            try:
+                cb(session_id)
+            except Exception:  # a consumer's fault must not stop the close
+                log.exception("on_close callback failed")
         if reason in ("idle", "abort") and not self.steps.has_kv(session_id):
             # Its KV went with a cache flush (a step boundary): nothing to free on the engines.
             self.registry.finish_close(session_id, {}, self.clock())
