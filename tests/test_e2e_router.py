@@ -144,11 +144,23 @@ async def test_discovery_from_smg_workers(sim_factory, router_factory, kvgate_fa
     assert sorted(gw.directory.urls) == sorted([e1.url, e2.url])
     await asyncio.wait_for(gw.directory.compat_checked.wait(), 20)
     # smg 1.13.0 drops session_id on /generate (see the first test); the probe must say so.
-    assert gw.directory.verdict == "dropped"
+    assert gw.directory.verdicts == {"/generate": "dropped", "/v1/chat/completions": "dropped",
+                                     "/v1/completions": "forwarded"}
     m = gw.metrics.render()[0].decode()
-    assert 'agentic_kv_router_session_id_passthrough{verdict="dropped"} 1.0' in m
+    assert 'agentic_kv_router_session_id_passthrough{route="/generate",verdict="dropped"} 1.0' in m
+    assert 'agentic_kv_router_session_id_passthrough{route="/v1/completions",verdict="forwarded"} 1.0' in m
     assert 'agentic_kv_engines{worker_type="regular"} 2.0' in m
-    assert e1.stats()["totals"]["num_requests"] + e2.stats()["totals"]["num_requests"] == 0  # probe generated nothing
+    # The probes tag nothing and generate at most one token: /generate and /v1/completions are rejected by the
+    # engine; chat reaches it as a plain 1-token request (smg drops both session fields there).
+    totals = [e.stats()["totals"] for e in (e1, e2)]
+    assert sum(t["generation_tokens"] for t in totals) <= 1 and sum(t["num_requests"] for t in totals) <= 1
+    assert e1.stats()["sessions"] == e2.stats()["sessions"] == {}
+    # The router restarts (new worker registrations, same URLs): kvgate probes again.
+    probes = gw.directory.probes
+    gw.directory._note_workers({"workers": [{"id": "restarted-1", "url": e1.url}, {"id": "restarted-2", "url": e2.url}]})
+    while gw.directory.probes == probes:
+        await asyncio.wait_for(gw.directory.probed.wait(), 20)
+    assert gw.directory.verdicts["/generate"] == "dropped"
 
 
 async def test_legacy_sglang_router_drops_session_id_and_kvgate_says_so(sim_factory, router_factory,
@@ -156,17 +168,20 @@ async def test_legacy_sglang_router_drops_session_id_and_kvgate_says_so(sim_fact
     e1 = await sim_factory(max_total_num_tokens=10_000, speed=50)
     router = await router_factory([e1.url], legacy=True)
     caplog.set_level("INFO", logger="kvgate.fleet.directory")
-    gw, kv = await kvgate_factory(upstream=router, agentic_session_lifecycle=True, compat_probe=True)
+    gw, kv = await kvgate_factory(upstream=router, agentic_session_lifecycle=True, compat_probe=True,
+                                  session_placement="router")
     await asyncio.wait_for(gw.directory.compat_checked.wait(), 30)
     assert gw.directory.verdict == "dropped"
-    lines = [r.getMessage() for r in caplog.records if "DROPS top-level session_id" in r.getMessage()]
-    assert len(lines) == 1 and "/v1/completions" in lines[0]
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("compat: router")]
+    assert len(lines) == 1 and "/generate dropped (via the router)" in lines[0]
+    assert caplog.records[[r.getMessage() for r in caplog.records].index(lines[0])].levelname == "WARNING"
     async with aiohttp.ClientSession() as http:
         st, _, _ = await _post(http, kv + "/generate", {"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 1}},
                                {"X-Session-ID": "lost"})
     assert st == 200
     assert e1.stats()["sessions"] == {}  # what the probe predicted: the engine never saw it
-    assert 'agentic_kv_router_session_id_passthrough{verdict="dropped"} 1.0' in gw.metrics.render()[0].decode()
+    assert ('agentic_kv_router_session_id_passthrough{route="/generate",verdict="dropped"} 1.0'
+            in gw.metrics.render()[0].decode())
 
 
 async def test_router_down_then_discovery_keeps_last_good_list(sim_factory, kvgate_factory, log_dir):

@@ -139,7 +139,8 @@ async def test_every_dashboard_query_returns_series_from_a_real_prometheus(sim_f
         await asyncio.to_thread(procs.wait_http, router.url + "/readiness", 60, router, procs.router_ready(2))
         gw, kv = await kvgate_factory(upstream=router.url, agentic_session_lifecycle=True,
                                       agentic_program_admission=True, admission_poll_interval_s=0.1,
-                                      discovery_interval_s=0.2, compat_probe=True)
+                                      discovery_interval_s=0.2, compat_probe=True,
+                                      session_placement="router")  # the 502 below needs the router path
         await gw.directory.compat_checked.wait()
         while gw.gate.ledger.snapshot is None or gw.gate.ledger.ceiling == 0:
             await gw.poller.round_done.wait()
