@@ -19,7 +19,7 @@ speed: 4
 engines: 2
 max_total_num_tokens: 6000
 unbounded_max_total_num_tokens: 400000
-arms: [direct, lifecycle+admission, router-limit, unbounded-kv]
+arms: [direct, lifecycle+admission, router-limit, unbounded-kv, proxy-placement, smg-manual]
 router_limits: [2]
 kvgate_times: {session_idle_close_s: 20, agentic_admission_max_wait_s: 30}
 kvgate_extra: {admission_chars_per_token: 1.0, max_response_length: 512}
@@ -44,7 +44,7 @@ def test_tiny_scenario_end_to_end(tmp_path):
     rc = cli.run(p.parse_args(["--scenario", str(sc), "--out", str(out), "--no-progress"]))
     assert rc == 0
     res = json.loads((out / "results.json").read_text())
-    arms = ["direct", "lifecycle+admission", "router-limit-2", "unbounded-kv"]
+    arms = ["direct", "lifecycle+admission", "router-limit-2", "unbounded-kv", "proxy-placement", "smg-manual"]
     assert list(res["metrics"]) == arms and res["seeds"] == [1, 2]
     for arm, m in res["metrics"].items():
         assert m["errors"] == 0 and m["requests"] == 12 and m["replicates"] == 2, arm
@@ -62,10 +62,27 @@ def test_tiny_scenario_end_to_end(tmp_path):
         assert all(r["cached_tokens"] >= 1500 + 12 + 32 - 1 for r in t2)
         la = res["arms"]["lifecycle+admission"][i]
         assert la["closes"] == {"200": 4} and res["arms"]["direct"][i]["closes"] == {"404": 4}
+        # turns go to /generate, where smg drops session_id: kvgate places them, so the engines see every
+        # session id (each on one engine); without lifecycle no id reaches them
+        assert sum(la["sim_engines_sessions_seen"]) == 4
+        assert sum(res["arms"]["direct"][i]["sim_engines_sessions_seen"]) == 0
+        assert sum(res["arms"]["proxy-placement"][i]["sim_engines_sessions_seen"]) == 0
+        # each session on exactly one engine, and each GRPO group (2 sessions sharing a task prompt) on one
+        per_engine = la["sim_engines_session_ids"]
+        assert sorted(sid for ids in per_engine for sid in ids) == sorted(f"st0-g{g}-s{k}" for g in (0, 1)
+                                                                       for k in (0, 1))
+        for g in (0, 1):
+            assert [f"st0-g{g}-s0" in ids for ids in per_engine] == [f"st0-g{g}-s1" in ids for ids in per_engine]
+        # sticky placement: every later turn re-uses the session's cached prompt + output on its engine
+        for arm in ("lifecycle+admission", "proxy-placement"):
+            later = [r for r in res["arms"][arm][i]["requests"] if r["turn"] == 2]
+            assert all(r["cached_tokens"] >= 1500 + 12 + 32 - 1 for r in later), arm
         c = la["kvgate_counters"]
         assert c["admit"] + c["bypass_protected"] + c["bypass_degraded"] + c["bypass_aged"] == 12
     md = (out / "report.md").read_text()
     assert "mean ± 95% CI, 2 seeds" in md and "Ranking by step makespan:" in md
+    assert "Placement (both kvgate features off):" in md and "| kvgate placement (proxy-placement) |" in md
+    assert res["metrics"]["lifecycle+admission"]["engine_sessions_seen"] == 4
     for f in ("report.md", "latency_cdf.png", "kv_timeseries.png", "ratios.png"):
         assert (out / f).stat().st_size > 0
 

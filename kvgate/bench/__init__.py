@@ -6,12 +6,13 @@ Mooncake window), report.py (metrics, ratios, the table, the mean over seeds), r
 seeds-as-blocks residual, Scott-Knott tiers, run-to-run comparison). Edge: runner.py (fleets, client, sampler), plots.py,
 command.py (``kvgate bench``). trace.py reads the Mooncake conversation trace (pure; the demo uses it too).
 
-Why turns go over /v1/completions as text and not /generate with input_ids: smg 1.13.0 and sglang-router 0.3.2
-drop a top-level ``session_id`` on /generate and /v1/chat/completions and forward it only on /v1/completions,
-whose smg handler accepts text prompts only (token-id prompts are a 422). Behind today's router kvgate's
-session lifecycle can only reach the engines on that route, so every arm sends the same text requests there.
-To keep the cache behaviour faithful to an input_ids client, the simulator's default byte-level model
-(``kvgate sim-engine --token-vocab byte``) generates only printable-ASCII byte tokens: the output text
-re-tokenizes to exactly the output ids, so "previous prompt + output text + observation" hits the radix cache
-as "previous input_ids + output_ids + observation ids" would.
+Turns go out the way RL rollouts send them: token ids to /generate by default (scenario key ``api``: ``chat``
+for /v1/chat/completions message lists, ``completions`` for /v1/completions text). smg 1.13.0 and sglang-router
+0.3.2 drop a top-level ``session_id`` on /generate and chat, so the lifecycle arms reach the engines' session KV
+there through kvgate's session placement (docs/placement.md); the report counts the session ids the engines saw.
+The ids are the simulator's byte tokenization of the workload's text (``kvgate sim-engine --token-vocab byte``,
+the default, generates only printable-ASCII byte tokens), so "previous prompt + output + observation" hits the
+radix cache exactly as "previous input_ids + output_ids + observation ids" would. The ``proxy-placement`` arm
+(kvgate placing sessions, both features off) and ``smg-manual`` (smg's routing-key policy) compare placement
+alone against the scenario's smg policy (cache_aware by default): prefix hit, makespan, per-engine load spread.
 """

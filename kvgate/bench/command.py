@@ -18,7 +18,7 @@ from pathlib import Path
 
 from kvgate.tools import procs
 from kvgate.bench import ranking, report
-from kvgate.bench.runner import expand_arms, run_arm
+from kvgate.bench.runner import API_PATHS, expand_arms, run_arm
 from kvgate.bench.scenario import ARMS, load_scenario
 from kvgate.bench.speed import scale
 from kvgate.bench.workload import (ideal_prefill_agentic, ideal_prefill_mooncake, plan_agentic, plan_mooncake,
@@ -161,10 +161,12 @@ def run(args: argparse.Namespace) -> int:
     header = (f"Scenario `{sc.name}`: speed factor {sc.speed:g} (times below are simulated seconds = wall x "
               f"{sc.speed:g}), seed{'s' if len(seeds) > 1 else ''} {', '.join(map(str, seeds))}, "
               f"{sc.engines} engines x {sc.max_total_num_tokens:,} KV tokens "
-              f"(unbounded-kv: {sc.unbounded_max_total_num_tokens:,}), smg policy {sc.router_policy}; "
+              f"(unbounded-kv: {sc.unbounded_max_total_num_tokens:,}), smg policy {sc.router_policy}, turns sent "
+              f"to {API_PATHS[sc.api]}; "
               f"{per_seed}; bench wall time {wall:.0f} s on {platform.machine()} ({_cores()} cores)."
               + _replicate_note(sc.workload["kind"], len(seeds)) + "\n")
     md = report.markdown(metrics, header)
+    md += report.placement_markdown(metrics, sc.router_policy)
     md += _ranking_text(tiers, len(seeds), se, se_df, report.failed_arms(metrics))
     comparison = None
     if previous is not None:

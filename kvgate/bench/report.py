@@ -37,7 +37,14 @@ COLUMNS = [
     ("admit_wait_bypass", "admit/wait/bypass", "{}"),
     ("session_precision", "session precision", "{:.3f}"),
     ("session_recall", "session recall", "{:.3f}"),
+    ("engine_sessions_seen", "session ids seen by engines", "{:.0f}"),
+    ("load_spread", "engine load max/mean", "{:.2f}"),
 ]
+# The placement view: where sessions went, kvgate's rules against smg's policies (both kvgate features off).
+PLACEMENT_ARMS = ("direct", "smg-manual", "proxy-placement")
+PLACEMENT_COLUMNS = [("cache_hit_rate", "prefix hit", "{:.1%}"), ("makespan_s", "step makespan s", "{:.1f}"),
+                     ("recomputed_prefill_tokens", "recomputed prefill", "{:,.0f}"),
+                     ("load_spread", "engine load max/mean", "{:.2f}")]
 RATIO_METRICS = ["makespan_s", "session_mean_s", "session_p99_s", "turn_p50_s", "turn_p99_s", "ttft_p99_s",
                  "output_tok_per_s", "recomputed_prefill_tokens"]
 
@@ -101,7 +108,34 @@ def summarize(raw: dict, speed: float, ideal_prefill_tokens: int) -> dict:
     # the arm did not run to the end (its fleet failed to start, or --arm-timeout-s cut it): not comparable
     m["failed"] = bool(raw.get("failed") or raw.get("timed_out"))
     m["session_precision"], m["session_recall"] = session_accuracy(reqs)
+    seen = raw.get("sim_engines_sessions_seen")
+    m["engine_sessions_seen"] = sum(seen) if seen is not None else None
+    m["load_spread"] = load_spread(raw.get("sim_engines_prompt_tokens"))
     return m
+
+
+def load_spread(per_engine: list[float] | None) -> float | None:
+    """max / mean of the engines' prompt tokens (1.0 = even; the number of engines = all on one); None when
+    unknown or nothing was sent."""
+    if not per_engine or sum(per_engine) <= 0:
+        return None
+    return max(per_engine) / (sum(per_engine) / len(per_engine))
+
+
+def placement_markdown(metrics: dict[str, dict], router_policy: str) -> str:
+    """The placement view (empty when the run has none of its arms but direct): prefix hit, makespan,
+    recomputed prefill and load spread for smg's scenario policy (direct), smg manual and kvgate's placement."""
+    arms = [a for a in PLACEMENT_ARMS if a in metrics]
+    if arms == ["direct"] or not arms:
+        return ""
+    names = {"direct": f"smg {router_policy} (direct)", "smg-manual": "smg manual (routing key)",
+             "proxy-placement": "kvgate placement (proxy-placement)"}
+    lines = ["", "Placement (both kvgate features off):", "",
+             "| placement | " + " | ".join(t for _, t, _ in PLACEMENT_COLUMNS) + " |",
+             "|---|" + "---|" * len(PLACEMENT_COLUMNS)]
+    for a in arms:
+        lines.append(f"| {names[a]} | " + " | ".join(_fmt(f, metrics[a].get(k)) for k, _, f in PLACEMENT_COLUMNS) + " |")
+    return "\n".join(lines) + "\n"
 
 
 def aggregate(reps: list[dict]) -> dict:

@@ -2,10 +2,12 @@
 the workload client and a KV sampler. Every child is a subprocess in its own process group on 127.0.0.1
 (kvgate.tools.procs) and is stopped by group when the arm ends.
 
-Turns go to /v1/completions as text with ``stream: true`` (TTFT = first non-empty text chunk) and
-``stream_options.include_usage``: smg 1.13 and sglang-router 0.3.2 drop a top-level session_id on /generate and
-/v1/chat/completions and forward it only on /v1/completions, which takes only text prompts. The same requests go
-to every arm.
+Turns go out the way RL rollouts send them (scenario key ``api``): ``generate`` (default) sends token ids to
+/generate (slime, AReaL, miles ...), ``chat`` a growing message list to /v1/chat/completions (verifiers, SkyRL
+agents ...), ``completions`` text to /v1/completions; always ``stream: true`` (TTFT = first non-empty text chunk).
+The ids are the simulator's byte tokenization of the workload's text (kvgate.sim.tokenizer), so
+"previous ids + output ids + observation ids" is exactly what an input_ids client sends. The same requests go to
+every arm; smg drops session_id on /generate and chat, where kvgate's session placement delivers it.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from kvgate.tools import procs
 from kvgate.bench.scenario import Scenario, sim_extra_flags
 from kvgate.bench.speed import Scaled, kvgate_flags
 from kvgate.bench.workload import SessionPlan, TraceRequest, next_prompt
+from kvgate.sim.tokenizer import encode
 
 
 @dataclass(frozen=True)
@@ -43,6 +46,10 @@ class ArmSpec:
     named_sessions: bool = True
     # engines run SGLang's hierarchical cache (a host-memory KV tier, --enable-hierarchical-cache)
     hicache: bool = False
+    # kvgate places session traffic itself (session_placement: kvgate), with both features off
+    placement: bool = False
+    # this arm's smg --policy (None: the scenario's router_policy)
+    router_policy: str | None = None
 
 
 def expand_arms(sc: Scenario) -> list[ArmSpec]:
@@ -54,6 +61,10 @@ def expand_arms(sc: Scenario) -> list[ArmSpec]:
             out.append(ArmSpec(a, pool_tokens=pool))
         elif a == "proxy-only":
             out.append(ArmSpec(a, kvgate=True, pool_tokens=pool))
+        elif a == "proxy-placement":
+            out.append(ArmSpec(a, kvgate=True, placement=True, pool_tokens=pool))
+        elif a == "smg-manual":
+            out.append(ArmSpec(a, pool_tokens=pool, router_policy="manual"))
         elif a == "lifecycle":
             out.append(ArmSpec(a, kvgate=True, lifecycle=True, pool_tokens=pool))
         elif a == "lifecycle-inferred":
@@ -119,6 +130,9 @@ class Fleet:
             extra_yaml.parent.mkdir(parents=True, exist_ok=True)
             extra_yaml.write_text(yaml.safe_dump(dict(self.sc.kvgate_extra)))
             cmd += ["--config", str(extra_yaml)]
+        cmd += ["--router-policy", self.policy]
+        if self.arm.placement:
+            cmd += ["--session-placement", "kvgate"]
         if self.arm.lifecycle:
             cmd.append("--agentic-session-lifecycle")
         if self.arm.admission:
@@ -141,7 +155,11 @@ class Fleet:
             extra += ["--max-concurrent-requests", str(self.arm.router_limit),
                       "--queue-size", str(self.sc.router_queue_size),
                       "--queue-timeout-secs", str(max(1, int(round(self.scaled.router_queue_timeout_s))))]
-        return procs.smg_command(port, self.engine_urls, prometheus_port, policy=self.sc.router_policy, extra=extra)
+        return procs.smg_command(port, self.engine_urls, prometheus_port, policy=self.policy, extra=extra)
+
+    @property
+    def policy(self) -> str:
+        return self.arm.router_policy or self.sc.router_policy
 
     def stop(self) -> None:
         """Stop every process group, newest first."""
@@ -167,21 +185,43 @@ RETRY_STATUSES = (408, 429)   # smg's own limiter: queue timeout / queue full
 RETRY_BACKOFF_S = 1.0          # seconds at speed 1 between retries of a rejected turn
 
 
-async def send_turn(http: aiohttp.ClientSession, base: str, rec: Recorder, sid: str, turn: int, prompt: str,
-                    max_tokens: int, scaled: Scaled | None = None, named: bool = True) -> tuple[bool, str]:
-    """One streamed /v1/completions turn; appends a request record; returns (ok, output text).
+def turn_body(api: str, prompt: str | list[dict], max_tokens: int, rid: str | None) -> bytes:
+    """One streamed turn's request body for ``api`` (generate | chat | completions); ``prompt`` is text, or the
+    message list for chat."""
+    extra = {"rid": rid} if rid else {}
+    if api == "generate":
+        return orjson.dumps({"input_ids": encode(prompt), "stream": True,
+                             "sampling_params": {"max_new_tokens": max_tokens, "ignore_eos": True}, **extra})
+    if api == "chat":
+        msgs = prompt if isinstance(prompt, list) else [{"role": "user", "content": prompt}]
+        return orjson.dumps({"model": "kvgate-sim", "messages": msgs, "max_tokens": max_tokens, "ignore_eos": True,
+                             "stream": True, "stream_options": {"include_usage": True}, **extra})
+    return orjson.dumps({"model": "kvgate-sim", "prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True,
+                         "stream": True, "stream_options": {"include_usage": True}, **extra})
+
+
+API_PATHS = {"generate": "/generate", "chat": "/v1/chat/completions", "completions": "/v1/completions"}
+
+
+def prompt_length(prompt: str | list[dict]) -> int:
+    """Characters of a prompt (= simulator tokens for text), or of a chat's message contents."""
+    return len(prompt) if isinstance(prompt, str) else sum(len(m["content"]) for m in prompt)
+
+
+async def send_turn(http: aiohttp.ClientSession, base: str, rec: Recorder, sid: str, turn: int,
+                    prompt: str | list[dict], max_tokens: int, scaled: Scaled | None = None, named: bool = True,
+                    api: str = "generate") -> tuple[bool, str]:
+    """One streamed turn to ``api``'s route; appends a request record; returns (ok, output text).
 
     A 408/429 (smg's limiter shedding the request) is retried after RETRY_BACKOFF_S (scaled), as a rollout
     client behind that limiter must; the turn's latency and TTFT count from the first attempt and ``retries``
     counts the rejections. kvgate never answers 408/429 itself, so only router-limit arms retry.
     named=False sends no X-Session-ID (and no rid naming the session); the session kvgate assigned comes
     back in X-Kvgate-Session-Id and is recorded as ``kv_session`` for precision/recall."""
-    body = orjson.dumps({"model": "kvgate-sim", "prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True,
-                         "stream": True, "stream_options": {"include_usage": True},
-                         **({"rid": f"{sid}-turn{turn}"} if named else {})})
+    body = turn_body(api, prompt, max_tokens, f"{sid}-turn{turn}" if named else None)
     r = {"session": sid, "turn": turn, "start": rec.now(), "ttft": None, "end": None, "ok": False,
          "status": None, "error": None, "output_tokens": 0, "prompt_tokens": None, "cached_tokens": None,
-         "admission": None, "queue_ms": None, "prompt_len": len(prompt), "retries": 0, "kv_session": None}
+         "admission": None, "queue_ms": None, "prompt_len": prompt_length(prompt), "retries": 0, "kv_session": None}
     # a client that names its sessions also asks smg for session affinity (X-SMG-Routing-Key: read by smg's
     # manual policy, ignored by the others), as kvgate does for it when lifecycle is on
     headers = {"Content-Type": "application/json",
@@ -189,7 +229,7 @@ async def send_turn(http: aiohttp.ClientSession, base: str, rec: Recorder, sid: 
     parts: list[str] = []
     while True:
         try:
-            async with http.post(base + "/v1/completions", data=body, headers=headers) as resp:
+            async with http.post(base + API_PATHS[api], data=body, headers=headers) as resp:
                 r["status"] = resp.status
                 r["kv_session"] = resp.headers.get("X-Kvgate-Session-Id")
                 r["admission"] = resp.headers.get("X-Kvgate-Admission")
@@ -207,11 +247,23 @@ async def send_turn(http: aiohttp.ClientSession, base: str, rec: Recorder, sid: 
                         if not line.startswith(b"data: ") or line.startswith(b"data: [DONE]"):
                             continue
                         obj = orjson.loads(line[6:])
+                        if "error" in obj:
+                            raise ValueError(f"stream error: {obj['error']}")
+                        if api == "generate":  # cumulative text; usage in meta_info
+                            if obj.get("text") and r["ttft"] is None:
+                                r["ttft"] = rec.now()
+                            parts = [obj.get("text") or ""]
+                            meta = obj.get("meta_info") or {}
+                            r["prompt_tokens"] = meta.get("prompt_tokens")
+                            r["output_tokens"] = meta.get("completion_tokens", 0)
+                            r["cached_tokens"] = meta.get("cached_tokens")
+                            continue
                         for ch in obj.get("choices") or []:
-                            if ch.get("text"):
+                            piece = ch.get("text") if api == "completions" else (ch.get("delta") or {}).get("content")
+                            if piece:
                                 if r["ttft"] is None:
                                     r["ttft"] = rec.now()
-                                parts.append(ch["text"])
+                                parts.append(piece)
                         if obj.get("usage"):
                             u = obj["usage"]
                             r["prompt_tokens"] = u.get("prompt_tokens")
@@ -242,7 +294,7 @@ async def _close(http: aiohttp.ClientSession, base: str, rec: Recorder, sid: str
 
 
 async def run_agentic(base: str, plans: list[SessionPlan], scaled: Scaled, rec: Recorder, explicit_close: bool,
-                      progress: Callable[[], None], named: bool = True) -> None:
+                      progress: Callable[[], None], named: bool = True, api: str = "generate") -> None:
     """Closed loop: each step starts all its sessions at once and ends when the last one ends.
     named=False: no session ids and no closes from the client (kvgate infers and ends sessions)."""
     conn = aiohttp.TCPConnector(limit=0)
@@ -252,15 +304,18 @@ async def run_agentic(base: str, plans: list[SessionPlan], scaled: Scaled, rec: 
             s = {"id": p.session_id, "step": p.step, "start": rec.now(), "end": None, "ok": False}
             rec.sessions.append(s)
             prompt = p.first_prompt
+            msgs = [{"role": "user", "content": p.first_prompt}]
             ok = True
             for k, t in enumerate(p.turns):
-                ok, out = await send_turn(http, base, rec, p.session_id, k + 1, prompt, t.max_tokens, scaled, named)
+                ok, out = await send_turn(http, base, rec, p.session_id, k + 1, msgs if api == "chat" else prompt,
+                                          t.max_tokens, scaled, named, api)
                 progress()
                 if not ok:
                     break
                 if k < len(p.turns) - 1:
                     await asyncio.sleep(scaled.wall(t.gap_s))  # the tool runs (the closed loop's idle window)
                     prompt = next_prompt(prompt, out, t.observation)
+                    msgs = msgs + [{"role": "assistant", "content": out}, {"role": "user", "content": t.observation}]
             s["end"], s["ok"] = rec.now(), ok
             if explicit_close and named:
                 await _close(http, base, rec, p.session_id)
@@ -273,7 +328,7 @@ async def run_agentic(base: str, plans: list[SessionPlan], scaled: Scaled, rec: 
 
 
 async def run_trace(base: str, reqs: list[TraceRequest], scaled: Scaled, rec: Recorder,
-                    progress: Callable[[], None], named: bool = True) -> None:
+                    progress: Callable[[], None], named: bool = True, api: str = "generate") -> None:
     """Open loop: each request at its (scaled) trace time; the 'step' is the whole window."""
     conn = aiohttp.TCPConnector(limit=0)
     st = {"step": 0, "start": rec.now(), "end": None}
@@ -287,7 +342,7 @@ async def run_trace(base: str, reqs: list[TraceRequest], scaled: Scaled, rec: Re
                 await asyncio.sleep(delay)  # open loop: the trace's own timestamps
             s = sess.setdefault(q.session_id, {"id": q.session_id, "step": 0, "start": rec.now(), "end": None,
                                                 "ok": True})
-            ok, _ = await send_turn(http, base, rec, q.session_id, q.turn, q.prompt, q.max_tokens, scaled, named)
+            ok, _ = await send_turn(http, base, rec, q.session_id, q.turn, q.prompt, q.max_tokens, scaled, named, api)
             s["ok"] = s["ok"] and ok
             s["end"] = max(s["end"] or 0.0, rec.now())
             progress()
@@ -335,9 +390,9 @@ async def run_arm_async(fleet: Fleet, workload, scaled: Scaled, sc: Scenario, pr
     try:
         if sc.workload["kind"] == "agentic":
             coro = run_agentic(fleet.base, workload, scaled, rec, sc.explicit_close, progress,
-                               fleet.arm.named_sessions)
+                               fleet.arm.named_sessions, sc.api)
         else:
-            coro = run_trace(fleet.base, workload, scaled, rec, progress, fleet.arm.named_sessions)
+            coro = run_trace(fleet.base, workload, scaled, rec, progress, fleet.arm.named_sessions, sc.api)
         await asyncio.wait_for(coro, timeout=timeout_s)
     except asyncio.TimeoutError:
         timed_out = True
@@ -357,6 +412,8 @@ async def run_arm_async(fleet: Fleet, workload, scaled: Scaled, sc: Scenario, pr
     return {"arm": fleet.arm.name, "wall_s": wall, "timed_out": timed_out, "requests": rec.requests,
             "sessions": rec.sessions, "steps": rec.steps, "samples": rec.samples, "closes": rec.closes,
             "sim_totals": totals, "sim_engines_sessions_seen": [len(s["sessions"]) for s in sims],
+            "sim_engines_prompt_tokens": [s["totals"]["prompt_tokens"] for s in sims],
+            "sim_engines_session_ids": [sorted(s["sessions"]) for s in sims],
             "kvgate_counters": kv_stats["counters"] if kv_stats else None,
             "kvgate_ledger": kv_stats["ledger"] if kv_stats else None, "kvgate_health": kv_health}
 

@@ -15,7 +15,10 @@ from typing import Any
 import yaml
 
 ARMS = ("direct", "proxy-only", "lifecycle", "lifecycle-inferred", "admission", "lifecycle+admission", "router-limit",
-        "unbounded-kv", "hicache", "hicache+lifecycle", "hicache+lifecycle+admission")
+        "unbounded-kv", "hicache", "hicache+lifecycle", "hicache+lifecycle+admission", "proxy-placement",
+        "smg-manual")
+# How the client sends its turns (the route): token ids to /generate, chat messages, or completions text.
+APIS = ("generate", "chat", "completions")
 
 # kvgate settings that are durations (seconds at speed 1); speed.scale() divides every one by the factor.
 KVGATE_TIME_DEFAULTS = {
@@ -55,6 +58,7 @@ class Scenario:
     sample_interval_s: float = 2.0
     sim_extra: dict = field(default_factory=dict)
     explicit_close: bool = True
+    api: str = "generate"
 
 
 WORKLOAD_KEYS = {
@@ -90,6 +94,7 @@ _CHECKS = {
     "router_queue_timeout_s": (lambda v: _is_num(v) and v > 0, "a number of seconds > 0"),
     "sample_interval_s": (lambda v: _is_num(v) and v > 0, "a number of seconds > 0"),
     "explicit_close": (lambda v: isinstance(v, bool), "true or false"),
+    "api": (lambda v: v in APIS, "one of " + ", ".join(APIS)),
     "kvgate_extra": (lambda v: isinstance(v, dict), "a mapping of kvgate config keys to values"),
     "sim_extra": (lambda v: isinstance(v, dict), "a mapping of kvgate sim-engine flags (as keys) to values"),
     "kvgate_times": (lambda v: isinstance(v, dict), "a mapping of kvgate time keys to seconds"),
