@@ -299,3 +299,38 @@ async def test_routing_key_warning_when_the_router_policy_ignores_it(recorders, 
                          session_placement="kvgate")
     lines = [r.getMessage() for r in caplog.records if "ignores X-SMG-Routing-Key" in r.getMessage()]
     assert len(lines) == 1 and "'cache_aware'" in lines[0]
+
+
+async def test_router_restart_is_probed_again_and_placed_sessions_ride_through_it(sim_factory, kvgate_factory,
+                                                                                log_dir):
+    from kvgate.tools import procs
+    e1 = await sim_factory(max_total_num_tokens=20_000, speed=50)
+    port, mport = free_port(), free_port()
+    cmd = procs.smg_command(port, [e1.url], mport)
+    url = f"http://127.0.0.1:{port}"
+    p = procs.start("smg-a", cmd, log_dir, url=url)
+    try:
+        await asyncio.to_thread(procs.wait_http, url + "/readiness", 60, p, procs.router_ready(1))
+        gw, kv = await kvgate_factory(upstream=url, agentic_session_lifecycle=True, compat_probe=True,
+                                      discovery_interval_s=0.1, session_inference=False)
+        await asyncio.wait_for(gw.directory.compat_checked.wait(), 30)
+        assert gw.directory.placed("/generate")
+    finally:
+        p.stop()
+    while gw.directory.last_error is None:
+        await asyncio.wait_for(gw.directory.refreshed.wait(), 10)
+    probes = gw.directory.probes
+    async with aiohttp.ClientSession() as http:
+        # the router is down: a placed session still reaches its engine; non-session traffic gets the 502
+        st, _, _ = await _post(http, kv + "/generate", {"input_ids": [1, 2, 3]}, {"X-Session-ID": "ride"})
+        assert st == 200 and e1.stats()["sessions"] == {"ride": 1}
+        st, _, _ = await _post(http, kv + "/v1/models", {})
+        assert st == 502
+    p2 = procs.start("smg-b", cmd, log_dir, url=url)
+    try:
+        await asyncio.to_thread(procs.wait_http, url + "/readiness", 60, p2, procs.router_ready(1))
+        while gw.directory.probes == probes or gw.directory.last_error is not None:
+            await asyncio.wait_for(gw.directory.probed.wait(), 30)
+        assert gw.directory.verdicts["/generate"] == "dropped"
+    finally:
+        p2.stop()

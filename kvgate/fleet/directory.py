@@ -189,8 +189,8 @@ class EngineDirectory:
                 break
 
     async def probe_passthrough(self, route: str = "/generate") -> str:
-        """Send the session_id probe (kvgate.fleet.compat) for ``route`` through the router; return and record
-        the verdict."""
+        """Send the session_id probe (kvgate.fleet.compat) for ``route`` through the router; record the verdict
+        (an ``unknown`` answer does not replace a known one) and return the route's verdict."""
         probe_id = "kvgate-probe-" + secrets.token_hex(8)
         try:
             async with self.session.post(self.upstream + route, data=compat.probe_body(probe_id, route, self.model_id),
@@ -198,9 +198,11 @@ class EngineDirectory:
                 verdict = compat.classify_probe(resp.status, await resp.read())
         except (aiohttp.ClientError, asyncio.TimeoutError, OSError):
             verdict = compat.UNKNOWN
-        self.verdicts[route] = verdict
-        self.metrics.set_passthrough(route, verdict)
-        return verdict
+        if verdict != compat.UNKNOWN or self.verdicts[route] == compat.UNKNOWN:
+            # A known verdict is kept through a probe nothing answered (a router restarting).
+            self.verdicts[route] = verdict
+            self.metrics.set_passthrough(route, verdict)
+        return self.verdicts[route]
 
     async def _model_from_router(self) -> None:
         if self.model_id is not None:

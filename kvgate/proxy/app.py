@@ -386,7 +386,9 @@ class Gateway:
             except Exception:
                 log.exception("session resolution failed; forwarding unchanged")
                 self.metrics.faults.labels("session").inc()
-        session_id = plan.session_id if self.lifecycle_on else None
+        # Lifecycle off: a session named for placement is not tracked, observed or told back to the client.
+        tracked = plan.session_id if self.lifecycle_on else None
+        session_id = tracked
         try:
             ticket = await self.gate.acquire(RequestInfo(c, request.headers, session_id))
         except asyncio.CancelledError:  # client gone while waiting for admission: it never went out
@@ -407,14 +409,14 @@ class Gateway:
                 session_id = None
         headers = forward_headers(request.headers, plan.extra)
         observe = None
-        if session_id is not None:
+        if tracked is not None:
             def observe(is_sse: bool, route=c.path, text=plan.prompt_is_text) -> ResponseObserver:
                 return ResponseObserver(is_sse, route=route, prompt_is_text=text)
         self.metrics.inflight.inc()
         t1 = time.perf_counter()
         outcome = None
         try:
-            add = ticket.headers if session_id is None else [*ticket.headers, (SESSION_HEADER, session_id)]
+            add = ticket.headers if tracked is None else [*ticket.headers, (SESSION_HEADER, tracked)]
             placed = None
             if self._placed_route(c, plan):
                 placed = await self._relay_placed(request, c, plan, observe, add)
