@@ -1,5 +1,5 @@
 """The bench's rollout client against a recording endpoint on 127.0.0.1: what a named and an unnamed client
-send, and what it records from a streamed /v1/completions answer."""
+send, and what it records from a streamed /v1/completions, /generate and chat answer."""
 
 import orjson
 from aiohttp import web
@@ -28,7 +28,7 @@ async def test_named_and_unnamed_turns(aiohttp_client):
     base = str(client.make_url("")).rstrip("/")
     rec = Recorder()
     scaled = scale(1.0, {}, 10.0, 1.0)
-    ok, text = await send_turn(client.session, base, rec, "s1", 2, "hello", 3, scaled, named=True)
+    ok, text = await send_turn(client.session, base, rec, "s1", 2, "hello", 3, scaled, named=True, api="completions")
     assert ok and text == "abc"
     headers, body = seen[0]
     # the named client asks for session affinity under smg's manual policy and names the request
@@ -38,9 +38,53 @@ async def test_named_and_unnamed_turns(aiohttp_client):
     assert (r["prompt_tokens"], r["output_tokens"], r["cached_tokens"], r["kv_session"]) == (5, 3, 4, "kv-1")
     assert r["ttft"] is not None and r["start"] <= r["ttft"] <= r["end"]
 
-    ok, _ = await send_turn(client.session, base, rec, "s1", 3, "hello abc", 3, scaled, named=False)
+    ok, _ = await send_turn(client.session, base, rec, "s1", 3, "hello abc", 3, scaled, named=False, api="completions")
     headers, body = seen[1]
     assert ok and "X-Session-ID" not in headers and "X-SMG-Routing-Key" not in headers and "rid" not in body
+
+
+async def test_generate_and_chat_turns(aiohttp_client):
+    from kvgate.sim.tokenizer import encode
+    seen = []
+
+    async def generate(request):
+        seen.append(await request.json())
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        for text in ("ab", "abc"):  # cumulative, as SGLang streams /generate
+            meta = {"prompt_tokens": 5, "completion_tokens": len(text), "cached_tokens": 4}
+            await resp.write(b"data: " + orjson.dumps({"text": text, "meta_info": meta}) + b"\n\n")
+        await resp.write(b"data: [DONE]\n\n")
+        return resp
+
+    async def chat(request):
+        seen.append(await request.json())
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        for text in ("x", "yz"):
+            await resp.write(b"data: " + orjson.dumps({"choices": [{"delta": {"content": text}}]}) + b"\n\n")
+        usage = {"prompt_tokens": 7, "completion_tokens": 3}
+        await resp.write(b"data: " + orjson.dumps({"choices": [], "usage": usage}) + b"\n\n")
+        await resp.write(b"data: [DONE]\n\n")
+        return resp
+
+    app = web.Application()
+    app.router.add_post("/generate", generate)
+    app.router.add_post("/v1/chat/completions", chat)
+    client = await aiohttp_client(app)
+    base = str(client.make_url("")).rstrip("/")
+    rec = Recorder()
+    scaled = scale(1.0, {}, 10.0, 1.0)
+    ok, text = await send_turn(client.session, base, rec, "s1", 1, "hello", 3, scaled)
+    assert ok and text == "abc"
+    assert seen[0]["input_ids"] == encode("hello") and seen[0]["sampling_params"]["max_new_tokens"] == 3
+    assert seen[0]["rid"] == "s1-turn1" and seen[0]["stream"] is True
+    r = rec.requests[0]
+    assert (r["prompt_tokens"], r["output_tokens"], r["cached_tokens"], r["prompt_len"]) == (5, 3, 4, 5)
+    msgs = [{"role": "user", "content": "task"}, {"role": "assistant", "content": "out"},
+            {"role": "user", "content": "obs"}]
+    ok, text = await send_turn(client.session, base, rec, "s1", 2, msgs, 3, scaled, api="chat")
+    assert ok and text == "xyz" and seen[1]["messages"] == msgs and rec.requests[1]["prompt_len"] == 10
 
 
 def test_router_command_per_arm(tmp_path):
