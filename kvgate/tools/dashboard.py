@@ -115,10 +115,11 @@ ROWS: tuple[RowSpec, ...] = (
                   "engine is slow or unreachable: check the close failures panel and the engines' health.",
                   _quantiles("agentic_kv_session_close_fanout_seconds"), unit="s"),
         PanelSpec("Router forwards session_id",
-                  "The startup probe's verdict (forwarded/dropped/unknown); dropped means the router strips "
-                  "session_id so engines cannot tag KV: use smg and SGLang >= 0.5.17 (see README Compatibility).",
-                  (Target(f"max by (verdict) (agentic_kv_router_session_id_passthrough{{{KV}}}) == 1",
-                          "{{verdict}}"),),
+                  "The probe's verdict per generate route (forwarded/dropped/unknown); dropped means the router "
+                  "strips session_id there, so kvgate places that route's session traffic on the engines itself "
+                  "(session_placement: auto; see docs/placement.md).",
+                  (Target(f"max by (route, verdict) (agentic_kv_router_session_id_passthrough{{{KV}}}) == 1",
+                          "{{route}} {{verdict}}"),),
                   kind="stat"),
     )),
     RowSpec("Admission", (
