@@ -45,6 +45,11 @@ def test_shipped_config_documents_every_key_and_is_valid():
     ({"session_field": "rid", "session_field_regex": "(unclosed"}, "session_field_regex: not a valid regular expression"),
     ({"session_field_regex": "^(.+)$"}, "session_field_regex: needs session_field"),
     ({"session_idle_close_s": float("inf")}, "session_idle_close_s: expected a finite number"),
+    ({"session_placement": "smart"}, "session_placement: must be one of auto, kvgate, router"),
+    ({"session_placement_routes": {"/v1/responses": "kvgate"}}, "session_placement_routes: must be a mapping from"),
+    ({"session_placement_routes": {"/generate": "yes"}}, "session_placement_routes: must be a mapping from"),
+    ({"session_placement_routes": ["/generate"]}, "session_placement_routes: expected a mapping"),
+    ({"placement_pressure_threshold": 0}, "placement_pressure_threshold: must be in (0, 1]"),
 ])
 def test_bad_values_name_the_key_in_one_line(raw, message):
     with pytest.raises(ConfigError) as err:
@@ -70,6 +75,15 @@ def test_flags_override_yaml(tmp_path):
     assert cfg.agentic_session_lifecycle is False
     assert cfg.session_idle_close_s == 10.0
     assert cfg.engines == ["http://e1:1@0", "http://e1:1@1"]
+
+
+def test_placement_route_overrides_from_yaml_and_flag(tmp_path):
+    f = tmp_path / "c.yaml"
+    f.write_text("session_placement: router\nsession_placement_routes: {/generate: kvgate}\n")
+    cfg = from_args(build_parser().parse_args(["serve", "--config", str(f)]))
+    assert (cfg.session_placement, cfg.session_placement_routes) == ("router", {"/generate": "kvgate"})
+    cfg = from_args(build_parser().parse_args(["serve", "--session-placement-routes", "{/v1/completions: router}"]))
+    assert cfg.session_placement_routes == {"/v1/completions": "router"} and cfg.session_placement == "auto"
 
 
 def test_bad_rule_flag_is_one_line(tmp_path):

@@ -112,3 +112,43 @@ def test_engine_that_returns_counts_its_sessions_again():
     p.set_engines([(B, True)])
     p.set_engines([(A, True), (B, True)])
     assert p.sessions_on(A) == 1 and p.place("s1", [], 1.0) == Target(A)
+
+
+from hypothesis import given, settings, strategies as st
+
+OPS = st.lists(st.tuples(st.sampled_from(["place", "forget", "engines", "cap", "unreachable"]),
+                         st.integers(0, 7), st.integers(0, 7)), max_size=60)
+
+
+@settings(max_examples=200, deadline=None)
+@given(OPS)
+def test_counts_stay_consistent_under_any_sequence(ops):
+    """Per-engine session counts always equal the sessions whose engine is listed; a placed call always gets
+    a usable engine of the current list and its DP rank is within that engine's ranks."""
+    urls = [A, B, C]
+    p = Placement(max_sessions=5)
+    p.set_engines([(u, True) for u in urls])
+    now = 0.0
+    for op, x, y in ops:
+        now += 1.0
+        if op == "place":
+            t = p.place(f"s{x}", [y], now)
+            if t is not None:
+                e = p._engines[t.engine]
+                assert p._usable(e, now) and (t.dp_rank is None or 0 <= t.dp_rank < e.dp_size)
+                p.remember_prefix([y], t)
+        elif op == "forget":
+            p.forget(f"s{x}")
+        elif op == "engines":
+            p.set_engines([(u, (x >> i) & 1 == 0) for i, u in enumerate(urls) if (y >> i) & 1 == 0])
+        elif op == "cap":
+            p.set_capacity({urls[x % 3]: [(1000, 100 * y)] * (1 + x % 2)})
+        else:
+            p.mark_unreachable(urls[x % 3], now)
+        listed = {u for u in urls if u in p._engines}
+        expect = {u: 0 for u in listed}
+        for s in p._sessions.values():
+            if s.target.engine in listed:
+                expect[s.target.engine] += 1
+        assert {u: p.sessions_on(u) for u in listed} == expect
+        assert len(p) <= 5

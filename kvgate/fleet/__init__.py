@@ -1,6 +1,6 @@
 """The engine fleet behind the router: which engine base URLs exist and whether they are set up for sessions.
 
 Owns worker discovery from the router's /workers (discovery, pure), compatibility verdicts such as "does the
-router forward session_id" (compat, pure) and the live engine directory that keeps both fresh (directory,
-I/O edge). May import kvgate.common and kvgate.proxy.metrics.
+router forward session_id" (compat, pure), which engine a session's calls go to when kvgate places them
+(placement, pure) and the live engine directory that keeps the list and verdicts fresh (directory, I/O edge). May import kvgate.common and kvgate.proxy.metrics.
 """

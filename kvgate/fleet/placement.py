@@ -160,8 +160,10 @@ class Placement:
             if e is not None and e.url not in excluded and self._usable(e, now):
                 self._sessions.move_to_end(session_id)
                 s.last_used = now
-                if s.target.dp_rank is None and e.dp_size > 1:  # ranks became known after the first call
-                    self._set_target(session_id, s, Target(e.url, self._best_rank(e)))
+                rank = s.target.dp_rank
+                if (rank is None and e.dp_size > 1) or (rank is not None and rank >= e.dp_size):
+                    # ranks became known after the first call (or the engine came back with fewer)
+                    self._set_target(session_id, s, Target(e.url, self._best_rank(e) if e.dp_size > 1 else None))
                 self.counts["sticky"] += 1
                 self.last_reason = "sticky"
                 return s.target

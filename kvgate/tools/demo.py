@@ -216,7 +216,7 @@ def _run_once(args: argparse.Namespace, records, sessions, admission: bool, log_
         kport = procs.free_port()
         kv_cmd = [sys.executable, "-m", "kvgate", "serve", "--upstream", router.url, "--port", str(kport),
                   "--agentic-session-lifecycle", "--session-idle-close-s", str(args.idle_close_s / speed),
-                  "--discovery-interval-s", str(max(0.5, 5 / speed))]
+                  "--discovery-interval-s", str(max(0.5, 5 / speed)), "--router-policy", "round_robin"]
         if admission:
             kv_cmd += ["--agentic-program-admission", "--admission-poll-interval-s", str(max(0.05, 2.0 / speed)),
                        "--agentic-admission-max-wait-s", str(30.0 / speed)]
@@ -272,6 +272,7 @@ def _run_once(args: argparse.Namespace, records, sessions, admission: bool, log_
         "queue_ms_p99": round(percentile(rep.queue_ms, 99), 1) if rep.queue_ms else None,
         "admission_stats": stats, "route": args.route,
         "router_generate_session_id": health["session_id_passthrough"],
+        "session_placement": health.get("session_placement"),
     }
     print("summary")
     print(f"  requests   {rep.ok}/{len(records)} ok, errors {rep.errors or 0}, replay wall time {wall:.1f} s")
@@ -283,7 +284,8 @@ def _run_once(args: argparse.Namespace, records, sessions, admission: bool, log_
     print(f"  fan-out    {calls_ok} /close_session calls ok, {close_fail} failed; engines received "
           f"session_id for {engine_sessions} sessions and {engine_closes} closes")
     print(f"  router     turns sent to /{'generate' if args.route == 'generate' else 'v1/completions'}; kvgate's "
-          f"probe says the router {health['session_id_passthrough']} top-level session_id on /generate")
+          f"probe says the router {health['session_id_passthrough']} top-level session_id on /generate, so "
+          f"{health['session_placement']['/generate']} places /generate sessions")
     if admission:
         c = stats["counters"]
         print(f"  admission  admit {c['admit']}, wait {c['wait']}, bypass {c['bypass_protected'] + c['bypass_degraded'] + c['bypass_aged']} "
