@@ -133,8 +133,9 @@ async def test_grpo_siblings_share_an_engine_and_a_killed_engine_moves_its_sessi
     e1 = await sim_factory(max_total_num_tokens=50_000, speed=50)
     e2 = await sim_factory(max_total_num_tokens=50_000, speed=50)
     router = await router_factory([e1.url, e2.url])
+    # discovery every 60 s: the refused connection, not the router's health check, is what moves the sessions
     gw, kv = await kvgate_factory(upstream=router, agentic_session_lifecycle=True, session_placement="kvgate",
-                                  session_inference=False)
+                                  session_inference=False, discovery_interval_s=60)
     await gw.directory.first_refresh.wait()
     task_a = list(range(1000, 1200))  # one GRPO group's shared task prompt (3 full blocks)
     task_b = list(range(2000, 2200))
@@ -148,6 +149,12 @@ async def test_grpo_siblings_share_an_engine_and_a_killed_engine_moves_its_sessi
         where_b = {tuple(_where(f"b{i}", e1, e2)) for i in range(4)}
         assert len(where_a) == 1 and len(where_b) == 1 and where_a != where_b  # one engine per group, two groups spread
         assert gw.placement.counts["prefix"] == 6 and gw.placement.counts["free_kv"] == 2
+        # /v1/completions placed by kvgate too (mode kvgate): one engine, every turn, session_id in the body
+        for turn in range(3):
+            st, body, _ = await _post(http, kv + "/v1/completions", {"model": "kvgate-sim", "prompt": "q" * (300 + turn),
+                                                                     "max_tokens": 2}, {"X-Session-ID": "c1"})
+            assert st == 200 and orjson.loads(body)["usage"]["completion_tokens"] == 2
+        assert sorted(_where("c1", e1, e2)) == [0, 3]
         # kill a0's engine between turns: its sessions move to the other engine and later turns succeed
         victim_url, _ = gw.placement.engine_of("a0")
         victim, survivor = (e1, e2) if victim_url == e1.url else (e2, e1)
