@@ -70,11 +70,11 @@ async def test_auto_places_generate_and_chat_sessions_on_one_engine_through_smg(
         counts = _where("gen", e1, e2)
         assert sorted(counts) == [0, 3]
         home = (e1, e2)[counts.index(3)]
-        # answers equal calling that engine directly (same prompt, same deterministic simulator)
-        st, direct, _ = await _post(http, home.url + "/generate", {"input_ids": prompt, "sampling_params": {
-            "max_new_tokens": 8, "ignore_eos": True}})
-        st, via, _ = await _post(http, kv + "/generate", {"input_ids": prompt, "sampling_params": {
-            "max_new_tokens": 8, "ignore_eos": True}}, {"X-Session-ID": "gen"})
+        # answers equal calling that engine directly (same prompt, greedy decoding)
+        greedy = {"max_new_tokens": 8, "ignore_eos": True, "temperature": 0}
+        st, direct, _ = await _post(http, home.url + "/generate", {"input_ids": prompt, "sampling_params": greedy})
+        st, via, _ = await _post(http, kv + "/generate", {"input_ids": prompt, "sampling_params": greedy},
+                                 {"X-Session-ID": "gen"})
         d, v = orjson.loads(direct), orjson.loads(via)
         assert (v["text"], v["output_ids"]) == (d["text"], d["output_ids"])
         assert v["meta_info"]["cached_tokens"] >= len(prompt) - 1  # the session's prefix is on this engine
