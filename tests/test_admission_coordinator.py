@@ -32,13 +32,16 @@ def test_admit_when_room_and_fifo_empty():
     assert lg.reserved == 0
 
 
-def test_protected_and_degraded_bypass_without_reserving():
+def test_protected_reserves_degraded_does_not():
     co, lg = make(stale_after_s=6.0)
     d = co.submit("p", 100_000, True, 1.0)
     assert d.kind is Kind.BYPASS_PROTECTED and d.header == "bypass-protected"
+    assert d.lease.forced and lg.reserved == 10_000  # clamped to the engine's max_total_num_tokens
     d = co.submit("late", 100, False, 6.0)  # snapshot from t=0 is stale at t=6
-    assert d.kind is Kind.BYPASS_DEGRADED and d.header == "bypass-degraded"
-    assert lg.reserved == 0 and co.waiting == 0
+    assert d.kind is Kind.BYPASS_DEGRADED and d.header == "bypass-degraded" and d.lease is None
+    assert lg.reserved == 10_000 and co.waiting == 0
+    co.release("p", 7.0)
+    assert lg.reserved == 0
     assert co.counters["bypass_protected"] == 1 and co.counters["bypass_degraded"] == 1 and co.counters["bypass"] == 2
 
 
@@ -101,7 +104,7 @@ def test_aging_bypass_exactly_at_max_wait():
     assert out[0].waited_s == 30.0 and out[0].header == "bypass-aged" and out[0].reason == "capacity_exhausted"
     assert co.next_deadline(35.0) == 40.0
     assert kinds(co.pump(40.0)) == [("c", Kind.BYPASS_AGED)]
-    assert co.counters["bypass_aged"] == 2 and lg.reserved == 9000
+    assert co.counters["bypass_aged"] == 2 and lg.reserved == 9020  # aged bypasses still reserve
 
 
 def test_max_wait_zero_bypasses_on_first_pump():
@@ -223,7 +226,7 @@ def test_lease_ttl_reclaim_through_pump():
     assert kinds(out) == [("b", Kind.BYPASS_AGED)]
     assert co.next_deadline(31.0) == 100.0  # lease expiry
     assert co.pump(100.0) == []
-    assert lg.reserved == 0 and lg.lease_expired_total == 1
+    assert lg.reserved == 10 and lg.lease_expired_total == 1  # the aged bypass's lease is live
 
 
 def test_stats_rates_over_window():
@@ -238,7 +241,7 @@ def test_stats_rates_over_window():
     assert s["defer_rate"] == pytest.approx(1 / 4)
     assert s["degraded_rate"] == 0.0
     assert s["wait_s"] == {"count": 1, "mean": 2.0, "p50": 2.0, "max": 2.0}
-    assert s["waiting"] == 0 and s["ledger"]["reserved"] == 10
+    assert s["waiting"] == 0 and s["ledger"]["reserved"] == 20  # b's lease and the aged bypass's
     # degraded: new snapshot without engines
     co.reconcile(ClusterSnapshot.build({"http://e0": None}, 4.0), 4.0)
     assert co.submit("x", 10, False, 4.0).kind is Kind.BYPASS_DEGRADED

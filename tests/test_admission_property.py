@@ -1,5 +1,6 @@
 """Property test (issue 3 "Done when"): random acquire / release / cancel / reconcile / expire sequences keep
-reserved >= 0 and equal to the live leases, bring it back to 0 when all leases end, and keep FIFO order."""
+reserved >= 0 and equal to the live leases (bypasses hold leases too), bring it back to 0 when all leases end,
+keep FIFO order (strict mode), and no waiter is left waiting past max_wait_s after a pump (both modes)."""
 
 from hypothesis import settings, strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
@@ -17,10 +18,12 @@ class AdmissionMachine(RuleBasedStateMachine):
         ttl=st.sampled_from([20.0, 1000.0]),
         stale=st.sampled_from([6.0, 1e9]),
         cap=st.integers(1000, 20_000),
+        backfill=st.booleans(),
     )
-    def setup(self, max_wait, ttl, stale, cap):
+    def setup(self, max_wait, ttl, stale, cap, backfill):
+        self.backfill = backfill
         self.lg = Ledger(headroom=0.9, pressure_threshold=0.92, stale_after_s=stale, lease_ttl_s=ttl, window_s=60.0)
-        self.co = AdmissionCoordinator(self.lg, max_wait_s=max_wait)
+        self.co = AdmissionCoordinator(self.lg, max_wait_s=max_wait, backfill=backfill)
         self.now = 0.0
         self.next_id = 0
         self.queue = []  # model FIFO of ticket ids
@@ -28,6 +31,7 @@ class AdmissionMachine(RuleBasedStateMachine):
         self.left_order = []  # tickets in the order they left the FIFO by admit/bypass
         self.enqueue_order = []
         self.raced = 0
+        self.waited_since = {}
         self.co.reconcile(ClusterSnapshot.build({"http://e0": EngineCapacity.from_pools([(cap, 0, 0.0)])}, 0.0), 0.0)
 
     def _tick(self, dt):
@@ -35,13 +39,15 @@ class AdmissionMachine(RuleBasedStateMachine):
 
     def _deliver(self, decisions):
         for d in decisions:
-            # strict FIFO: whatever leaves the queue is the current head
-            assert self.queue and d.ticket == self.queue[0], (d, self.queue)
-            self.queue.pop(0)
-            self.left_order.append(d.ticket)
+            # strict FIFO: whatever leaves the queue is the current head (backfill: any waiter, by admit)
+            assert self.queue and d.ticket in self.queue, (d, self.queue)
+            if not (self.backfill and d.kind is Kind.ADMIT):
+                assert d.ticket == self.queue[0], (d, self.queue)
+                self.left_order.append(d.ticket)
+            self.queue.remove(d.ticket)
             assert d.kind is not Kind.WAIT
             assert d.waited_s >= 0
-            if d.kind is Kind.ADMIT:
+            if d.lease is not None:
                 self.held[d.ticket] = d.tokens
 
     def _sync_expired(self):
@@ -59,10 +65,11 @@ class AdmissionMachine(RuleBasedStateMachine):
         if d.kind is Kind.WAIT:
             self.queue.append(t)
             self.enqueue_order.append(t)
+            self.waited_since[t] = self.now
             self._deliver(self.co.pump(self.now))
         else:
-            assert not (had_waiters and d.kind is Kind.ADMIT), "admitted past an earlier waiter"
-            if d.kind is Kind.ADMIT:
+            assert not (had_waiters and d.kind is Kind.ADMIT and not self.backfill), "admitted past an earlier waiter"
+            if d.lease is not None:
                 self.held[t] = tokens
 
     @precondition(lambda self: self.held)
@@ -75,7 +82,7 @@ class AdmissionMachine(RuleBasedStateMachine):
         self._deliver(out)
         self._sync_expired()
         assert not self.lg.holds(t)
-        granted = [d.ticket for d in out if d.kind is Kind.ADMIT and self.lg.holds(d.ticket)]
+        granted = [d.ticket for d in out if d.lease is not None and self.lg.holds(d.ticket)]
         if race and granted:
             # the pump granted a waiter whose client vanished in the same instant: cancel releases the lease
             g = granted[0]
@@ -114,6 +121,8 @@ class AdmissionMachine(RuleBasedStateMachine):
         self._tick(dt)
         self._deliver(self.co.pump(self.now))  # pump reclaims expired leases first
         self._sync_expired()
+        # nothing starves: after a pump no waiter has waited max_wait_s or more
+        assert all(self.now - self.waited_since[t] < self.co.max_wait_s for t in self.queue)
 
     @invariant()
     def ledger_consistent(self):

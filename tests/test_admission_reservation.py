@@ -47,12 +47,12 @@ def test_batch_input_ids():
 
 def test_batch_per_item_sampling_params():
     body = {"input_ids": [[1] * 100, [1] * 200], "sampling_params": [{"max_new_tokens": 10}, {"max_new_tokens": 20, "n": 2}]}
-    assert est("/generate", body) == 110 + 2 * 220
+    assert est("/generate", body) == 110 + 200 + 2 * 20  # n copies share their prompt
 
 
 def test_generate_n_gt_1():
     body = {"input_ids": [1] * 100, "sampling_params": {"max_new_tokens": 50, "n": 4}}
-    assert est("/generate", body) == 4 * 150
+    assert est("/generate", body) == 100 + 4 * 50  # SGLang prefills the prompt once for n copies
 
 
 def test_generate_text_estimate():
@@ -88,9 +88,9 @@ def test_tokenizer_failure_falls_back_to_ratio():
 def test_openai_completions():
     assert est("/v1/completions", {"prompt": "x" * 90, "max_tokens": 100}) == 130
     assert est("/v1/completions", {"prompt": [1, 2, 3], "max_tokens": 7}) == 10
-    assert est("/v1/completions", {"prompt": ["x" * 30, "y" * 30], "max_tokens": 5, "n": 2}) == 2 * 15 + 2 * 15
+    assert est("/v1/completions", {"prompt": ["x" * 30, "y" * 30], "max_tokens": 5, "n": 2}) == 2 * 10 + 4 * 5
     assert est("/v1/completions", {"prompt": [[1] * 10, [1] * 20], "max_tokens": 5}) == 15 + 25
-    assert est("/v1/completions?foo=1", {"prompt": "x" * 90}) == 30 + 128
+    assert est("/v1/completions?foo=1", {"prompt": "x" * 90}) == 30 + CAP  # OpenAI routes run to the context
 
 
 def test_chat_messages_string_and_parts():
@@ -107,7 +107,7 @@ def test_chat_messages_string_and_parts():
 
 def test_chat_max_completion_tokens_preferred_and_n():
     body = {"messages": [{"role": "user", "content": "u" * 30}], "max_tokens": 999, "max_completion_tokens": 50, "n": 3}
-    assert est("/v1/chat/completions", body) == 3 * (10 + CHAT_MESSAGE_OVERHEAD_TOKENS + 50)
+    assert est("/v1/chat/completions", body) == 10 + CHAT_MESSAGE_OVERHEAD_TOKENS + 3 * 50
 
 
 def test_chat_tool_calls_counted():
@@ -124,7 +124,7 @@ def test_responses_api():
     body = {"input": "i" * 30, "instructions": "x" * 30, "max_output_tokens": 20}
     assert est("/v1/responses", body) == 10 + 10 + CHAT_MESSAGE_OVERHEAD_TOKENS + 20
     body2 = {"input": [{"role": "user", "content": [{"type": "input_text", "text": "t" * 60}]}]}
-    assert est("/v1/responses", body2) == 20 + CHAT_MESSAGE_OVERHEAD_TOKENS + 128
+    assert est("/v1/responses", body2) == 20 + CHAT_MESSAGE_OVERHEAD_TOKENS + CAP
 
 
 @pytest.mark.parametrize(
@@ -146,7 +146,9 @@ def test_responses_api():
 def test_odd_bodies_never_raise_and_reserve_minimum(path, body):
     n = est(path, body)
     assert n >= MIN_PROMPT_TOKENS + 1
-    assert n <= 2 * (MIN_PROMPT_TOKENS + 128) + 2 * CHAT_MESSAGE_OVERHEAD_TOKENS
+    # the OpenAI routes' budget without max_tokens is the decode cap (they run to the context length)
+    budget = 128 if path == "/generate" else CAP
+    assert n <= 2 * (MIN_PROMPT_TOKENS + budget) + 2 * CHAT_MESSAGE_OVERHEAD_TOKENS
 
 
 def test_odd_body_exact_minimum():

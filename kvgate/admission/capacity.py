@@ -7,7 +7,10 @@ Rules (SGLang's GET /metrics and /v1/loads, see docs/compatibility.md):
   capacity and used tokens are summed for the engine, and each pool counts on its own for the pressure guard
   (``worst_usage`` is the highest single-pool usage);
 - engines are summed for the cluster (:class:`ClusterSnapshot`);
-- if ``token_usage`` reads 0 while ``num_used_tokens`` > 0, usage = num_used / capacity.
+- if ``token_usage`` reads 0 while ``num_used_tokens`` > 0, usage = num_used / capacity;
+- implausible figures are no signal (fail-open: the engine counts as not answering): a pool larger than
+  MAX_PLAUSIBLE_TOKENS, a usage above MAX_PLAUSIBLE_USAGE, or used tokens above that fraction of capacity.
+  SGLang computes token_usage = used / max_total_num_tokens, so it never reads far above 1.
 """
 
 from __future__ import annotations
@@ -22,6 +25,8 @@ __all__ = [
     "METRIC_MAX_TOTAL",
     "METRIC_NUM_USED",
     "METRIC_TOKEN_USAGE",
+    "MAX_PLAUSIBLE_TOKENS",
+    "MAX_PLAUSIBLE_USAGE",
     "Pool",
     "EngineCapacity",
     "ClusterSnapshot",
@@ -34,6 +39,11 @@ METRIC_MAX_TOTAL = "sglang:max_total_num_tokens"
 METRIC_NUM_USED = "sglang:num_used_tokens"
 METRIC_TOKEN_USAGE = "sglang:token_usage"
 _WANTED = (METRIC_MAX_TOTAL, METRIC_NUM_USED, METRIC_TOKEN_USAGE)
+
+#: No KV pool holds more tokens than this (2^40 ~ 1.1e12; today's largest pools hold ~1e7).
+MAX_PLAUSIBLE_TOKENS = 1 << 40
+#: token_usage above this is a broken figure, not pressure (SGLang's used / max_total cannot exceed 1).
+MAX_PLAUSIBLE_USAGE = 1.5
 
 
 def stale_after_s(poll_interval_s: float) -> float:
@@ -130,8 +140,20 @@ def _pools_from_ranks(ranks: Mapping[str, dict[str, float]]) -> EngineCapacity |
         cap = vals.get("cap")
         if cap is None or cap <= 0:
             continue
+        if not _plausible(cap, vals.get("used"), vals.get("usage")):
+            return None  # one broken pool makes the whole engine's report untrustworthy
         pools.append(_make_pool(cap, vals.get("used"), vals.get("usage")))
     return EngineCapacity(tuple(pools)) if pools else None
+
+
+def _plausible(cap: float, used: float | None, usage: float | None) -> bool:
+    if cap > MAX_PLAUSIBLE_TOKENS:
+        return False
+    if usage is not None and usage > MAX_PLAUSIBLE_USAGE:
+        return False
+    if used is not None and used > cap * MAX_PLAUSIBLE_USAGE:
+        return False
+    return True
 
 
 def _rank_sort_key(k: str) -> tuple[int, str]:
@@ -224,8 +246,10 @@ class ClusterSnapshot:
 
     @classmethod
     def build(cls, results: Mapping[str, EngineCapacity | None], now: float) -> "ClusterSnapshot":
-        """Build from {engine_url: EngineCapacity or None (poll failed)} polled at ``now`` (seconds)."""
-        healthy = {url: cap for url, cap in results.items() if cap is not None and cap.capacity > 0}
+        """Build from {engine_url: EngineCapacity or None (poll failed)} polled at ``now`` (seconds).
+        An engine with implausible figures counts as unhealthy (no signal)."""
+        healthy = {url: cap for url, cap in results.items() if cap is not None and cap.capacity > 0
+                   and all(_plausible(p.capacity, p.used, p.usage) for p in cap.pools)}
         return cls(taken_at=float(now), engines=healthy, unhealthy=frozenset(u for u in results if u not in healthy))
 
     @property

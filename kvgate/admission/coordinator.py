@@ -33,7 +33,17 @@ from typing import Any, Hashable
 from .capacity import ClusterSnapshot
 from .ledger import Grant, Lease, Ledger
 
-__all__ = ["Kind", "Decision", "AdmissionCoordinator", "ADMISSION_OFF"]
+__all__ = ["Kind", "Decision", "AdmissionCoordinator", "ADMISSION_OFF", "held_kind"]
+
+
+def _url(place: Any) -> Any:
+    """The engine URL of a place (URL or (URL, dp_rank)); None for the fleet."""
+    return place[0] if isinstance(place, tuple) else place
+
+
+def held_kind(lease: Lease) -> "Kind":
+    """The decision kind a held lease was granted under (idempotent resubmits answer the same)."""
+    return Kind.BYPASS_PROTECTED if lease.forced else Kind.ADMIT
 
 #: X-Kvgate-Admission value for requests admission did not touch (feature off or out of scope).
 ADMISSION_OFF = "off"
@@ -92,6 +102,8 @@ class _Waiter:
     tokens: int
     enqueued_at: float
     reason: str | None
+    place: Any = None
+    blocks: tuple = ()
 
 
 class AdmissionCoordinator:
@@ -99,18 +111,29 @@ class AdmissionCoordinator:
 
     Args: ledger; max_wait_s (>= 0): the head bypasses (aged) once it waited that long; window_s: rolling
     window (seconds) for defer_rate / degraded_rate and the wait-time summary in stats() (default: the
-    ledger's window_s). Raises ValueError for a negative max_wait_s.
+    ledger's window_s); backfill: let a waiter that fits pass a head that does not (below). Raises
+    ValueError for a negative max_wait_s.
 
     Decision order per request: protected -> BYPASS_PROTECTED; ledger degraded -> BYPASS_DEGRADED;
     an earlier waiter exists or the ledger refuses -> WAIT; otherwise ADMIT with a lease. In pump():
     degraded -> every waiter BYPASS_DEGRADED in order; head fits -> ADMIT; head waited >= max_wait_s ->
     BYPASS_AGED; else stop (strict FIFO: a later waiter never goes while an earlier one waits).
+    Bypasses still reserve (a forced lease: they never wait, but the work after them sees their tokens),
+    except BYPASS_DEGRADED (there is no ledger to count against); release them like admits.
+
+    Backfill (off = today's strict FIFO): a later waiter that fits may go ahead of a head that does not,
+    only while the tokens of everything granted since the head started waiting, plus the waiter, plus the
+    head, stay within the head's ceiling. So whatever passes the head only uses room the head could not use
+    anyway: once the leases older than the head end, the head fits (no starvation by a stream of small
+    requests; aging still bounds its wait).
     """
 
-    def __init__(self, ledger: Ledger, max_wait_s: float = 30.0, *, window_s: float | None = None) -> None:
+    def __init__(self, ledger: Ledger, max_wait_s: float = 30.0, *, window_s: float | None = None,
+                 backfill: bool = False) -> None:
         if isinstance(max_wait_s, bool) or not isinstance(max_wait_s, (int, float)) or not max_wait_s >= 0:
             raise ValueError(f"max_wait_s must be >= 0, got {max_wait_s!r}")
         self.ledger = ledger
+        self.backfill = bool(backfill)
         self.max_wait_s = float(max_wait_s)
         self.window_s = float(window_s) if window_s is not None else ledger.window_s
         if self.window_s <= 0:
@@ -125,6 +148,7 @@ class AdmissionCoordinator:
             "bypass_degraded": 0,
             "bypass_aged": 0,
             "cancelled": 0,
+            "backfilled": 0,
         }
         self._events: deque[tuple[float, str]] = deque()  # (now, counter name) for the rolling window
         self._waits: deque[tuple[float, float]] = deque()  # (now, waited_s) of waiters that left by admit/bypass
@@ -154,15 +178,18 @@ class AdmissionCoordinator:
             self._waits.popleft()
 
     # ---------------------------------------------------------------- API
-    def submit(self, ticket: Hashable, tokens: int, protected: bool, now: float) -> Decision:
+    def submit(self, ticket: Hashable, tokens: int, protected: bool, now: float, *, place: Any = None,
+               blocks: tuple = ()) -> Decision:
         """Decide for a new in-scope request of ``tokens`` reservation at ``now``.
 
+        ``place``: the engine (URL or (URL, dp_rank)) it will go to, None = unknown (fleet-wide rule);
+        ``blocks``: its prompt's prefix block hashes (see Ledger.try_acquire).
         Returns ADMIT (lease held: release it when the upstream attempt ends), WAIT (enqueued at the FIFO
-        tail: a later pump() returns this ticket's final Decision), BYPASS_PROTECTED or
-        BYPASS_DEGRADED (forward at once, nothing to release). After a WAIT, register the waiter and call
-        pump(now) (retry on enqueue). Idempotent: a ticket already waiting gets WAIT
-        again, one already holding a lease gets ADMIT with that lease; neither is counted twice.
-        Raises ValueError for negative or non-int tokens.
+        tail: a later pump() returns this ticket's final Decision), BYPASS_PROTECTED (forward at once; holds
+        a forced lease unless degraded: release it too) or BYPASS_DEGRADED (forward at once, nothing held).
+        After a WAIT, register the waiter and call pump(now) (retry on enqueue). Idempotent: a ticket already
+        waiting gets WAIT again, one already holding a lease gets ADMIT with that lease; neither is counted
+        twice. Raises ValueError for negative or non-int tokens.
         """
         if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 0:
             raise ValueError(f"tokens must be an int >= 0, got {tokens!r}")
@@ -171,27 +198,55 @@ class AdmissionCoordinator:
             return Decision(ticket, Kind.WAIT, w.tokens, now - w.enqueued_at, True, None, w.reason)
         held = self.ledger.lease(ticket)
         if held is not None:
-            return Decision(ticket, Kind.ADMIT, held.tokens, 0.0, False, held)
-        if protected:
-            return self._record(Decision(ticket, Kind.BYPASS_PROTECTED, tokens), now)
+            return Decision(ticket, held_kind(held), held.tokens, 0.0, False, held)
         self.ledger.expire(now)
+        if protected:
+            lease = None
+            if not self.ledger.is_degraded(now):
+                lease = self.ledger.try_acquire(ticket, tokens, now, place=place, blocks=blocks, force=True).lease
+            return self._record(Decision(ticket, Kind.BYPASS_PROTECTED, tokens, lease=lease), now)
         if self.ledger.is_degraded(now):
             return self._record(Decision(ticket, Kind.BYPASS_DEGRADED, tokens), now)
         if self._queue:
             reason = "fifo"
+            if self.backfill:
+                head = next(iter(self._queue.values()))
+                r = self._backfill(head, ticket, tokens, place, blocks, now)
+                if isinstance(r, Grant):
+                    self._count("backfilled", now)
+                    return self._record(Decision(ticket, Kind.ADMIT, tokens, 0.0, False, r.lease), now)
         else:
-            r = self.ledger.try_acquire(ticket, tokens, now)
+            r = self.ledger.try_acquire(ticket, tokens, now, place=place, blocks=blocks)
             if isinstance(r, Grant):
                 return self._record(Decision(ticket, Kind.ADMIT, tokens, 0.0, False, r.lease), now)
             reason = r.reason
-        self._queue[ticket] = _Waiter(ticket, tokens, float(now), reason)
+        self._queue[ticket] = _Waiter(ticket, tokens, float(now), reason, place, tuple(blocks))
         return self._record(Decision(ticket, Kind.WAIT, tokens, 0.0, True, None, reason), now)
+
+    def _backfill(self, head: _Waiter, ticket: Hashable, tokens: int, place: Any, blocks: tuple,
+                  now: float) -> Grant | None:
+        """Grant ``ticket`` ahead of ``head`` if it fits and leaves the head its room (see the class doc)."""
+        led = self.ledger
+        hp = led.resolve_place(head.place)
+        wp = led.resolve_place(place)
+        if hp is not None and wp is not None and _url(hp) != _url(wp):
+            passed_ok = True  # different engines: it takes none of the head's engine room
+        else:
+            ceiling = led.ceiling_of(hp)
+            passed = sum(lease.charged for lease in led.leases()
+                          if lease.granted_at >= head.enqueued_at and (hp is None or _url(lease.place) == _url(hp)))
+            passed_ok = passed + tokens + min(head.tokens, led.max_tokens(hp)) <= ceiling
+        if not passed_ok:
+            return None
+        r = led.try_acquire(ticket, tokens, now, place=place, blocks=blocks)
+        return r if isinstance(r, Grant) else None
 
     def pump(self, now: float) -> list[Decision]:
         """Retry the FIFO head(s) at ``now``; returns decisions for waiters that leave, in FIFO order.
 
         First reclaims expired leases. Degraded ledger -> every waiter BYPASS_DEGRADED. Otherwise, per head:
-        ledger grants -> ADMIT; else waited >= max_wait_s -> BYPASS_AGED; else stop. Call it after an
+        ledger grants -> ADMIT; else waited >= max_wait_s -> BYPASS_AGED (with a forced lease); else stop,
+        and with backfill on, grant the later waiters that may pass the head. Call it after an
         enqueue, a release, a cancel, a reconcile and at next_deadline(). The shell must deliver every
         returned decision to its ticket's waiter (or cancel() the ticket if the waiter is gone).
         """
@@ -204,17 +259,34 @@ class AdmissionCoordinator:
             if degraded:
                 d = Decision(ticket, Kind.BYPASS_DEGRADED, w.tokens, waited, True, None, w.reason)
             else:
-                r = self.ledger.try_acquire(ticket, w.tokens, now)
+                r = self.ledger.try_acquire(ticket, w.tokens, now, place=w.place, blocks=w.blocks)
                 if isinstance(r, Grant):
                     self._from_queue.add(ticket)
                     d = Decision(ticket, Kind.ADMIT, w.tokens, waited, True, r.lease, w.reason)
                 elif waited >= self.max_wait_s:
-                    d = Decision(ticket, Kind.BYPASS_AGED, w.tokens, waited, True, None, r.reason)
+                    g = self.ledger.try_acquire(ticket, w.tokens, now, place=w.place, blocks=w.blocks, force=True)
+                    self._from_queue.add(ticket)
+                    d = Decision(ticket, Kind.BYPASS_AGED, w.tokens, waited, True, g.lease, r.reason)
                 else:
                     w.reason = r.reason
+                    if self.backfill:
+                        out.extend(self._pump_backfill(w, now))
                     break
             del self._queue[ticket]
             out.append(self._record(d, now))
+        return out
+
+    def _pump_backfill(self, head: _Waiter, now: float) -> list[Decision]:
+        out = []
+        for ticket, w in list(self._queue.items())[1:]:
+            r = self._backfill(head, ticket, w.tokens, w.place, w.blocks, now)
+            if r is None:
+                continue
+            del self._queue[ticket]
+            self._from_queue.add(ticket)
+            self._count("backfilled", now)
+            out.append(self._record(Decision(ticket, Kind.ADMIT, w.tokens, max(0.0, now - w.enqueued_at), True,
+                                             r.lease, w.reason), now))
         return out
 
     def release(self, ticket: Hashable, now: float) -> list[Decision]:

@@ -5,6 +5,13 @@ Source: Relax's global FIFO + token ledger:
 - refusals: pressure_guard (the worst engine pool's token_usage >= pressure_threshold) is checked before
   capacity_exhausted (reserved + tokens > ceiling);
 - a request larger than the whole ceiling is admitted when nothing else is reserved;
+- a reservation never counts more than the largest engine's max_total_num_tokens (no engine could ever hold
+  more: a request with a huge ``n`` must not block the fleet);
+- a prompt prefix held by several live leases on one place is counted once (working_set.Holdings);
+- per-engine ceilings: a lease placed on a known engine (or one data-parallel rank of it) must also fit
+  that engine's own max_total_num_tokens x headroom, and the pressure guard reads that engine's usage; a
+  lease whose engine is unknown falls back to the fleet-wide rule;
+- forced leases (bypasses: protected, aged) are always granted and still count, so later work waits;
 - leases are idempotent per ticket; TTL reclaim of stranded leases; usage windows; an epoch that increments
   when the set of healthy engines changes; a missing or stale snapshot makes the ledger degraded.
 All times are monotonic seconds supplied by the caller.
@@ -14,10 +21,11 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Hashable, Literal
 
 from .capacity import ClusterSnapshot
+from .working_set import DEFAULT_BLOCK_TOKENS, FLEET, Holdings
 
 __all__ = ["Grant", "Refusal", "Lease", "Ledger", "REFUSAL_REASONS"]
 
@@ -29,7 +37,10 @@ REFUSAL_REASONS: tuple[str, ...] = ("pressure_guard", "capacity_exhausted", "deg
 
 @dataclass(frozen=True)
 class Lease:
-    """A held reservation: ``tokens`` for ``ticket`` granted at ``granted_at``, reclaimed at ``expires_at`` (s)."""
+    """A held reservation: ``tokens`` for ``ticket`` granted at ``granted_at``, reclaimed at ``expires_at`` (s).
+
+    place: the engine URL, (engine URL, dp_rank), or None for the fleet; charged: tokens it added to the
+    ledger when granted (less than ``tokens`` when its prefix blocks were already held); forced: a bypass."""
 
     ticket: Hashable
     tokens: int
@@ -37,6 +48,10 @@ class Lease:
     expires_at: float
     epoch: int
     oversized: bool = False
+    place: Any = None
+    charged: int = 0
+    forced: bool = False
+    blocks: tuple = ()
 
 
 @dataclass(frozen=True)
@@ -104,6 +119,7 @@ class Ledger:
         stale_after_s: float = 6.0,
         lease_ttl_s: float = 900.0,
         window_s: float = 60.0,
+        block_tokens: int = DEFAULT_BLOCK_TOKENS,
     ) -> None:
         self.headroom = _check_fraction("headroom", headroom)
         self.pressure_threshold = _check_fraction("pressure_threshold", pressure_threshold)
@@ -115,10 +131,11 @@ class Ledger:
         self._ceiling = 0
         self._epoch = 0
         self._leases: dict[Hashable, Lease] = {}
-        self._reserved = 0
+        self._hold = Holdings(block_tokens)
         self._lease_expired_total = 0
         self._granted_total = 0
         self._oversized_total = 0
+        self._forced_total = 0
         self._refused_total = {r: 0 for r in REFUSAL_REASONS}
         self._usage: deque[tuple[float, float, float]] = deque()  # (t, mean_usage, worst_usage)
 
@@ -164,14 +181,21 @@ class Ledger:
         return None if s is None else s.taken_at + self.stale_after_s
 
     # ---------------------------------------------------------------- leases
-    def try_acquire(self, ticket: Hashable, tokens: int, now: float) -> Grant | Refusal:
+    def try_acquire(self, ticket: Hashable, tokens: int, now: float, *, place: Any = FLEET,
+                    blocks: tuple = (), force: bool = False) -> Grant | Refusal:
         """Reserve ``tokens`` (int >= 0) for ``ticket`` at ``now``; returns Grant or Refusal.
 
+        ``place``: engine URL or (URL, dp_rank) the request goes to, None (or an engine not in the snapshot)
+        = unknown: the fleet-wide rule. ``blocks``: the prompt's prefix block hashes (reservation.Reservation):
+        blocks already held on the place are not charged again. ``tokens`` is clamped to the place's engine
+        capacity (the largest engine's when unknown). ``force``: a bypass; granted whatever the figures say
+        (still refused when degraded: there is nothing to count against).
         Idempotent: a ticket that already holds a lease gets its existing lease back (Grant.new False) and is
         never charged twice, whatever ``tokens`` says. Order of checks: degraded -> Refusal("degraded");
-        worst pool usage >= pressure_threshold -> Refusal("pressure_guard"); reserved + tokens > ceiling ->
-        Refusal("capacity_exhausted") unless tokens > ceiling and nothing is reserved (oversized request
-        admitted alone). Raises ValueError for negative or non-int tokens.
+        pool usage >= pressure_threshold -> Refusal("pressure_guard"); reserved + charge > ceiling (the
+        fleet's, and the engine's own when known) -> Refusal("capacity_exhausted") unless the charge is larger
+        than that ceiling and nothing is reserved there (oversized request admitted alone). Raises ValueError
+        for negative or non-int tokens.
         """
         if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 0:
             raise ValueError(f"tokens must be an int >= 0, got {tokens!r}")
@@ -181,24 +205,102 @@ class Ledger:
         if self.is_degraded(now):
             return self._refuse(ticket, tokens, "degraded")
         assert self._snapshot is not None
-        if self._snapshot.worst_usage >= self.pressure_threshold:
-            return self._refuse(ticket, tokens, "pressure_guard")
+        place = self.resolve_place(place)
+        bt = self._hold.block_tokens
+        clamp = self.max_tokens(place)
+        tokens = min(tokens, clamp)
+        blocks = tuple(blocks)[: tokens // bt]
+        tail = tokens - len(blocks) * bt
+        cost = self._hold.cost(place, blocks, tail)
         oversized = False
-        if self._reserved + tokens > self._ceiling:
-            if tokens > self._ceiling and self._reserved == 0:
-                oversized = True
-            else:
-                return self._refuse(ticket, tokens, "capacity_exhausted")
-        lease = Lease(ticket, tokens, float(now), float(now) + self.lease_ttl_s, self._epoch, oversized)
+        if not force:
+            if self.usage_of(place) >= self.pressure_threshold:
+                return self._refuse(ticket, tokens, "pressure_guard")
+            reserved = self._hold.grand_total()
+            fits = reserved + cost <= self._ceiling
+            if place is not FLEET:
+                fits = fits and self._hold.total(place) + cost <= self.ceiling_of(place)
+            if not fits:
+                alone = reserved == 0 if place is FLEET else self._hold.total(place) == 0 and \
+                    (reserved == 0 or reserved + cost <= self._ceiling)
+                if cost > self.ceiling_of(place) and alone:
+                    oversized = True
+                else:
+                    return self._refuse(ticket, tokens, "capacity_exhausted")
+        self._hold.add(ticket, place, blocks, tail)
+        lease = Lease(ticket, tokens, float(now), float(now) + self.lease_ttl_s, self._epoch, oversized,
+                      place, cost, force, blocks)
         self._leases[ticket] = lease
-        self._reserved += tokens
         self._granted_total += 1
         self._oversized_total += int(oversized)
+        self._forced_total += int(force)
         return Grant(lease, new=True)
+
+    # ---------------------------------------------------------------- places
+    def resolve_place(self, place: Any) -> Any:
+        """The place a lease is counted on: ``place`` if its engine is in the snapshot, else FLEET (None).
+
+        (url, rank) keeps the rank only when the engine has that many pools."""
+        s = self._snapshot
+        if place is None or s is None:
+            return FLEET
+        url, rank = (place if isinstance(place, tuple) else (place, None))
+        eng = s.engines.get(url)
+        if eng is None:
+            return FLEET
+        if isinstance(rank, int) and not isinstance(rank, bool) and 0 <= rank < len(eng.pools) and len(eng.pools) > 1:
+            return (url, rank)
+        return url
+
+    def _capacity_of(self, place: Any) -> int:
+        s = self._snapshot
+        if s is None:
+            return 0
+        if place is FLEET:
+            return s.capacity
+        url, rank = (place if isinstance(place, tuple) else (place, None))
+        eng = s.engines.get(url)
+        if eng is None:
+            return 0
+        return eng.pools[rank].capacity if rank is not None else eng.capacity
+
+    def ceiling_of(self, place: Any) -> int:
+        """floor(max_total_num_tokens x headroom) of ``place`` (the fleet's ceiling for FLEET / unknown)."""
+        place = self.resolve_place(place)
+        return self._ceiling if place is FLEET else int(math.floor(self._capacity_of(place) * self.headroom))
+
+    def max_tokens(self, place: Any) -> int:
+        """The most one reservation can count on ``place``: that engine's (or pool's) max_total_num_tokens;
+        the largest engine's for FLEET. At least 1."""
+        place = self.resolve_place(place)
+        s = self._snapshot
+        if place is FLEET:
+            return max([e.capacity for e in s.engines.values()] if s is not None else [], default=1) or 1
+        return max(1, self._capacity_of(place))
+
+    def usage_of(self, place: Any) -> float:
+        """The pressure guard's input: the worst pool usage of the place's engine (the fleet's for FLEET)."""
+        s = self._snapshot
+        if s is None:
+            return 0.0
+        place = self.resolve_place(place)
+        if place is FLEET:
+            return s.worst_usage
+        url, rank = (place if isinstance(place, tuple) else (place, None))
+        eng = s.engines[url]
+        return eng.pools[rank].usage if rank is not None else eng.worst_usage
+
+    def reserved_on(self, place: Any) -> int:
+        """Tokens reserved on ``place`` by leases counted there."""
+        return self._hold.total(self.resolve_place(place))
 
     def _refuse(self, ticket: Hashable, tokens: int, reason: RefusalReason) -> Refusal:
         self._refused_total[reason] += 1
         return Refusal(ticket, tokens, reason)
+
+    def leases(self) -> list[Lease]:
+        """The live leases, in grant order."""
+        return list(self._leases.values())
 
     def holds(self, ticket: Hashable) -> bool:
         """True if ``ticket`` currently holds a lease."""
@@ -209,19 +311,19 @@ class Ledger:
         return self._leases.get(ticket)
 
     def release(self, ticket: Hashable, now: float) -> int:
-        """End ``ticket``'s lease; returns the tokens freed (0 if it held none: idempotent)."""
+        """End ``ticket``'s lease; returns the tokens freed (0 if it held none: idempotent). A prefix block
+        other leases still hold stays counted, so the freed figure can be below the lease's tokens."""
         lease = self._leases.pop(ticket, None)
         if lease is None:
             return 0
-        self._reserved -= lease.tokens
-        return lease.tokens
+        return self._hold.remove(ticket)
 
     def renew(self, ticket: Hashable, now: float) -> bool:
         """Push ``ticket``'s lease expiry to now + lease_ttl_s (long streams); False if it holds none."""
         lease = self._leases.get(ticket)
         if lease is None:
             return False
-        self._leases[ticket] = Lease(lease.ticket, lease.tokens, lease.granted_at, float(now) + self.lease_ttl_s, lease.epoch, lease.oversized)
+        self._leases[ticket] = replace(lease, expires_at=float(now) + self.lease_ttl_s)
         return True
 
     def expire(self, now: float) -> list[Hashable]:
@@ -246,16 +348,16 @@ class Ledger:
 
     @property
     def reserved(self) -> int:
-        return self._reserved
+        return self._hold.grand_total()
 
     @property
     def available_tokens(self) -> int:
-        return max(0, self._ceiling - self._reserved)
+        return max(0, self._ceiling - self.reserved)
 
     @property
     def reserved_utilization(self) -> float:
         """reserved / ceiling (0 when the ceiling is 0; can exceed 1 after an oversized grant)."""
-        return self._reserved / self._ceiling if self._ceiling > 0 else 0.0
+        return self.reserved / self._ceiling if self._ceiling > 0 else 0.0
 
     @property
     def lease_count(self) -> int:
@@ -290,13 +392,17 @@ class Ledger:
         s = self._snapshot
         return {
             "ceiling": self._ceiling,
-            "reserved": self._reserved,
+            "reserved": self.reserved,
             "available_tokens": self.available_tokens,
             "reserved_utilization": round(self.reserved_utilization, 6),
             "lease_count": self.lease_count,
             "lease_expired": self._lease_expired_total,
             "granted": self._granted_total,
             "oversized_granted": self._oversized_total,
+            "forced_granted": self._forced_total,
+            "engines": {str(url): {"ceiling": self.ceiling_of(url), "reserved": self.reserved_on(url)}
+                        for url in sorted(s.engines)} if s is not None else {},
+            "reserved_unplaced": self._hold.total(FLEET),
             "refused": dict(self._refused_total),
             "epoch": self._epoch,
             "degraded": self.is_degraded(now),

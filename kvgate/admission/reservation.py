@@ -1,15 +1,24 @@
 """Reservation estimate: how many KV tokens a request may occupy (pure, no I/O except the optional loader).
 
 Rule (Relax's ledger): reservation = prompt tokens + completion budget, the completion part bounded
-by min(max_new_tokens or SGLang's default 128, expected_decode_cap); batch and n>1 requests reserve for every
-sequence. The 128 default comes from SGLang srt/managers/io_struct.py / srt/sampling/sampling_params.py
-(``max_new_tokens`` defaults to 128).
+by min(max_new_tokens, expected_decode_cap). Where the budget is not given:
+- /generate: SGLang's default of 128 new tokens (srt/managers/io_struct.py, srt/sampling/sampling_params.py);
+- the OpenAI routes (completions, chat, responses): SGLang lets the call run to the context length, so the
+  budget is min(context_length - prompt, expected_decode_cap) (expected_decode_cap when the context length
+  is not known).
+Batch items reserve for every item; ``n`` > 1 copies of one prompt share it (SGLang prefills the prompt
+once and the copies reuse its radix-cache prefix), so they reserve the prompt once and n completions.
+:func:`estimate_request` also returns the prompt's leading block hashes, so the ledger can count a
+prefix that other live requests already hold once (kvgate.admission.working_set).
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Any, Callable, Mapping
+
+from .working_set import DEFAULT_BLOCK_TOKENS
 
 __all__ = [
     "SGLANG_DEFAULT_MAX_NEW_TOKENS",
@@ -17,8 +26,11 @@ __all__ = [
     "CHAT_MESSAGE_OVERHEAD_TOKENS",
     "MIN_PROMPT_TOKENS",
     "TokenCounter",
+    "Reservation",
+    "estimate_request",
     "estimate_reservation",
     "estimate_text_tokens",
+    "prefix_blocks",
     "load_tokenizer_counter",
 ]
 
@@ -187,6 +199,51 @@ def _prompts_completions(prompt: Any, est: Callable[[str], int]) -> list[int] | 
     return None
 
 
+@dataclass(frozen=True)
+class Reservation:
+    """What one request may occupy, in KV tokens.
+
+    tokens: the reservation (prompt tokens once per distinct prompt + a completion budget per sequence), >= 1;
+    prompt_tokens: the prompt part of it; sequences: batch items x n;
+    blocks: hashes of the prompt's leading whole blocks of ``block_tokens`` tokens (chained: equal hashes mean
+    equal prefixes), empty for batches and unreadable prompts; always len(blocks) x block_tokens <= prompt_tokens.
+    """
+
+    tokens: int
+    prompt_tokens: int = 0
+    sequences: int = 1
+    blocks: tuple[int, ...] = ()
+    block_tokens: int = DEFAULT_BLOCK_TOKENS
+
+    @property
+    def tail(self) -> int:
+        """Tokens beyond the prefix blocks (the rest of the prompt and the completion budget)."""
+        return max(0, self.tokens - len(self.blocks) * self.block_tokens)
+
+
+def prefix_blocks(key: list[int] | str | None, block_tokens: int, chars_per_token: float = DEFAULT_CHARS_PER_TOKEN,
+                  max_blocks: int | None = None) -> tuple[int, ...]:
+    """Chained hashes of the whole leading blocks of a prompt.
+
+    ``key``: token ids (a block is ``block_tokens`` ids) or text (a block is round(block_tokens x
+    chars_per_token) characters, the same rate the token estimate uses). At most ``max_blocks`` blocks.
+    In-process hashes only (Python's hash): they are never stored or sent anywhere.
+    """
+    if not key or block_tokens <= 0:
+        return ()
+    step = block_tokens if not isinstance(key, str) else max(1, int(round(block_tokens * chars_per_token)))
+    n = len(key) // step
+    if max_blocks is not None:
+        n = min(n, max_blocks)
+    out = []
+    h = 0
+    for i in range(n):
+        chunk = key[i * step:(i + 1) * step]
+        h = hash((h, chunk if isinstance(chunk, str) else tuple(chunk)))
+        out.append(h)
+    return tuple(out)
+
+
 def estimate_reservation(
     path: str,
     body: Any,
@@ -194,34 +251,57 @@ def estimate_reservation(
     expected_decode_cap: int,
     chars_per_token: float = DEFAULT_CHARS_PER_TOKEN,
     tokenizer: TokenCounter | None = None,
+    context_length: int | None = None,
 ) -> int:
-    """KV tokens to reserve for one request: sum over sequences of (prompt tokens + completion budget).
+    """KV tokens to reserve for one request (``estimate_request(...).tokens``); see :func:`estimate_request`."""
+    return estimate_request(path, body, expected_decode_cap=expected_decode_cap, chars_per_token=chars_per_token,
+                            tokenizer=tokenizer, context_length=context_length, block_tokens=0).tokens
+
+
+def estimate_request(
+    path: str,
+    body: Any,
+    *,
+    expected_decode_cap: int,
+    chars_per_token: float = DEFAULT_CHARS_PER_TOKEN,
+    tokenizer: TokenCounter | None = None,
+    context_length: int | None = None,
+    block_tokens: int = DEFAULT_BLOCK_TOKENS,
+) -> Reservation:
+    """The :class:`Reservation` of one request.
 
     Takes the request ``path`` (/generate, /v1/completions, /v1/chat/completions, /v1/responses; query
     string and trailing slash ignored) and its parsed JSON ``body``. Completion budget per sequence =
     min(max_new_tokens, expected_decode_cap) where max_new_tokens is ``sampling_params.max_new_tokens``
     (/generate; per-item when sampling_params is a list), ``max_completion_tokens`` or ``max_tokens``
-    (OpenAI completions/chat) or ``max_output_tokens`` (responses), defaulting to SGLang's 128
-    (srt/managers/io_struct.py). Sequences: batch items x n (``sampling_params.n`` for /generate, ``n`` for
-    OpenAI). Prompt tokens: len(input_ids) / token-id prompts exactly; text, chat messages (plus
+    (OpenAI completions/chat) or ``max_output_tokens`` (responses). Not given: 128 on /generate (SGLang's
+    default), min(context_length - prompt, expected_decode_cap) on the OpenAI routes (SGLang runs them to the
+    context length; ``context_length`` None = unknown = expected_decode_cap). Sequences: batch items x n
+    (``sampling_params.n`` for /generate, ``n`` for OpenAI); the n copies of one prompt reserve it once.
+    Prompt tokens: len(input_ids) / token-id prompts exactly; text, chat messages (plus
     CHAT_MESSAGE_OVERHEAD_TOKENS per message, plus ``tools`` JSON) and responses ``input``/``instructions``
-    estimated with ``tokenizer`` if given else ceil(chars / chars_per_token).
+    estimated with ``tokenizer`` if given else ceil(chars / chars_per_token). ``block_tokens`` 0 = no blocks.
     Never raises on odd bodies: an unreadable prompt counts MIN_PROMPT_TOKENS. Raises ValueError only for a
-    bad configuration (expected_decode_cap <= 0 or chars_per_token <= 0). Returns an int >= 1.
+    bad configuration (expected_decode_cap <= 0 or chars_per_token <= 0).
     """
     if isinstance(expected_decode_cap, bool) or not isinstance(expected_decode_cap, int) or expected_decode_cap <= 0:
         raise ValueError(f"expected_decode_cap must be a positive int, got {expected_decode_cap!r}")
     if not (isinstance(chars_per_token, (int, float)) and math.isfinite(chars_per_token) and chars_per_token > 0):
         raise ValueError(f"chars_per_token must be > 0, got {chars_per_token!r}")
     cap = expected_decode_cap
+    ctx = context_length if isinstance(context_length, int) and not isinstance(context_length, bool) \
+        and context_length > 0 else None
 
     def est(text: str) -> int:
         return estimate_text_tokens(text, chars_per_token=chars_per_token, tokenizer=tokenizer)
 
     try:
-        return max(1, _estimate(_norm_path(path), body, cap, est))
+        total, prompt, seqs, key = _estimate(_norm_path(path), body, cap, ctx, est)
+        blocks = prefix_blocks(key, block_tokens, chars_per_token, max_blocks=prompt // block_tokens) \
+            if block_tokens > 0 and key else ()
+        return Reservation(max(1, total), prompt, seqs, blocks, block_tokens or DEFAULT_BLOCK_TOKENS)
     except Exception:
-        return MIN_PROMPT_TOKENS + min(SGLANG_DEFAULT_MAX_NEW_TOKENS, cap)
+        return Reservation(MIN_PROMPT_TOKENS + min(SGLANG_DEFAULT_MAX_NEW_TOKENS, cap), MIN_PROMPT_TOKENS)
 
 
 def _norm_path(path: Any) -> str:
@@ -229,21 +309,56 @@ def _norm_path(path: Any) -> str:
     return p.rstrip("/") or "/"
 
 
-def _estimate(path: str, body: Any, cap: int, est: Callable[[str], int]) -> int:
-    fallback = MIN_PROMPT_TOKENS + min(SGLANG_DEFAULT_MAX_NEW_TOKENS, cap)
+def _openai_budget(max_new: Any, prompt: int, cap: int, ctx: int | None) -> int:
+    m = _int_or_none(max_new)
+    if m is not None:
+        return min(m, cap)
+    return min(max(0, ctx - prompt), cap) if ctx is not None else cap
+
+
+def _messages_key(messages: Any, tools: Any) -> str | None:
+    """The text a prefix hash is taken over for chat/responses input: tools first (templates render them at
+    the top), then each message's role and content, in order."""
+    parts = [_json_text(tools)] if tools else []
+    if isinstance(messages, str):
+        parts.append(messages)
+    elif isinstance(messages, list):
+        for m in messages:
+            if isinstance(m, str):
+                parts.append("\x00user\x00" + m)
+            elif isinstance(m, Mapping):
+                text = _content_chars(m.get("content"))
+                for tc in m.get("tool_calls") or ():
+                    if isinstance(tc, Mapping) and isinstance(tc.get("function"), Mapping):
+                        text += str(tc["function"].get("name") or "") + str(tc["function"].get("arguments") or "")
+                parts.append("\x00" + str(m.get("role") or m.get("type") or "") + "\x00" + text)
+    return "".join(parts) or None
+
+
+def _estimate(path: str, body: Any, cap: int, ctx: int | None,
+              est: Callable[[str], int]) -> tuple[int, int, int, Any]:
+    """(reservation tokens, prompt tokens, sequences, prefix key or None)."""
+    fallback = (MIN_PROMPT_TOKENS + min(SGLANG_DEFAULT_MAX_NEW_TOKENS, cap), MIN_PROMPT_TOKENS, 1, None)
     if not isinstance(body, Mapping):
         return fallback
     if path.endswith("/generate") or ("sampling_params" in body and "messages" not in body):
         prompts = _prompts_generate(body, est) or [MIN_PROMPT_TOKENS]
         sp = body.get("sampling_params")
-        total = 0
+        total = prompt_sum = seqs = 0
         for i, p in enumerate(prompts):
             item = sp[i] if isinstance(sp, list) and i < len(sp) and isinstance(sp[i], Mapping) else sp
             item = item if isinstance(item, Mapping) else {}
             n = _n_or_one(item.get("n"))
-            total += n * (p + _completion(item.get("max_new_tokens"), cap))
-        return total
+            total += p + n * _completion(item.get("max_new_tokens"), cap)
+            prompt_sum += p
+            seqs += n
+        key = None
+        if len(prompts) == 1:
+            ids, text = body.get("input_ids"), body.get("text")
+            key = ids if _is_int_list(ids) and ids else text if isinstance(text, str) else None
+        return total, prompt_sum, seqs, key
     n = _n_or_one(body.get("n"))
+    key: Any = None
     if path.endswith("/responses"):
         max_new = body.get("max_output_tokens")
         inp = body.get("input")
@@ -254,19 +369,22 @@ def _estimate(path: str, body: Any, cap: int, est: Callable[[str], int]) -> int:
         if body.get("tools"):
             prompt += est(_json_text(body["tools"]))  # tool schemas are rendered into the prompt
         prompts = [max(prompt, MIN_PROMPT_TOKENS)]
+        key = _messages_key(([instr] if isinstance(instr, str) else []) + ([inp] if isinstance(inp, str) else
+                            inp if isinstance(inp, list) else []), body.get("tools"))
     elif "messages" in body or path.endswith("/chat/completions"):
         max_new = _first_set(body, "max_completion_tokens", "max_tokens")
         prompt = _messages_tokens(body.get("messages"), est) or 0
         if body.get("tools"):
             prompt += est(_json_text(body["tools"]))
         prompts = [max(prompt, MIN_PROMPT_TOKENS)]
+        key = _messages_key(body.get("messages"), body.get("tools"))
     else:  # /v1/completions and anything else carrying `prompt`
         max_new = _first_set(body, "max_completion_tokens", "max_tokens")
         prompts = _prompts_completions(body.get("prompt"), est) or [MIN_PROMPT_TOKENS]
-    comp = _completion(max_new, cap)
-    return sum(n * (p + comp) for p in prompts)
-
-
+        pr = body.get("prompt")
+        key = pr if (isinstance(pr, str) or _is_int_list(pr)) and pr else None
+    total = sum(p + n * _openai_budget(max_new, p, cap, ctx) for p in prompts)
+    return total, sum(prompts), n * len(prompts), key if len(prompts) == 1 else None
 def _first_set(body: Mapping[str, Any], *keys: str) -> Any:
     for k in keys:
         v = body.get(k)
