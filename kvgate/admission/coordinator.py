@@ -26,6 +26,7 @@ after each poll round, or dispatch(coord.invalidate(now)) when it has no signal 
 from __future__ import annotations
 
 import enum
+import itertools
 from collections import OrderedDict, deque
 from dataclasses import dataclass
 from typing import Any, Hashable
@@ -104,6 +105,7 @@ class _Waiter:
     reason: str | None
     place: Any = None
     blocks: tuple = ()
+    seq: int = 0
 
 
 class AdmissionCoordinator:
@@ -140,6 +142,8 @@ class AdmissionCoordinator:
             raise ValueError(f"window_s must be > 0, got {window_s!r}")
         self._queue: OrderedDict[Hashable, _Waiter] = OrderedDict()
         self._from_queue: set[Hashable] = set()  # tickets granted by pump, lease still held
+        self._seq = itertools.count(1)  # orders enqueues and grants (equal clock readings happen)
+        self._granted_seq: dict[Hashable, int] = {}  # ticket -> seq of its grant, while its lease lives
         self.counters: dict[str, int] = {
             "admit": 0,
             "wait": 0,
@@ -159,6 +163,8 @@ class AdmissionCoordinator:
         self._events.append((now, name))
 
     def _record(self, d: Decision, now: float) -> Decision:
+        if d.lease is not None:
+            self._granted_seq[d.ticket] = next(self._seq)
         if d.kind is Kind.ADMIT:
             self._count("admit", now)
         elif d.kind is Kind.WAIT:
@@ -199,7 +205,7 @@ class AdmissionCoordinator:
         held = self.ledger.lease(ticket)
         if held is not None:
             return Decision(ticket, held_kind(held), held.tokens, 0.0, False, held)
-        self.ledger.expire(now)
+        self._expire(now)
         if protected:
             lease = None
             if not self.ledger.is_degraded(now):
@@ -220,7 +226,7 @@ class AdmissionCoordinator:
             if isinstance(r, Grant):
                 return self._record(Decision(ticket, Kind.ADMIT, tokens, 0.0, False, r.lease), now)
             reason = r.reason
-        self._queue[ticket] = _Waiter(ticket, tokens, float(now), reason, place, tuple(blocks))
+        self._queue[ticket] = _Waiter(ticket, tokens, float(now), reason, place, tuple(blocks), next(self._seq))
         return self._record(Decision(ticket, Kind.WAIT, tokens, 0.0, True, None, reason), now)
 
     def _backfill(self, head: _Waiter, ticket: Hashable, tokens: int, place: Any, blocks: tuple,
@@ -234,12 +240,18 @@ class AdmissionCoordinator:
         else:
             ceiling = led.ceiling_of(hp)
             passed = sum(lease.charged for lease in led.leases()
-                          if lease.granted_at >= head.enqueued_at and (hp is None or _url(lease.place) == _url(hp)))
+                          if self._granted_seq.get(lease.ticket, 0) > head.seq
+                          and (hp is None or _url(lease.place) == _url(hp)))
             passed_ok = passed + tokens + min(head.tokens, led.max_tokens(hp)) <= ceiling
         if not passed_ok:
             return None
         r = led.try_acquire(ticket, tokens, now, place=place, blocks=blocks)
         return r if isinstance(r, Grant) else None
+
+    def _expire(self, now: float) -> None:
+        for t in self.ledger.expire(now):
+            self._granted_seq.pop(t, None)
+            self._from_queue.discard(t)
 
     def pump(self, now: float) -> list[Decision]:
         """Retry the FIFO head(s) at ``now``; returns decisions for waiters that leave, in FIFO order.
@@ -250,7 +262,7 @@ class AdmissionCoordinator:
         enqueue, a release, a cancel, a reconcile and at next_deadline(). The shell must deliver every
         returned decision to its ticket's waiter (or cancel() the ticket if the waiter is gone).
         """
-        self.ledger.expire(now)
+        self._expire(now)
         out: list[Decision] = []
         degraded = self.ledger.is_degraded(now)
         while self._queue:
@@ -299,6 +311,7 @@ class AdmissionCoordinator:
             self.cancel(ticket, now)
         else:
             self._from_queue.discard(ticket)
+            self._granted_seq.pop(ticket, None)
             self.ledger.release(ticket, now)
         return self.pump(now)
 
@@ -315,6 +328,7 @@ class AdmissionCoordinator:
             return True
         if ticket in self._from_queue:
             self._from_queue.discard(ticket)
+            self._granted_seq.pop(ticket, None)
             self.ledger.release(ticket, now)
             self._count("cancelled", now)
             return True
