@@ -185,11 +185,12 @@ class AdmissionCoordinator:
 
     # ---------------------------------------------------------------- API
     def submit(self, ticket: Hashable, tokens: int, protected: bool, now: float, *, place: Any = None,
-               blocks: tuple = ()) -> Decision:
+               blocks: tuple = (), session_id: Hashable | None = None, prompt_tokens: int | None = None) -> Decision:
         """Decide for a new in-scope request of ``tokens`` reservation at ``now``.
 
         ``place``: the engine (URL or (URL, dp_rank)) it will go to, None = unknown (fleet-wide rule);
-        ``blocks``: its prompt's prefix block hashes (see Ledger.try_acquire).
+        ``blocks``: its prompt's prefix block hashes (see Ledger.try_acquire). ``session_id`` and
+        ``prompt_tokens`` are read by the program policy only (same call for both policies).
         Returns ADMIT (lease held: release it when the upstream attempt ends), WAIT (enqueued at the FIFO
         tail: a later pump() returns this ticket's final Decision), BYPASS_PROTECTED (forward at once; holds
         a forced lease unless degraded: release it too) or BYPASS_DEGRADED (forward at once, nothing held).
@@ -301,7 +302,7 @@ class AdmissionCoordinator:
                                              r.lease, w.reason), now))
         return out
 
-    def release(self, ticket: Hashable, now: float) -> list[Decision]:
+    def release(self, ticket: Hashable, now: float, observed: Any = None) -> list[Decision]:
         """The upstream attempt for ``ticket`` ended (relayed, error or client gone): free its lease.
 
         Idempotent (no lease -> nothing freed). A ticket still waiting is cancelled instead. Returns
@@ -333,6 +334,13 @@ class AdmissionCoordinator:
             self._count("cancelled", now)
             return True
         return False
+
+    def take_actions(self) -> list:
+        """The fifo policy never pauses anything: always []."""
+        return []
+
+    def forget(self, session_id: Hashable, now: float) -> None:
+        """Sessions are not tracked by the fifo policy: nothing to do."""
 
     def consumed(self, ticket: Hashable) -> None:
         """Optional: the shell started forwarding ``ticket``'s granted request; a later cancel() no longer counts it."""

@@ -24,7 +24,7 @@ from collections import deque
 from dataclasses import dataclass, replace
 from typing import Any, Hashable, Literal
 
-from .capacity import ClusterSnapshot
+from .capacity import MAX_PLAUSIBLE_TOKENS, ClusterSnapshot
 from .working_set import DEFAULT_BLOCK_TOKENS, FLEET, Holdings
 
 __all__ = ["Grant", "Refusal", "Lease", "Ledger", "REFUSAL_REASONS"]
@@ -274,8 +274,10 @@ class Ledger:
         the largest engine's for FLEET. At least 1."""
         place = self.resolve_place(place)
         s = self._snapshot
+        if s is None or not s.engines:
+            return MAX_PLAUSIBLE_TOKENS  # no figures: nothing to clamp to (and nothing is checked)
         if place is FLEET:
-            return max([e.capacity for e in s.engines.values()] if s is not None else [], default=1) or 1
+            return max(e.capacity for e in s.engines.values()) or 1
         return max(1, self._capacity_of(place))
 
     def usage_of(self, place: Any) -> float:
@@ -297,6 +299,24 @@ class Ledger:
     def _refuse(self, ticket: Hashable, tokens: int, reason: RefusalReason) -> Refusal:
         self._refused_total[reason] += 1
         return Refusal(ticket, tokens, reason)
+
+    # ---------------------------------------------------------------- resident KV (program policy)
+    def hold(self, key: Hashable, place: Any, blocks: tuple, tokens: int) -> int:
+        """Count ``tokens`` of resident KV (a program between turns) under ``key`` on ``place``; no check,
+        no lease, no TTL. Replaces what ``key`` held. Returns the tokens added (shared blocks counted once)."""
+        place = self.resolve_place(place)
+        bt = self._hold.block_tokens
+        tokens = max(0, min(int(tokens), self.max_tokens(place)))
+        blocks = tuple(blocks)[: tokens // bt]
+        return self._hold.add(("resident", key), place, blocks, tokens - len(blocks) * bt)
+
+    def unhold(self, key: Hashable) -> int:
+        """Stop counting ``key``'s resident KV; returns the tokens freed (0 if none: idempotent)."""
+        return self._hold.remove(("resident", key))
+
+    def holding(self, key: Hashable) -> int:
+        """``key``'s resident tokens as if alone (0 if none)."""
+        return self._hold.size_of(("resident", key))
 
     def leases(self) -> list[Lease]:
         """The live leases, in grant order."""

@@ -1,0 +1,545 @@
+"""Program-aware admission: per-engine working sets of whole programs, pause and resume (pure, injected ``now``).
+
+A program is one session (its session_id): a chain of turns with tool calls in between. Its resident KV
+between turns is its last prompt + output (the engine's own prompt_tokens + completion_tokens once a turn
+has answered). For every place (an engine, one of its data-parallel ranks, or the whole fleet when
+kvgate does not know where a session goes) the working set is the resident KV of its live programs plus
+the in-flight reservations, counted in the ledger (shared prompt prefixes once) against the place's
+capacity (max_total_num_tokens x headroom).
+
+Rules (ThunderAgent's program scheduler, reference program-scheduling.md section 1, adapted to a proxy
+that can only hold requests and close engine sessions):
+- a continuing turn of a live program is never held: it reserves its increment (its prompt minus the
+  prefix it already holds, plus its decode budget) and goes at once;
+- a new program starts only when its place has room for its whole first turn, and not ahead of a paused
+  program waiting on that place;
+- when a place's working set exceeds its capacity, programs that are in a tool call (no request in flight)
+  are paused until it fits: their resident KV stops counting, and the shell closes their engine session so
+  SGLang evicts that KV first (0.5.17+: closing drops the session's references; the next request re-opens
+  it and is tagged again). If only running programs are left, they are marked and pause at the end of
+  their turn: kvgate never interrupts a running decode;
+- a paused program's next turn waits in kvgate and resumes when its place has room for its whole context
+  again (its KV is assumed gone, as in the paper);
+- aging: any waiting turn goes after ``max_wait_s`` (bypass-aged, still reserving), so nothing starves;
+- fail-open as the fifo policy: protected work bypasses (reserving), a missing or stale capacity signal
+  lets everything bypass and pauses nothing.
+
+Victim rule (``victim``): "smallest" (default) pauses the smallest in-tool program first, as ThunderAgent's
+paper and code do: re-prefilling a context of c tokens costs ~c^2 attention work, so the smallest victim
+costs the least to bring back; "largest" frees the most per pause (fewest programs paused); "longest-idle"
+pauses the program whose tool call has run longest (the radix cache's LRU would evict it first anyway).
+Resume order (``resume``): "smallest" (default; ThunderAgent's greedy resume packs the most programs into
+the room freed) or "fifo" (longest paused first).
+
+The shell calls submit / pump / release / cancel / reconcile / invalidate like the fifo coordinator, and
+after each call executes ``take_actions()`` (close the engine session of each paused program).
+"""
+
+from __future__ import annotations
+
+import enum
+import itertools
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any, Hashable, Mapping
+
+from .capacity import ClusterSnapshot
+from .coordinator import Decision, Kind
+from .ledger import Grant, Ledger
+from .working_set import FLEET
+
+__all__ = ["ProgramCoordinator", "ProgramState", "Action", "VICTIM_RULES", "RESUME_ORDERS"]
+
+VICTIM_RULES = ("smallest", "largest", "longest-idle")
+RESUME_ORDERS = ("smallest", "fifo")
+
+
+class ProgramState(str, enum.Enum):
+    """live: a turn is in flight; in_tool: between turns (a tool call runs); paused: held by kvgate."""
+
+    LIVE = "live"
+    IN_TOOL = "in_tool"
+    PAUSED = "paused"
+
+
+@dataclass(frozen=True)
+class Action:
+    """Something the shell must do: ``kind`` "close" = close ``session_id``'s engine session (a pause)."""
+
+    kind: str
+    session_id: str
+    place: Any
+
+
+@dataclass
+class _Program:
+    sid: Hashable
+    place: Any
+    state: ProgramState
+    since: float
+    resident: int = 0
+    blocks: tuple = ()
+    turns: int = 0
+    marked: bool = False
+    ended: bool = False  # the session closed while a turn was in flight: drop it when the turn ends
+    inflight: dict = field(default_factory=dict)  # ticket -> see _start_turn
+    scale: float = 1.0  # engine prompt_tokens / kvgate's estimate, from the last answered turn
+
+
+@dataclass
+class _Waiter:
+    ticket: Hashable
+    sid: Hashable
+    tokens: int
+    prompt_tokens: int
+    place: Any
+    blocks: tuple
+    enqueued_at: float
+    resume: bool
+    seq: int
+    reason: str | None = None
+
+
+class ProgramCoordinator:
+    """Program-level admission in front of a :class:`Ledger` (see the module doc for the rules).
+
+    Args: ledger; max_wait_s (>= 0): aging bound, seconds; window_s: window for rates (default the ledger's);
+    victim: one of VICTIM_RULES; resume: one of RESUME_ORDERS; program_ttl_s (> 0): a program idle this long
+    between turns (or paused without a waiting turn) is treated as ended. Raises ValueError on bad values.
+    """
+
+    def __init__(self, ledger: Ledger, max_wait_s: float = 30.0, *, window_s: float | None = None,
+                 victim: str = "smallest", resume: str = "smallest", program_ttl_s: float = 600.0) -> None:
+        if isinstance(max_wait_s, bool) or not isinstance(max_wait_s, (int, float)) or not max_wait_s >= 0:
+            raise ValueError(f"max_wait_s must be >= 0, got {max_wait_s!r}")
+        if victim not in VICTIM_RULES:
+            raise ValueError(f"victim must be one of {VICTIM_RULES}, got {victim!r}")
+        if resume not in RESUME_ORDERS:
+            raise ValueError(f"resume must be one of {RESUME_ORDERS}, got {resume!r}")
+        if not (isinstance(program_ttl_s, (int, float)) and program_ttl_s > 0):
+            raise ValueError(f"program_ttl_s must be > 0, got {program_ttl_s!r}")
+        self.ledger = ledger
+        self.max_wait_s = float(max_wait_s)
+        self.window_s = float(window_s) if window_s is not None else ledger.window_s
+        self.victim = victim
+        self.resume = resume
+        self.program_ttl_s = float(program_ttl_s)
+        self._programs: dict[Hashable, _Program] = {}
+        self._ticket_sid: dict[Hashable, Hashable] = {}
+        self._queue: dict[Hashable, _Waiter] = {}
+        self._from_queue: set[Hashable] = set()
+        self._seq = itertools.count(1)
+        self._actions: list[Action] = []
+        self.pauses: dict[str, int] = {}
+        self.resumes: dict[str, int] = {}
+        self.counters: dict[str, int] = {k: 0 for k in (
+            "admit", "wait", "bypass", "bypass_protected", "bypass_degraded", "bypass_aged", "cancelled",
+            "backfilled", "pause", "resume", "marked", "programs_ended", "prefix_miss_tokens")}
+        self._events: deque[tuple[float, str]] = deque()
+        self._waits: deque[tuple[float, float]] = deque()
+
+    # ---------------------------------------------------------------- bookkeeping
+    def _count(self, name: str, now: float, by: int = 1) -> None:
+        self.counters[name] += by
+        self._events.append((now, name))
+
+    def _record(self, d: Decision, now: float) -> Decision:
+        if d.kind is Kind.ADMIT:
+            self._count("admit", now)
+        elif d.kind is Kind.WAIT:
+            self._count("wait", now)
+        else:
+            self.counters["bypass"] += 1
+            self._count("bypass_" + (d.kind.bypass_reason or ""), now)
+        if d.queued and d.kind is not Kind.WAIT:
+            self._waits.append((now, d.waited_s))
+        return d
+
+    @staticmethod
+    def _label(place: Any) -> str:
+        if place is FLEET:
+            return "fleet"
+        return f"{place[0]}#{place[1]}" if isinstance(place, tuple) else str(place)
+
+    def take_actions(self) -> list[Action]:
+        """The actions decided since the last call (pauses to execute), oldest first."""
+        out, self._actions = self._actions, []
+        return out
+
+    # ---------------------------------------------------------------- the request path
+    def submit(self, ticket: Hashable, tokens: int, protected: bool, now: float, *, place: Any = None,
+               blocks: tuple = (), session_id: Hashable | None = None, prompt_tokens: int | None = None) -> Decision:
+        """Decide for a new in-scope request of ``tokens`` reservation (``prompt_tokens`` of it the prompt,
+        ``blocks`` its prefix hashes) from ``session_id`` (None = a one-turn program) going to ``place``.
+
+        Returns ADMIT or BYPASS_* (forward now; release it when the attempt ends) or WAIT (a later pump()
+        returns its final decision). Raises ValueError for negative or non-int tokens.
+        """
+        if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 0:
+            raise ValueError(f"tokens must be an int >= 0, got {tokens!r}")
+        if ticket in self._queue:
+            w = self._queue[ticket]
+            return Decision(ticket, Kind.WAIT, w.tokens, now - w.enqueued_at, True, None, w.reason)
+        held = self.ledger.lease(ticket)
+        if held is not None:
+            return Decision(ticket, Kind.BYPASS_PROTECTED if held.forced else Kind.ADMIT, held.tokens, 0.0, False, held)
+        sid = session_id if session_id is not None else ("one-turn", ticket)
+        prompt = tokens if prompt_tokens is None else max(0, min(int(prompt_tokens), tokens))
+        self._expire(now)
+        p = self._programs.get(sid)
+        place = self.ledger.resolve_place(place)
+        if p is not None and p.state is not ProgramState.PAUSED and p.place != place and not p.inflight:
+            self._move(p, place)  # placement learned (or changed) where this session goes
+        place = p.place if p is not None and p.inflight else place
+        tokens, prompt = self._corrected(p, tokens, prompt)
+        degraded = self.ledger.is_degraded(now)
+        if protected or degraded:
+            kind = Kind.BYPASS_PROTECTED if protected else Kind.BYPASS_DEGRADED
+            lease = None
+            if not degraded:
+                lease = self.ledger.try_acquire(ticket, tokens, now, place=place, blocks=blocks, force=True).lease
+            self._start_turn(sid, ticket, place, tokens, prompt, blocks, now, resumed=False)
+            d = self._record(Decision(ticket, kind, tokens, lease=lease), now)
+            if lease is not None:
+                self._relieve(place, now)
+            return d
+        if p is not None and p.state is not ProgramState.PAUSED:
+            # a continuing turn of a live program: never held (its KV is resident; holding it would thrash)
+            self.ledger.unhold(sid)
+            lease = self.ledger.try_acquire(ticket, tokens, now, place=place, blocks=blocks, force=True).lease
+            self._start_turn(sid, ticket, place, tokens, prompt, blocks, now, resumed=False)
+            d = self._record(Decision(ticket, Kind.ADMIT, tokens, 0.0, False, lease), now)
+            self._relieve(place, now)
+            return d
+        resume = p is not None  # paused
+        w = _Waiter(ticket, sid, tokens, prompt, place, tuple(blocks), float(now), resume, next(self._seq))
+        self._ticket_sid[ticket] = sid
+        if not self._blocked(w):
+            r = self.ledger.try_acquire(ticket, tokens, now, place=place, blocks=blocks)
+            if isinstance(r, Grant):
+                self._start_turn(sid, ticket, place, tokens, prompt, blocks, now, resumed=resume)
+                return self._record(Decision(ticket, Kind.ADMIT, tokens, 0.0, False, r.lease), now)
+            w.reason = r.reason
+        else:
+            w.reason = "paused-first" if not resume else "fifo"
+        self._queue[ticket] = w
+        return self._record(Decision(ticket, Kind.WAIT, tokens, 0.0, True, None, w.reason), now)
+
+    def _blocked(self, w: _Waiter) -> bool:
+        """An earlier waiter on the same place goes first (resumes before new programs)."""
+        for o in self._queue.values():
+            if o.ticket != w.ticket and o.place == w.place and (o.resume or not w.resume):
+                return True
+        return False
+
+    def _corrected(self, p: _Program | None, tokens: int, prompt: int) -> tuple[int, int]:
+        """Scale the prompt part by what the engine reported for this program's last turn (text estimates are
+        chars / ratio; the engine counts real tokens)."""
+        if p is None or p.scale == 1.0 or prompt <= 0:
+            return tokens, prompt
+        adj = max(1, int(round(prompt * p.scale)))
+        return max(0, tokens - prompt + adj), adj
+
+    def _start_turn(self, sid: Hashable, ticket: Hashable, place: Any, tokens: int, prompt: int, blocks: tuple,
+                    now: float, resumed: bool) -> None:
+        p = self._programs.get(sid)
+        if p is None:
+            p = self._programs[sid] = _Program(sid, place, ProgramState.LIVE, now)
+        elif p.state is ProgramState.PAUSED:
+            resumed = True
+        if resumed:
+            lab = self._label(p.place)
+            self.resumes[lab] = self.resumes.get(lab, 0) + 1
+            self._count("resume", now)
+        self.ledger.unhold(sid)  # the turn's lease now holds its whole prompt, resident prefix included
+        p.place = place
+        p.state = ProgramState.LIVE
+        p.ended = False
+        p.since = now
+        # (reservation, prompt, blocks, resident before, prefix expected cached: none after a pause)
+        p.inflight[ticket] = (tokens, prompt, tuple(blocks), p.resident, 0 if resumed else p.resident)
+        self._ticket_sid[ticket] = sid
+
+    def _move(self, p: _Program, place: Any) -> None:
+        size = self.ledger.holding(p.sid)
+        self.ledger.unhold(p.sid)
+        p.place = place
+        if size:
+            self.ledger.hold(p.sid, place, p.blocks, size)
+
+    def release(self, ticket: Hashable, now: float, observed: Mapping[str, Any] | None = None) -> list[Decision]:
+        """The upstream attempt for ``ticket`` ended; ``observed`` is the response's meta_info (prompt_tokens,
+        completion_tokens, cached_tokens) or None. Ends the turn: the program's resident KV becomes the engine's
+        prompt + output (else the reservation), or it pauses now if it was marked. Returns pump(now)."""
+        if ticket in self._queue:
+            self.cancel(ticket, now)
+            return self.pump(now)
+        self._from_queue.discard(ticket)
+        self.ledger.release(ticket, now)
+        self._end_turn(ticket, now, observed, cancelled=False)
+        return self.pump(now)
+
+    def _end_turn(self, ticket: Hashable, now: float, observed: Mapping[str, Any] | None, cancelled: bool) -> None:
+        sid = self._ticket_sid.pop(ticket, None)
+        p = self._programs.get(sid) if sid is not None else None
+        if p is None or ticket not in p.inflight:
+            return
+        tokens, prompt, blocks, before, expected_prefix = p.inflight.pop(ticket)
+        if isinstance(sid, tuple) and sid and sid[0] == "one-turn":
+            del self._programs[sid]
+            return
+        if cancelled:
+            resident = before
+            blocks = p.blocks
+        else:
+            resident = tokens  # no answer read: keep what was reserved (the safe side)
+            m = observed if isinstance(observed, Mapping) else {}
+            pt, ct, cached = (_nonneg_int(m.get(k)) for k in ("prompt_tokens", "completion_tokens", "cached_tokens"))
+            if pt is not None:
+                resident = pt + (ct or 0)
+                if prompt > 0:
+                    p.scale = min(4.0, max(0.25, pt * p.scale / prompt))
+                if cached is not None and expected_prefix > 0:
+                    expected = min(expected_prefix, pt)
+                    if cached < expected:  # the engine evicted part of this program's own prefix
+                        self._count("prefix_miss_tokens", now, expected - cached)
+            p.turns += 1
+        p.blocks = blocks
+        p.resident = resident
+        if p.inflight:
+            return
+        p.since = now
+        if p.ended:
+            del self._programs[p.sid]
+            self._count("programs_ended", now)
+            return
+        if p.marked:
+            self._pause(p, now)
+        else:
+            p.state = ProgramState.IN_TOOL
+            self.ledger.hold(p.sid, p.place, p.blocks, p.resident)
+            self._relieve(p.place, now)
+
+    def cancel(self, ticket: Hashable, now: float) -> bool:
+        """The waiter for ``ticket`` left before it used its decision: removes it from the queue, or releases a
+        grant racing with it (and restores the program as it was). True if something was removed. Call pump."""
+        if self._queue.pop(ticket, None) is not None:
+            self._ticket_sid.pop(ticket, None)
+            self._count("cancelled", now)
+            return True
+        if ticket in self._from_queue:
+            self._from_queue.discard(ticket)
+            self.ledger.release(ticket, now)
+            self._end_turn(ticket, now, None, cancelled=True)
+            self._count("cancelled", now)
+            return True
+        return False
+
+    def consumed(self, ticket: Hashable) -> None:
+        """The shell started forwarding ``ticket``'s granted request."""
+        self._from_queue.discard(ticket)
+
+    def forget(self, session_id: Hashable, now: float) -> None:
+        """The session ended (closed by the client or by kvgate's idle close): its program and resident KV go.
+        A turn in flight keeps its lease until it ends."""
+        p = self._programs.get(session_id)
+        if p is None:
+            return
+        self.ledger.unhold(session_id)
+        if p.inflight:
+            p.marked = False
+            p.ended = True
+            return
+        del self._programs[session_id]
+        self._count("programs_ended", now)
+
+    # ---------------------------------------------------------------- pausing
+    def _relieve(self, place: Any, now: float) -> None:
+        """Pause in-tool programs on ``place`` (victim rule) until its working set fits its capacity; then mark
+        running ones to pause at the end of their turn."""
+        if self.ledger.is_degraded(now):
+            return
+        over = self.ledger.reserved_on(place) - self.ledger.ceiling_of(place)
+        if place is FLEET:
+            over = max(over, self.ledger.reserved - self.ledger.ceiling)
+        if over <= 0:
+            return
+        on = [p for p in self._programs.values() if p.place == place]
+        for p in self._victims([p for p in on if p.state is ProgramState.IN_TOOL], now):
+            if over <= 0:
+                return
+            over -= self._pause(p, now)
+        for p in self._victims([p for p in on if p.state is ProgramState.LIVE and not p.marked], now):
+            if over <= 0:
+                return
+            p.marked = True
+            self._count("marked", now)
+            over -= sum(t for t, *_ in p.inflight.values())
+
+    def _victims(self, progs: list[_Program], now: float) -> list[_Program]:
+        size = (lambda p: p.resident) if self.victim != "longest-idle" else (lambda p: -(now - p.since))
+        return sorted(progs, key=size, reverse=self.victim == "largest")
+
+    def _pause(self, p: _Program, now: float) -> int:
+        freed = self.ledger.unhold(p.sid)
+        p.state = ProgramState.PAUSED
+        p.marked = False
+        p.since = now
+        lab = self._label(p.place)
+        self.pauses[lab] = self.pauses.get(lab, 0) + 1
+        self._count("pause", now)
+        if isinstance(p.sid, str):
+            self._actions.append(Action("close", p.sid, p.place))
+        return freed
+
+    # ---------------------------------------------------------------- the queue
+    def pump(self, now: float) -> list[Decision]:
+        """Decide for waiting turns at ``now``; returns decisions for those that leave. Ages first (waited >=
+        max_wait_s -> BYPASS_AGED, reserving), degraded -> all BYPASS_DEGRADED, then per place: paused programs'
+        turns (resume order), then new programs in arrival order, while they fit; a place stops at its first
+        turn that does not fit."""
+        self._expire(now)
+        out: list[Decision] = []
+        degraded = self.ledger.is_degraded(now)
+        for w in sorted(self._queue.values(), key=lambda w: w.seq):
+            waited = max(0.0, now - w.enqueued_at)
+            if degraded:
+                out.append(self._leave(w, Kind.BYPASS_DEGRADED, None, waited, now))
+            elif waited >= self.max_wait_s:
+                g = self.ledger.try_acquire(w.ticket, w.tokens, now, place=w.place, blocks=w.blocks, force=True)
+                out.append(self._leave(w, Kind.BYPASS_AGED, g.lease, waited, now))
+                self._relieve(w.place, now)
+        if degraded:
+            return out
+        stopped: set[Any] = set()
+        for w in self._ordered():
+            if w.place in stopped:
+                continue
+            r = self.ledger.try_acquire(w.ticket, w.tokens, now, place=w.place, blocks=w.blocks)
+            if isinstance(r, Grant):
+                out.append(self._leave(w, Kind.ADMIT, r.lease, max(0.0, now - w.enqueued_at), now))
+            else:
+                w.reason = r.reason
+                stopped.add(w.place)
+        return out
+
+    def _ordered(self) -> list[_Waiter]:
+        res = [w for w in self._queue.values() if w.resume]
+        new = sorted((w for w in self._queue.values() if not w.resume), key=lambda w: w.seq)
+        res.sort(key=(lambda w: (w.tokens, w.seq)) if self.resume == "smallest" else (lambda w: w.seq))
+        return res + new
+
+    def _leave(self, w: _Waiter, kind: Kind, lease, waited: float, now: float) -> Decision:
+        del self._queue[w.ticket]
+        if lease is not None:
+            self._from_queue.add(w.ticket)
+        self._start_turn(w.sid, w.ticket, w.place, w.tokens, w.prompt_tokens, w.blocks, now, resumed=w.resume)
+        return self._record(Decision(w.ticket, kind, w.tokens, waited, True, lease, w.reason), now)
+
+    def _expire(self, now: float) -> None:
+        for t in self.ledger.expire(now):
+            self._from_queue.discard(t)
+            self._end_turn(t, now, None, cancelled=False)
+        waiting = {w.sid for w in self._queue.values()}
+        for sid, p in list(self._programs.items()):
+            if not p.inflight and sid not in waiting and now - p.since >= self.program_ttl_s:
+                self.forget(sid, now)
+
+    def reconcile(self, snapshot: ClusterSnapshot, now: float) -> list[Decision]:
+        """Install a capacity snapshot, pause where a place now overflows, and return pump(now)."""
+        self.ledger.reconcile(snapshot, now)
+        for place in {p.place for p in self._programs.values()}:
+            self._relieve(place, now)
+        return self.pump(now)
+
+    def invalidate(self, now: float) -> list[Decision]:
+        """No capacity signal: degraded at once; every waiter bypasses (returns pump(now))."""
+        self.ledger.invalidate()
+        return self.pump(now)
+
+    # ---------------------------------------------------------------- figures
+    @property
+    def waiting(self) -> int:
+        return len(self._queue)
+
+    def waiting_tickets(self) -> list[Hashable]:
+        return [w.ticket for w in sorted(self._queue.values(), key=lambda w: w.seq)]
+
+    def is_waiting(self, ticket: Hashable) -> bool:
+        return ticket in self._queue
+
+    def state_of(self, session_id: Hashable) -> ProgramState | None:
+        p = self._programs.get(session_id)
+        return None if p is None else p.state
+
+    def resident_of(self, session_id: Hashable) -> int:
+        p = self._programs.get(session_id)
+        return 0 if p is None else p.resident
+
+    def next_deadline(self, now: float) -> float | None:
+        """Earliest time pump() could decide without another event: a waiter's aging, staleness while someone
+        waits, a lease expiry, a program's TTL."""
+        cands: list[float] = []
+        if self._queue:
+            cands.append(min(w.enqueued_at for w in self._queue.values()) + self.max_wait_s)
+            stale = self.ledger.degraded_at()
+            if stale is not None:
+                cands.append(stale)
+        exp = self.ledger.next_expiry()
+        if exp is not None:
+            cands.append(exp)
+        idle = [p.since + self.program_ttl_s for p in self._programs.values() if not p.inflight]
+        if idle:
+            cands.append(min(idle))
+        return max(now, min(cands)) if cands else None
+
+    def program_states(self) -> dict[str, dict[str, int]]:
+        """{place label: {state: programs}} (one-turn requests without a session are not programs)."""
+        out: dict[str, dict[str, int]] = {}
+        for p in self._programs.values():
+            if isinstance(p.sid, tuple) and p.sid and p.sid[0] == "one-turn":
+                continue
+            d = out.setdefault(self._label(p.place), {s.value: 0 for s in ProgramState})
+            d[p.state.value] += 1
+        return out
+
+    def stats(self, now: float) -> dict[str, Any]:
+        """JSON-able figures: counters, waiting (resumes / new), programs by place and state, pauses and resumes
+        by place, window rates and the ledger's figures."""
+        horizon = now - self.window_s
+        while self._events and self._events[0][0] < horizon:
+            self._events.popleft()
+        while self._waits and self._waits[0][0] < horizon:
+            self._waits.popleft()
+        win = {k: 0 for k in self.counters}
+        for _, name in self._events:
+            win[name] += 1
+            if name.startswith("bypass_"):
+                win["bypass"] += 1
+        denom = win["admit"] + win["wait"] + win["bypass"]
+        waits = sorted(w for _, w in self._waits)
+        return {
+            "policy": "program",
+            "counters": dict(self.counters),
+            "waiting": self.waiting,
+            "waiting_resume": sum(1 for w in self._queue.values() if w.resume),
+            "window_s": self.window_s,
+            "window": win,
+            "defer_rate": (win["wait"] / denom) if denom else 0.0,
+            "degraded_rate": (win["bypass_degraded"] / denom) if denom else 0.0,
+            "wait_s": {"count": len(waits), "mean": (sum(waits) / len(waits)) if waits else 0.0,
+                       "p50": waits[len(waits) // 2] if waits else 0.0, "max": waits[-1] if waits else 0.0},
+            "max_wait_s": self.max_wait_s,
+            "victim": self.victim,
+            "resume_order": self.resume,
+            "programs": self.program_states(),
+            "pauses": dict(self.pauses),
+            "resumes": dict(self.resumes),
+            "ledger": self.ledger.stats(now),
+        }
+
+
+def _nonneg_int(v: Any) -> int | None:
+    if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+        return None
+    return v

@@ -1,0 +1,257 @@
+"""The program policy's rules, one test each, with a hand-driven clock (no I/O): continuing turns never
+wait, new programs start only with room, overflow pauses in-tool programs (victim rules), paused programs
+resume as room frees (resume orders), aging, fail-open, cached_tokens corrections, per-engine places."""
+
+import orjson
+import pytest
+
+from kvgate.admission.capacity import ClusterSnapshot, EngineCapacity
+from kvgate.admission.coordinator import Kind
+from kvgate.admission.ledger import Ledger
+from kvgate.admission.program import Action, ProgramCoordinator, ProgramState
+from kvgate.admission.reservation import estimate_request
+
+E0, E1 = "http://e0", "http://e1"
+
+
+def snap(now, engines, usage=0.0):
+    return ClusterSnapshot.build({u: EngineCapacity.from_pools([(c, int(c * usage), usage)])
+                                  for u, c in engines.items()}, now)
+
+
+def make(engines=None, **kw):
+    lg = Ledger(headroom=0.9, pressure_threshold=0.92, stale_after_s=kw.pop("stale_after_s", 1e6), lease_ttl_s=1e6)
+    co = ProgramCoordinator(lg, max_wait_s=kw.pop("max_wait_s", 30.0), **kw)
+    co.reconcile(snap(0.0, engines or {E0: 10_000}), 0.0)
+    return co, lg
+
+
+class Prog:
+    """One agent program: its context grows by each turn's output and tool result (token ids)."""
+
+    def __init__(self, co, sid, prompt, place=E0, max_new=500, seed=0):
+        self.co, self.sid, self.place, self.max_new = co, sid, place, max_new
+        self.ids = [seed * 100_000 + i for i in range(prompt)]
+        self.n = 0
+
+    def submit(self, now, protected=False):
+        self.n += 1
+        self.ticket = f"{self.sid}-{self.n}"
+        r = estimate_request("/generate", {"input_ids": self.ids, "sampling_params": {"max_new_tokens": self.max_new}},
+                             expected_decode_cap=4096)
+        return self.co.submit(self.ticket, r.tokens, protected, now, place=self.place, blocks=r.blocks,
+                              session_id=self.sid, prompt_tokens=r.prompt_tokens)
+
+    def answer(self, now, output=400, tool=300, cached=None):
+        meta = {"prompt_tokens": len(self.ids), "completion_tokens": output,
+                "cached_tokens": cached if cached is not None else 0}
+        out = self.co.release(self.ticket, now, meta)
+        base = len(self.ids) + 10 ** 7 * (self.n + 1)
+        self.ids = self.ids + list(range(base, base + output + tool))
+        return out
+
+
+def test_continuing_turn_never_waits_and_reserves_its_increment():
+    co, lg = make()  # ceiling 9,000
+    a = Prog(co, "a", 2000)
+    assert a.submit(0.0).kind is Kind.ADMIT and lg.reserved == 2500
+    a.answer(1.0)
+    assert co.state_of("a") is ProgramState.IN_TOOL and lg.reserved == 2400  # resident: prompt + output
+    d = a.submit(2.0)  # 2,700 prompt (2,400 resident + 300 tool result) + 500 budget
+    assert d.kind is Kind.ADMIT and lg.reserved == 3200  # the increment: 300 extend + 500 decode
+    assert co.state_of("a") is ProgramState.LIVE
+    a.answer(3.0)
+    co.forget("a", 4.0)
+    assert lg.reserved == 0 and co.state_of("a") is None
+
+
+def test_new_program_starts_only_when_its_engine_has_room():
+    co, lg = make()
+    a, b = Prog(co, "a", 5000, seed=1), Prog(co, "b", 4000, seed=2)
+    assert a.submit(0.0).kind is Kind.ADMIT  # 5,500
+    w = b.submit(1.0)  # 4,500: 10,000 > 9,000
+    assert w.kind is Kind.WAIT and w.reason == "capacity_exhausted"
+    out = a.answer(2.0)  # resident 5,400: still no room for 4,500
+    assert out == [] and co.waiting == 1
+    co.forget("a", 3.0)  # the program ended
+    out = co.pump(3.0)
+    assert [(d.ticket, d.kind, d.waited_s) for d in out] == [("b-1", Kind.ADMIT, 2.0)]
+
+
+def _three_in_tool(victim="smallest", resume="smallest"):
+    co, lg = make(victim=victim, resume=resume)  # ceiling 9,000
+    progs = [Prog(co, "small", 1000, seed=1), Prog(co, "mid", 2000, seed=2), Prog(co, "big", 3000, seed=3)]
+    for i, p in enumerate(progs):
+        assert p.submit(float(i)).kind is Kind.ADMIT
+    for i, p in enumerate(reversed(progs)):  # big answers first: it has been in its tool call longest
+        p.answer(10.0 + i, output=100, tool=0)
+    # residents 1,100 + 2,100 + 3,100 = 6,300; all three in a tool call
+    assert lg.reserved == 6300
+    return co, lg, progs
+
+
+@pytest.mark.parametrize("victim,paused", [("smallest", ["small"]), ("largest", ["big"]),
+                                           ("longest-idle", ["big"])])
+def test_overflow_pauses_in_tool_programs_by_the_victim_rule(victim, paused):
+    co, lg, progs = _three_in_tool(victim)
+    hog = Prog(co, "hog", 5000, seed=9, max_new=10)
+    # a continuing turn is never held, so a live program growing big is what overflows: make hog live first
+    co.forget("hog", 0.0)
+    assert hog.submit(20.0).kind is Kind.WAIT  # a new program: 5,010 does not fit in 2,700 free
+    co.forget("hog", 20.0)
+    # the mid program's next turn grows it by 3,000 tool tokens: 6,300 - 2,100 + 5,600 = 9,800 > 9,000
+    mid = progs[1]
+    mid.ids += list(range(10 ** 8, 10 ** 8 + 3000))
+    d = mid.submit(21.0)
+    assert d.kind is Kind.ADMIT
+    # 1,100 + 3,100 + (5,100 + 500) = 9,800 > 9,000: one victim is enough
+    acts = co.take_actions()
+    assert [a.session_id for a in acts] == paused and all(a.kind == "close" for a in acts)
+    assert all(co.state_of(s) is ProgramState.PAUSED for s in paused)
+    assert lg.reserved <= lg.ceiling
+    assert sum(co.pauses.values()) == len(paused) and co.pauses == {E0: len(paused)}
+    # the waiting hog was not admitted ahead of the paused programs' turns
+    assert co.waiting == 1
+
+
+def test_paused_program_waits_and_resumes_when_room_frees():
+    co, lg, (small, mid, big) = _three_in_tool("largest")
+    mid.ids += list(range(10 ** 8, 10 ** 8 + 3000))
+    mid.submit(21.0)  # pauses big (see above)
+    assert co.state_of("big") is ProgramState.PAUSED
+    w = big.submit(22.0)  # its next turn waits in kvgate: its whole context (3,100) + 500 must fit again
+    assert w.kind is Kind.WAIT
+    assert mid.answer(23.0, output=100, tool=0) == []  # 1,100 + 5,200 resident: 2,700 free < 3,600
+    co.forget("mid", 24.0)  # mid's program ends
+    out = co.pump(24.0)
+    assert [(d.ticket, d.kind) for d in out] == [("big-2", Kind.ADMIT)]
+    assert co.state_of("big") is ProgramState.LIVE and co.resumes == {E0: 1}
+    assert out[0].waited_s == 2.0
+
+
+def test_resume_order_smallest_packs_more_than_fifo():
+    for order in ("smallest", "fifo"):
+        co, lg, (small, mid, big) = _three_in_tool(resume=order)
+        mid.ids += list(range(10 ** 8, 10 ** 8 + 4000))
+        mid.submit(21.0)  # 1,100 + 3,100 + 6,600 = 10,800: small is not enough, big goes too
+        assert [a.session_id for a in co.take_actions()] == ["small", "big"]
+        assert big.submit(22.0).kind is Kind.WAIT  # big asks to resume first, then small
+        assert small.submit(22.5).kind is Kind.WAIT  # 1,600 would fit in 2,400 free, but big waits ahead
+        early = [d.ticket for d in mid.answer(23.0, output=100, tool=0)]  # 6,200 resident: 2,800 free
+        co.forget("mid", 23.0)
+        late = [d.ticket for d in co.pump(23.0)]
+        if order == "smallest":  # small (1,600) resumes at once, big when mid ends
+            assert (early, late) == (["small-2"], ["big-2"])
+        else:  # big (3,600) does not fit yet and nobody passes it
+            assert (early, late) == ([], ["big-2", "small-2"])
+
+
+def test_running_programs_are_marked_and_pause_at_the_end_of_their_turn():
+    co, lg = make()
+    a, b = Prog(co, "a", 4000, seed=1), Prog(co, "b", 4000, seed=2)
+    assert a.submit(0.0).kind is Kind.ADMIT and b.submit(0.0).kind is Kind.ADMIT  # 9,000: full, both live
+    a.answer(1.0, output=500, tool=1000)  # resident 4,500
+    d = a.submit(2.0)  # 5,500 + 500: working set 6,000 + 4,500 > 9,000, nothing in a tool call
+    assert d.kind is Kind.ADMIT and co.take_actions() == []  # nobody interrupted
+    assert co.counters["marked"] == 1
+    b.answer(3.0)  # b was marked: it pauses at the end of its turn instead of entering its tool call
+    assert co.state_of("b") is ProgramState.PAUSED
+    assert co.take_actions() == [Action("close", "b", E0)]
+    assert lg.reserved == 6000
+
+
+def test_aging_bounds_every_wait_and_the_aged_turn_reserves():
+    co, lg = make(max_wait_s=5.0)
+    a, b = Prog(co, "a", 8000, seed=1), Prog(co, "b", 4000, seed=2)
+    a.submit(0.0)
+    assert b.submit(1.0).kind is Kind.WAIT
+    assert co.next_deadline(1.0) == 6.0
+    assert co.pump(5.9) == []
+    out = co.pump(6.0)
+    assert [(d.ticket, d.kind) for d in out] == [("b-1", Kind.BYPASS_AGED)] and out[0].lease is not None
+    assert lg.reserved == 8500 + 4500
+
+
+def test_fail_open_degraded_bypasses_and_pauses_nothing():
+    co, lg = make(stale_after_s=6.0)
+    a, b = Prog(co, "a", 8000, seed=1), Prog(co, "b", 4000, seed=2)
+    a.submit(0.0)
+    assert b.submit(1.0).kind is Kind.WAIT
+    out = co.pump(6.0)  # the snapshot from t=0 is stale now
+    assert [(d.ticket, d.kind) for d in out] == [("b-1", Kind.BYPASS_DEGRADED)] and out[0].lease is None
+    c = Prog(co, "c", 9000, seed=3)
+    assert c.submit(7.0).kind is Kind.BYPASS_DEGRADED and co.take_actions() == []
+
+
+def test_protected_turn_bypasses_and_reserves():
+    co, lg = make()
+    a, p = Prog(co, "a", 6000, seed=1, max_new=600), Prog(co, "p", 6000, seed=2, max_new=600)
+    assert p.submit(0.0, protected=True).kind is Kind.BYPASS_PROTECTED and lg.reserved == 6600
+    assert a.submit(1.0).kind is Kind.WAIT
+
+
+def test_engine_reported_figures_correct_the_working_set():
+    co, lg = make()
+    # a text prompt: kvgate estimates 3 chars/token, the engine reports its own count
+    body = {"text": "x" * 3000, "sampling_params": {"max_new_tokens": 100}}
+    r = estimate_request("/generate", body, expected_decode_cap=4096)
+    assert r.prompt_tokens == 1000
+    co.submit("t1", r.tokens, False, 0.0, session_id="s", prompt_tokens=r.prompt_tokens)
+    co.release("t1", 1.0, {"prompt_tokens": 750, "completion_tokens": 50, "cached_tokens": 0})
+    assert co.resident_of("s") == 800 and lg.reserved == 800
+    body["text"] += "y" * 600  # next turn: 3,600 chars = 1,200 estimated tokens -> 900 after the 0.75 correction
+    r = estimate_request("/generate", body, expected_decode_cap=4096)
+    d = co.submit("t2", r.tokens, False, 2.0, session_id="s", prompt_tokens=r.prompt_tokens)
+    assert d.tokens == 900 + 100
+    # the engine served only 200 of the 800 resident tokens from cache: 600 were evicted during the tool call
+    co.release("t2", 3.0, {"prompt_tokens": 900, "completion_tokens": 50, "cached_tokens": 200})
+    assert co.counters["prefix_miss_tokens"] == 600
+
+
+def test_places_are_independent_and_unknown_engines_share_the_fleet():
+    co, lg = make({E0: 10_000, E1: 10_000})
+    a, b = Prog(co, "a", 8000, seed=1, place=E0), Prog(co, "b", 8000, seed=2, place=E1)
+    assert a.submit(0.0).kind is Kind.ADMIT and b.submit(0.0).kind is Kind.ADMIT
+    c = Prog(co, "c", 2000, seed=3, place=E0)
+    assert c.submit(0.0).kind is Kind.WAIT  # e0 is full although the fleet has 1,000 more
+    u = Prog(co, "u", 500, seed=4, place=None)
+    assert u.submit(0.0).kind is Kind.ADMIT  # unknown engine: fleet rule, 17,000 + 1,000 <= 18,000
+    assert co.program_states() == {E0: {"live": 1, "in_tool": 0, "paused": 0},
+                                   E1: {"live": 1, "in_tool": 0, "paused": 0},
+                                   "fleet": {"live": 1, "in_tool": 0, "paused": 0}}
+    orjson.dumps(co.stats(1.0))
+
+
+def test_idle_programs_end_after_the_ttl():
+    co, lg = make(program_ttl_s=60.0)
+    a = Prog(co, "a", 2000)
+    a.submit(0.0)
+    a.answer(1.0)
+    assert co.next_deadline(1.0) == 61.0
+    co.pump(61.0)
+    assert co.state_of("a") is None and lg.reserved == 0 and co.counters["programs_ended"] == 1
+
+
+def test_cancel_of_a_racing_grant_restores_the_program():
+    co, lg = make()
+    a, b = Prog(co, "a", 5000, seed=1), Prog(co, "b", 4000, seed=2)
+    a.submit(0.0)
+    b.submit(0.5)
+    out = co.forget("a", 1.0) or co.release("a-1", 1.0, None)
+    assert [d.ticket for d in out] == ["b-1"]
+    assert co.cancel("b-1", 1.0) is True  # the client left in the same instant
+    assert lg.reserved == 0 and co.state_of("b") is ProgramState.IN_TOOL
+
+
+def test_one_turn_requests_leave_nothing_behind():
+    co, lg = make()
+    assert co.submit("x", 500, False, 0.0).kind is Kind.ADMIT
+    co.release("x", 1.0, {"prompt_tokens": 400, "completion_tokens": 100})
+    assert lg.reserved == 0 and co.program_states() == {}
+
+
+def test_bad_args():
+    lg = Ledger()
+    for kw in ({"victim": "random"}, {"resume": "lifo"}, {"program_ttl_s": 0}, {"max_wait_s": -1}):
+        with pytest.raises(ValueError):
+            ProgramCoordinator(lg, **kw)
