@@ -1,0 +1,131 @@
+"""Property test of the program policy: random turns, answers, cancels, forgets, capacity changes and time
+keep the ledger consistent (reserved >= 0, one lease per forwarded turn), bring reserved back to 0 when every
+lease ends and every program is gone, and never leave a turn waiting past max_wait_s after a pump."""
+
+from hypothesis import settings, strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+
+from kvgate.admission.capacity import ClusterSnapshot, EngineCapacity
+from kvgate.admission.coordinator import Kind
+from kvgate.admission.ledger import Ledger
+from kvgate.admission.program import ProgramCoordinator, ProgramState
+
+PLACES = ["http://e0", "http://e1", None]
+DT = st.one_of(st.just(0.0), st.floats(0, 3), st.floats(0, 20))
+
+
+class ProgramMachine(RuleBasedStateMachine):
+    @initialize(max_wait=st.sampled_from([0.0, 5.0, 30.0]), victim=st.sampled_from(["smallest", "largest", "longest-idle"]),
+                resume=st.sampled_from(["smallest", "fifo"]), stale=st.sampled_from([8.0, 1e9]),
+                cap=st.integers(2000, 30_000))
+    def setup(self, max_wait, victim, resume, stale, cap):
+        self.lg = Ledger(headroom=0.9, pressure_threshold=0.92, stale_after_s=stale, lease_ttl_s=1e6)
+        self.co = ProgramCoordinator(self.lg, max_wait_s=max_wait, victim=victim, resume=resume, program_ttl_s=50.0)
+        self.now = 0.0
+        self.n = 0
+        self.held = {}  # ticket -> program
+        self.waiting = {}  # ticket -> (program, enqueued_at)
+        self.context = {}  # program -> prompt token ids
+        self._reconcile([(cap, 0.0), (cap, 0.0)])
+
+    def _reconcile(self, caps):
+        engines = {f"http://e{i}": EngineCapacity.from_pools([(c, int(c * u), u)]) for i, (c, u) in enumerate(caps)}
+        self._deliver(self.co.reconcile(ClusterSnapshot.build(engines, self.now), self.now))
+
+    def _deliver(self, decisions):
+        for d in decisions:
+            assert d.ticket in self.waiting, d
+            assert d.kind is not Kind.WAIT
+            prog, _ = self.waiting.pop(d.ticket)
+            if d.lease is not None:
+                self.held[d.ticket] = prog
+        self.co.take_actions()
+
+    def _busy(self, prog):
+        return prog in self.held.values() or any(p == prog for p, _ in self.waiting.values())
+
+    @rule(prog=st.integers(0, 5), grow=st.integers(0, 6000), place=st.sampled_from(PLACES), max_new=st.integers(0, 3000),
+          protected=st.booleans(), dt=DT)
+    def turn(self, prog, grow, place, max_new, protected, dt):
+        self.now += dt
+        if self._busy(prog):
+            return
+        ids = self.context.setdefault(prog, [])
+        ids.extend(range(prog * 10 ** 7 + len(ids), prog * 10 ** 7 + len(ids) + grow))
+        t = self.n
+        self.n += 1
+        from kvgate.admission.reservation import estimate_request
+        r = estimate_request("/generate", {"input_ids": ids or [1], "sampling_params": {"max_new_tokens": max_new}},
+                             expected_decode_cap=4096)
+        d = self.co.submit(t, r.tokens, protected and grow % 7 == 0, self.now, place=place, blocks=r.blocks,
+                           session_id=f"p{prog}", prompt_tokens=r.prompt_tokens)
+        if d.kind is Kind.WAIT:
+            self.waiting[t] = (prog, self.now)
+            self._deliver(self.co.pump(self.now))
+        elif d.lease is not None:
+            self.held[t] = prog
+        self.co.take_actions()
+
+    @precondition(lambda self: self.held)
+    @rule(data=st.data(), out=st.integers(0, 3000), cached=st.integers(0, 5000), answered=st.booleans(), dt=DT)
+    def answer(self, data, out, cached, answered, dt):
+        self.now += dt
+        t = data.draw(st.sampled_from(sorted(self.held)))
+        prog = self.held.pop(t)
+        meta = {"prompt_tokens": len(self.context.get(prog, [])), "completion_tokens": out, "cached_tokens": cached} \
+            if answered else None
+        self._deliver(self.co.release(t, self.now, meta))
+        assert not self.lg.holds(t)
+
+    @precondition(lambda self: self.waiting)
+    @rule(data=st.data())
+    def cancel(self, data):
+        t = data.draw(st.sampled_from(sorted(self.waiting)))
+        assert self.co.cancel(t, self.now)
+        del self.waiting[t]
+        self._deliver(self.co.pump(self.now))
+
+    @rule(prog=st.integers(0, 5))
+    def forget(self, prog):
+        self.co.forget(f"p{prog}", self.now)
+        self.context.pop(prog, None)
+        self._deliver(self.co.pump(self.now))
+
+    @rule(caps=st.lists(st.tuples(st.integers(1000, 30_000), st.floats(0, 1)), min_size=2, max_size=2), dt=DT)
+    def reconcile(self, caps, dt):
+        self.now += dt
+        self._reconcile(caps)
+
+    @rule(dt=st.floats(0, 40))
+    def time_passes(self, dt):
+        self.now += dt
+        self._deliver(self.co.pump(self.now))
+        # nothing starves: after a pump no turn has waited max_wait_s or more
+        assert all(self.now - at < self.co.max_wait_s for _, at in self.waiting.values())
+
+    @invariant()
+    def consistent(self):
+        if not hasattr(self, "lg"):
+            return
+        assert self.lg.reserved >= 0
+        assert self.lg.lease_count == len(self.held)
+        assert set(self.co.waiting_tickets()) == set(self.waiting)
+        for prog in set(self.held.values()):
+            assert self.co.state_of(f"p{prog}") in (ProgramState.LIVE, None)
+
+    def teardown(self):
+        if not hasattr(self, "lg"):
+            return
+        for t in list(self.waiting):
+            assert self.co.cancel(t, self.now)
+        self.waiting.clear()
+        for t in list(self.held):
+            self.co.release(t, self.now, None)
+        for prog in range(6):
+            self.co.forget(f"p{prog}", self.now)
+        assert self.co.waiting == 0
+        assert self.lg.reserved == 0 and self.lg.lease_count == 0
+
+
+ProgramMachine.TestCase.settings = settings(max_examples=200, stateful_step_count=40, deadline=None)
+TestProgramProperty = ProgramMachine.TestCase
