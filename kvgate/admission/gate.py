@@ -7,7 +7,11 @@ Flow per generate request:
   waited max_wait_s -> bypass-aged; FIFO empty and room -> admit with a lease
 The lease is released when the upstream attempt ends (response relayed, error, or client gone).
 A client that leaves while waiting is removed atomically (a lease granted in the same instant is
-released). Every decision comes from kvgate.admission.coordinator; this module only delivers them.
+released). Every decision comes from the pure core (kvgate.admission.coordinator for ``admission_policy:
+fifo``, kvgate.admission.program for ``program``); this module only delivers them and executes the
+program policy's actions (closing a paused program's engine session through ``pause_session``).
+Where a session's requests go is asked of the injected ``engine_of(session_id) -> (engine URL, dp_rank) |
+None``; None (or no lookup) means unknown, and the fleet-wide rule applies.
 """
 
 from __future__ import annotations
@@ -25,7 +29,8 @@ from kvgate.admission.capacity import ClusterSnapshot, stale_after_s
 from kvgate.admission.coordinator import ADMISSION_OFF, AdmissionCoordinator, Decision, Kind
 from kvgate.admission.ledger import Ledger
 from kvgate.admission.policy import ScopeRules, classify_scope
-from kvgate.admission.reservation import estimate_reservation, load_tokenizer_counter
+from kvgate.admission.program import ProgramCoordinator
+from kvgate.admission.reservation import estimate_request, load_tokenizer_counter
 from kvgate.common.aio import cancel_tasks
 from kvgate.proxy.admit import RequestInfo, Ticket
 from kvgate.proxy.metrics import Metrics
@@ -41,18 +46,31 @@ class AdmissionGate:
     """Implements kvgate.proxy.admit.Gate with the coordinator; ``poller`` feeds it capacity snapshots.
 
     cfg: the validated Config; metrics: the app's Metrics (series are added to its registry);
-    clock: monotonic seconds.
+    clock: monotonic seconds; engine_of: session id -> (engine URL, dp_rank or None) or None when unknown;
+    pause_session: called with a session id whose engine session the program policy wants closed.
     """
 
-    def __init__(self, cfg, metrics: Metrics, clock: Callable[[], float] = time.monotonic):
+    def __init__(self, cfg, metrics: Metrics, clock: Callable[[], float] = time.monotonic, *,
+                 engine_of: Callable[[str], tuple[str, int | None] | None] | None = None,
+                 pause_session: Callable[[str], Any] | None = None):
         self.cfg = cfg
         self.clock = clock
+        self.engine_of = engine_of
+        self.pause_session = pause_session
+        self.policy = cfg.admission_policy
         self.ledger = Ledger(headroom=cfg.agentic_admission_headroom,
                              pressure_threshold=cfg.agentic_admission_pressure_threshold,
                              stale_after_s=stale_after_s(cfg.admission_poll_interval_s),
-                             lease_ttl_s=cfg.admission_lease_ttl_s, window_s=cfg.admission_window_s)
-        self.coord = AdmissionCoordinator(self.ledger, cfg.agentic_admission_max_wait_s,
-                                          window_s=cfg.admission_window_s)
+                             lease_ttl_s=cfg.admission_lease_ttl_s, window_s=cfg.admission_window_s,
+                             block_tokens=cfg.admission_prefix_block_tokens)
+        if self.policy == "program":
+            self.coord = ProgramCoordinator(self.ledger, cfg.agentic_admission_max_wait_s,
+                                            window_s=cfg.admission_window_s, victim=cfg.admission_pause_victim,
+                                            resume=cfg.admission_resume_order,
+                                            program_ttl_s=cfg.admission_program_ttl_s)
+        else:
+            self.coord = AdmissionCoordinator(self.ledger, cfg.agentic_admission_max_wait_s,
+                                              window_s=cfg.admission_window_s, backfill=cfg.admission_backfill)
         self.rules = ScopeRules.from_config(cfg.agentic_admission_scope, cfg.admission_protected_rules,
                                             cfg.admission_eval_rules)
         self.tokenizer = load_tokenizer_counter(cfg.admission_tokenizer_file) if cfg.admission_tokenizer_file \
@@ -81,10 +99,14 @@ class AdmissionGate:
         protected, in_scope = classify_scope(c.path, info.headers, c.body, self.rules)
         if not in_scope:
             return Ticket(ADMISSION_OFF, headers=list(OFF_HEADERS))
-        tokens = estimate_reservation(c.path, c.body, expected_decode_cap=self.cfg.decode_cap,
-                                      chars_per_token=self.cfg.admission_chars_per_token, tokenizer=self.tokenizer)
+        res = estimate_request(c.path, c.body, expected_decode_cap=self.cfg.decode_cap,
+                               chars_per_token=self.cfg.admission_chars_per_token, tokenizer=self.tokenizer,
+                               context_length=self.cfg.admission_context_length,
+                               block_tokens=self.cfg.admission_prefix_block_tokens)
         ticket = next(self._ids)
-        d = self.coord.submit(ticket, tokens, protected, self.clock())
+        d = self.coord.submit(ticket, res.tokens, protected, self.clock(), place=self._place(info.session_id),
+                              blocks=res.blocks, session_id=info.session_id, prompt_tokens=res.prompt_tokens)
+        self._run_actions()
         self._notify()
         if d.kind is Kind.WAIT:
             fut = asyncio.get_running_loop().create_future()
@@ -102,12 +124,45 @@ class AdmissionGate:
                 self._futures.pop(ticket, None)
             self.wait_hist.observe(d.waited_s)
         self.coord.consumed(ticket)
-        return Ticket(d.header, d.waited_s, handle=ticket if d.kind is Kind.ADMIT else None,
+        # bypasses hold a lease too (they never wait, but they count): release it like an admit's
+        return Ticket(d.header, d.waited_s, handle=ticket if d.lease is not None else None,
                       headers=[(HEADER_DECISION, d.header), (HEADER_QUEUE_MS, str(d.queue_ms))])
 
-    def release(self, ticket: Ticket) -> None:
+    def _place(self, session_id: str | None) -> Any:
+        """Where the session's requests go: (engine URL, dp_rank) from the injected lookup, else None."""
+        if session_id is None or self.engine_of is None:
+            return None
+        try:
+            where = self.engine_of(session_id)
+        except Exception:  # fail-open: an unknown engine means the fleet-wide rule
+            log.exception("engine lookup failed")
+            self.metrics.faults.labels("admission").inc()
+            return None
+        if where is None:
+            return None
+        url, rank = where
+        return (url, rank) if rank is not None else url
+
+    def release(self, ticket: Ticket, observed: dict | None = None) -> None:
+        """The upstream attempt ended; ``observed``: the response's meta_info (prompt_tokens,
+        completion_tokens, cached_tokens) when read, for the program policy's working set."""
         if ticket.handle is not None:
-            self.dispatch(self.coord.release(ticket.handle, self.clock()))
+            self.dispatch(self.coord.release(ticket.handle, self.clock(), observed))
+
+    def forget(self, session_id: str) -> None:
+        """The client ended ``session_id``: its program (and resident KV) ends."""
+        self.coord.forget(session_id, self.clock())
+        self.dispatch(self.coord.pump(self.clock()))
+
+    def _run_actions(self) -> None:
+        for a in self.coord.take_actions():
+            if a.kind != "close" or self.pause_session is None:
+                continue
+            try:
+                self.pause_session(a.session_id)
+            except Exception:  # a failed close only leaves the KV to the engine's LRU
+                log.exception("closing paused session %s failed", a.session_id)
+                self.metrics.faults.labels("admission").inc()
 
     # --- feeding the core --------------------------------------------------------------------------
 
@@ -119,6 +174,7 @@ class AdmissionGate:
                 fut.set_result(d)
             elif self.coord.cancel(d.ticket, self.clock()):
                 self.dispatch(self.coord.pump(self.clock()))
+        self._run_actions()
         self._kick.set()
         self._notify()
 
@@ -163,7 +219,7 @@ class AdmissionGate:
 
     def stats(self) -> dict[str, Any]:
         """GET /kvgate/stats: the coordinator's and ledger's figures (JSON)."""
-        return {"admission": "on", **self.coord.stats(self.clock())}
+        return {"admission": "on", "policy": self.policy, **self.coord.stats(self.clock())}
 
 
 class _AdmissionCollector:
@@ -214,3 +270,32 @@ class _AdmissionCollector:
         m = CounterMetricFamily(p + "budget_lease_expired", "Stranded leases reclaimed by TTL")
         m.add_metric([], led["lease_expired"])
         yield m
+        m = CounterMetricFamily(p + "admission_backfilled", "Requests admitted ahead of a waiting head (backfill)")
+        m.add_metric([], c.get("backfilled", 0))
+        yield m
+        yield from _program_metrics(s, p)
+
+
+def _program_metrics(s: dict[str, Any], p: str):
+    """The program policy's series: programs by engine and state, pauses and resumes by engine."""
+    if s.get("policy") != "program":
+        return
+    m = GaugeMetricFamily(p + "programs", "Programs (sessions) by engine and state: live (a turn in flight), "
+                          "in_tool (between turns), paused (held by kvgate)", labels=["engine", "state"])
+    for engine, states in sorted(s["programs"].items()):
+        for state, n in sorted(states.items()):
+            m.add_metric([engine, state], n)
+    yield m
+    for name, key, doc in (("program_pauses", "pauses", "Programs paused (engine session closed) by engine"),
+                           ("program_resumes", "resumes", "Paused programs resumed by engine")):
+        m = CounterMetricFamily(p + name, doc, labels=["engine"])
+        for engine, n in sorted(s[key].items()):
+            m.add_metric([engine], n)
+        yield m
+    m = GaugeMetricFamily(p + "program_waiting_resume", "Turns of paused programs waiting to resume")
+    m.add_metric([], s["waiting_resume"])
+    yield m
+    m = CounterMetricFamily(p + "program_prefix_miss_tokens", "Tokens of a live program's own prefix the engine "
+                            "no longer had cached at its next turn (evicted during the tool call)")
+    m.add_metric([], s["counters"]["prefix_miss_tokens"])
+    yield m

@@ -1,7 +1,8 @@
 """The admission seam between "request classified" and "request forwarded".
 
-The proxy calls ``await gate.acquire(request_info)`` before forwarding and ``gate.release(ticket)``
-when the upstream attempt ends (response relayed, error, or client gone). A gate must fail open:
+The proxy calls ``await gate.acquire(request_info)`` before forwarding and ``gate.release(ticket, observed)``
+when the upstream attempt ends (response relayed, error, or client gone); ``observed`` is the response's
+meta_info (prompt_tokens, completion_tokens, cached_tokens) when kvgate read it, else None. A gate must fail open:
 any fault of its own returns a ticket that lets the request go at once.
 """
 
@@ -38,7 +39,7 @@ class Ticket:
 class Gate(Protocol):
     async def acquire(self, info: RequestInfo) -> Ticket: ...
 
-    def release(self, ticket: Ticket) -> None: ...
+    def release(self, ticket: Ticket, observed: dict | None = None) -> None: ...
 
 
 class OpenGate:
@@ -49,5 +50,5 @@ class OpenGate:
     async def acquire(self, info: RequestInfo) -> Ticket:
         return self.OFF
 
-    def release(self, ticket: Ticket) -> None:
+    def release(self, ticket: Ticket, observed: dict | None = None) -> None:
         return None

@@ -104,10 +104,14 @@ class Gateway:
             self.metrics.inference_tracked.set_function(lambda: len(self.inference))
             self.metrics.inference_dropped.set_function(lambda: self.inference.counts["dropped"])
         self.poller = None
+        self.engine_of = None
         if gate is None and cfg.agentic_program_admission:
             from kvgate.admission.gate import AdmissionGate
             from kvgate.admission.poller import CapacityPoller
-            gate = AdmissionGate(cfg, self.metrics)
+            # engine_of: set self.engine_of to a session id -> (engine URL, dp_rank) | None lookup once kvgate
+            # places sessions itself; until then every request is counted against the fleet-wide rule.
+            gate = AdmissionGate(cfg, self.metrics, engine_of=lambda sid: self.engine_of(sid) if self.engine_of else None,
+                                 pause_session=self._pause_session)
             self.poller = CapacityPoller(gate, self.directory, cfg.admission_poll_interval_s,
                                          cfg.admission_capacity_source)
         elif any(m != "router" for m in self.placement_modes.values()):
@@ -270,6 +274,19 @@ class Gateway:
             self.inference.forget(sid)
         self.lifecycle.forget(sid)
         self._placement_forget(sid)
+        forget = getattr(self.gate, "forget", None)
+        if forget is not None:
+            try:
+                forget(sid)
+            except Exception:
+                log.exception("admission forget failed")
+                self.metrics.faults.labels("admission").inc()
+
+    def _pause_session(self, sid: str) -> None:
+        # The program policy paused this session: close its engine session so its KV is evicted first
+        # (its next request re-opens it).
+        if self.lifecycle_on:
+            self.lifecycle.close(sid, "pause")
 
     # --- session placement (the pure rules are kvgate.fleet.placement) ----------------------------------
 
@@ -431,9 +448,9 @@ class Gateway:
             raise
         finally:
             self.metrics.inflight.dec()
-            self._release(ticket)
-            self._record(c.route, outcome, time.perf_counter() - t1)
             obs = self._observed(outcome)
+            self._release(ticket, obs.meta_info if obs else None)
+            self._record(c.route, outcome, time.perf_counter() - t1)
             if session_id is not None:
                 self._finish_session(session_id, obs)
             if plan.inferred:
@@ -467,9 +484,9 @@ class Gateway:
         return SessionPlan(sid, source, new_body if new_body is not None else raw, extra,
                            inferred=inferred is not None, prompt_is_text=isinstance(units, str))
 
-    def _release(self, ticket: Ticket) -> None:
+    def _release(self, ticket: Ticket, meta: dict | None = None) -> None:
         try:
-            self.gate.release(ticket)
+            self.gate.release(ticket, meta)
         except Exception:
             log.exception("admission release failed")
             self.metrics.faults.labels("admission").inc()

@@ -86,7 +86,9 @@ class Metrics:
         self.engine_warning = Gauge(p + "engine_warning", "1 when an engine is misconfigured for kvgate",
                                     ["engine", "kind"], registry=r)
 
-        # admission (the counters and budget gauges are read from the core at scrape time: admission/gate.py)
+        # admission (the counters and budget gauges are read from the core at scrape time: admission/gate.py;
+        # so are the program policy's agentic_kv_programs{engine,state}, agentic_kv_program_pauses_total{engine},
+        # agentic_kv_program_resumes_total{engine}, agentic_kv_program_waiting_resume)
         self.admission_wait = Histogram(p + "admission_wait_seconds", "Time requests waited in the admission "
                                         "FIFO before admit or bypass", buckets=LATENCY_BUCKETS, registry=r)
 
@@ -96,7 +98,7 @@ class Metrics:
             self.faults.labels(stage)
         for kind in ("unreachable", "timeout", "cut"):
             self.upstream_errors.labels(kind)
-        for reason in ("explicit", "api", "idle", "abort"):
+        for reason in ("explicit", "api", "idle", "abort", "pause"):
             self.session_close.labels(reason)
         self.session_close_skipped.labels("no_kv")
         for outcome in ("engine", "router_fallback", "connect_retry"):
