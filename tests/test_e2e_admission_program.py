@@ -1,0 +1,87 @@
+"""admission_policy: program on real sockets: kvgate -> real smg -> a simulated engine. Programs are
+sessions (top-level session_id); the engine lookup is injected as a placement would provide it."""
+
+import asyncio
+
+import aiohttp
+import orjson
+
+from conftest import CloseWatcher
+from kvgate.admission.program import ProgramState
+
+POLL = 0.1
+
+
+async def _turn(http, kv, sid, ids, max_new=200):
+    body = {"session_id": sid, "input_ids": ids, "sampling_params": {"max_new_tokens": max_new, "ignore_eos": True}}
+    async with http.post(kv + "/generate", data=orjson.dumps(body), headers={"Content-Type": "application/json"}) as r:
+        payload = orjson.loads(await r.read())
+        return r.status, r.headers.get("X-Kvgate-Admission"), int(r.headers.get("X-Kvgate-Queue-Ms", "-1")), payload
+
+
+async def _until(gw, pred, what, timeout=15.0):
+    try:
+        await gw.gate.wait_until(pred, timeout)
+    except asyncio.TimeoutError:
+        raise AssertionError(f"timed out waiting for {what}") from None
+
+
+async def test_program_policy_pauses_an_in_tool_program_and_resumes_it(sim_factory, router_factory, kvgate_factory):
+    e = await sim_factory(max_total_num_tokens=2000, speed=4.0)  # ceiling 2,000 x 0.9 = 1,800
+    watcher = CloseWatcher(e)
+    router = await router_factory([e.url])
+    gw, kv = await kvgate_factory(upstream=router, agentic_program_admission=True, admission_policy="program",
+                                  agentic_session_lifecycle=True, session_inference=False,
+                                  admission_poll_interval_s=POLL, discovery_interval_s=0.2,
+                                  agentic_admission_max_wait_s=60.0)
+    gw.engine_of = lambda sid: (e.url, None)  # what placement will answer: every session goes to this engine
+    await gw.directory.first_refresh.wait()
+    while gw.gate.ledger.snapshot is None or gw.gate.ledger.ceiling == 0:
+        await gw.poller.round_done.wait()
+    co = gw.gate.coord
+    assert gw.gate.ledger.ceiling == 1800
+    a_ids = list(range(10_000, 10_600))
+    b_ids = list(range(20_000, 20_600))
+    async with aiohttp.ClientSession() as http:
+        # two programs' first turns: 600 + 200 each; then both are in a tool call with 800 resident each
+        st, dec, q, a1 = await _turn(http, kv, "A", a_ids)
+        assert (st, dec, q) == (200, "admit", 0)
+        st, dec, q, b1 = await _turn(http, kv, "B", b_ids)
+        assert (st, dec, q) == (200, "admit", 0)
+        assert co.state_of("A") is ProgramState.IN_TOOL and co.resident_of("A") == 800
+        assert gw.gate.ledger.reserved == 1600
+        # a new program does not start: 1,600 + 800 > 1,800
+        c = asyncio.create_task(_turn(http, kv, "C", list(range(30_000, 30_600))))
+        await _until(gw, lambda: co.waiting == 1, "C waits")
+        # A continues (never held): 600 + 200 output + 300 tool result = 1,100 prompt + 200 -> 800 + 1,300 > 1,800
+        a_ids = a_ids + a1["output_ids"] + list(range(11_000, 11_300))
+        st, dec, q, a2 = await _turn(http, kv, "A", a_ids)
+        assert (st, dec, q) == (200, "admit", 0)
+        assert a2["meta_info"]["cached_tokens"] >= 600  # A's own prefix was still there
+        # B was in its tool call: paused, and its engine session closed so its KV goes first
+        assert co.state_of("B") is ProgramState.PAUSED
+        await watcher.wait_for("B")
+        assert gw.lifecycle.registry.get("B").state == "closed"
+        # B's next turn waits in kvgate, ahead of the new program C
+        b_ids = b_ids + b1["output_ids"] + list(range(21_000, 21_300))
+        b = asyncio.create_task(_turn(http, kv, "B", b_ids))
+        await _until(gw, lambda: co.waiting == 2, "B waits")
+        assert gw.gate.stats()["waiting_resume"] == 1
+        # A ends: B resumes (1,300 fits), C still waits (1,300 + 800 > 1,800)
+        async with http.post(kv + "/close_session", json={"session_id": "A"}) as r:
+            assert r.status == 200
+        st, dec, q, _ = await b
+        assert (st, dec) == (200, "admit") and q > 0
+        assert co.waiting == 1 and not c.done()
+        async with http.post(kv + "/close_session", json={"session_id": "B"}) as r:
+            assert r.status == 200
+        st, dec, q, _ = await c
+        assert (st, dec) == (200, "admit") and q > 0
+    assert co.pauses == {e.url: 1} and co.resumes == {e.url: 1}
+    m = gw.metrics.render()[0].decode()
+    assert f'agentic_kv_program_pauses_total{{engine="{e.url}"}} 1.0' in m
+    assert f'agentic_kv_program_resumes_total{{engine="{e.url}"}} 1.0' in m
+    assert f'agentic_kv_programs{{engine="{e.url}",state="in_tool"}} 1.0' in m  # C
+    assert 'agentic_kv_session_close_total{reason="pause"} 1.0' in m
+    co.forget("C", gw.gate.clock())
+    assert gw.gate.ledger.reserved == 0 and gw.gate.ledger.lease_count == 0
