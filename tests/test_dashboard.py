@@ -51,9 +51,9 @@ def test_committed_json_loads_as_an_sdk_dashboard_model_without_loss(committed):
     assert json.loads(JSONEncoder().encode(model)) == committed  # every field understood by the model
     assert model.uid == "kvgate" and model.schema_version == 41
     rows = [p for p in model.panels if isinstance(p, RowPanel)]
-    assert [r.title for r in rows] == ["Sessions", "Admission", "Budget", "Engines", "Proxy"]
+    assert [r.title for r in rows] == ["Sessions", "Admission", "Budget", "Programs", "Engines", "Proxy"]
     panels = [p for p in model.panels if isinstance(p, Panel)]
-    assert len(panels) == len(dashboard.panels()) == 31
+    assert len(panels) == len(dashboard.panels()) == 35
     assert all(isinstance(t, Dataquery) for p in panels for t in p.targets)
 
 
@@ -102,10 +102,12 @@ def test_rows_cover_the_issue():
                    "sglang:token_usage", "sglang:num_running_reqs", "sglang:num_queue_reqs",
                    "sglang:cached_tokens_total", "sglang:evicted_tokens_total",
                    "sglang:num_retracted_requests_total", "agentic_kv_requests_total",
-                   "agentic_kv_proxy_added_seconds_bucket"):
+                   "agentic_kv_proxy_added_seconds_bucket", "agentic_kv_programs{",
+                   "agentic_kv_program_pauses_total", "agentic_kv_program_resumes_total",
+                   "agentic_kv_program_waiting_resume", "agentic_kv_admission_backfilled_total"):
         assert metric in exprs, metric
     assert "by (source)" in exprs  # named vs inferred: any future source shows up as its own series
-    assert list(titles) == ["Sessions", "Admission", "Budget", "Engines", "Proxy"]
+    assert list(titles) == ["Sessions", "Admission", "Budget", "Programs", "Engines", "Proxy"]
 
 
 def test_substitute_expands_variables_as_grafana_does():

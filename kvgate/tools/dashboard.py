@@ -130,7 +130,8 @@ ROWS: tuple[RowSpec, ...] = (
                    Target(f"sum(rate(agentic_kv_admission_wait_total{{{KV}}}[{RI}]))", "wait"),
                    Target(f"sum by (reason) (rate(agentic_kv_admission_bypass_total{{{KV}}}[{RI}]))",
                           "bypass {{reason}}"),
-                   Target(f"sum(rate(agentic_kv_admission_cancelled_total{{{KV}}}[{RI}]))", "cancelled")),
+                   Target(f"sum(rate(agentic_kv_admission_cancelled_total{{{KV}}}[{RI}]))", "cancelled"),
+                   Target(f"sum(rate(agentic_kv_admission_backfilled_total{{{KV}}}[{RI}]))", "backfilled")),
                   unit="reqps"),
         PanelSpec("Defer and degraded rate",
                   "Share of requests that waited (defer) or bypassed for a stale signal (degraded) over kvgate's "
@@ -181,6 +182,30 @@ ROWS: tuple[RowSpec, ...] = (
                   "/v1/loads or /metrics (--enable-metrics) and admission_poll_interval_s.",
                   (Target(f"max by (instance) (agentic_kv_budget_degraded{{{KV}}})", "{{instance}}"),),
                   kind="stat", max=1),
+    )),
+    # admission_policy: program only; "or vector(0)" keeps a flat 0 line under the fifo policy.
+    RowSpec("Programs", (
+        PanelSpec("Programs per engine, by state",
+                  "live = a turn in flight, in_tool = between turns, paused = held by kvgate; many paused for long "
+                  "means the working set far exceeds the KV pool: more engines or fewer concurrent programs.",
+                  (Target(f"sum by (engine, state) (agentic_kv_programs{{{KV}}}) or vector(0)",
+                          "{{engine}} {{state}}"),), width=12),
+        PanelSpec("Pauses and resumes per engine",
+                  "Programs paused (their engine session closed) and resumed per second; pauses far above resumes "
+                  "for long means programs end while paused or age out: check the aging bound and the TTL.",
+                  (Target(f"sum by (engine) (rate(agentic_kv_program_pauses_total{{{KV}}}[{RI}])) or vector(0)",
+                          "pause {{engine}}"),
+                   Target(f"sum by (engine) (rate(agentic_kv_program_resumes_total{{{KV}}}[{RI}])) or vector(0)",
+                          "resume {{engine}}")), width=12),
+        PanelSpec("Paused turns waiting",
+                  "Turns of paused programs held in kvgate now; if it never drains the engines cannot hold even "
+                  "one more program's context: check engine token usage.",
+                  (Target(f"sum(agentic_kv_program_waiting_resume{{{KV}}}) or vector(0)", "waiting"),)),
+        PanelSpec("Own-prefix cache misses",
+                  "Tokens of a live program's own context the engine no longer had cached at its next turn "
+                  "(evicted during the tool call); rising means thrash: the program policy should pause sooner.",
+                  (Target(f"sum(rate(agentic_kv_program_prefix_miss_tokens_total{{{KV}}}[{RI}])) or vector(0)",
+                          "missed tokens/s"),)),
     )),
     RowSpec("Engines", (
         PanelSpec("KV token usage per engine",
