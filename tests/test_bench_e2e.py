@@ -19,7 +19,8 @@ speed: 4
 engines: 2
 max_total_num_tokens: 6000
 unbounded_max_total_num_tokens: 400000
-arms: [direct, lifecycle+admission, router-limit, unbounded-kv, proxy-placement, smg-manual]
+arms: [direct, lifecycle+admission, lifecycle+admission-program, router-limit, unbounded-kv, proxy-placement,
+       smg-manual]
 router_limits: [2]
 kvgate_times: {session_idle_close_s: 20, agentic_admission_max_wait_s: 30}
 kvgate_extra: {admission_chars_per_token: 1.0, max_response_length: 512}
@@ -44,7 +45,8 @@ def test_tiny_scenario_end_to_end(tmp_path):
     rc = cli.run(p.parse_args(["--scenario", str(sc), "--out", str(out), "--no-progress"]))
     assert rc == 0
     res = json.loads((out / "results.json").read_text())
-    arms = ["direct", "lifecycle+admission", "router-limit-2", "unbounded-kv", "proxy-placement", "smg-manual"]
+    arms = ["direct", "lifecycle+admission", "lifecycle+admission-program", "router-limit-2", "unbounded-kv",
+            "proxy-placement", "smg-manual"]
     assert list(res["metrics"]) == arms and res["seeds"] == [1, 2]
     for arm, m in res["metrics"].items():
         assert m["errors"] == 0 and m["requests"] == 12 and m["replicates"] == 2, arm
@@ -79,6 +81,11 @@ def test_tiny_scenario_end_to_end(tmp_path):
             assert all(r["cached_tokens"] >= 1500 + 12 + 32 - 1 for r in later), arm
         c = la["kvgate_counters"]
         assert c["admit"] + c["bypass_protected"] + c["bypass_degraded"] + c["bypass_aged"] == 12
+        lp = res["arms"]["lifecycle+admission-program"][i]
+        assert lp["closes"] == {"200": 4}
+        c = lp["kvgate_counters"]
+        assert c["admit"] + c["bypass_protected"] + c["bypass_degraded"] + c["bypass_aged"] == 12
+        assert c["resume"] <= c["pause"]
     md = (out / "report.md").read_text()
     assert "mean ± 95% CI, 2 seeds" in md and "Ranking by step makespan:" in md
     assert "Placement (both kvgate features off):" in md and "| kvgate placement (proxy-placement) |" in md

@@ -39,6 +39,7 @@ class ArmSpec:
     kvgate: bool = False
     lifecycle: bool = False
     admission: bool = False
+    admission_policy: str = "fifo"  # kvgate's admission_policy when admission is on: fifo | program
     router_limit: int | None = None
     pool_tokens: int = 0
     # False: the client names no session and never closes one (an unchanged rollout loop);
@@ -73,6 +74,11 @@ def expand_arms(sc: Scenario) -> list[ArmSpec]:
             out.append(ArmSpec(a, kvgate=True, admission=True, pool_tokens=pool))
         elif a == "lifecycle+admission":
             out.append(ArmSpec(a, kvgate=True, lifecycle=True, admission=True, pool_tokens=pool))
+        elif a == "admission-program":
+            out.append(ArmSpec(a, kvgate=True, admission=True, admission_policy="program", pool_tokens=pool))
+        elif a == "lifecycle+admission-program":
+            out.append(ArmSpec(a, kvgate=True, lifecycle=True, admission=True, admission_policy="program",
+                               pool_tokens=pool))
         elif a == "router-limit":
             out += [ArmSpec(f"router-limit-{n}", router_limit=n, pool_tokens=pool) for n in sc.router_limits]
         elif a == "unbounded-kv":
@@ -136,7 +142,7 @@ class Fleet:
         if self.arm.lifecycle:
             cmd.append("--agentic-session-lifecycle")
         if self.arm.admission:
-            cmd.append("--agentic-program-admission")
+            cmd += ["--agentic-program-admission", "--admission-policy", self.arm.admission_policy]
         kv = procs.start("kvgate", cmd, self.log_dir, url=f"http://127.0.0.1:{kport}")
         self.procs.append(kv)
         self.kvgate_url = kv.url

@@ -14,9 +14,9 @@ from typing import Any
 
 import yaml
 
-ARMS = ("direct", "proxy-only", "lifecycle", "lifecycle-inferred", "admission", "lifecycle+admission", "router-limit",
-        "unbounded-kv", "hicache", "hicache+lifecycle", "hicache+lifecycle+admission", "proxy-placement",
-        "smg-manual")
+ARMS = ("direct", "proxy-only", "lifecycle", "lifecycle-inferred", "admission", "lifecycle+admission",
+        "admission-program", "lifecycle+admission-program", "router-limit", "unbounded-kv", "hicache",
+        "hicache+lifecycle", "hicache+lifecycle+admission", "proxy-placement", "smg-manual")
 # How the client sends its turns (the route): token ids to /generate, chat messages, or completions text.
 APIS = ("generate", "chat", "completions")
 
@@ -29,6 +29,7 @@ KVGATE_TIME_DEFAULTS = {
     "agentic_admission_max_wait_s": 30.0,
     "admission_window_s": 60.0,
     "admission_lease_ttl_s": 3600.0,
+    "admission_program_ttl_s": 600.0,
 }
 
 
