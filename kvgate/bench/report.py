@@ -35,6 +35,7 @@ COLUMNS = [
     ("queue_p50_s", "kvgate queue p50 s", "{:.2f}"),
     ("queue_p99_s", "kvgate queue p99 s", "{:.2f}"),
     ("admit_wait_bypass", "admit/wait/bypass", "{}"),
+    ("pause_resume", "pauses/resumes", "{}"),
     ("session_precision", "session precision", "{:.3f}"),
     ("session_recall", "session recall", "{:.3f}"),
     ("engine_sessions_seen", "session ids seen by engines", "{:.0f}"),
@@ -105,6 +106,8 @@ def summarize(raw: dict, speed: float, ideal_prefill_tokens: int) -> dict:
         if counters else None,
     }
     m["admit_wait_bypass"] = (f"{m['admit']}/{m['wait']}/{m['bypass']}" if counters else "-")
+    # program policy only: programs paused on overflow and resumed
+    m["pause_resume"] = (f"{counters['pause']}/{counters['resume']}" if counters and "pause" in counters else "-")
     # the arm did not run to the end (its fleet failed to start, or --arm-timeout-s cut it): not comparable
     m["failed"] = bool(raw.get("failed") or raw.get("timed_out"))
     m["session_precision"], m["session_recall"] = session_accuracy(reqs)
