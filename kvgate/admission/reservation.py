@@ -111,7 +111,8 @@ def _completion(max_new: Any, cap: int) -> int:
 
 
 def _is_int_list(v: Any) -> bool:
-    return isinstance(v, list) and all(isinstance(x, int) and not isinstance(x, bool) for x in v)
+    # type() is: bools are not token ids, and it is ~2x faster than isinstance on 100k-id prompts
+    return isinstance(v, list) and all(type(x) is int for x in v)
 
 
 def _content_chars(content: Any) -> str:
@@ -237,10 +238,13 @@ def prefix_blocks(key: list[int] | str | None, block_tokens: int, chars_per_toke
         n = min(n, max_blocks)
     out = []
     h = 0
-    for i in range(n):
-        chunk = key[i * step:(i + 1) * step]
-        h = hash((h, chunk if isinstance(chunk, str) else tuple(chunk)))
-        out.append(h)
+    try:
+        for i in range(n):
+            chunk = key[i * step:(i + 1) * step]
+            h = hash((h, chunk if isinstance(chunk, str) else tuple(chunk)))
+            out.append(h)
+    except TypeError:  # an unhashable item in an odd prompt: no blocks, the reservation stands as is
+        return ()
     return tuple(out)
 
 
@@ -355,7 +359,10 @@ def _estimate(path: str, body: Any, cap: int, ctx: int | None,
         key = None
         if len(prompts) == 1:
             ids, text = body.get("input_ids"), body.get("text")
-            key = ids if _is_int_list(ids) and ids else text if isinstance(text, str) else None
+            if isinstance(ids, list) and ids and type(ids[0]) is int and prompts[0] == len(ids):
+                key = ids  # _prompts_generate read these ids (checked there)
+            elif isinstance(text, str):
+                key = text
         return total, prompt_sum, seqs, key
     n = _n_or_one(body.get("n"))
     key: Any = None
