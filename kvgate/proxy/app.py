@@ -448,7 +448,7 @@ class Gateway:
             raise
         finally:
             self.metrics.inflight.dec()
-            obs = self._observed(outcome)
+            obs = self._observed_safe(outcome)
             self._release(ticket, obs.meta_info if obs else None)
             self._record(c.route, outcome, time.perf_counter() - t1)
             if session_id is not None:
@@ -505,6 +505,15 @@ class Gateway:
                 self.metrics.client_disconnects.inc()
         self.metrics.requests.labels(route, status).inc()
         self.metrics.upstream_latency.labels(route).observe(elapsed)
+
+    def _observed_safe(self, outcome):
+        # The lease must be released whatever the observer does.
+        try:
+            return self._observed(outcome)
+        except Exception:
+            log.exception("reading the response's meta_info failed")
+            self.metrics.faults.labels("session").inc()
+            return None
 
     @staticmethod
     def _observed(outcome):
