@@ -255,3 +255,28 @@ def test_bad_args():
     for kw in ({"victim": "random"}, {"resume": "lifo"}, {"program_ttl_s": 0}, {"max_wait_s": -1}):
         with pytest.raises(ValueError):
             ProgramCoordinator(lg, **kw)
+
+
+def _victim_tradeoff(victim):
+    """Ten in-tool programs with residents 600, 1,200 ... 6,000 tokens (33,000) on a 40,000-token engine (ceiling
+    36,000); a live program's next turn grows to 9,000 tokens: 42,000, 6,000 over. Returns (programs paused,
+    tokens paused, sum of c^2 over the paused contexts in millions: the re-prefill attention work)."""
+    co, lg = make({E0: 40_000}, victim=victim)
+    co.submit("x0", 100, False, 0.0, session_id="x")
+    co.release("x0", 0.0, {"prompt_tokens": 100, "completion_tokens": 0})
+    for i in range(10):
+        co.submit(f"t{i}", 600 * (i + 1), False, float(i), session_id=f"p{i}")
+        co.release(f"t{i}", 10.0 + (9 - i), {"prompt_tokens": 600 * (i + 1), "completion_tokens": 0})
+    assert lg.reserved == 33_100
+    co.submit("x1", 9000, False, 30.0, session_id="x")
+    paused = [a.session_id for a in co.take_actions()]
+    sizes = [600 * (int(s[1:]) + 1) for s in paused]
+    assert lg.reserved <= lg.ceiling
+    return len(paused), sum(sizes), round(sum(c * c for c in sizes) / 1e6, 2)
+
+
+def test_victim_rules_trade_pauses_for_re_prefill_work():
+    # measured: smallest pauses the most programs but the least re-prefill work; largest the fewest programs
+    assert _victim_tradeoff("smallest") == (4, 6000, 10.8)  # 600 + 1,200 + 1,800 + 2,400
+    assert _victim_tradeoff("largest") == (1, 6000, 36.0)  # 6,000
+    assert _victim_tradeoff("longest-idle") == (1, 6000, 36.0)  # p9 (6,000) has been in its tool call longest
