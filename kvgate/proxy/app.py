@@ -104,12 +104,12 @@ class Gateway:
             self.metrics.inference_tracked.set_function(lambda: len(self.inference))
             self.metrics.inference_dropped.set_function(lambda: self.inference.counts["dropped"])
         self.poller = None
-        self.engine_of = None
+        # Where admission counts a session's request: the engine kvgate placed it on; a session kvgate did
+        # not place (the router routes it, or its first turn) counts against the fleet-wide rule.
+        self.engine_of = self.placement.engine_of
         if gate is None and cfg.agentic_program_admission:
             from kvgate.admission.gate import AdmissionGate
             from kvgate.admission.poller import CapacityPoller
-            # engine_of: set self.engine_of to a session id -> (engine URL, dp_rank) | None lookup once kvgate
-            # places sessions itself; until then every request is counted against the fleet-wide rule.
             gate = AdmissionGate(cfg, self.metrics, engine_of=lambda sid: self.engine_of(sid) if self.engine_of else None,
                                  pause_session=self._pause_session)
             self.poller = CapacityPoller(gate, self.directory, cfg.admission_poll_interval_s,
