@@ -43,9 +43,9 @@ async def fleet(sim_factory, router_factory, kvgate_factory):
         reservations = []
         submit = gw.gate.coord.submit
 
-        def spy(ticket, tokens, protected, now):
+        def spy(ticket, tokens, protected, now, **kw):
             reservations.append((ticket, tokens))
-            return submit(ticket, tokens, protected, now)
+            return submit(ticket, tokens, protected, now, **kw)
 
         gw.gate.coord.submit = spy
         turn_ended = asyncio.Condition()

@@ -140,8 +140,9 @@ async def test_batch_form_and_n_greater_than_one(fleet):
     assert (s.prompt_tokens, s.completion_tokens) == (360, 24)  # the batch's sequences summed
     s = await settled(f, "n-1", 1)
     assert (s.prompt_tokens, s.completion_tokens) == (240, 32)
-    # every sequence reserved: batch = sum(prompt + 8); n = 2 x (prompt + 16)
-    assert [t for _, t in f.reservations] == [360 + 3 * 8, 2 * (120 + 16)]
+    # every sequence reserved: batch = sum(prompt + 8); n copies share their prompt (SGLang prefills it once):
+    # prompt + 2 x 16
+    assert [t for _, t in f.reservations] == [360 + 3 * 8, 120 + 2 * 16]
     assert f.gw.gate.ledger.reserved == 0
 
 

@@ -146,14 +146,15 @@ async def test_async_client_n_greater_than_one_concurrently(fleet):
     for sid, n, completion in (("kv-n", 3, 24), ("kv-ns", 2, 12), ("kv-c", 2, 8), ("kv-cs", 3, 9)):
         s = await _settled(f, sid, 1)
         assert s.completion_tokens == completion, sid
-    # admission reserves for every sequence: n times what the same call with n = 1 reserves
+    # admission reserves for every sequence; the n copies share their prompt (SGLang prefills it once):
+    # the prompt once + n x max_tokens
     def one(path, **body):
         return estimate_reservation(path, {"model": MODEL, **body}, expected_decode_cap=4096)
     assert sorted(t for _, t in f.reservations) == sorted([
-        3 * one("/v1/chat/completions", messages=_messages("Name three fixes."), max_tokens=8),
-        2 * one("/v1/chat/completions", messages=_messages("Name two fixes."), max_tokens=6),
-        2 * (math.ceil(len(SYSTEM + "Two ideas:") / 3) + 4),  # text: ceil(characters / 3) + max_tokens
-        3 * (math.ceil(len(SYSTEM + "Three ideas:") / 3) + 3)])
+        one("/v1/chat/completions", messages=_messages("Name three fixes."), max_tokens=8) + 2 * 8,
+        one("/v1/chat/completions", messages=_messages("Name two fixes."), max_tokens=6) + 1 * 6,
+        math.ceil(len(SYSTEM + "Two ideas:") / 3) + 2 * 4,  # text: ceil(characters / 3) + n x max_tokens
+        math.ceil(len(SYSTEM + "Three ideas:") / 3) + 3 * 3])
     assert f.gw.gate.ledger.reserved == 0 and f.gw.gate.coord.counters["admit"] == 4
 
 
