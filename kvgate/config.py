@@ -83,6 +83,10 @@ KEYS: list[Key] = [
         "Timeout between two reads of an upstream response, seconds; 0 = none (decodes run for minutes).",
         _nonneg, ">= 0"),
     Key("max_body_bytes", int, 512 * 1024 * 1024, "Largest request body accepted, bytes.", _pos, "> 0"),
+    Key("body_parse_max_bytes", int, 4 * 1024 * 1024,
+        "Largest generate body (and JSON response) kvgate parses for its session and admission features, bytes; "
+        "larger ones are relayed untouched (parsing holds the event loop for every client, about 10 ms per MiB).",
+        _nonneg, ">= 0"),
     Key("upstream_pool_size", int, 0, "Upper bound on pooled upstream connections; 0 = unbounded.",
         _nonneg, ">= 0"),
     # --- session identity ------------------------------------------------------------------------

@@ -19,11 +19,26 @@ import aiohttp
 import orjson
 
 from kvgate.common.aio import cancel_tasks
-from kvgate.admission.capacity import ClusterSnapshot, EngineCapacity, parse_engine_loads, parse_engine_metrics
+from kvgate.admission.capacity import (METRIC_MAX_TOTAL, METRIC_NUM_USED, METRIC_TOKEN_USAGE, ClusterSnapshot,
+                                       EngineCapacity, parse_engine_loads, parse_engine_metrics)
 from kvgate.admission.gate import AdmissionGate
 from kvgate.fleet.directory import EngineDirectory
 
 log = logging.getLogger("kvgate.admission.poller")
+
+_GAUGES = (METRIC_MAX_TOTAL, METRIC_NUM_USED, METRIC_TOKEN_USAGE)
+_KEPT_LINES = (*_GAUGES, *(f"# {kind} {name}" for kind in ("HELP", "TYPE") for name in _GAUGES))
+
+
+def _parse_metrics_bytes(raw: bytes) -> EngineCapacity | None:
+    """parse_engine_metrics over an engine's /metrics bytes, reading only the lines of the three gauges it
+    uses (samples, HELP, TYPE): the rest of a multi-megabyte exposition is skipped unparsed. None when the
+    bytes are not UTF-8 or carry no capacity."""
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError:
+        return None
+    return parse_engine_metrics("\n".join(ln for ln in text.split("\n") if ln.startswith(_KEPT_LINES)) + "\n")
 
 
 class CapacityPoller:
@@ -66,7 +81,9 @@ class CapacityPoller:
         try:
             async with self._session.get(url + "/metrics") as resp:
                 if resp.status == 200:
-                    cap = parse_engine_metrics(await resp.text())
+                    # An engine's /metrics runs to megabytes (histograms): parse in a thread, off the event
+                    # loop every client shares, after keeping only the lines of the gauges read.
+                    cap = await asyncio.to_thread(_parse_metrics_bytes, await resp.read())
                     if cap is not None:
                         self.last_sources[url] = "/metrics"
                         return cap

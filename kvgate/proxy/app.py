@@ -28,7 +28,8 @@ from kvgate.config import PLACEMENT_ROUTES, Config
 from kvgate.fleet import compat
 from kvgate.fleet.placement import Placement, Target
 from kvgate.fleet.directory import EngineDirectory
-from kvgate.proxy.relay import Upstream, forward_headers
+from kvgate.proxy.relay import MAX_FIELD_BYTES, MAX_LINE_BYTES, Upstream, forward_headers, header_safe, \
+    preserve_header_bytes
 from kvgate.proxy.admit import Gate, OpenGate, RequestInfo, Ticket
 from kvgate.sessions.idle_policy import IdlePolicy, StepTracker
 from kvgate.sessions.inference import SessionInference, prefix_keys, request_units
@@ -45,6 +46,9 @@ GATEWAY_KEY = web.AppKey("gateway", object)
 SESSION_HEADER = "X-Kvgate-Session-Id"
 # Step-boundary bodies larger than this (tensor payloads) are not parsed: they take SGLang's defaults.
 STEP_BODY_PARSE_LIMIT = 1 << 20
+# GET /kvgate/sessions lists at most this many sessions per page (?limit, ?offset page through the rest):
+# building the page runs on the event loop every client shares.
+SESSIONS_PAGE_MAX = 1000
 
 
 @dataclass
@@ -60,6 +64,19 @@ class SessionPlan:
     prompt_is_text: bool = False
 
 
+def _as_text(session_id: str | None) -> str | None:
+    """A session id as valid Unicode text. Header bytes that were not UTF-8 reach kvgate as lone
+    surrogates (aiohttp decodes with surrogateescape); they become ``\\xNN`` escapes so the id can go
+    into a JSON body and the registry. Others are returned unchanged."""
+    if session_id is None:
+        return None
+    try:
+        session_id.encode("utf-8")
+        return session_id
+    except UnicodeEncodeError:
+        return session_id.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
+
+
 def _json(obj: Any, status: int = 200) -> web.Response:
     return web.Response(status=status, body=orjson.dumps(obj), content_type="application/json")
 
@@ -69,6 +86,7 @@ class Gateway:
 
     def __init__(self, cfg: Config, gate: Gate | None = None):
         self.cfg = cfg
+        preserve_header_bytes()
         self.metrics = Metrics()
         self.upstream = Upstream(cfg.upstream, cfg.connect_timeout_s, cfg.read_timeout_s, cfg.upstream_pool_size)
         self.placement_modes = {r: cfg.session_placement_routes.get(r, cfg.session_placement) for r in PLACEMENT_ROUTES}
@@ -209,14 +227,19 @@ class Gateway:
 
     async def handle_sessions(self, request: web.Request) -> web.Response:
         try:
-            limit = int(request.query.get("limit", "1000"))
+            limit = int(request.query.get("limit", str(SESSIONS_PAGE_MAX)))
+            offset = int(request.query.get("offset", "0"))
         except ValueError:
-            return _json({"error": {"message": "limit must be an integer"}}, 400)
+            return _json({"error": {"message": "limit and offset must be integers"}}, 400)
+        if limit < 0 or offset < 0:
+            return _json({"error": {"message": "limit and offset must be >= 0"}}, 400)
         state = request.query.get("state")
         if state not in (None, "active", "closing", "closed"):
             return _json({"error": {"message": "state must be one of active, closing, closed"}}, 400)
+        limit = min(limit, SESSIONS_PAGE_MAX)
         reg = self.lifecycle.registry
-        out = reg.as_json(self.lifecycle.clock(), limit=limit, state=state)
+        out = reg.as_json(self.lifecycle.clock(), limit=limit, state=state, offset=offset)
+        out["limit"], out["offset"] = limit, offset
         for entry in out["sessions"]:
             self._augment(entry)
         out["step"] = self.lifecycle.steps.as_json()
@@ -386,7 +409,9 @@ class Gateway:
     async def handle_proxy(self, request: web.Request) -> web.StreamResponse:
         t0 = time.perf_counter()
         raw = await request.read()
-        c = classify(request.method, request.path, raw)
+        c = classify(request.method, request.path, raw, parse=False)
+        if c.is_generate:
+            c.body = self._parse_body(request, raw)
         plan = SessionPlan(body=raw)
         if self.lifecycle_on and c.body is not None:
             try:
@@ -399,7 +424,7 @@ class Gateway:
             # Lifecycle off, placement on: the session only picks the engine; the body goes out unchanged.
             try:
                 res = self.resolver.resolve(c.body, request.headers)
-                plan = SessionPlan(res.session_id, res.source, raw)
+                plan = SessionPlan(_as_text(res.session_id), res.source, raw)
             except Exception:
                 log.exception("session resolution failed; forwarding unchanged")
                 self.metrics.faults.labels("session").inc()
@@ -428,12 +453,13 @@ class Gateway:
         observe = None
         if tracked is not None:
             def observe(is_sse: bool, route=c.path, text=plan.prompt_is_text) -> ResponseObserver:
-                return ResponseObserver(is_sse, route=route, prompt_is_text=text)
+                return ResponseObserver(is_sse, route=route, prompt_is_text=text,
+                                        max_json_bytes=self.cfg.body_parse_max_bytes)
         self.metrics.inflight.inc()
         t1 = time.perf_counter()
         outcome = None
         try:
-            add = ticket.headers if tracked is None else [*ticket.headers, (SESSION_HEADER, tracked)]
+            add = ticket.headers if tracked is None else [*ticket.headers, (SESSION_HEADER, header_safe(tracked))]
             placed = None
             if self._placed_route(c, plan):
                 placed = await self._relay_placed(request, c, plan, observe, add)
@@ -458,9 +484,21 @@ class Gateway:
             if self.lifecycle_on and c.method == "POST" and c.path in STEP_BOUNDARY_ROUTES:
                 self._step_boundary(c.path, raw, outcome)
 
+    def _parse_body(self, request: web.Request, raw: bytes) -> dict | None:
+        """The generate body as a JSON object, or None when kvgate leaves it alone: not an object, sent
+        compressed (kvgate forwards bodies exactly as received and never decompresses them), or larger than
+        body_parse_max_bytes (parsing holds the event loop for every client). Skips are counted."""
+        if request.headers.get("Content-Encoding", "identity").strip().lower() not in ("", "identity"):
+            self.metrics.body_features_skipped.labels("content_encoding").inc()
+            return None
+        if len(raw) > self.cfg.body_parse_max_bytes:
+            self.metrics.body_features_skipped.labels("size").inc()
+            return None
+        return parse_json_object(raw)
+
     def _resolve_session(self, path: str, body_obj: dict, raw: bytes, request: web.Request) -> SessionPlan:
         res = self.resolver.resolve(body_obj, request.headers)
-        sid, source, units, inferred = res.session_id, res.source, None, None
+        sid, source, units, inferred = _as_text(res.session_id), res.source, None, None
         if sid is None and self.inference is not None:
             units = request_units(path, body_obj)
             if units is not None:
@@ -480,7 +518,7 @@ class Gateway:
         extra = {}
         rk = self.cfg.routing_key_header
         if self.cfg.set_routing_key and rk not in request.headers:
-            extra[rk] = sid
+            extra[rk] = header_safe(sid)
         return SessionPlan(sid, source, new_body if new_body is not None else raw, extra,
                            inferred=inferred is not None, prompt_is_text=isinstance(units, str))
 
@@ -492,6 +530,8 @@ class Gateway:
             self.metrics.faults.labels("admission").inc()
 
     def _record(self, route: str, outcome, elapsed: float) -> None:
+        if outcome is not None and outcome.observer_fault:
+            self.metrics.faults.labels("observer").inc()
         if outcome is None:
             status = "client_gone"
         elif outcome.status is None:
@@ -515,11 +555,15 @@ class Gateway:
             self.metrics.faults.labels("session").inc()
             return None
 
-    @staticmethod
-    def _observed(outcome):
+    def _observed(self, outcome):
         if outcome is None or outcome.observer is None:
             return None
-        return outcome.observer.result()
+        try:
+            return outcome.observer.result()
+        except Exception:  # what an observer makes of a response never touches the response
+            log.exception("response observer failed reading the result")
+            self.metrics.faults.labels("observer").inc()
+            return None
 
     def _finish_session(self, session_id: str, obs) -> None:
         try:
@@ -555,10 +599,12 @@ async def start_gateway(cfg: Config, gate: Gate | None = None) -> tuple[Gateway,
     """Start kvgate on cfg.host:cfg.port (port 0 = a free one). Returns (gateway, runner, bound port).
 
     handler_cancellation: a client that disconnects cancels its handler, which closes the upstream
-    request.
+    request. auto_decompress=False: request bodies are read and forwarded exactly as received.
+    Header limits are the router's or higher (relay.MAX_LINE_BYTES, MAX_FIELD_BYTES).
     """
     gw = Gateway(cfg, gate)
-    runner = web.AppRunner(gw.app, handler_cancellation=True, access_log=None)
+    runner = web.AppRunner(gw.app, handler_cancellation=True, access_log=None, auto_decompress=False,
+                           max_line_size=MAX_LINE_BYTES, max_field_size=MAX_FIELD_BYTES)
     await runner.setup()
     site = web.TCPSite(runner, cfg.host, cfg.port, backlog=1024)
     await site.start()

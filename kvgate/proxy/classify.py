@@ -62,10 +62,13 @@ def parse_json_object(raw: bytes) -> dict[str, Any] | None:
     return obj if isinstance(obj, dict) else None
 
 
-def classify(method: str, path: str, raw_body: bytes) -> Classified:
-    """Classify a request from its method, path and raw body bytes. Never raises on bad bodies."""
+def classify(method: str, path: str, raw_body: bytes, parse: bool = True) -> Classified:
+    """Classify a request from its method, path and raw body bytes. Never raises on bad bodies.
+
+    parse=False leaves ``body`` None (the caller decides whether the body is worth parsing).
+    """
     is_generate = method == "POST" and path in GENERATE_ROUTES
-    body = parse_json_object(raw_body) if is_generate else None
+    body = parse_json_object(raw_body) if is_generate and parse else None
     return Classified(method=method, path=path, route=route_label(path), is_generate=is_generate, body=body)
 
 

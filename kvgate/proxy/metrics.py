@@ -36,6 +36,10 @@ class Metrics:
                                           "ended; the upstream request was cancelled", registry=r)
         self.faults = Counter(p + "faults", "Faults in kvgate's own logic; the request went out unchanged",
                               ["stage"], registry=r)
+        self.body_features_skipped = Counter(p + "body_features_skipped", "Generate calls relayed untouched "
+                                             "without kvgate's body features (session id, inference, admission "
+                                             "estimate), by why: content_encoding (sent compressed), size (over "
+                                             "body_parse_max_bytes)", ["reason"], registry=r)
         # sessions
         self.lifecycle_enabled = Gauge(p + "session_lifecycle_enabled", "1 when session lifecycle is on",
                                        registry=r)
@@ -94,9 +98,11 @@ class Metrics:
 
         # Known label values exist from the start at 0, so dashboards and alerts see a series before the
         # first event (a missing series and a zero rate are different things to Prometheus).
-        for stage in ("session", "registry", "admission", "idle_sweep", "inference", "placement"):
+        for stage in ("session", "registry", "admission", "idle_sweep", "inference", "placement", "observer"):
             self.faults.labels(stage)
-        for kind in ("unreachable", "timeout", "cut"):
+        for reason in ("content_encoding", "size"):
+            self.body_features_skipped.labels(reason)
+        for kind in ("unreachable", "timeout", "cut", "protocol_error"):
             self.upstream_errors.labels(kind)
         for reason in ("explicit", "api", "idle", "abort", "pause"):
             self.session_close.labels(reason)

@@ -1,19 +1,26 @@
 """Relaying one request to the upstream router and its response back, chunk by chunk (I/O edge).
 
-Hop-by-hop headers are dropped both ways (RFC 9110 section 7.6.1); everything else passes as is.
-The upstream client never decompresses, so bodies and Content-Encoding pass through untouched.
+Hop-by-hop headers are dropped both ways (RFC 9110 section 7.6.1); everything else passes as is,
+byte for byte (header values that are not UTF-8 included: see preserve_header_bytes). The upstream
+client never decompresses, so bodies and Content-Encoding pass through untouched. An upstream that
+breaks HTTP (bad status line, bad Content-Length, bad chunk) is answered 502 naming it; a response
+observer that raises is switched off for that response and never stops the bytes.
 """
 
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
+import re
 from dataclasses import dataclass
 from typing import Callable, Iterable, Mapping
 
 import aiohttp
+import aiohttp.http_writer
 import orjson
 from aiohttp import web
+from aiohttp.http_exceptions import HttpProcessingError
 from multidict import CIMultiDict
 from yarl import URL
 
@@ -27,6 +34,15 @@ HOP_BY_HOP = frozenset({
 })
 # Recomputed by the HTTP layer on the way out.
 _RECOMPUTED_REQUEST = frozenset({"host", "content-length"})
+
+# Header limits no lower than the router's. Measured on smg 1.13 (hyper): a 400 KB header and a 9 KB URL
+# pass, a 1 MB header is 431 and a 64 KiB URL is 414. aiohttp's defaults (8190 bytes) were lower.
+MAX_LINE_BYTES = 128 * 1024   # request or status line, so the router answers an over-long URL itself
+MAX_FIELD_BYTES = 512 * 1024  # one header line
+
+# What the upstream failing HTTP looks like from aiohttp's client: a parse error of the status line,
+# headers or body framing, a payload error, or a response aiohttp could not read.
+_PROTOCOL_ERRORS = (HttpProcessingError, aiohttp.ClientResponseError, aiohttp.ClientPayloadError, ValueError)
 
 
 def _without_hop_by_hop(headers: Mapping[str, str], drop: frozenset = frozenset()) -> CIMultiDict:
@@ -54,6 +70,44 @@ def response_headers(headers: Mapping[str, str]) -> CIMultiDict:
     return _without_hop_by_hop(headers)
 
 
+# A value that can go into a header as it is: visible ASCII, inner spaces, at most 256 characters.
+_HEADER_SAFE = re.compile(r"[\x21-\x7e](?:[\x20-\x7e]{0,254}[\x21-\x7e])?")
+
+
+def header_safe(value: str) -> str:
+    """``value`` made fit for an HTTP header: unchanged when it is visible ASCII of at most 256 characters,
+    else ``sha256:`` and the first 32 hex digits of the SHA-256 of its UTF-8 bytes. Stable (the same id
+    always gives the same value, so smg's consistent hashing keeps one session on one engine), never raises.
+
+    A session id is data from the client: a newline or control character in it must not decide whether
+    the request goes out (aiohttp refuses such headers), nor may a 10 MB id hit a header size limit.
+    """
+    if _HEADER_SAFE.fullmatch(value):
+        return value
+    return "sha256:" + hashlib.sha256(value.encode("utf-8", "surrogatepass")).hexdigest()[:32]
+
+
+def _serialize_headers_preserving_bytes(status_line: str, headers: Mapping[str, str]) -> bytes:
+    """aiohttp's header serialiser, but bytes that were not UTF-8 go out as they came in.
+
+    aiohttp decodes incoming header bytes as UTF-8 with surrogateescape; its C serialiser then drops the
+    surrogates (``s\\xe9ss`` went out as ``sss``). Encoding with surrogateescape restores the original
+    bytes. The control-character check (header injection) is aiohttp's own.
+    """
+    check = aiohttp.http_writer._safe_header
+    text = "".join((check(status_line), "\r\n", *(f"{check(k)}: {check(v)}\r\n" for k, v in headers.items()),
+                    "\r\n"))
+    try:
+        return text.encode("utf-8", "surrogateescape")
+    except UnicodeEncodeError:  # a lone surrogate that did not come from the wire: aiohttp drops it too
+        return text.encode("utf-8", "ignore")
+
+
+def preserve_header_bytes() -> None:
+    """Make aiohttp (client and server) write header bytes exactly as they were read. Idempotent."""
+    aiohttp.http_writer._serialize_headers = _serialize_headers_preserving_bytes
+
+
 def error_response(status: int, message: str, kind: str, upstream: str) -> web.Response:
     """A kvgate-made JSON error in SGLang's error shape, naming the upstream."""
     body = {"error": {"message": message, "type": kind, "code": status, "upstream": upstream}}
@@ -67,9 +121,10 @@ class RelayOutcome:
 
     status: int | None
     observer: ResponseObserver | None
-    ended: str  # "complete" | "upstream_error" | "client_gone" | "unreachable" | "timeout"
+    ended: str  # "complete" | "upstream_error" | "client_gone" | "unreachable" | "timeout" | "protocol_error"
     # False only when the connection was never made, so no byte of the request went out (safe to resend).
     sent: bool = True
+    observer_fault: bool = False  # the observer raised; it was switched off, the bytes went on
 
 
 class Upstream:
@@ -84,6 +139,7 @@ class Upstream:
                                              sock_read=read_timeout_s or None)
         self._pool_size = pool_size
         self._session: aiohttp.ClientSession | None = None
+        self._observer_fault_logged = False
 
     @property
     def session(self) -> aiohttp.ClientSession:
@@ -93,6 +149,7 @@ class Upstream:
                 timeout=self.timeout, auto_decompress=False,
                 # Transparent: add no headers the client did not send.
                 skip_auto_headers=("User-Agent", "Accept-Encoding", "Accept", "Content-Type"),
+                max_line_size=MAX_LINE_BYTES, max_field_size=MAX_FIELD_BYTES,
             )
         return self._session
 
@@ -117,6 +174,9 @@ class Upstream:
         # The raw path and query, not re-encoded: what the client sent is what the router gets.
         base = base or self.base
         url = URL(base + path_qs, encoded=True)
+        resp: web.StreamResponse | None = None
+        observer = None
+        fault = False
         try:
             async with self.session.request(request.method, url, headers=headers, data=body,
                                             allow_redirects=False) as up:
@@ -125,11 +185,13 @@ class Upstream:
                 out_headers = response_headers(up.headers)
                 for k, v in add_headers:
                     out_headers[k] = v
-                resp = web.StreamResponse(status=up.status, reason=up.reason, headers=out_headers)
                 ctype = up.headers.get("Content-Type", "")
-                observer = None
                 if observe is not None and "Content-Encoding" not in up.headers:
-                    observer = observe(ctype.startswith("text/event-stream"))
+                    try:
+                        observer = observe(ctype.startswith("text/event-stream"))
+                    except Exception as exc:
+                        fault = self._observer_fault(exc, path_qs)
+                resp = web.StreamResponse(status=up.status, reason=up.reason, headers=out_headers)
                 await resp.prepare(request)
                 chunks = up.content.iter_any()
                 while True:
@@ -137,28 +199,50 @@ class Upstream:
                         chunk = await chunks.__anext__()
                     except StopAsyncIteration:
                         break
-                    except (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError, asyncio.TimeoutError) as exc:
-                        # Upstream cut the body mid-way: the client sees the cut too (no fake completion).
+                    except (*_PROTOCOL_ERRORS, aiohttp.ClientConnectionError, asyncio.TimeoutError) as exc:
+                        # Upstream cut or broke the body mid-way: the client sees the cut too (no fake completion).
                         log.warning("upstream %s cut the response to %s mid-way: %s", base, path_qs, exc)
                         _abort_client(request)
-                        return resp, RelayOutcome(up.status, observer, "upstream_error")
+                        return resp, RelayOutcome(up.status, observer, "upstream_error", observer_fault=fault)
                     if observer is not None:
-                        observer.feed(chunk)
+                        try:
+                            observer.feed(chunk)
+                        except Exception as exc:  # the relay never depends on what an observer makes of a chunk
+                            observer, fault = None, self._observer_fault(exc, path_qs)
                     try:
                         await resp.write(chunk)
                     except (ConnectionResetError, aiohttp.ClientConnectionResetError):
-                        return resp, RelayOutcome(up.status, observer, "client_gone")
+                        return resp, RelayOutcome(up.status, observer, "client_gone", observer_fault=fault)
                 await resp.write_eof()
-                return resp, RelayOutcome(up.status, observer, "complete")
+                return resp, RelayOutcome(up.status, observer, "complete", observer_fault=fault)
         except asyncio.TimeoutError:
             err = error_response(504, f"kvgate: upstream {base} timed out", "upstream_timeout", base)
-            outcome = RelayOutcome(None, None, "timeout")
+            outcome = RelayOutcome(None, None, "timeout", observer_fault=fault)
         except (aiohttp.ClientConnectorError, aiohttp.ServerDisconnectedError, aiohttp.ClientOSError) as exc:
             err = error_response(502, f"kvgate: upstream {base} unreachable: {exc}", "upstream_unreachable", base)
-            outcome = RelayOutcome(None, None, "unreachable", sent=not isinstance(exc, aiohttp.ClientConnectorError))
+            outcome = RelayOutcome(None, None, "unreachable", sent=not isinstance(exc, aiohttp.ClientConnectorError),
+                                   observer_fault=fault)
+        except (*_PROTOCOL_ERRORS, aiohttp.ClientError) as exc:
+            # The upstream answered something that is not HTTP/1.1 (bad status line, bad Content-Length,
+            # bad chunk framing, a body on a 204 ...): its fault, so a 502 naming it, never a 500.
+            log.warning("upstream %s broke HTTP answering %s: %s: %s", base, path_qs, type(exc).__name__, exc)
+            if resp is not None and resp.prepared:  # headers already relayed: cut, as for a cut body
+                _abort_client(request)
+                return resp, RelayOutcome(resp.status, observer, "upstream_error", observer_fault=fault)
+            err = error_response(502, f"kvgate: upstream {base} sent a malformed response: {type(exc).__name__}",
+                                 "upstream_protocol_error", base)
+            outcome = RelayOutcome(None, None, "protocol_error", observer_fault=fault)
         for k, v in add_headers:  # the admission decision is reported on kvgate's own errors too
             err.headers[k] = v
         return err, outcome
+
+    def _observer_fault(self, exc: Exception, path_qs: str) -> bool:
+        """Note an observer's exception: logged with its traceback the first time only. Returns True."""
+        if not self._observer_fault_logged:
+            self._observer_fault_logged = True
+            log.error("response observer failed on %s; responses are relayed without it (logged once)", path_qs,
+                      exc_info=exc)
+        return True
 
 
 def _abort_client(request: web.Request) -> None:

@@ -215,7 +215,15 @@ class SessionLifecycle:
     def _publish(self) -> None:
         self.metrics.idle_threshold.set_function(self.policy.global_threshold)
         self.metrics.step.set_function(lambda: self.steps.step)
-        # Counted at scrape time: an O(sessions) walk per scrape, not per request.
+        # Counted at scrape time: one O(sessions) walk per scrape, not per request nor per state. The
+        # series are read in label order, so the ACTIVE one walks and the other two reuse its counts.
+        walked: dict[str, int] = {}
+
+        def count(state: str) -> int:
+            if state == ACTIVE or not walked:
+                walked.update(self.registry.counts())
+            return walked[state]
+
         for state in (ACTIVE, CLOSING, CLOSED):
-            self.metrics.sessions.labels(state).set_function(lambda st=state: self.registry.counts()[st])
+            self.metrics.sessions.labels(state).set_function(lambda st=state: count(st))
         self.metrics.sessions_dropped.set_function(lambda: self.registry.dropped)

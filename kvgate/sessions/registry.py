@@ -155,11 +155,17 @@ class SessionRegistry:
         c["dropped"] = self.dropped
         return c
 
-    def as_json(self, now: float, limit: int = 1000, state: str | None = None) -> dict[str, Any]:
-        """The registry as JSON: counts and up to ``limit`` sessions, most recently active first."""
+    def as_json(self, now: float, limit: int = 1000, state: str | None = None, offset: int = 0) -> dict[str, Any]:
+        """The registry as JSON: counts and up to ``limit`` sessions, most recently active first, after
+        skipping the first ``offset`` (a page)."""
         items = []
+        if limit <= 0:
+            return {"counts": self.counts(), "tracked": len(self._sessions), "sessions": items}
         for s in reversed(self._sessions.values()):
             if state and s.state != state:
+                continue
+            if offset > 0:
+                offset -= 1
                 continue
             items.append(s.as_json(now))
             if len(items) >= limit:
