@@ -1,0 +1,186 @@
+"""A scripted upstream on a raw asyncio socket, and a raw HTTP/1.1 client, for bad-input tests.
+
+The upstream answers every request with bytes the test chooses (so it can send what no HTTP library
+would: a bad status line, a bad Content-Length, a broken chunk, a 204 with a body) and records each
+request exactly as it arrived on the wire. The client sends bytes as given (non-UTF-8 header bytes,
+9 KB lines) and reads the answer with a small parser of its own.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+from typing import Callable
+
+
+@dataclass
+class Received:
+    """One request as it arrived: the head (request line and headers, raw bytes) and the body bytes."""
+
+    head: bytes
+    body: bytes
+
+    @property
+    def path(self) -> bytes:
+        return self.head.split(b" ", 2)[1]
+
+    def header(self, name: bytes) -> bytes | None:
+        """The first header ``name`` (case-insensitive), raw bytes; None when absent."""
+        for line in self.head.split(b"\r\n")[1:]:
+            k, sep, v = line.partition(b":")
+            if sep and k.strip().lower() == name.lower():
+                return v.strip(b" \t")
+        return None
+
+
+def response(status: int = 200, body: bytes = b"", headers: list[tuple[bytes, bytes]] | None = None,
+             reason: bytes = b"X", chunked: bool = False) -> bytes:
+    """A well-formed HTTP/1.1 response with Connection: close (Content-Length or chunked framing)."""
+    head = [b"HTTP/1.1 %d %s" % (status, reason)]
+    for k, v in headers or []:
+        head.append(k + b": " + v)
+    head.append(b"Connection: close")
+    if chunked:
+        head.append(b"Transfer-Encoding: chunked")
+        payload = b"".join(b"%x\r\n%s\r\n" % (len(body[i:i + 7]), body[i:i + 7]) for i in range(0, len(body), 7))
+        return b"\r\n".join(head) + b"\r\n\r\n" + payload + b"0\r\n\r\n"
+    if status not in (204, 304) and not 100 <= status < 200:
+        head.append(b"Content-Length: %d" % len(body))
+    return b"\r\n".join(head) + b"\r\n\r\n" + body
+
+
+class ScriptedUpstream:
+    """``answer(received) -> bytes`` is written back raw, then the connection is closed.
+
+    GET /workers and /list_workers (kvgate's engine discovery) get a 404 unless ``answer`` is
+    replaced by the test. ``received`` lists every other request; ``arrived`` is set on each.
+    """
+
+    def __init__(self, answer: Callable[[Received], bytes] | None = None):
+        self.answer = answer or (lambda r: response(200, b'{"ok":true}', [(b"Content-Type", b"application/json")]))
+        self.received: list[Received] = []
+        self.arrived = asyncio.Event()
+        self.url = ""
+        self._server: asyncio.AbstractServer | None = None
+
+    async def start(self) -> "ScriptedUpstream":
+        self._server = await asyncio.start_server(self._handle, "127.0.0.1", 0, limit=1 << 24)
+        self.url = f"http://127.0.0.1:{self._server.sockets[0].getsockname()[1]}"
+        return self
+
+    async def close(self) -> None:
+        if self._server is not None:
+            self._server.close()
+            await self._server.wait_closed()
+
+    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            head = (await reader.readuntil(b"\r\n\r\n"))[:-4]
+            rec = Received(head, b"")
+            length = rec.header(b"content-length")
+            if length is not None:
+                rec.body = await reader.readexactly(int(length))
+            elif (rec.header(b"transfer-encoding") or b"").lower() == b"chunked":
+                rec.body = await _read_chunked(reader)
+            if rec.path.split(b"?")[0] in (b"/workers", b"/list_workers"):
+                writer.write(response(404))
+            else:
+                self.received.append(rec)
+                self.arrived.set()
+                writer.write(self.answer(rec))
+            await writer.drain()
+        except (asyncio.IncompleteReadError, ConnectionError, asyncio.LimitOverrunError):
+            pass
+        finally:
+            writer.close()
+
+
+async def _read_chunked(reader: asyncio.StreamReader) -> bytes:
+    out = bytearray()
+    while True:
+        size = int((await reader.readuntil(b"\r\n"))[:-2].split(b";")[0], 16)
+        if size == 0:
+            await reader.readuntil(b"\r\n")
+            return bytes(out)
+        out += await reader.readexactly(size)
+        await reader.readexactly(2)
+
+
+@dataclass
+class Answer:
+    """A parsed response: status, headers (raw (name, value) pairs) and the de-framed body."""
+
+    status: int
+    headers: list[tuple[bytes, bytes]] = field(default_factory=list)
+    body: bytes = b""
+
+    def header(self, name: bytes) -> bytes | None:
+        for k, v in self.headers:
+            if k.lower() == name.lower():
+                return v
+        return None
+
+
+def parse_answer(raw: bytes, method: bytes = b"POST") -> Answer | None:
+    """Parse one HTTP/1.1 response from ``raw`` (read to EOF); None when it is not a valid response."""
+    head, sep, rest = raw.partition(b"\r\n\r\n")
+    if not sep:
+        return None
+    lines = head.split(b"\r\n")
+    parts = lines[0].split(b" ", 2)
+    if len(parts) < 2 or not parts[0].startswith(b"HTTP/1.") or not parts[1].isdigit() or len(parts[1]) != 3:
+        return None
+    ans = Answer(int(parts[1]))
+    for line in lines[1:]:
+        k, colon, v = line.partition(b":")
+        if not colon or not k or k != k.strip():
+            return None
+        ans.headers.append((k, v.strip(b" \t")))
+    if ans.status in (204, 304) or 100 <= ans.status < 200 or method == b"HEAD":
+        return ans if not rest else None  # a body here is a framing error
+    te = ans.header(b"transfer-encoding")
+    length = ans.header(b"content-length")
+    if te is not None and te.lower() == b"chunked":
+        body, pos = bytearray(), 0
+        while True:
+            end = rest.find(b"\r\n", pos)
+            if end < 0:
+                return None
+            try:
+                size = int(rest[pos:end].split(b";")[0], 16)
+            except ValueError:
+                return None
+            if size == 0:
+                break
+            body += rest[end + 2:end + 2 + size]
+            if rest[end + 2 + size:end + 4 + size] != b"\r\n":
+                return None
+            pos = end + 4 + size
+        ans.body = bytes(body)
+    elif length is not None:
+        if not length.isdigit() or int(length) != len(rest):
+            return None
+        ans.body = rest
+    else:
+        ans.body = rest
+    return ans
+
+
+async def send_raw(port: int, raw: bytes, timeout: float = 30.0) -> bytes:
+    """Send ``raw`` to 127.0.0.1:port and read the answer to EOF (the request should say Connection: close)."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    try:
+        writer.write(raw)
+        await writer.drain()
+        return await asyncio.wait_for(reader.read(), timeout)
+    finally:
+        writer.close()
+
+
+def request(method: bytes = b"POST", target: bytes = b"/generate", headers: list[tuple[bytes, bytes]] | None = None,
+            body: bytes = b"") -> bytes:
+    """A raw HTTP/1.1 request with Content-Length and Connection: close; header bytes sent as given."""
+    lines = [method + b" " + target + b" HTTP/1.1", b"Host: upstream"]
+    lines += [k + b": " + v for k, v in headers or []]
+    lines += [b"Content-Length: %d" % len(body), b"Connection: close"]
+    return b"\r\n".join(lines) + b"\r\n\r\n" + body
