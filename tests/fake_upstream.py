@@ -9,6 +9,7 @@ request exactly as it arrived on the wire. The client sends bytes as given (non-
 from __future__ import annotations
 
 import asyncio
+import hashlib
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -19,6 +20,8 @@ class Received:
 
     head: bytes
     body: bytes
+    size: int = 0  # body bytes received
+    sha256: str = ""  # of the body, when the upstream was told not to keep large bodies
 
     @property
     def path(self) -> bytes:
@@ -56,8 +59,9 @@ class ScriptedUpstream:
     replaced by the test. ``received`` lists every other request; ``arrived`` is set on each.
     """
 
-    def __init__(self, answer: Callable[[Received], bytes] | None = None):
+    def __init__(self, answer: Callable[[Received], bytes] | None = None, keep_bodies_up_to: int = 1 << 40):
         self.answer = answer or (lambda r: response(200, b'{"ok":true}', [(b"Content-Type", b"application/json")]))
+        self.keep_bodies_up_to = keep_bodies_up_to  # larger bodies: only size and sha256 (no big copies)
         self.received: list[Received] = []
         self.arrived = asyncio.Event()
         self.url = ""
@@ -78,8 +82,18 @@ class ScriptedUpstream:
             head = (await reader.readuntil(b"\r\n\r\n"))[:-4]
             rec = Received(head, b"")
             length = rec.header(b"content-length")
-            if length is not None:
+            if length is not None and int(length) > self.keep_bodies_up_to:
+                digest, left = hashlib.sha256(), int(length)
+                while left:
+                    piece = await reader.read(min(left, 1 << 20))
+                    if not piece:
+                        raise asyncio.IncompleteReadError(b"", left)
+                    digest.update(piece)
+                    left -= len(piece)
+                rec.size, rec.sha256 = int(length), digest.hexdigest()
+            elif length is not None:
                 rec.body = await reader.readexactly(int(length))
+                rec.size = len(rec.body)
             elif (rec.header(b"transfer-encoding") or b"").lower() == b"chunked":
                 rec.body = await _read_chunked(reader)
             if rec.path.split(b"?")[0] in (b"/workers", b"/list_workers"):

@@ -27,18 +27,46 @@ from kvgate.fleet.directory import EngineDirectory
 log = logging.getLogger("kvgate.admission.poller")
 
 _GAUGES = (METRIC_MAX_TOTAL, METRIC_NUM_USED, METRIC_TOKEN_USAGE)
-_KEPT_LINES = (*_GAUGES, *(f"# {kind} {name}" for kind in ("HELP", "TYPE") for name in _GAUGES))
+_KEPT_LINES = tuple(x.encode() for x in (*_GAUGES, *(f"# {kind} {name}" for kind in ("HELP", "TYPE")
+                                                    for name in _GAUGES)))
+_LINE_MAX = 1 << 16  # a longer line is no gauge sample kvgate reads: skipped, not buffered
+_YIELD_EVERY = 1 << 20
+
+
+async def _gauge_lines(content: aiohttp.StreamReader) -> bytes:
+    """The lines of an engine's /metrics that parse_engine_metrics reads (the three gauges' samples, HELP
+    and TYPE), read as they stream in: a 20 MB exposition of histograms is never held whole, and the event
+    loop every client shares is given back every megabyte."""
+    kept: list[bytes] = []
+    tail = b""
+    skipping = False  # inside an over-long line
+    since_yield = 0
+    while chunk := await content.readany():
+        lines = chunk.split(b"\n")
+        if len(lines) == 1:
+            if not skipping:
+                tail += chunk
+                if len(tail) > _LINE_MAX:
+                    tail, skipping = b"", True
+        else:
+            first = b"" if skipping else tail + lines[0]
+            kept.extend(ln for ln in (first, *lines[1:-1]) if ln.startswith(_KEPT_LINES))
+            tail, skipping = lines[-1], False
+        since_yield += len(chunk)
+        if since_yield >= _YIELD_EVERY:
+            since_yield = 0
+            await asyncio.sleep(0)
+    if not skipping and tail.startswith(_KEPT_LINES):
+        kept.append(tail)
+    return b"\n".join(kept) + b"\n"
 
 
 def _parse_metrics_bytes(raw: bytes) -> EngineCapacity | None:
-    """parse_engine_metrics over an engine's /metrics bytes, reading only the lines of the three gauges it
-    uses (samples, HELP, TYPE): the rest of a multi-megabyte exposition is skipped unparsed. None when the
-    bytes are not UTF-8 or carry no capacity."""
+    """parse_engine_metrics over the kept lines' bytes; None when they are not UTF-8 or carry no capacity."""
     try:
-        text = raw.decode("utf-8")
+        return parse_engine_metrics(raw.decode("utf-8"))
     except UnicodeDecodeError:
         return None
-    return parse_engine_metrics("\n".join(ln for ln in text.split("\n") if ln.startswith(_KEPT_LINES)) + "\n")
 
 
 class CapacityPoller:
@@ -79,15 +107,18 @@ class CapacityPoller:
             if cap is not None or self.source == "loads":
                 return cap
         try:
+            raw = None
             async with self._session.get(url + "/metrics") as resp:
                 if resp.status == 200:
-                    # An engine's /metrics runs to megabytes (histograms): parse in a thread, off the event
-                    # loop every client shares, after keeping only the lines of the gauges read.
-                    cap = await asyncio.to_thread(_parse_metrics_bytes, await resp.read())
-                    if cap is not None:
-                        self.last_sources[url] = "/metrics"
-                        return cap
-        except (aiohttp.ClientError, asyncio.TimeoutError, OSError, UnicodeDecodeError):
+                    raw = await _gauge_lines(resp.content)
+            if raw is not None:
+                # An engine's /metrics runs to megabytes (histograms): only the gauges' lines were kept,
+                # and they are parsed in a thread, off the event loop every client shares.
+                cap = await asyncio.to_thread(_parse_metrics_bytes, raw)
+                if cap is not None:
+                    self.last_sources[url] = "/metrics"
+                    return cap
+        except (aiohttp.ClientError, asyncio.TimeoutError, OSError):
             pass
         self.last_sources[url] = "failed"
         return None

@@ -29,7 +29,7 @@ from kvgate.fleet import compat
 from kvgate.fleet.placement import Placement, Target
 from kvgate.fleet.directory import EngineDirectory
 from kvgate.proxy.relay import MAX_FIELD_BYTES, MAX_LINE_BYTES, Upstream, forward_headers, header_safe, \
-    preserve_header_bytes
+    preserve_header_bytes, read_body
 from kvgate.proxy.admit import Gate, OpenGate, RequestInfo, Ticket
 from kvgate.sessions.idle_policy import IdlePolicy, StepTracker
 from kvgate.sessions.inference import SessionInference, prefix_keys, request_units
@@ -408,7 +408,8 @@ class Gateway:
 
     async def handle_proxy(self, request: web.Request) -> web.StreamResponse:
         t0 = time.perf_counter()
-        raw = await request.read()
+        raw = await read_body(request, self.cfg.max_body_bytes,
+                              join_max=max(self.cfg.body_parse_max_bytes, STEP_BODY_PARSE_LIMIT))
         c = classify(request.method, request.path, raw, parse=False)
         if c.is_generate:
             c.body = self._parse_body(request, raw)
