@@ -10,8 +10,12 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import re
+import time
 from dataclasses import dataclass, field
 from typing import Callable
+
+import aiohttp
 
 
 @dataclass
@@ -135,6 +139,9 @@ class Answer:
         return None
 
 
+_CTL = re.compile(rb"[\x00-\x08\x0a-\x1f\x7f]")
+
+
 def parse_answer(raw: bytes, method: bytes = b"POST") -> Answer | None:
     """Parse one HTTP/1.1 response from ``raw`` (read to EOF); None when it is not a valid response."""
     head, sep, rest = raw.partition(b"\r\n\r\n")
@@ -147,13 +154,15 @@ def parse_answer(raw: bytes, method: bytes = b"POST") -> Answer | None:
     ans = Answer(int(parts[1]))
     for line in lines[1:]:
         k, colon, v = line.partition(b":")
-        if not colon or not k or k != k.strip():
+        if not colon or not k or k != k.strip() or _CTL.search(v):  # RFC 9110 5.5: no CTLs but HTAB
             return None
         ans.headers.append((k, v.strip(b" \t")))
     if ans.status in (204, 304) or 100 <= ans.status < 200 or method == b"HEAD":
         return ans if not rest else None  # a body here is a framing error
     te = ans.header(b"transfer-encoding")
     length = ans.header(b"content-length")
+    if len([k for k, _ in ans.headers if k.lower() == b"content-length"]) > 1:
+        return None  # RFC 9112 6.3: several Content-Length values are an unrecoverable error
     if te is not None and te.lower() == b"chunked":
         body, pos = bytearray(), 0
         while True:
@@ -204,3 +213,42 @@ def request(method: bytes = b"POST", target: bytes = b"/generate", headers: list
     lines += [k + b": " + v for k, v in headers or []]
     lines += [b"Content-Length: %d" % len(body), b"Connection: close"]
     return b"\r\n".join(lines) + b"\r\n\r\n" + body
+
+
+class Canary:
+    """GET ``url`` back to back on one connection; ``latencies`` in seconds; ``done`` counts answers."""
+
+    def __init__(self, url: str):
+        self.url = url
+        self.latencies: list[float] = []
+        self.answered = asyncio.Condition()
+        self._stop = False
+
+    async def run(self) -> None:
+        async with aiohttp.ClientSession() as http:
+            while not self._stop:
+                t0 = time.perf_counter()
+                async with http.get(self.url) as r:
+                    await r.read()
+                    assert r.status == 200
+                self.latencies.append(time.perf_counter() - t0)
+                async with self.answered:
+                    self.answered.notify_all()
+
+    async def wait_answers(self, n: int) -> None:
+        """Wait until at least ``n`` answers more than now have come back."""
+        target = len(self.latencies) + n
+        async with self.answered:
+            await asyncio.wait_for(self.answered.wait_for(lambda: len(self.latencies) >= target), 30)
+
+    async def around(self, work):
+        """Run ``await work`` with the canary answering before, during and after it; returns its result."""
+        task = asyncio.create_task(self.run())
+        try:
+            await self.wait_answers(1)
+            result = await work
+            await self.wait_answers(1)
+        finally:
+            self._stop = True
+            await task
+        return result

@@ -184,3 +184,14 @@ async def test_an_observer_that_raises_never_stops_the_bytes(kvgate_factory, scr
     assert len([r for r in caplog.records if "observer failed" in r.getMessage()]) == 1  # logged once
     s = gw.lifecycle.registry.get("tools")
     assert s.turns == 5 and s.in_flight == 0
+
+
+async def test_a_malformed_request_is_answered_400_in_one_log_line(kvgate_factory, scripted, caplog):
+    up = await scripted()
+    gw, url = await kvgate_factory(upstream=up.url)
+    with caplog.at_level(logging.INFO, logger="aiohttp.server"):
+        out = await send_raw(_port(url), b"GET /x?q=\xe9 HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+    assert parse_answer(out, b"GET").status == 400 and up.received == []
+    lines = [r for r in caplog.records if r.name == "aiohttp.server"]
+    assert len(lines) == 1 and lines[0].levelno == logging.INFO and lines[0].exc_info is None
+    assert "InvalidURLError, answered 400" in lines[0].getMessage()

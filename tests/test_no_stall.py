@@ -16,49 +16,10 @@ import orjson
 import pytest
 from aiohttp import web
 
-from fake_upstream import ScriptedUpstream
+from fake_upstream import Canary, ScriptedUpstream
 from kvgate.tools import procs
 
 CANARY_MAX_S = 0.1
-
-
-class Canary:
-    """GET ``url`` back to back on one connection; ``latencies`` in seconds; ``done`` counts answers."""
-
-    def __init__(self, url: str):
-        self.url = url
-        self.latencies: list[float] = []
-        self.answered = asyncio.Condition()
-        self._stop = False
-
-    async def run(self) -> None:
-        async with aiohttp.ClientSession() as http:
-            while not self._stop:
-                t0 = time.perf_counter()
-                async with http.get(self.url) as r:
-                    await r.read()
-                    assert r.status == 200
-                self.latencies.append(time.perf_counter() - t0)
-                async with self.answered:
-                    self.answered.notify_all()
-
-    async def wait_answers(self, n: int) -> None:
-        """Wait until at least ``n`` answers more than now have come back."""
-        target = len(self.latencies) + n
-        async with self.answered:
-            await asyncio.wait_for(self.answered.wait_for(lambda: len(self.latencies) >= target), 30)
-
-    async def around(self, work):
-        """Run ``await work`` with the canary answering before, during and after it; returns its result."""
-        task = asyncio.create_task(self.run())
-        try:
-            await self.wait_answers(1)
-            result = await work
-            await self.wait_answers(1)
-        finally:
-            self._stop = True
-            await task
-        return result
 
 
 @pytest.fixture

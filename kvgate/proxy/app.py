@@ -20,6 +20,7 @@ from typing import Any
 
 import orjson
 from aiohttp import web
+from aiohttp.http_exceptions import HttpProcessingError
 
 from kvgate import __version__
 from kvgate.proxy.classify import (STEP_BOUNDARY_ROUTES, classify, inject_top_level, parse_json_object,
@@ -75,6 +76,19 @@ def _as_text(session_id: str | None) -> str | None:
         return session_id
     except UnicodeEncodeError:
         return session_id.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
+
+
+class _OneLineForBadRequests(logging.Filter):
+    """aiohttp logs a traceback at ERROR for every malformed request it answers 400 itself (a bad request
+    line, a raw non-ASCII byte in the URL): the client's fault, said in one INFO line instead."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        exc = record.exc_info[1] if record.exc_info else None
+        if isinstance(exc, HttpProcessingError):
+            record.exc_info, record.exc_text = None, None
+            record.levelno, record.levelname = logging.INFO, "INFO"
+            record.msg = f"{record.msg}: {type(exc).__name__}, answered {exc.code}"
+        return True
 
 
 def _json(obj: Any, status: int = 200) -> web.Response:
@@ -498,6 +512,8 @@ class Gateway:
         return parse_json_object(raw)
 
     def _resolve_session(self, path: str, body_obj: dict, raw: bytes, request: web.Request) -> SessionPlan:
+        if not isinstance(body_obj.get("session_id"), (str, type(None))):
+            return SessionPlan(body=raw)  # a session_id SGLang rejects (a number, a list): its answer, unchanged
         res = self.resolver.resolve(body_obj, request.headers)
         sid, source, units, inferred = _as_text(res.session_id), res.source, None, None
         if sid is None and self.inference is not None:
@@ -604,6 +620,9 @@ async def start_gateway(cfg: Config, gate: Gate | None = None) -> tuple[Gateway,
     Header limits are the router's or higher (relay.MAX_LINE_BYTES, MAX_FIELD_BYTES).
     """
     gw = Gateway(cfg, gate)
+    server_log = logging.getLogger("aiohttp.server")
+    if not any(isinstance(f, _OneLineForBadRequests) for f in server_log.filters):
+        server_log.addFilter(_OneLineForBadRequests())
     runner = web.AppRunner(gw.app, handler_cancellation=True, access_log=None, auto_decompress=False,
                            max_line_size=MAX_LINE_BYTES, max_field_size=MAX_FIELD_BYTES)
     await runner.setup()

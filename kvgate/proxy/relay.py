@@ -46,6 +46,8 @@ MAX_FIELD_BYTES = 512 * 1024  # one header line
 # clients between pieces (one write of 66 MB held it for a third of a second).
 SEND_PIECE_BYTES = 1 << 20
 
+_RETRIED_METHODS = frozenset({"GET", "HEAD", "OPTIONS", "TRACE", "PUT", "DELETE"})
+
 # What the upstream failing HTTP looks like from aiohttp's client: a parse error of the status line,
 # headers or body framing, a payload error, or a response aiohttp could not read.
 _PROTOCOL_ERRORS = (HttpProcessingError, aiohttp.ClientResponseError, aiohttp.ClientPayloadError, ValueError)
@@ -181,7 +183,11 @@ class Upstream:
         base = base or self.base
         url = URL(base + path_qs, encoded=True)
         data: bytes | AsyncIterator[bytes | memoryview] = body
-        if isinstance(body, BodyParts) or len(body) > SEND_PIECE_BYTES:
+        if request.method in _RETRIED_METHODS:
+            # aiohttp resends these once when a pooled connection turns out closed (RFC 9112 9.3.1): the
+            # body must be bytes it can send again, not pieces already consumed.
+            data = body if isinstance(body, bytes) else b"".join(body.parts)
+        elif isinstance(body, BodyParts) or len(body) > SEND_PIECE_BYTES:
             headers = CIMultiDict(headers)
             headers["Content-Length"] = str(len(body))  # so the pieces are not sent chunked
             data = _pieces(body)
