@@ -12,7 +12,7 @@ from fake_upstream import request as raw_request
 
 pytestmark = pytest.mark.router
 
-GEN = {"input_ids": [5, 6, 7, 8], "sampling_params": {"max_new_tokens": 3, "ignore_eos": True}}
+GEN = {"input_ids": [5, 6, 7, 8], "sampling_params": {"max_new_tokens": 3, "ignore_eos": True, "temperature": 0}}
 RAW = orjson.dumps(GEN)
 
 
