@@ -222,11 +222,11 @@ async def test_every_dashboard_query_returns_series_from_a_real_prometheus(sim_f
         assert set(_values(panel("Admission decisions per second", "C"), "reason")) == {"protected", "degraded",
                                                                                        "aged"}
         errors = _values(panel("Upstream errors and client disconnects"), "kind")
-        assert set(errors) == {"unreachable", "timeout", "cut"}  # known kinds exist at 0 from the start
-        assert errors["unreachable"] > 0 and errors["timeout"] == errors["cut"] == 0
+        assert set(errors) == {"unreachable", "timeout", "cut", "protocol_error"}  # known kinds exist at 0 from the start
+        assert errors["unreachable"] > 0 and errors["timeout"] == errors["cut"] == errors["protocol_error"] == 0
         assert _values(panel("kvgate internal faults"), "stage") == {
             "session": 0.0, "registry": 0.0, "admission": 0.0, "idle_sweep": 0.0, "inference": 0.0,
-            "placement": 0.0}
+            "placement": 0.0, "observer": 0.0}
         assert ("/generate", "error") in {(r["metric"]["route"], r["metric"]["status"])
                                           for r in panel("Requests per second by route and status")}
         assert set(_values(panel("Running requests per engine"), "instance")) == set(found["engine"])

@@ -30,7 +30,7 @@ from kvgate.fleet import compat
 from kvgate.fleet.placement import Placement, Target
 from kvgate.fleet.directory import EngineDirectory
 from kvgate.proxy.relay import MAX_FIELD_BYTES, MAX_LINE_BYTES, Upstream, forward_headers, header_safe, \
-    preserve_header_bytes, read_body
+    BodyParts, preserve_header_bytes, read_body
 from kvgate.proxy.admit import Gate, OpenGate, RequestInfo, Ticket
 from kvgate.sessions.idle_policy import IdlePolicy, StepTracker
 from kvgate.sessions.inference import SessionInference, prefix_keys, request_units
@@ -59,7 +59,7 @@ class SessionPlan:
 
     session_id: str | None = None
     source: str | None = None
-    body: bytes = b""
+    body: "bytes | BodyParts" = b""
     extra: dict[str, str] = field(default_factory=dict)
     inferred: bool = False
     prompt_is_text: bool = False
