@@ -46,6 +46,7 @@ MAX_FIELD_BYTES = 512 * 1024  # one header line
 # clients between pieces (one write of 66 MB held it for a third of a second).
 SEND_PIECE_BYTES = 1 << 20
 
+# aiohttp's IDEMPOTENT_METHODS: resent once on a pooled connection found closed (see relay()).
 _RETRIED_METHODS = frozenset({"GET", "HEAD", "OPTIONS", "TRACE", "PUT", "DELETE"})
 
 # What the upstream failing HTTP looks like from aiohttp's client: a parse error of the status line,
@@ -230,7 +231,10 @@ class Upstream:
                         await resp.write(chunk)
                     except (ConnectionResetError, aiohttp.ClientConnectionResetError):
                         return resp, RelayOutcome(up.status, observer, "client_gone", observer_fault=fault)
-                await resp.write_eof()
+                try:
+                    await resp.write_eof()
+                except (ConnectionResetError, aiohttp.ClientConnectionResetError):
+                    return resp, RelayOutcome(up.status, observer, "client_gone", observer_fault=fault)
                 return resp, RelayOutcome(up.status, observer, "complete", observer_fault=fault)
         except asyncio.TimeoutError:
             err = error_response(504, f"kvgate: upstream {base} timed out", "upstream_timeout", base)
