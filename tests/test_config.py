@@ -16,7 +16,7 @@ def test_defaults_have_both_features_off():
     assert cfg.agentic_session_lifecycle is False
     assert cfg.agentic_program_admission is False
     assert cfg.session_idle_close_s == 300.0
-    assert cfg.close_timeout_s == 0.5 and cfg.close_retries == 2
+    assert cfg.close_timeout_s == 0.5 and cfg.close_retries == 10 and cfg.close_concurrency == 8
     assert cfg.max_body_bytes == 512 * 1024 * 1024
     assert cfg.decode_cap == 4096
 

@@ -64,18 +64,22 @@ async def test_step_boundary_skips_closing_kv_that_is_gone(sim_factory, router_f
     assert "agentic_kv_step 1.0" in m
 
 
-async def test_aborted_turn_closes_its_session_at_once(kvgate_factory, sim_factory):
+async def test_only_an_abort_the_client_asked_for_closes_its_session(kvgate_factory, sim_factory):
     e1 = await sim_factory(max_total_num_tokens=10_000, speed=50)
     w1 = CloseWatcher(e1)
 
     async def aborting_generate(request):
         body = await request.json()
         return web.json_response({"text": "", "output_ids": [], "meta_info": {
-            "id": "x", "finish_reason": {"type": "abort", "message": "aborted by the engine"},
+            "id": body.get("rid") or "x", "finish_reason": {"type": "abort", "message": "aborted by the engine"},
             "prompt_tokens": len(body["input_ids"]), "completion_tokens": 0, "cached_tokens": 0}})
+
+    async def abort_request(request):
+        return web.Response(status=200)
 
     app = web.Application()
     app.router.add_post("/generate", aborting_generate)
+    app.router.add_post("/abort_request", abort_request)
     runner = web.AppRunner(app)
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1", 0)
@@ -84,13 +88,31 @@ async def test_aborted_turn_closes_its_session_at_once(kvgate_factory, sim_facto
     try:
         gw, kv = await kvgate_factory(upstream=router, agentic_session_lifecycle=True, engines=[e1.url])
         async with aiohttp.ClientSession() as http:
-            async with http.post(kv + "/generate", data=orjson.dumps({"input_ids": [1, 2]}),
+            # An abort nobody asked kvgate for (a weight update, an engine fault): a step boundary.
+            async with http.post(kv + "/generate", data=orjson.dumps({"input_ids": [1, 2], "rid": "r-1"}),
+                                 headers={"X-Session-ID": "doomed"}) as r:
+                assert r.status == 200
+            assert gw.lifecycle.registry.get("doomed").state == "active"
+            # abort_all is fleet-wide (a trainer before a weight update): still not the session's end.
+            async with http.post(kv + "/abort_request", json={"abort_all": True}) as r:
+                assert r.status == 200
+            async with http.post(kv + "/generate", data=orjson.dumps({"input_ids": [1, 2], "rid": "r-2"}),
+                                 headers={"X-Session-ID": "doomed"}) as r:
+                assert r.status == 200
+            assert gw.lifecycle.registry.get("doomed").state == "active"
+            # The client aborts its own turn by rid: that ends the session.
+            async with http.post(kv + "/abort_request", json={"rid": "r-3"}) as r:
+                assert r.status == 200
+            async with http.post(kv + "/generate", data=orjson.dumps({"input_ids": [1, 2], "rid": "r-3"}),
                                  headers={"X-Session-ID": "doomed"}) as r:
                 assert r.status == 200
         await gw.lifecycle.wait_until(lambda: gw.lifecycle.registry.get("doomed").state == "closed", 5)
         assert w1.ids == ["doomed"]
         s = gw.lifecycle.registry.get("doomed")
-        assert s.close_reason == "abort"
-        assert 'agentic_kv_session_close_total{reason="abort"} 1.0' in gw.metrics.render()[0].decode()
+        assert s.close_reason == "abort" and s.turns == 3
+        m = gw.metrics.render()[0].decode()
+        assert 'agentic_kv_session_close_total{reason="abort"} 1.0' in m
+        assert 'agentic_kv_session_aborts_total{cause="other"} 2.0' in m
+        assert 'agentic_kv_session_aborts_total{cause="client"} 1.0' in m
     finally:
         await runner.cleanup()

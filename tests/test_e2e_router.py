@@ -65,6 +65,7 @@ async def test_close_reaches_every_engine_with_dp_ranks_collapsed_and_dead_engin
     dead = f"http://127.0.0.1:{free_port()}"
     # DP-aware style URLs: the same engine listed once per rank; plus an engine that is down.
     gw, kv = await kvgate_factory(upstream=router, agentic_session_lifecycle=True, close_timeout_s=0.5,
+                                  close_retry_backoff_s=30.0,  # no timed retry during the test
                                   engines=[e1.url + "@0", e1.url + "@1", e2.url, dead])
     await gw.directory.first_refresh.wait()
     assert gw.directory.urls == [e1.url, e2.url, dead]
@@ -79,21 +80,25 @@ async def test_close_reaches_every_engine_with_dp_ranks_collapsed_and_dead_engin
         answered = time.monotonic() - t0
         await w1.wait_for("s-close")
         await w2.wait_for("s-close")
-        async with http.post(kv + "/kvgate/sessions/s-close/close", params={"wait": "1"}) as r:
-            view = await r.json()  # idempotent: already closing or closed, no second fan-out
-        await gw.lifecycle.wait_until(lambda: gw.lifecycle.registry.get("s-close").state == "closed")
+        await gw.lifecycle.wait_until(lambda: gw.lifecycle.registry.get("s-close").close_results.keys() == {
+            e1.url, e2.url, dead})
         took = time.monotonic() - t0
-        async with http.get(kv + "/kvgate/sessions/s-close") as r:
+        # Asking again is idempotent for the engines that have the close, and retries the one that does not.
+        async with http.post(kv + "/kvgate/sessions/s-close/close", params={"wait": "1"}) as r:
             view = await r.json()
     assert answered < 0.25  # the caller is never held by the fan-out
     assert w1.ids.count("s-close") == 1 and w2.ids.count("s-close") == 1  # one call per engine, not per DP rank
-    assert view["state"] == "closed" and view["closes"] == 1 and view["turns"] == 3
+    assert view["state"] == "closing" and view["closes"] == 0 and view["turns"] == 3  # not closed: dead lacks it
     assert view["close_results"][e1.url] == "ok" and view["close_results"][e2.url] == "ok"
     assert view["close_results"][dead].startswith("connect error")
-    assert took < 0.5 * 3 + 1.0  # the dead engine costs at most its retries, not the others' time
+    assert view["close_pending"][dead]["state"] == "pending" and view["close_pending"][dead]["attempts"] == 1
+    assert list(view["close_pending"]) == [dead]
+    assert took < 0.5 * 2 + 1.0  # the dead engine costs the others nothing
     m = gw.metrics.render()[0].decode()
-    assert 'agentic_kv_session_close_total{reason="explicit"} 1.0' in m
-    assert "agentic_kv_session_close_failure_total 1.0" in m
+    assert 'agentic_kv_session_close_total{reason="explicit"} 0.0' in m
+    assert "agentic_kv_session_close_failure_total 2.0" in m  # the first call and the one asked for again
+    assert 'agentic_kv_session_close_pending{state="pending"} 1.0' in m
+    assert 'agentic_kv_session_close_calls_total{result="ok"} 2.0' in m
 
 
 async def test_close_waits_for_inflight_request(sim_factory, router_factory, kvgate_factory):

@@ -1,6 +1,8 @@
 """The session registry with a hand-driven clock."""
 
-from kvgate.sessions.registry import ACTIVE, CLOSED, CLOSING, SessionRegistry
+from kvgate.sessions.registry import ACTIVE, CLOSED, CLOSING, FAILED, OK, PENDING, CloseRetry, SessionRegistry
+
+E1, E2 = "http://e1", "http://e2"
 
 
 def test_turns_inflight_tokens_and_idle():
@@ -26,15 +28,79 @@ def test_close_is_idempotent_and_reopens():
     assert reg.begin_close("a", "explicit", 2.0) is True
     assert reg.begin_close("a", "idle", 2.1) is False
     assert reg.get("a").state == CLOSING
-    reg.finish_close("a", {"http://e1": "ok", "http://e2": "timeout"}, 2.5)
+    gen = reg.get("a").close_gen
+    assert reg.to_send("a", [E1, E2], 2.2) == [E1, E2]
+    assert reg.to_send("a", [E1, E2], 2.2) == []  # calls are out: nothing more to send
+    assert reg.close_result("a", gen, E1, "ok", 2.5) == OK
+    assert reg.close_result("a", gen, E2, "timeout after 0.5s", 2.5) == PENDING  # a timeout is not success
     s = reg.get("a")
-    assert s.state == CLOSED and s.closes == 1 and s.close_results["http://e2"] == "timeout"
-    assert reg.begin_close("a", "explicit", 3.0) is False
+    assert s.state == CLOSING and s.close_results == {E1: "ok", E2: "timeout after 0.5s"}
+    assert reg.close_counts() == {"sending": 0, "pending": 1}
+    assert reg.due_retries(2.9) == []  # backoff 0.5 s
+    assert reg.due_retries(3.0) == [("a", gen, E2)]
+    assert reg.close_result("a", gen, E2, "ok", 3.1) == OK
+    assert s.state == CLOSED and s.closes == 1 and s.close_results == {E1: "ok", E2: "ok"}
+    assert reg.begin_close("a", "explicit", 3.2) is False  # closed on every engine: idempotent
     reg.request_started("a", None, 4.0)
     assert s.state == ACTIVE and s.reopened == 1 and s.turns == 2
     assert reg.begin_close("a", "explicit", 5.0) is True
     assert reg.begin_close("never-seen", "explicit", 5.0) is True  # closing an unknown id still fans out
     assert reg.counts() == {ACTIVE: 0, CLOSING: 2, CLOSED: 0, "dropped": 0}
+
+
+def test_failed_close_backs_off_gives_up_and_is_rearmed_when_asked_again():
+    reg = SessionRegistry(retry=CloseRetry(retries=2, backoff_s=1.0, max_backoff_s=1.5))
+    assert reg.begin_close("s", "explicit", 0.0)
+    gen = reg.get("s").close_gen
+    assert reg.to_send("s", [E1], 0.0) == [E1]
+    assert reg.close_result("s", gen, E1, "connect error", 0.0) == PENDING
+    assert reg.next_due() == 1.0
+    assert reg.due_retries(1.0) == [("s", gen, E1)]
+    assert reg.close_result("s", gen, E1, "connect error", 1.0) == PENDING
+    assert reg.next_due() == 2.5  # 1.0 x 2, capped at 1.5
+    assert reg.due_retries(2.5) == [("s", gen, E1)]
+    assert reg.close_result("s", gen, E1, "connect error", 2.5) == FAILED  # 2 retries used up
+    s = reg.get("s")
+    assert s.state == CLOSED and reg.close_stats["given_up"] == 1 and reg.close_stats["retries"] == 2
+    # the client asks again: the failed engine is re-armed at once with fresh attempts
+    assert reg.begin_close("s", "explicit", 100.0) is True
+    assert s.state == CLOSING and reg.to_send("s", [E1], 100.0) == [E1]
+    assert reg.close_result("s", gen, E1, "ok", 100.1) == OK and s.state == CLOSED and s.closes == 2
+
+
+def test_reopen_cancels_pending_closes_and_stale_results_are_ignored():
+    reg = SessionRegistry()
+    reg.begin_close("s", "idle", 0.0)
+    gen = reg.get("s").close_gen
+    reg.to_send("s", [E1, E2], 0.0)
+    reg.close_result("s", gen, E1, "connect error", 0.1)
+    reg.request_started("s", None, 0.2)  # the agent came back from a long tool call
+    s = reg.get("s")
+    assert s.state == ACTIVE and s.engine_closes == {} and reg.close_stats["cancelled"] == 2
+    assert reg.close_result("s", gen, E2, "ok", 0.3) is None  # the call that was out: stale
+    assert reg.due_retries(100.0) == []  # E1's retry was dropped: it would untag the continued session
+    assert reg.close_counts() == {"sending": 0, "pending": 0}
+
+
+def test_engine_back_makes_its_pending_closes_due_now():
+    reg = SessionRegistry(retry=CloseRetry(retries=5, backoff_s=30.0))
+    for sid in ("x", "y"):
+        reg.begin_close(sid, "explicit", 0.0)
+        reg.to_send(sid, [E1], 0.0)
+        reg.close_result(sid, reg.get(sid).close_gen, E1, "connect error", 0.0)
+    assert reg.due_retries(1.0) == []
+    assert reg.engine_back(E1, 1.0) == 2
+    assert sorted(sid for sid, _, _ in reg.due_retries(1.0)) == ["x", "y"]
+
+
+def test_a_4xx_is_final_and_no_engine_means_closed():
+    reg = SessionRegistry()
+    reg.begin_close("s", "explicit", 0.0)
+    reg.to_send("s", [E1], 0.0)
+    assert reg.close_result("s", reg.get("s").close_gen, E1, "http 404", 0.0, final=True) == FAILED
+    assert reg.get("s").state == CLOSED
+    reg.begin_close("t", "explicit", 0.0)
+    assert reg.to_send("t", [], 0.0) == [] and reg.get("t").state == CLOSED
 
 
 def test_cap_drops_oldest_idle_and_counts():

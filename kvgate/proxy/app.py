@@ -123,7 +123,11 @@ class Gateway:
                             min_samples=cfg.session_idle_min_samples, max_sessions=cfg.max_tracked_sessions)
         self.lifecycle = SessionLifecycle(SessionRegistry(cfg.max_tracked_sessions), self.directory, self.metrics,
                                           drain_s=cfg.session_close_drain_s, close_timeout_s=cfg.close_timeout_s,
-                                          close_retries=cfg.close_retries, policy=policy,
+                                          close_retries=cfg.close_retries,
+                                          close_backoff_s=cfg.close_retry_backoff_s,
+                                          close_max_backoff_s=cfg.close_retry_max_backoff_s,
+                                          close_concurrency=cfg.close_concurrency,
+                                          close_max_rate=cfg.close_max_rate, policy=policy,
                                           steps=StepTracker(cfg.max_tracked_sessions),
                                           close_on_abort=cfg.session_close_on_abort)
         self.lifecycle.on_close.append(self._placement_forget)
@@ -276,12 +280,13 @@ class Gateway:
         return _json(self._augment(s.as_json(self.lifecycle.clock())))
 
     async def handle_session_close(self, request: web.Request) -> web.Response:
-        """Close a session; ``?wait=1`` answers after the fan-out with its per-engine result."""
+        """Close a session (again: an unfinished close is retried at once); ``?wait=1`` answers once every
+        engine has answered this round of calls, with the per-engine results and pending retries."""
         sid = request.match_info["sid"]
         self._forget(sid)
-        task = self.lifecycle.close(sid, "api")
-        if request.query.get("wait") in ("1", "true") and task is not None:
-            await asyncio.shield(task)
+        self.lifecycle.close(sid, "api")
+        if request.query.get("wait") in ("1", "true"):
+            await self.lifecycle.settled(sid, self.cfg.session_close_drain_s + 4 * self.cfg.close_timeout_s + 1.0)
         s = self.lifecycle.registry.get(sid)
         return _json(s.as_json(self.lifecycle.clock()) if s else {"session_id": sid})
 
@@ -451,7 +456,7 @@ class Gateway:
         except asyncio.CancelledError:  # client gone while waiting for admission: it never went out
             self.metrics.client_disconnects.inc()
             if plan.inferred:
-                self._finish_inference(plan.session_id, None)
+                self._finish_inference(plan.session_id, None, False)
             raise
         except Exception:
             log.exception("admission failed; forwarding at once")
@@ -464,7 +469,6 @@ class Gateway:
             except Exception:
                 self.metrics.faults.labels("registry").inc()
                 session_id = None
-        headers = forward_headers(request.headers, plan.extra)
         observe = None
         if tracked is not None:
             def observe(is_sse: bool, route=c.path, text=plan.prompt_is_text) -> ResponseObserver:
@@ -473,7 +477,8 @@ class Gateway:
         self.metrics.inflight.inc()
         t1 = time.perf_counter()
         outcome = None
-        try:
+        try:  # from here on every exit path ends the request in the registry and the inference index
+            headers = forward_headers(request.headers, plan.extra)
             add = ticket.headers if tracked is None else [*ticket.headers, (SESSION_HEADER, header_safe(tracked))]
             placed = None
             if self._placed_route(c, plan):
@@ -493,11 +498,13 @@ class Gateway:
             self._release(ticket, obs.meta_info if obs else None)
             self._record(c.route, outcome, time.perf_counter() - t1)
             if session_id is not None:
-                self._finish_session(session_id, obs)
+                self._finish_session(session_id, obs, c.body)
             if plan.inferred:
-                self._finish_inference(plan.session_id, obs)
+                self._finish_inference(plan.session_id, obs, _completed(outcome))
             if self.lifecycle_on and c.method == "POST" and c.path in STEP_BOUNDARY_ROUTES:
                 self._step_boundary(c.path, raw, outcome)
+            if self.lifecycle_on and c.method == "POST" and c.path == "/abort_request":
+                self._abort_requested(raw)
 
     def _parse_body(self, request: web.Request, raw: bytes) -> dict | None:
         """The generate body as a JSON object, or None when kvgate leaves it alone: not an object, sent
@@ -582,24 +589,34 @@ class Gateway:
             self.metrics.faults.labels("observer").inc()
             return None
 
-    def _finish_session(self, session_id: str, obs) -> None:
+    def _finish_session(self, session_id: str, obs, body: dict | None) -> None:
         try:
+            rids = (body.get("rid") if body else None, (obs.meta_info or {}).get("id") if obs else None)
             self.lifecycle.request_finished(session_id, obs.meta_info if obs else None,
-                                            obs.finish_type if obs else None)
+                                            obs.finish_type if obs else None, rids,
+                                            obs.usage_source if obs else None)
         except Exception:
             log.exception("session registry update failed")
             self.metrics.faults.labels("registry").inc()
 
-    def _finish_inference(self, session_id: str, obs) -> None:
-        # Always end the request in the index, or the session would look busy forever.
+    def _finish_inference(self, session_id: str, obs, completed: bool) -> None:
+        # Always end the request in the index, or the session would look busy forever. Only a completed
+        # turn moves the session on: a retry of an abandoned attempt must still extend the last one.
         try:
             now = self.lifecycle.clock()
-            if obs is not None and obs.output:
+            if completed and obs is not None and obs.output:
                 self.inference.on_response(session_id, obs.output, now)
-            self.inference.on_request_end(session_id, now)
+            self.inference.on_request_end(session_id, now, completed)
         except Exception:
             log.exception("session inference update failed")
             self.metrics.faults.labels("inference").inc()
+
+    def _abort_requested(self, raw: bytes) -> None:
+        try:
+            self.lifecycle.abort_requested(parse_json_object(raw) if len(raw) <= STEP_BODY_PARSE_LIMIT else None)
+        except Exception:
+            log.exception("abort_request handling failed")
+            self.metrics.faults.labels("registry").inc()
 
     def _step_boundary(self, path: str, raw: bytes, outcome) -> None:
         try:
@@ -610,6 +627,12 @@ class Gateway:
         except Exception:
             log.exception("step boundary handling failed")
             self.metrics.faults.labels("registry").inc()
+
+
+def _completed(outcome) -> bool:
+    """The upstream answered the turn in full with a success status (not cut, not abandoned)."""
+    return (outcome is not None and outcome.ended == "complete" and outcome.status is not None
+            and outcome.status < 400)
 
 
 async def start_gateway(cfg: Config, gate: Gate | None = None) -> tuple[Gateway, web.AppRunner, int]:

@@ -52,12 +52,33 @@ class Metrics:
                                       registry=r)
         self.session_close = Counter(p + "session_close", "Sessions closed, by reason", ["reason"], registry=r)
         self.session_close_failure = Counter(p + "session_close_failure", "Engine /close_session calls that "
-                                             "failed after retries", registry=r)
+                                             "failed (connect error, timeout, HTTP error); each is retried "
+                                             "until close_retries are used up", registry=r)
+        self.close_calls = Counter(p + "session_close_calls", "Engine /close_session calls, by result (ok, error)",
+                                   ["result"], registry=r)
+        self.close_call_latency = Histogram(p + "session_close_call_seconds", "Time of one /close_session call "
+                                            "to one engine", buckets=OVERHEAD_BUCKETS + LATENCY_BUCKETS[-10:],
+                                            registry=r)
+        self.session_close_pending = Gauge(p + "session_close_pending", "Engine closes not delivered yet, by "
+                                           "state (sending: a call is out; pending: waiting for a retry)",
+                                           ["state"], registry=r)
+        self.session_close_retries = Counter(p + "session_close_retries", "Engine /close_session calls sent "
+                                             "again after a failure", registry=r)
+        self.session_close_given_up = Counter(p + "session_close_given_up", "Engine closes given up (retries "
+                                              "used up, or a 4xx); asking to close again re-arms them", registry=r)
+        self.session_close_cancelled = Counter(p + "session_close_cancelled", "Engine closes dropped because "
+                                               "the session came back before they were delivered", registry=r)
+        self.session_reopened = Counter(p + "session_reopened", "Requests that re-opened a closing or closed "
+                                        "session", registry=r)
+        self.session_aborts = Counter(p + "session_aborts", "Session turns that ended in an abort, by cause "
+                                      "(client: /abort_request named its rid, closes the session; other: a "
+                                      "weight update, flush, memory release or engine fault, a step boundary)",
+                                      ["cause"], registry=r)
         self.session_close_skipped = Counter(p + "session_close_skipped", "Closes not fanned out, by why (no_kv: "
                                              "the session's KV went with a cache flush)", ["reason"], registry=r)
         self.session_inference = Counter(p + "session_inference", "Generate calls without a named session, by what "
                                          "prefix inference found (decisive, partial, rerender, prompt-only, new, "
-                                         "new-ambiguous, unsupported)", ["result"], registry=r)
+                                         "new-ambiguous, unsupported; retry: the same prompt as its session's turn in flight)", ["result"], registry=r)
         self.inference_tracked = Gauge(p + "session_inference_tracked", "Sessions tracked by prefix inference",
                                        registry=r)
         self.inference_dropped = Gauge(p + "session_inference_dropped", "Sessions dropped by the inference cap",
@@ -109,7 +130,12 @@ class Metrics:
         self.session_close_skipped.labels("no_kv")
         for outcome in ("engine", "router_fallback", "connect_retry"):
             self.placement_calls.labels(outcome)
-        for result in ("decisive", "partial", "rerender", "prompt-only", "new", "new-ambiguous", "unsupported"):
+        for result in ("ok", "error"):
+            self.close_calls.labels(result)
+        for cause in ("client", "other"):
+            self.session_aborts.labels(cause)
+        for result in ("decisive", "partial", "rerender", "prompt-only", "retry", "new", "new-ambiguous",
+                       "unsupported"):
             self.session_inference.labels(result)
 
 

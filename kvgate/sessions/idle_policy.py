@@ -12,7 +12,10 @@ No I/O and no clock of its own: every call that cares about time takes ``now`` (
   kvgate.proxy.classify.STEP_BOUNDARY_ROUTES: the engines' radix cache is flushed or released) and remembers,
   per session, the step in which it last put KV on the engines; a session without KV in the current
   step stays known but is not closed on the engines again.
-- :func:`ends_session`: a turn that ended with finish_reason ``abort`` closes its session at once.
+- :func:`ends_session` and :class:`ClientAborts`: a turn that ended with finish_reason ``abort`` closes its
+  session at once only when the client asked for that abort (/abort_request naming the turn's rid). An
+  abort kvgate cannot attribute to the client (a weight update, a cache flush, a memory release, an engine
+  fault) is a step boundary: the rollout continues the same session with prompt + partial output.
 """
 
 from __future__ import annotations
@@ -237,7 +240,30 @@ class StepTracker:
         return {"step": self.step, "boundaries": dict(self.boundaries)}
 
 
+class ClientAborts:
+    """Request ids a client asked to abort (/abort_request {"rid": ...} relayed by kvgate), the most recent
+    ``max_rids`` kept. ``abort_all`` is not remembered: a trainer aborts everything at a weight update,
+    and the rollouts go on with the same sessions afterwards."""
+
+    def __init__(self, max_rids: int = 100_000):
+        self.max_rids = max(1, max_rids)
+        self._rids: OrderedDict[str, None] = OrderedDict()
+
+    def note(self, rid: Any) -> None:
+        """Remember ``rid`` (a string, or a list of strings as SGLang's batch form)."""
+        for r in (rid if isinstance(rid, list) else [rid]):
+            if isinstance(r, str) and r:
+                self._rids[r] = None
+                self._rids.move_to_end(r)
+        while len(self._rids) > self.max_rids:
+            self._rids.popitem(last=False)
+
+    def asked(self, rid: Any) -> bool:
+        """True when the client asked to abort ``rid``."""
+        return isinstance(rid, str) and rid in self._rids
+
+
 def ends_session(finish_type: str | None) -> bool:
-    """True when a turn's finish reason means the agent cannot continue from it (``abort``: SGLang's
-    meta_info.finish_reason.type, or choices[0].finish_reason on the OpenAI routes)."""
+    """True when a turn ended in an abort (SGLang's meta_info.finish_reason.type, or choices[0].finish_reason
+    on the OpenAI routes). Whether that ends the session depends on who asked (:class:`ClientAborts`)."""
     return finish_type == "abort"

@@ -75,7 +75,8 @@ class Prepared:
 class InferenceResult:
     """session_id: the session R continues, or a fresh id when it starts one; None when R cannot be
     inferred at all (empty, a batch, not ids or text). decisive: P + O of that session is a prefix of R.
-    reason: decisive | partial | rerender | prompt-only | new | new-ambiguous | unsupported.
+    reason: decisive | partial | rerender | prompt-only | retry | new | new-ambiguous | unsupported
+    (retry: R is exactly the prompt of its session's turn still in flight).
     matched_tokens: units of R explained by the session's history (tokens or characters).
     candidates: sessions whose last prompt is a prefix of R that were considered."""
 
@@ -95,7 +96,8 @@ class _Track:
     """What inference keeps of one session: hashes and lengths only, never the units."""
 
     __slots__ = ("sid", "kind", "in_flight", "last_active", "p_len", "p_key", "p_tail", "pending",
-                 "o_len", "ck", "end_key", "end_tail", "probe", "turns")
+                 "o_len", "ck", "end_key", "end_tail", "probe", "turns", "before")
+    _STATE = ("kind", "p_len", "p_key", "p_tail", "o_len", "ck", "end_key", "end_tail", "probe")
 
     def __init__(self, sid: str, now: float):
         self.sid = sid
@@ -112,16 +114,24 @@ class _Track:
         self.end_tail = 0               # hash of P + O's units after that
         self.probe: Any = None          # O's last units (str, or an array of ids), for rerender evidence
         self.turns = 0
+        self.before: tuple | None = None  # the state before the turns in flight, restored if none completes
+
+    def snapshot(self) -> tuple:
+        return tuple(getattr(self, k) for k in self._STATE)
+
+    def restore(self, state: tuple) -> None:
+        for k, v in zip(self._STATE, state):
+            setattr(self, k, v)
 
 
 def _normalize(units: Sequence[int] | str) -> tuple[Any, int] | None:
-    """(seq, kind) with seq a str or a tuple of ints; None for anything else (a batch, empty, odd)."""
+    """(seq, kind) with seq a str or a tuple of ints; None for anything else (a batch, empty, a list
+    holding anything but ints anywhere: a float, a bool, a nested list)."""
     if isinstance(units, str):
         return (units, TEXT) if units else None
     if isinstance(units, (list, tuple)) and units:
         seq = units if isinstance(units, tuple) else tuple(units)
-        first = seq[0]
-        if isinstance(first, int) and not isinstance(first, bool):
+        if all(type(x) is int for x in seq):  # O(len), cheaper than the hashing that follows
             return seq, TOKENS
     return None
 
@@ -187,7 +197,7 @@ class SessionInference:
         self._index: dict[int, Any] = {}  # p_key -> sid (str) or list of sids
         self.counts = {"infer": 0, "unsupported": 0, "new": 0, "ambiguous": 0, DECISIVE: 0, PARTIAL: 0,
                        RERENDER: 0, PROMPT_ONLY: 0, "diverged": 0, "busy_skipped": 0, "dropped": 0,
-                       "output_ignored": 0}
+                       "output_ignored": 0, "retry": 0, "abandoned": 0}
 
     # --- lookup ------------------------------------------------------------------------------------
 
@@ -238,6 +248,10 @@ class SessionInference:
                 elif m == best_m:
                     tied = True
         if best is None:
+            retry = self._retry_of(prep)
+            if retry is not None:
+                self.counts["retry"] += 1
+                return InferenceResult(retry.sid, False, "retry", len(seq), considered, prep)
             self.counts["new"] += 1
             return InferenceResult(self._new_id(), False, "new", 0, considered, prep)
         if tied:
@@ -274,6 +288,23 @@ class SessionInference:
                 return at, RERENDER
         return 0, None
 
+    def _retry_of(self, prep: Prepared) -> _Track | None:
+        """The session whose turn in flight has exactly R as its prompt: a client retrying a turn it gave
+        up on (a timeout, then the same request again) before kvgate saw the first attempt end."""
+        n = len(prep.seq) // prep.block
+        if n < 1:
+            return None
+        hit = self._index.get(prep.chain[n])
+        for sid in ((hit,) if isinstance(hit, str) else tuple(hit or ())):
+            t = self._tracks.get(sid)
+            # Only a turn that continued a completed one: identical first prompts sent together are GRPO
+            # siblings, not retries (they part ways at their outputs).
+            if (t is not None and t.in_flight and t.pending is not None and t.before is not None
+                    and t.before[1] > 0 and t.kind == prep.kind and t.p_len == len(prep.seq)
+                    and hash(prep.seq[n * prep.block:]) == t.p_tail):
+                return t
+        return None
+
     def _new_id(self) -> str:
         return self.id_prefix + secrets.token_urlsafe(12)
 
@@ -281,8 +312,21 @@ class SessionInference:
 
     def on_request_start(self, session_id: str, units: Sequence[int] | str, now: float,
                          prepared: Prepared | None = None) -> None:
-        """R (``units``) starts in ``session_id``: it becomes the session's last prompt, its output unknown.
-        ``prepared`` from :meth:`infer` saves re-hashing R (it must be R's)."""
+        """R (``units``) starts in ``session_id``: it becomes the session's last prompt, its output unknown,
+        until the turn ends. If no turn in flight completes (:meth:`on_request_end` with completed=False:
+        the client gave up, an error), the session goes back to its prompt and output from before, so an
+        identical retry still extends it. ``prepared`` from :meth:`infer` saves re-hashing R (it must be
+        R's). Never raises for odd units: everything that can fail is computed before any change."""
+        try:
+            prep = prepared if prepared is not None else self.prepare(units)
+            if prep is not None:
+                n = len(prep.seq) // prep.block
+                tail = prep.seq[n * prep.block:]
+                new = (prep.kind, len(prep.seq), prep.chain[n] if n >= 1 else None, hash(tail), tail)
+            else:
+                new = None
+        except TypeError:  # unhashable units: the turn counts as in flight, its prompt is not kept
+            new = None
         t = self._tracks.get(session_id)
         if t is None:
             t = _Track(session_id, now)
@@ -290,26 +334,17 @@ class SessionInference:
             self._evict_over_cap()
         else:
             self._tracks.move_to_end(session_id)
-            self._unindex(t)
+        if t.in_flight == 0:
+            t.before = t.snapshot()
+        self._unindex(t)
         t.in_flight += 1
         t.turns += 1
         t.last_active = now
         t.o_len, t.ck, t.probe, t.pending = None, None, None, None
-        try:
-            prep = prepared if prepared is not None else self.prepare(units)
-        except TypeError:
-            prep = None
-        if prep is None:
+        if new is None:
             t.p_len, t.p_key = 0, None
             return
-        seq, block = prep.seq, prep.block
-        n = len(seq) // block
-        t.kind = prep.kind
-        t.p_len = len(seq)
-        tail = seq[n * block:]
-        t.p_tail = hash(tail)
-        t.pending = tail
-        t.p_key = prep.chain[n] if n >= 1 else None
+        t.kind, t.p_len, t.p_key, t.p_tail, t.pending = new
         self._reindex(t)
 
     def on_response(self, session_id: str, output: Sequence[int] | str, now: float) -> None:
@@ -347,15 +382,25 @@ class SessionInference:
                     t.probe = None
         t.last_active = now
 
-    def on_request_end(self, session_id: str, now: float) -> None:
-        """The session's request ended (any outcome); call after :meth:`on_response`."""
+    def on_request_end(self, session_id: str, now: float, completed: bool = True) -> None:
+        """The session's request ended; call after :meth:`on_response`. ``completed``: the upstream answered
+        it in full with a success status. When the last turn in flight ends and none of them completed,
+        the session's prompt and output go back to what they were before (counted as ``abandoned``)."""
         t = self._tracks.get(session_id)
         if t is None:
             return
         t.in_flight = max(0, t.in_flight - 1)
         t.last_active = now
+        if completed:
+            t.before = None
         if t.in_flight == 0:
             t.pending = None
+            if t.before is not None:
+                self._unindex(t)
+                t.restore(t.before)
+                self._reindex(t)
+                self.counts["abandoned"] += 1
+            t.before = None
         self._tracks.move_to_end(session_id)
 
     def forget(self, session_id: str) -> bool:

@@ -1,10 +1,17 @@
-"""Session lifecycle: feeds the registry and fans /close_session out to every engine (I/O edge).
+"""Session lifecycle: feeds the registry and delivers /close_session to every engine (I/O edge).
 
-Decisions (who is idle, whether a close is due) are the registry's (kvgate.sessions.registry). Here:
+Decisions (who is idle, whether a close is due, which engine still needs it and when to retry) are the
+registry's (kvgate.sessions.registry). Here:
   - a close waits for the session's in-flight requests (bounded by ``session_close_drain_s``),
-  - then POSTs /close_session {"session_id"} to every engine base URL at once, each call bounded
-    by ``close_timeout_s`` and retried ``close_retries`` times on connect errors and 5xx,
-  - it never blocks or fails the caller: closes run as background tasks.
+  - then queues one /close_session {"session_id"} call per engine; each engine has its own queue served
+    by at most ``close_concurrency`` calls at once, paced to ``close_max_rate`` calls per second, so a
+    burst of closes (an idle sweep of 100k sessions) neither floods an engine nor blocks kvgate, and a
+    call's ``close_timeout_s`` counts only its own time on the wire, never a wait for a free slot,
+  - a call that failed (connect error, timeout, 5xx) stays pending on that engine and is retried with
+    backoff until it succeeds or ``close_retries`` are used up; an engine that answers again has its
+    pending closes retried at once,
+  - it never blocks or fails the caller, and logs per engine (when it starts and stops failing), not
+    per session.
 The router does not proxy /close_session (router-compat.md), so kvgate calls the engines directly.
 """
 
@@ -13,76 +20,96 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import Callable
+from collections import OrderedDict, deque
+from typing import Any, Callable
 
 import aiohttp
 
 from kvgate.common.aio import cancel_tasks
 
 from kvgate.fleet.directory import EngineDirectory
-from kvgate.sessions.idle_policy import IdlePolicy, StepTracker, ends_session
+from kvgate.sessions.idle_policy import ClientAborts, IdlePolicy, StepTracker, ends_session
 from kvgate.proxy.metrics import Metrics
-from kvgate.sessions.registry import ACTIVE, CLOSED, CLOSING, SessionRegistry
+from kvgate.sessions.registry import (ACTIVE, CLOSED, CLOSING, FAILED, PENDING, SENDING, CloseRetry,
+                                      SessionRegistry)
 
 log = logging.getLogger("kvgate.sessions.lifecycle")
 
+# Closes queued per idle sweep step before yielding to the event loop.
+_SWEEP_BATCH = 500
 
-async def close_on_engine(session: aiohttp.ClientSession, url: str, session_id: str, timeout_s: float,
-                          retries: int) -> str:
-    """POST /close_session to one engine. Returns "ok" or a short error text; never raises.
 
-    Retries (up to ``retries`` more attempts) on connect errors and 5xx only; a timeout is final,
-    so a hung engine costs at most ``timeout_s`` per attempt that reached it.
-    """
-    body = {"session_id": session_id}
-    error = "not attempted"
-    for attempt in range(retries + 1):
-        try:
-            async with session.post(url + "/close_session", json=body,
-                                    timeout=aiohttp.ClientTimeout(total=timeout_s)) as resp:
-                await resp.read()
-                if resp.status < 400:
-                    return "ok"
-                error = f"http {resp.status}"
-                if resp.status < 500:
-                    return error
-        except asyncio.TimeoutError:
-            return f"timeout after {timeout_s}s"
-        except (aiohttp.ClientConnectorError, aiohttp.ServerDisconnectedError, aiohttp.ClientOSError) as exc:
-            error = f"connect error: {type(exc).__name__}"
-        except aiohttp.ClientError as exc:
-            return f"{type(exc).__name__}"
-        if attempt < retries:
-            await asyncio.sleep(0.02 * (2 ** attempt))  # brief backoff between retries
-    return error
+async def close_on_engine(session: aiohttp.ClientSession, url: str, session_id: str,
+                          timeout_s: float) -> tuple[str, bool]:
+    """POST /close_session to one engine, once. Returns (result, final): result "ok" or a short error
+    text; final True for an answer not worth retrying (a 4xx: the engine refuses it). Never raises.
+    A timeout is an error: the engine may not have the close (SGLang answers a close at once)."""
+    try:
+        async with session.post(url + "/close_session", json={"session_id": session_id},
+                                timeout=aiohttp.ClientTimeout(total=timeout_s)) as resp:
+            await resp.read()
+            if resp.status < 400:
+                return "ok", False
+            return f"http {resp.status}", resp.status < 500
+    except asyncio.TimeoutError:
+        return f"timeout after {timeout_s}s", False
+    except (aiohttp.ClientConnectorError, aiohttp.ServerDisconnectedError, aiohttp.ClientOSError) as exc:
+        return f"connect error: {type(exc).__name__}", False
+    except aiohttp.ClientError as exc:
+        return type(exc).__name__, False
+
+
+class _EngineQueue:
+    """One engine's close calls waiting for a slot, its workers and its pacing and health state."""
+
+    def __init__(self, url: str):
+        self.url = url
+        self.items: deque[tuple[str, int]] = deque()
+        self.wake = asyncio.Event()
+        self.workers: list[asyncio.Task] = []
+        self.next_slot = 0.0     # perf_counter time of the next paced call
+        self.failing = False     # the last call failed (logged once per change)
+        self.given_up = 0        # closes given up since the last log line
+        self.given_up_logged = 0.0
 
 
 class SessionLifecycle:
-    """Owns the registry, runs closes and the idle sweep.
+    """Owns the registry, runs closes, their retries and the idle sweep.
 
-    policy: when a session counts as idle (fixed or adaptive, kvgate.sessions.idle_policy); steps: which sessions
-    still have KV since the last cache flush; close_on_abort: close a session whose turn ended in an
-    abort. clock: monotonic seconds (injectable for tests of the shell).
+    policy: when a session counts as idle (fixed or adaptive, kvgate.sessions.idle_policy); steps: which
+    sessions still have KV since the last cache flush; close_on_abort: close a session whose turn ended in
+    an abort the client asked for (/abort_request naming the turn's rid). close_timeout_s: one call, seconds;
+    close_retries, close_backoff_s, close_max_backoff_s: the retry policy (kvgate.sessions.registry.CloseRetry);
+    close_concurrency: calls at once per engine; close_max_rate: calls per second per engine (0 = unpaced).
+    clock: monotonic seconds (injectable for tests of the shell).
     """
 
     def __init__(self, registry: SessionRegistry, directory: EngineDirectory, metrics: Metrics, *,
-                 drain_s: float, close_timeout_s: float, close_retries: int,
+                 drain_s: float, close_timeout_s: float, close_retries: int, close_backoff_s: float = 0.5,
+                 close_max_backoff_s: float = 60.0, close_concurrency: int = 8, close_max_rate: float = 1000.0,
                  policy: IdlePolicy | None = None, steps: StepTracker | None = None, close_on_abort: bool = True,
                  clock: Callable[[], float] = time.monotonic):
         self.registry = registry
+        registry.retry = CloseRetry(close_retries, close_backoff_s, close_max_backoff_s)
         self.directory = directory
         self.metrics = metrics
         self.policy = policy or IdlePolicy(fixed_s=300.0)
         self.steps = steps or StepTracker(registry.max_sessions)
+        self.aborts = ClientAborts(registry.max_sessions)
         self.close_on_abort = close_on_abort
         self.drain_s = drain_s
         self.close_timeout_s = close_timeout_s
-        self.close_retries = close_retries
+        self.close_concurrency = max(1, close_concurrency)
+        self.close_max_rate = close_max_rate
         self.clock = clock
         self._drained: dict[str, asyncio.Event] = {}
-        self._closing: dict[str, asyncio.Task] = {}
+        self._draining: dict[str, asyncio.Task] = {}
+        self._started: OrderedDict[str, float] = OrderedDict()  # close start (perf_counter) per session
+        self._queues: dict[str, _EngineQueue] = {}
         self._session: aiohttp.ClientSession | None = None
         self._idle_task: asyncio.Task | None = None
+        self._retry_task: asyncio.Task | None = None
+        self._retry_wake = asyncio.Event()
         self._changed = asyncio.Event()
         # Called with the session id when a close begins (session placement forgets the session).
         self.on_close: list[Callable[[str], None]] = []
@@ -91,15 +118,18 @@ class SessionLifecycle:
     @property
     def session(self) -> aiohttp.ClientSession:
         if self._session is None:
-            self._session = aiohttp.ClientSession()
+            # No pool limit: each engine's workers bound its connections (close_concurrency).
+            self._session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
         return self._session
 
     async def start(self) -> None:
         if self.policy.mode == "adaptive" or self.policy.fixed_s > 0:
             self._idle_task = asyncio.create_task(self._idle_loop(), name="kvgate-idle-close")
+        self._retry_task = asyncio.create_task(self._retry_loop(), name="kvgate-close-retry")
 
     async def stop(self) -> None:
-        await cancel_tasks(*self._closing.values(), self._idle_task)
+        workers = [w for q in self._queues.values() for w in q.workers]
+        await cancel_tasks(*self._draining.values(), *workers, self._idle_task, self._retry_task)
         if self._session is not None:
             await self._session.close()
 
@@ -107,13 +137,25 @@ class SessionLifecycle:
 
     def request_started(self, session_id: str, source: str | None) -> None:
         now = self.clock()
+        s = self.registry.get(session_id)
+        if s is not None and s.state != ACTIVE:
+            # The session came back (an idle close during a long tool call): SGLang 0.5.17+ re-opens the
+            # id on this request, so kvgate re-opens it too and drops the closes not delivered yet.
+            cancelled = len(s.unfinished())
+            if cancelled:
+                self.metrics.session_close_cancelled.inc(cancelled)
+            self.metrics.session_reopened.inc()
+            self._started.pop(session_id, None)
         self.registry.request_started(session_id, source, now)
         self.policy.on_turn_start(session_id, now)
         self.steps.on_kv(session_id)
 
-    def request_finished(self, session_id: str, meta: dict | None, finish_type: str | None) -> None:
+    def request_finished(self, session_id: str, meta: dict | None, finish_type: str | None,
+                         rids: tuple = (), usage_source: str | None = None) -> None:
+        """One turn of the session ended. ``rids``: the request ids it went by (the body's rid, the
+        response's meta_info.id); an abort closes the session only when the client asked for it by rid."""
         now = self.clock()
-        self.registry.request_finished(session_id, now, meta)
+        self.registry.request_finished(session_id, now, meta, usage_source)
         self.policy.on_turn_end(session_id, now)
         self.steps.on_kv(session_id)
         s = self.registry.get(session_id)
@@ -121,8 +163,18 @@ class SessionLifecycle:
             ev = self._drained.get(session_id)
             if ev is not None:
                 ev.set()
-        if self.close_on_abort and ends_session(finish_type):
-            self.close(session_id, "abort")  # the agent cannot continue from an aborted turn
+        if ends_session(finish_type):
+            asked = any(self.aborts.asked(r) for r in rids)
+            self.metrics.session_aborts.labels("client" if asked else "other").inc()
+            # An abort the client did not ask for (a weight update, a flush, a memory release, an engine
+            # fault) is a step boundary: the rollout goes on with the same session.
+            if asked and self.close_on_abort:
+                self.close(session_id, "abort")
+
+    def abort_requested(self, body: dict | None) -> None:
+        """A client's /abort_request passed through kvgate: remember the rid(s) it names."""
+        if isinstance(body, dict):
+            self.aborts.note(body.get("rid"))
 
     def step_boundary(self, path: str, status: int | None, body: dict | None) -> bool:
         """A relayed request that may have flushed the engines' KV (weights update, flush_cache ...)."""
@@ -130,56 +182,167 @@ class SessionLifecycle:
 
     # --- closing -------------------------------------------------------------------------------
 
-    def close(self, session_id: str, reason: str) -> asyncio.Task | None:
-        """Start closing ``session_id`` in the background; idempotent. Returns the close task (None
-        when the session is already closed)."""
-        task = self._closing.get(session_id)
-        if task is not None:
-            return task
-        if not self.registry.begin_close(session_id, reason, self.clock()):
-            return None
-        for cb in self.on_close:
-            try:
-                cb(session_id)
-            except Exception:  # a consumer's fault must not stop the close
-                log.exception("on_close callback failed")
-        if reason in ("idle", "abort") and not self.steps.has_kv(session_id):
+    def close(self, session_id: str, reason: str) -> bool:
+        """Start (or re-arm) closing ``session_id`` in the background; idempotent. True when calls were
+        queued or a drain started; False when there was nothing to do (closed everywhere already, calls
+        still out, or its KV went with a cache flush)."""
+        now = self.clock()
+        s = self.registry.get(session_id)
+        fresh = s is None or s.state == ACTIVE
+        if not self.registry.begin_close(session_id, reason, now):
+            return False
+        s = self.registry.get(session_id)
+        if fresh:
+            for cb in self.on_close:
+                try:
+                    cb(session_id)
+                except Exception:  # a consumer's fault must not stop the close
+                    log.exception("on_close callback failed")
+        if fresh and reason in ("idle", "abort") and not self.steps.has_kv(session_id):
             # Its KV went with a cache flush (a step boundary): nothing to free on the engines.
-            self.registry.finish_close(session_id, {}, self.clock())
+            self.registry.skip_close(session_id, now)
             self.metrics.session_close_skipped.labels("no_kv").inc()
             self._notify()
-            return None
-        task = asyncio.create_task(self._close(session_id, reason), name=f"kvgate-close-{session_id}")
-        self._closing[session_id] = task
-        task.add_done_callback(lambda _t, sid=session_id: self._closing.pop(sid, None))
-        return task
+            return False
+        if fresh:
+            self._started[session_id] = time.perf_counter()
+        if session_id in self._draining:
+            return True
+        if s.in_flight > 0 and self.drain_s > 0:
+            task = asyncio.create_task(self._drain_then_send(session_id), name=f"kvgate-close-{session_id}")
+            self._draining[session_id] = task
+            task.add_done_callback(lambda _t, sid=session_id: self._draining.pop(sid, None))
+            return True
+        self._send(session_id)
+        return True
 
-    async def _close(self, session_id: str, reason: str) -> dict[str, str]:
+    async def _drain_then_send(self, session_id: str) -> None:
         s = self.registry.get(session_id)
-        if s is not None and s.in_flight > 0 and self.drain_s > 0:
-            ev = self._drained.setdefault(session_id, asyncio.Event())
+        ev = self._drained.setdefault(session_id, asyncio.Event())
+        try:
+            await asyncio.wait_for(ev.wait(), timeout=self.drain_s)
+        except asyncio.TimeoutError:
+            log.info("session %s: closing with %d requests still in flight after %.1fs",
+                     session_id, s.in_flight if s else 0, self.drain_s)
+        finally:
+            self._drained.pop(session_id, None)
+        self._send(session_id)
+
+    def _send(self, session_id: str) -> None:
+        s = self.registry.get(session_id)
+        if s is None:
+            return
+        urls = self.registry.to_send(session_id, self.directory.urls, self.clock())
+        for u in urls:
+            self._enqueue(u, session_id, s.close_gen)
+        if s.state == CLOSED:  # no engine known
+            self._finished(session_id)
+
+    def _enqueue(self, url: str, session_id: str, gen: int) -> None:
+        q = self._queues.get(url)
+        if q is None:
+            q = self._queues[url] = _EngineQueue(url)
+            q.workers = [asyncio.create_task(self._worker(q), name=f"kvgate-close-worker-{url}")
+                         for _ in range(self.close_concurrency)]
+        q.items.append((session_id, gen))
+        q.wake.set()
+
+    async def _worker(self, q: _EngineQueue) -> None:
+        while True:
+            while not q.items:
+                q.wake.clear()
+                await q.wake.wait()
+            session_id, gen = q.items.popleft()
+            if not self._wanted(session_id, gen, q.url):
+                continue  # the session came back while this call waited
+            if self.close_max_rate > 0:
+                now = time.perf_counter()
+                slot = max(now, q.next_slot)
+                q.next_slot = slot + 1.0 / self.close_max_rate
+                if slot > now:
+                    await asyncio.sleep(slot - now)
+            t0 = time.perf_counter()
             try:
-                await asyncio.wait_for(ev.wait(), timeout=self.drain_s)
-            except asyncio.TimeoutError:
-                log.info("session %s: closing with %d requests still in flight after %.1fs",
-                         session_id, s.in_flight, self.drain_s)
-            finally:
-                self._drained.pop(session_id, None)
-        t0 = time.perf_counter()
-        urls = self.directory.urls
-        results = await asyncio.gather(*(close_on_engine(self.session, u, session_id, self.close_timeout_s,
-                                                         self.close_retries) for u in urls))
-        self.metrics.close_latency.observe(time.perf_counter() - t0)
-        by_url = dict(zip(urls, results))
-        failures = sum(1 for r in results if r != "ok")
-        if failures:
-            self.metrics.session_close_failure.inc(failures)
-            log.warning("session %s: close failed on %d of %d engines: %s", session_id, failures, len(urls),
-                        {u: r for u, r in by_url.items() if r != "ok"})
-        self.metrics.session_close.labels(reason).inc()
-        self.registry.finish_close(session_id, by_url, self.clock())
+                result, final = await close_on_engine(self.session, q.url, session_id, self.close_timeout_s)
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # never let one call kill the worker
+                result, final = f"error: {type(exc).__name__}", False
+            self.metrics.close_call_latency.observe(time.perf_counter() - t0)
+            try:
+                self._on_result(q, session_id, gen, result, final)
+            except Exception:
+                log.exception("close result handling failed")
+                self.metrics.faults.labels("registry").inc()
+
+    def _wanted(self, session_id: str, gen: int, url: str) -> bool:
+        s = self.registry.get(session_id)
+        if s is None or s.close_gen != gen or s.state != CLOSING:
+            return False
+        e = s.engine_closes.get(url)
+        return e is not None and e.state == SENDING
+
+    def _on_result(self, q: _EngineQueue, session_id: str, gen: int, result: str, final: bool) -> None:
+        now = self.clock()
+        state = self.registry.close_result(session_id, gen, q.url, result, now, final)
+        if result == "ok":
+            self.metrics.close_calls.labels("ok").inc()
+            if q.failing:
+                q.failing = False
+                n = self.registry.engine_back(q.url, now)
+                log.warning("engine %s answers /close_session again; retrying its %d pending closes now", q.url, n)
+                self._retry_wake.set()
+        else:
+            self.metrics.close_calls.labels("error").inc()
+            self.metrics.session_close_failure.inc()
+            if not q.failing:
+                q.failing = True
+                log.warning("engine %s: /close_session failed (%s); its closes stay pending and are retried "
+                            "with backoff", q.url, result)
+            if state == PENDING:
+                self._retry_wake.set()
+            elif state == FAILED:
+                self.metrics.session_close_given_up.inc()
+                q.given_up += 1
+                if now - q.given_up_logged >= 60.0:
+                    log.warning("engine %s: gave up %d closes (last: %s after %s); ask again to retry",
+                                q.url, q.given_up, session_id, result)
+                    q.given_up, q.given_up_logged = 0, now
+        s = self.registry.get(session_id)
+        if s is not None and s.state == CLOSED and s.close_gen == gen:
+            self._finished(session_id)
         self._notify()
-        return by_url
+
+    def _finished(self, session_id: str) -> None:
+        s = self.registry.get(session_id)
+        t0 = self._started.pop(session_id, None)
+        if t0 is not None:
+            self.metrics.close_latency.observe(time.perf_counter() - t0)
+        if s is not None:
+            self.metrics.session_close.labels(s.close_reason or "explicit").inc()
+        self._notify()
+
+    async def _retry_loop(self) -> None:
+        while True:
+            try:
+                nxt = self.registry.next_due()
+                wait = None if nxt is None else max(0.0, nxt - self.clock())
+                if wait is None or wait > 0:
+                    try:
+                        await asyncio.wait_for(self._retry_wake.wait(), wait)
+                    except asyncio.TimeoutError:
+                        pass
+                self._retry_wake.clear()
+                for sid, gen, url in self.registry.due_retries(self.clock()):
+                    self.metrics.session_close_retries.inc()
+                    self._enqueue(url, sid, gen)
+                await asyncio.sleep(0)
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # never let a registry fault stop retries
+                log.exception("close retry loop failed")
+                self.metrics.faults.labels("registry").inc()
+                await asyncio.sleep(1.0)
 
     async def _idle_loop(self) -> None:
         while True:
@@ -188,10 +351,14 @@ class SessionLifecycle:
             await asyncio.sleep(min(max(threshold / 4, 0.05), 5.0) if threshold > 0 else 5.0)
             try:
                 now = self.clock()
-                for sid in self.registry.idle_sessions(now, self.policy.sweep_threshold()):
+                for i, sid in enumerate(self.registry.idle_sessions(now, self.policy.sweep_threshold())):
                     s = self.registry.get(sid)
-                    if s is not None and self.policy.should_close(sid, now - s.last_seen):
+                    if s is not None and s.state == ACTIVE and self.policy.should_close(sid, now - s.last_seen):
                         self.close(sid, "idle")
+                    if i % _SWEEP_BATCH == _SWEEP_BATCH - 1:
+                        await asyncio.sleep(0)  # a sweep of 100k sessions must not hold up requests
+            except asyncio.CancelledError:
+                raise
             except Exception:  # never let a registry fault kill the sweep
                 log.exception("idle sweep failed")
                 self.metrics.faults.labels("idle_sweep").inc()
@@ -201,12 +368,24 @@ class SessionLifecycle:
         self._changed = asyncio.Event()
 
     async def wait_until(self, predicate: Callable[[], bool], timeout_s: float = 10.0) -> None:
-        """Wait until ``predicate()`` holds, re-checking each time a close finishes (fanned out or skipped).
-        Raises asyncio.TimeoutError after ``timeout_s`` seconds."""
+        """Wait until ``predicate()`` holds, re-checking each time a close call returns or a close is
+        skipped. Raises asyncio.TimeoutError after ``timeout_s`` seconds."""
         async def _wait() -> None:
             while not predicate():
                 await self._changed.wait()
         await asyncio.wait_for(_wait(), timeout_s)
+
+    async def settled(self, session_id: str, timeout_s: float) -> None:
+        """Wait until every engine has answered the session's current close calls (no drain, nothing
+        sending); pending retries do not count. Returns after ``timeout_s`` seconds at most."""
+        def done() -> bool:
+            s = self.registry.get(session_id)
+            return (session_id not in self._draining and
+                    (s is None or not any(e.state == SENDING for e in s.engine_closes.values())))
+        try:
+            await self.wait_until(done, timeout_s)
+        except asyncio.TimeoutError:
+            pass
 
     def forget(self, session_id: str) -> None:
         """The client ended the session for good: drop its learned state."""
@@ -227,3 +406,10 @@ class SessionLifecycle:
         for state in (ACTIVE, CLOSING, CLOSED):
             self.metrics.sessions.labels(state).set_function(lambda st=state: count(st))
         self.metrics.sessions_dropped.set_function(lambda: self.registry.dropped)
+        for state in (SENDING, PENDING):
+            self.metrics.session_close_pending.labels(state).set_function(
+                lambda st=state: self.registry.close_counts()[st])
+
+    def stats(self) -> dict[str, Any]:
+        """Per engine: close calls queued, whether its last call failed."""
+        return {u: {"queued": len(q.items), "failing": q.failing} for u, q in self._queues.items()}

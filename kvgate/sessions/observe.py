@@ -1,9 +1,15 @@
 """Reading what a relayed response says about the session, without holding up the relay (pure).
 
 The relay hands every chunk to a ResponseObserver as it passes through. For a JSON response it keeps
-the bytes up to a cap; for an SSE stream it keeps only the last complete ``data:`` event, because
+the bytes up to a cap; for an SSE stream it keeps only the last complete ``data:`` events, because
 SGLang's stream chunks carry cumulative meta_info and output_ids (sglang-engine-api.md, Stream).
 At the end ``result()`` gives the last meta_info and output_ids seen.
+
+Token usage, for every route and stream form: /generate's meta_info; the OpenAI routes' ``usage`` (the
+final chunk with ``stream_options.include_usage``, or every chunk with ``continuous_usage_stats``);
+/v1/responses' ``usage`` (input_tokens, output_tokens). An OpenAI stream without any usage block is
+counted: one completion token per streamed content chunk (SGLang streams each decoded token as it is
+detokenized, stream_interval 1), prompt tokens unknown (0); ``usage_source`` then says "counted".
 """
 
 from __future__ import annotations
@@ -29,6 +35,17 @@ class Observed:
     output_ids: list[int] | None = None
     finish_type: str | None = None
     output: list[int] | str | None = None
+    usage_source: str | None = None  # meta_info | usage | counted
+
+
+def _usage_meta(usage: dict[str, Any]) -> dict[str, Any]:
+    """An OpenAI (prompt_/completion_tokens) or Responses (input_/output_tokens) usage block as meta_info."""
+    meta = {"prompt_tokens": usage.get("prompt_tokens", usage.get("input_tokens", 0)),
+            "completion_tokens": usage.get("completion_tokens", usage.get("output_tokens", 0))}
+    details = usage.get("prompt_tokens_details") or usage.get("input_tokens_details")
+    if isinstance(details, dict) and isinstance(details.get("cached_tokens"), int):
+        meta["cached_tokens"] = details["cached_tokens"]
+    return meta
 
 
 def _from_obj(obj: Any) -> Observed:
@@ -40,7 +57,7 @@ def _from_obj(obj: Any) -> Observed:
         merged = {k: sum(m.get(k, 0) or 0 for m in metas if isinstance(m.get(k, 0), int))
                   for k in ("prompt_tokens", "completion_tokens", "cached_tokens")}
         types = {p.finish_type for p in parts}
-        return Observed(merged, None, "abort" if "abort" in types else next(iter(types)))
+        return Observed(merged, None, "abort" if "abort" in types else next(iter(types)), usage_source="meta_info")
     if not isinstance(obj, dict):
         return Observed()
     meta = obj.get("meta_info")
@@ -48,20 +65,18 @@ def _from_obj(obj: Any) -> Observed:
         fr = meta.get("finish_reason")
         ftype = fr.get("type") if isinstance(fr, dict) else None
         out_ids = obj.get("output_ids")
-        return Observed(meta, out_ids if isinstance(out_ids, list) else None, ftype)
-    usage = obj.get("usage")  # OpenAI-compatible routes; /v1/responses names them input and output tokens
+        return Observed(meta, out_ids if isinstance(out_ids, list) else None, ftype, usage_source="meta_info")
+    ftype = None
+    choices = obj.get("choices")
+    if isinstance(choices, list) and choices and isinstance(choices[0], dict):
+        ftype = choices[0].get("finish_reason")
+    ftype = ftype if isinstance(ftype, str) else None
+    usage = obj.get("usage")  # OpenAI-compatible routes
+    if not isinstance(usage, dict) and isinstance(obj.get("response"), dict):
+        usage = obj["response"].get("usage")  # a /v1/responses stream event (response.completed)
     if isinstance(usage, dict):
-        meta = {"prompt_tokens": usage.get("prompt_tokens", usage.get("input_tokens", 0)),
-                "completion_tokens": usage.get("completion_tokens", usage.get("output_tokens", 0))}
-        details = usage.get("prompt_tokens_details", usage.get("input_tokens_details"))
-        if isinstance(details, dict) and isinstance(details.get("cached_tokens"), int):
-            meta["cached_tokens"] = details["cached_tokens"]
-        ftype = None
-        choices = obj.get("choices")
-        if isinstance(choices, list) and choices and isinstance(choices[0], dict):
-            ftype = choices[0].get("finish_reason")
-        return Observed(meta, None, ftype if isinstance(ftype, str) else None)
-    return Observed()
+        return Observed(_usage_meta(usage), None, ftype, usage_source="usage")
+    return Observed(None, None, ftype)
 
 
 class ResponseObserver:
@@ -81,6 +96,7 @@ class ResponseObserver:
         self.prompt_is_text = prompt_is_text
         self._buf = bytearray()
         self._last_event: bytes | None = None
+        self._prev_event: bytes | None = None  # the one before: a stream may end with an error event
         self._overflow = False
         self._deltas = _OpenAIDeltas(max_json_bytes) if is_sse and route in _OPENAI_ROUTES else None
 
@@ -108,11 +124,16 @@ class ResponseObserver:
                 data = _event_data(event)
                 if data is not None and data != b"[DONE]":
                     self._deltas.add(data)
+        kept = []
         for event in reversed(events):
             data = _event_data(event)
             if data is not None and data != b"[DONE]":
-                self._last_event = data
-                break
+                kept.append(data)
+                if len(kept) == 2:
+                    break
+        if kept:
+            self._prev_event = kept[1] if len(kept) == 2 else self._last_event
+            self._last_event = kept[0]
 
     def result(self) -> Observed:
         """Parse what was kept; never raises (unparsable or unexpected -> empty Observed)."""
@@ -122,18 +143,36 @@ class ResponseObserver:
             return Observed()
 
     def _result(self) -> Observed:
-        try:
-            if self.is_sse:
-                if not self._last_event:
-                    return Observed()
-                obj = orjson.loads(self._last_event)
-            elif self._overflow or not self._buf:
+        if self.is_sse:
+            out = Observed()
+            for event in (self._last_event, self._prev_event):
+                if event:
+                    try:
+                        out = _from_obj(orjson.loads(event))
+                    except orjson.JSONDecodeError:
+                        continue
+                    if out.meta_info is not None:
+                        break
+            obj = None
+            if self._deltas is not None and out.meta_info is None:
+                d = self._deltas
+                if d.usage is not None:
+                    out.meta_info, out.usage_source = _usage_meta(d.usage), "usage"
+                elif d.tokens:
+                    out.meta_info, out.usage_source = {"completion_tokens": d.tokens}, "counted"
+        else:
+            if self._overflow or not self._buf:
                 return Observed()
-            else:
+            try:
                 obj = orjson.loads(bytes(self._buf))
-        except orjson.JSONDecodeError:
-            return Observed()
-        out = _from_obj(obj)
+            except orjson.JSONDecodeError:
+                return Observed()
+            out = _from_obj(obj)
+        if self.is_sse and self._last_event and self._deltas is None and self.route is not None:
+            try:
+                obj = orjson.loads(self._last_event)
+            except orjson.JSONDecodeError:
+                obj = None
         if self.route is not None:
             if self._deltas is not None:
                 out.output = self._deltas.output(self.route)
@@ -156,6 +195,8 @@ class _OpenAIDeltas:
         self.calls: dict[int, dict[str, Any]] = {}
         self._last = 0
         self.finish: str | None = None
+        self.usage: dict[str, Any] | None = None  # the last usage block seen (cumulative)
+        self.tokens = 0  # streamed chunks that carried output, over every choice
 
     def add(self, data: bytes) -> None:
         if self.size > self.cap:
@@ -165,7 +206,13 @@ class _OpenAIDeltas:
             obj = orjson.loads(data)
         except orjson.JSONDecodeError:
             return
-        c0 = _first_choice(obj.get("choices") if isinstance(obj, dict) else None)
+        if isinstance(obj, dict) and isinstance(obj.get("usage"), dict):
+            self.usage = obj["usage"]
+        choices = obj.get("choices") if isinstance(obj, dict) else None
+        for c in choices if isinstance(choices, list) else ():
+            if isinstance(c, dict) and _carries_output(c):
+                self.tokens += 1
+        c0 = _first_choice(choices)
         if c0 is None:
             return
         if isinstance(c0.get("finish_reason"), str):
@@ -226,6 +273,17 @@ def _first_choice(choices: Any) -> dict[str, Any] | None:
         if isinstance(c, dict) and c.get("index", 0) in (0, None):
             return c
     return None
+
+
+def _carries_output(choice: dict[str, Any]) -> bool:
+    """A stream chunk's choice that carries output (text, content, reasoning or a tool call delta)."""
+    if isinstance(choice.get("text"), str) and choice["text"]:
+        return True
+    delta = choice.get("delta")
+    if not isinstance(delta, dict):
+        return False
+    return any(isinstance(delta.get(k), str) and delta[k] for k in ("content", "reasoning_content")) or \
+        bool(delta.get("tool_calls"))
 
 
 def _event_data(event: bytes) -> bytes | None:

@@ -1,20 +1,56 @@
 """The session registry: what kvgate knows of each session, and when one should close (pure).
 
 No I/O and no clock of its own: every call takes ``now`` (monotonic seconds). The shell
-(kvgate.sessions.lifecycle) turns its decisions into /close_session fan-outs.
+(kvgate.sessions.lifecycle) turns its decisions into /close_session calls.
 
-A session moves active -> closing -> closed. A request for a closed session reopens it: the agent
-went on after all, and the engines tag its KV again.
+A session moves active -> closing -> closed. A close is tracked per engine: each engine's close is
+``sending`` (a call is out), ``pending`` (it failed: connect error, timeout, 5xx; retried after a
+backoff), ``ok`` or ``failed`` (a 4xx, or retries used up). The session is ``closed`` once no engine
+is sending or pending. A timeout is not success: the engine may not have the close, and a close is
+idempotent on the engine (sglang-engine-api.md, Sessions), so it is sent again.
+
+A request for a closing or closed session re-opens it (SGLang 0.5.17+ re-opens and re-tags an id it
+closed on the next request that carries it: mem_cache/unified_cache/session_ref_tracker.py,
+ensure_session_generation): its pending retries are cancelled, since a late close would drop the
+references of the continued session. Asking to close again (the client, the API) re-arms an
+unfinished close at once, with fresh attempts.
 """
 
 from __future__ import annotations
 
+import heapq
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
 ACTIVE, CLOSING, CLOSED = "active", "closing", "closed"
+SENDING, PENDING, OK, FAILED = "sending", "pending", "ok", "failed"
+
+
+@dataclass(frozen=True)
+class CloseRetry:
+    """How an engine's failed close is retried: after ``backoff_s`` x 2^(attempt-1) seconds, at most
+    ``max_backoff_s``, for up to ``retries`` retries after the first attempt (then ``failed``)."""
+
+    retries: int = 10
+    backoff_s: float = 0.5
+    max_backoff_s: float = 60.0
+
+    def delay(self, attempts: int) -> float:
+        """Seconds before the next try after ``attempts`` failed ones (>= 1)."""
+        return min(self.max_backoff_s, self.backoff_s * (2 ** min(attempts - 1, 30)))
+
+
+@dataclass
+class EngineClose:
+    """One engine's part of a session's close: state (sending|pending|ok|failed), failed attempts,
+    the last result text ("ok" or an error) and, when pending, when the next try is due (monotonic s)."""
+
+    state: str = SENDING
+    attempts: int = 0
+    last: str = "not attempted"
+    next_at: float = 0.0
 
 
 @dataclass
@@ -32,11 +68,22 @@ class Session:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached_tokens: int = 0
+    usage_source: str | None = None
     close_reason: str | None = None
     closed_at: float | None = None
-    close_results: dict[str, str] = field(default_factory=dict)
+    engine_closes: dict[str, EngineClose] = field(default_factory=dict)
+    close_gen: int = 0
     closes: int = 0
     reopened: int = 0
+
+    @property
+    def close_results(self) -> dict[str, str]:
+        """The last result per engine of the current (or last) close: "ok" or an error text."""
+        return {u: e.last for u, e in self.engine_closes.items() if e.state != SENDING or e.attempts}
+
+    def unfinished(self) -> list[str]:
+        """Engines whose close is still sending or pending."""
+        return [u for u, e in self.engine_closes.items() if e.state in (SENDING, PENDING)]
 
     def as_json(self, now: float) -> dict[str, Any]:
         """A JSON-able view; ages are seconds before ``now``."""
@@ -49,28 +96,39 @@ class Session:
             "prompt_tokens": self.prompt_tokens,
             "completion_tokens": self.completion_tokens,
             "cached_tokens": self.cached_tokens,
+            "usage_source": self.usage_source,
             "first_seen_unix": round(self.first_seen_wall, 3),
             "age_s": round(now - self.first_seen, 3),
             "idle_s": round(now - self.last_seen, 3) if self.in_flight == 0 else 0.0,
             "close_reason": self.close_reason,
             "closes": self.closes,
             "reopened": self.reopened,
-            "close_results": dict(self.close_results),
+            "close_results": self.close_results,
+            "close_pending": {u: {"state": e.state, "attempts": e.attempts, "last": e.last,
+                                  "retry_in_s": round(max(0.0, e.next_at - now), 3) if e.state == PENDING else None}
+                              for u, e in self.engine_closes.items() if e.state in (SENDING, PENDING)},
         }
 
 
 class SessionRegistry:
-    """Tracks sessions by id, bounded to ``max_sessions`` (the oldest idle dropped first, counted).
+    """Tracks sessions by id, bounded to ``max_sessions`` (the oldest idle dropped first, counted; a session
+    whose close is unfinished is never dropped). ``retry``: how failed engine closes are retried.
 
     Methods take ``now`` in monotonic seconds; ``wall`` is only used for display.
     """
 
-    def __init__(self, max_sessions: int = 100_000, wall=time.time):
+    def __init__(self, max_sessions: int = 100_000, wall=time.time, retry: CloseRetry | None = None):
         self.max_sessions = max_sessions
+        self.retry = retry or CloseRetry()
         self._wall = wall
         # Ordered by last activity: the first entry is the longest idle (move_to_end on each touch).
         self._sessions: OrderedDict[str, Session] = OrderedDict()
+        self._closing: dict[str, None] = {}  # sessions in CLOSING (their closes are unfinished)
+        self._due: list[tuple[float, str, int, str]] = []  # heap of (next_at, sid, close_gen, url)
         self.dropped = 0
+        # Engine close calls: ok, failed attempts, retries sent, given up (retries used up or 4xx),
+        # cancelled (the session came back before the engine had the close).
+        self.close_stats = {"ok": 0, "failed_attempts": 0, "retries": 0, "given_up": 0, "cancelled": 0}
 
     def __len__(self) -> int:
         return len(self._sessions)
@@ -78,26 +136,41 @@ class SessionRegistry:
     def get(self, session_id: str) -> Session | None:
         return self._sessions.get(session_id)
 
+    def _new(self, session_id: str, source: str | None, now: float) -> Session:
+        s = Session(session_id, source, now, now, self._wall())
+        self._sessions[session_id] = s
+        self._evict_over_cap()
+        return s
+
     def request_started(self, session_id: str, source: str | None, now: float) -> Session:
-        """Record the start of one request (one turn) of ``session_id``; returns its record."""
+        """Record the start of one request (one turn) of ``session_id``; returns its record. A closing or
+        closed session re-opens: its unfinished engine closes are cancelled."""
         s = self._sessions.get(session_id)
         if s is None:
-            s = Session(session_id, source, now, now, self._wall())
-            self._sessions[session_id] = s
-            self._evict_over_cap()
+            s = self._new(session_id, source, now)
         else:
             self._sessions.move_to_end(session_id)
             if s.state != ACTIVE:
-                s.state = ACTIVE
-                s.reopened += 1
-                s.close_reason = None
+                self._reopen(s)
         s.turns += 1
         s.in_flight += 1
         s.last_seen = now
         return s
 
-    def request_finished(self, session_id: str, now: float, meta: dict[str, Any] | None = None) -> None:
-        """Record the end of one request; ``meta`` is the response's meta_info (token counts) if seen."""
+    def _reopen(self, s: Session) -> None:
+        self.close_stats["cancelled"] += len(s.unfinished())
+        s.state = ACTIVE
+        s.reopened += 1
+        s.close_reason = None
+        s.close_gen += 1  # results of calls still out are ignored
+        s.engine_closes = {}
+        self._closing.pop(s.session_id, None)
+
+    def request_finished(self, session_id: str, now: float, meta: dict[str, Any] | None = None,
+                         usage_source: str | None = None) -> None:
+        """Record the end of one request; ``meta`` holds its token counts if seen (prompt_tokens,
+        completion_tokens, cached_tokens) and ``usage_source`` says where they came from (meta_info,
+        usage, counted)."""
         s = self._sessions.get(session_id)
         if s is None:
             return
@@ -108,32 +181,138 @@ class SessionRegistry:
             s.prompt_tokens += _int(meta.get("prompt_tokens"))
             s.completion_tokens += _int(meta.get("completion_tokens"))
             s.cached_tokens += _int(meta.get("cached_tokens"))
+            if usage_source:
+                s.usage_source = usage_source
+
+    # --- closing -----------------------------------------------------------------------------------
 
     def begin_close(self, session_id: str, reason: str, now: float) -> bool:
-        """Mark a session closing. True when the caller should fan out a close; False when it is
-        already closing or closed (close is idempotent). An id never seen is registered so its
-        close shows in the registry (a client may close a session kvgate did not route)."""
+        """Ask for a session's close. True when the caller should send closes (:meth:`to_send`): the session
+        was active, or its close was unfinished or had failed on an engine (asking again re-arms those
+        engines at once, with fresh attempts). False when it is closed on every engine it was sent to, or
+        its calls are all still out. An id never seen is registered, so its close shows in the registry
+        (a client may close a session kvgate did not route)."""
         s = self._sessions.get(session_id)
         if s is None:
-            s = Session(session_id, None, now, now, self._wall())
-            self._sessions[session_id] = s
-            self._evict_over_cap()
-        if s.state != ACTIVE:
-            return False
-        s.state = CLOSING
-        s.close_reason = reason
-        return True
+            s = self._new(session_id, None, now)
+        if s.state == ACTIVE:
+            s.state = CLOSING
+            s.close_reason = reason
+            s.close_gen += 1
+            s.engine_closes = {}
+            self._closing[session_id] = None
+            return True
+        rearm = [e for e in s.engine_closes.values() if e.state in (PENDING, FAILED)]
+        for e in rearm:
+            e.state, e.attempts, e.next_at = PENDING, 0, now
+        if rearm and s.state == CLOSED:
+            s.state = CLOSING
+            self._closing[session_id] = None
+        return bool(rearm)
 
-    def finish_close(self, session_id: str, results: dict[str, str], now: float) -> None:
-        """Record the fan-out result per engine ("ok" or an error text) and mark the session closed."""
+    def to_send(self, session_id: str, urls: list[str], now: float) -> list[str]:
+        """The engines (of ``urls``) to send the session's close to now: those without one yet and those
+        pending and due. They are marked sending. Empty when the session is not closing."""
         s = self._sessions.get(session_id)
-        if s is None:
-            return
-        s.close_results = dict(results)
+        if s is None or s.state != CLOSING:
+            return []
+        out = []
+        for u in urls:
+            e = s.engine_closes.get(u)
+            if e is None:
+                s.engine_closes[u] = EngineClose()
+                out.append(u)
+            elif e.state == PENDING and e.next_at <= now:
+                e.state = SENDING
+                out.append(u)
+        if not s.engine_closes:  # no engine known: nothing to free anywhere
+            self._closed(s, now)
+        return out
+
+    def close_result(self, session_id: str, gen: int, url: str, result: str, now: float,
+                     final: bool = False) -> str | None:
+        """Record one engine's answer to a close call sent for close generation ``gen``: "ok" or an error
+        text; ``final``: an error not worth retrying (a 4xx). Returns the engine close's new state, or
+        None when the result is stale (the session re-opened, or was re-armed meanwhile)."""
+        s = self._sessions.get(session_id)
+        if s is None or s.close_gen != gen or s.state != CLOSING:
+            return None
+        e = s.engine_closes.get(url)
+        if e is None or e.state != SENDING:
+            return None
+        e.last = result
+        if result == "ok":
+            e.state = OK
+            self.close_stats["ok"] += 1
+        else:
+            e.attempts += 1
+            self.close_stats["failed_attempts"] += 1
+            if final or e.attempts > self.retry.retries:
+                e.state = FAILED
+                self.close_stats["given_up"] += 1
+            else:
+                e.state = PENDING
+                e.next_at = now + self.retry.delay(e.attempts)
+                heapq.heappush(self._due, (e.next_at, session_id, gen, url))
+        if not s.unfinished():
+            self._closed(s, now)
+        return e.state
+
+    def skip_close(self, session_id: str, now: float) -> None:
+        """Mark a closing session closed without calling any engine (its KV is already gone)."""
+        s = self._sessions.get(session_id)
+        if s is not None and s.state == CLOSING:
+            self._closed(s, now)
+
+    def _closed(self, s: Session, now: float) -> None:
+        s.state = CLOSED
         s.closes += 1
         s.closed_at = now
-        if s.state == CLOSING:  # a request may have reopened it meanwhile
-            s.state = CLOSED
+        self._closing.pop(s.session_id, None)
+
+    def due_retries(self, now: float) -> list[tuple[str, int, str]]:
+        """Pending engine closes due by ``now``, as (session_id, close_gen, url), each marked sending."""
+        out = []
+        while self._due and self._due[0][0] <= now:
+            at, sid, gen, url = heapq.heappop(self._due)
+            s = self._sessions.get(sid)
+            if s is None or s.close_gen != gen or s.state != CLOSING:
+                continue
+            e = s.engine_closes.get(url)
+            if e is None or e.state != PENDING or e.next_at != at:
+                continue
+            e.state = SENDING
+            self.close_stats["retries"] += 1
+            out.append((sid, gen, url))
+        return out
+
+    def next_due(self) -> float | None:
+        """When the earliest pending retry is due (monotonic s; may be a stale entry), or None."""
+        return self._due[0][0] if self._due else None
+
+    def engine_back(self, url: str, now: float) -> int:
+        """An engine answered a close again: its pending closes become due now. Returns how many."""
+        n = 0
+        for sid in self._closing:
+            s = self._sessions.get(sid)
+            e = s.engine_closes.get(url) if s is not None else None
+            if e is not None and e.state == PENDING and e.next_at > now:
+                e.next_at = now
+                heapq.heappush(self._due, (now, sid, s.close_gen, url))
+                n += 1
+        return n
+
+    def close_counts(self) -> dict[str, int]:
+        """Engine closes not finished: {"sending": calls out, "pending": waiting for a retry}."""
+        c = {SENDING: 0, PENDING: 0}
+        for sid in self._closing:
+            s = self._sessions.get(sid)
+            if s is None:
+                continue
+            for e in s.engine_closes.values():
+                if e.state in c:
+                    c[e.state] += 1
+        return c
 
     def idle_sessions(self, now: float, idle_close_s: float) -> list[str]:
         """Active sessions with nothing in flight, idle for more than ``idle_close_s`` seconds."""
@@ -162,19 +341,20 @@ class SessionRegistry:
         if limit <= 0:
             return {"counts": self.counts(), "tracked": len(self._sessions), "sessions": items}
         for s in reversed(self._sessions.values()):
+            if len(items) >= limit:
+                break
             if state and s.state != state:
                 continue
             if offset > 0:
                 offset -= 1
                 continue
             items.append(s.as_json(now))
-            if len(items) >= limit:
-                break
-        return {"counts": self.counts(), "tracked": len(self._sessions), "sessions": items}
+        return {"counts": self.counts(), "tracked": len(self._sessions), "sessions": items,
+                "closes": {**self.close_counts(), **self.close_stats}}
 
     def _evict_over_cap(self) -> None:
         while len(self._sessions) > self.max_sessions:
-            victim = next((k for k, s in self._sessions.items() if s.in_flight == 0), None)
+            victim = next((k for k, s in self._sessions.items() if s.in_flight == 0 and s.state != CLOSING), None)
             if victim is None:
                 return
             del self._sessions[victim]
