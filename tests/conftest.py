@@ -106,7 +106,7 @@ async def router_factory(log_dir):
     started: list[procs.Proc] = []
 
     async def start(worker_urls: list[str], legacy: bool = False, extra: list[str] | None = None,
-              wait_healthy: int | None = None) -> str:
+              wait_healthy: int | None = None, policy: str = "round_robin") -> str:
         port, mport = procs.free_port(), procs.free_port()
         if legacy:
             pytest.importorskip("sglang_router", reason="sglang-router 0.3.2 not installed")
@@ -114,7 +114,7 @@ async def router_factory(log_dir):
         else:
             if procs.find_executable("smg") is None:
                 pytest.skip("the smg router is not installed (pip install smg)")
-            cmd = procs.smg_command(port, worker_urls, mport, extra=extra)
+            cmd = procs.smg_command(port, worker_urls, mport, policy=policy, extra=extra)
         p = procs.start(f"router{len(started)}", cmd, log_dir, url=f"http://127.0.0.1:{port}")
         started.append(p)
         n = len(worker_urls) if wait_healthy is None else wait_healthy

@@ -61,7 +61,7 @@ def test_failed_close_backs_off_gives_up_and_is_rearmed_when_asked_again():
     assert reg.due_retries(2.5) == [("s", gen, E1)]
     assert reg.close_result("s", gen, E1, "connect error", 2.5) == FAILED  # 2 retries used up
     s = reg.get("s")
-    assert s.state == CLOSED and reg.close_stats["given_up"] == 1 and reg.close_stats["retries"] == 2
+    assert s.state == CLOSED and reg.close_stats["given_up"] == 1 and reg.close_stats["failed_attempts"] == 3
     # the client asks again: the failed engine is re-armed at once with fresh attempts
     assert reg.begin_close("s", "explicit", 100.0) is True
     assert s.state == CLOSING and reg.to_send("s", [E1], 100.0) == [E1]

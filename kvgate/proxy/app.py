@@ -465,6 +465,7 @@ class Gateway:
         self.metrics.added_latency.observe(max(0.0, time.perf_counter() - t0 - ticket.queue_s))
         if session_id is not None:
             try:
+                await self.lifecycle.before_turn(session_id)
                 self.lifecycle.request_started(session_id, plan.source)
             except Exception:
                 self.metrics.faults.labels("registry").inc()

@@ -8,8 +8,9 @@ registry's (kvgate.sessions.registry). Here:
     burst of closes (an idle sweep of 100k sessions) neither floods an engine nor blocks kvgate, and a
     call's ``close_timeout_s`` counts only its own time on the wire, never a wait for a free slot,
   - a call that failed (connect error, timeout, 5xx) stays pending on that engine and is retried with
-    backoff until it succeeds or ``close_retries`` are used up; an engine that answers again has its
-    pending closes retried at once,
+    backoff until it succeeds or ``close_retries`` are used up; while an engine fails, only one call at
+    a time probes it (the other closes wait, their attempts not counted), and once it answers again
+    its pending closes are all retried at once,
   - it never blocks or fails the caller, and logs per engine (when it starts and stops failing), not
     per session.
 The router does not proxy /close_session (router-compat.md), so kvgate calls the engines directly.
@@ -64,7 +65,8 @@ class _EngineQueue:
 
     def __init__(self, url: str):
         self.url = url
-        self.items: deque[tuple[str, int]] = deque()
+        self.items: deque[tuple[str, int, bool]] = deque()  # (session_id, close_gen, is a retry)
+        self.active = 0          # calls out now
         self.wake = asyncio.Event()
         self.workers: list[asyncio.Task] = []
         self.next_slot = 0.0     # perf_counter time of the next paced call
@@ -106,6 +108,7 @@ class SessionLifecycle:
         self._draining: dict[str, asyncio.Task] = {}
         self._started: OrderedDict[str, float] = OrderedDict()  # close start (perf_counter) per session
         self._queues: dict[str, _EngineQueue] = {}
+        self._on_wire: dict[str, int] = {}  # close calls on the wire, per session
         self._session: aiohttp.ClientSession | None = None
         self._idle_task: asyncio.Task | None = None
         self._retry_task: asyncio.Task | None = None
@@ -149,6 +152,18 @@ class SessionLifecycle:
         self.registry.request_started(session_id, source, now)
         self.policy.on_turn_start(session_id, now)
         self.steps.on_kv(session_id)
+
+    async def before_turn(self, session_id: str) -> None:
+        """Call before a request of ``session_id`` goes out. When close calls for it are on the wire (it is
+        coming back while kvgate closes it), wait for their answers, at most ``close_timeout_s``: a close
+        that reached the engine after this request would drop the continued session's references. Calls
+        still queued need no wait: the request re-opens the session and they are dropped."""
+        if not self._on_wire.get(session_id):
+            return
+        try:
+            await self.wait_until(lambda: not self._on_wire.get(session_id), self.close_timeout_s)
+        except asyncio.TimeoutError:
+            pass
 
     def request_finished(self, session_id: str, meta: dict | None, finish_type: str | None,
                          rids: tuple = (), usage_source: str | None = None) -> None:
@@ -238,13 +253,13 @@ class SessionLifecycle:
         if s.state == CLOSED:  # no engine known
             self._finished(session_id)
 
-    def _enqueue(self, url: str, session_id: str, gen: int) -> None:
+    def _enqueue(self, url: str, session_id: str, gen: int, retry: bool = False) -> None:
         q = self._queues.get(url)
         if q is None:
             q = self._queues[url] = _EngineQueue(url)
             q.workers = [asyncio.create_task(self._worker(q), name=f"kvgate-close-worker-{url}")
                          for _ in range(self.close_concurrency)]
-        q.items.append((session_id, gen))
+        q.items.append((session_id, gen, retry))
         q.wake.set()
 
     async def _worker(self, q: _EngineQueue) -> None:
@@ -252,9 +267,17 @@ class SessionLifecycle:
             while not q.items:
                 q.wake.clear()
                 await q.wake.wait()
-            session_id, gen = q.items.popleft()
+            session_id, gen, retry = q.items.popleft()
             if not self._wanted(session_id, gen, q.url):
                 continue  # the session came back while this call waited
+            if q.failing and q.active > 0:
+                # The engine is failing and another call probes it: wait for it to answer again
+                # (engine_back) rather than spend this close's attempts on it.
+                self.registry.defer(session_id, gen, q.url, self.clock() + self.registry.retry.max_backoff_s)
+                continue
+            if retry:
+                self.registry.note_retry()
+                self.metrics.session_close_retries.inc()
             if self.close_max_rate > 0:
                 now = time.perf_counter()
                 slot = max(now, q.next_slot)
@@ -262,12 +285,19 @@ class SessionLifecycle:
                 if slot > now:
                     await asyncio.sleep(slot - now)
             t0 = time.perf_counter()
+            q.active += 1
+            self._on_wire[session_id] = self._on_wire.get(session_id, 0) + 1
             try:
                 result, final = await close_on_engine(self.session, q.url, session_id, self.close_timeout_s)
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # never let one call kill the worker
                 result, final = f"error: {type(exc).__name__}", False
+            finally:
+                q.active -= 1
+                left = self._on_wire.pop(session_id, 1) - 1
+                if left:
+                    self._on_wire[session_id] = left
             self.metrics.close_call_latency.observe(time.perf_counter() - t0)
             try:
                 self._on_result(q, session_id, gen, result, final)
@@ -334,8 +364,7 @@ class SessionLifecycle:
                         pass
                 self._retry_wake.clear()
                 for sid, gen, url in self.registry.due_retries(self.clock()):
-                    self.metrics.session_close_retries.inc()
-                    self._enqueue(url, sid, gen)
+                    self._enqueue(url, sid, gen, retry=True)
                 await asyncio.sleep(0)
             except asyncio.CancelledError:
                 raise

@@ -129,6 +129,14 @@ class SessionRegistry:
         # Engine close calls: ok, failed attempts, retries sent, given up (retries used up or 4xx),
         # cancelled (the session came back before the engine had the close).
         self.close_stats = {"ok": 0, "failed_attempts": 0, "retries": 0, "given_up": 0, "cancelled": 0}
+        self._unfinished = {SENDING: 0, PENDING: 0}  # engine closes by state, kept as they move
+
+    def _move(self, e: EngineClose, state: str) -> None:
+        if e.state in self._unfinished:
+            self._unfinished[e.state] -= 1
+        if state in self._unfinished:
+            self._unfinished[state] += 1
+        e.state = state
 
     def __len__(self) -> int:
         return len(self._sessions)
@@ -159,6 +167,8 @@ class SessionRegistry:
 
     def _reopen(self, s: Session) -> None:
         self.close_stats["cancelled"] += len(s.unfinished())
+        for e in s.engine_closes.values():
+            self._move(e, OK if e.state == OK else FAILED)  # out of the unfinished counts
         s.state = ACTIVE
         s.reopened += 1
         s.close_reason = None
@@ -204,7 +214,8 @@ class SessionRegistry:
             return True
         rearm = [e for e in s.engine_closes.values() if e.state in (PENDING, FAILED)]
         for e in rearm:
-            e.state, e.attempts, e.next_at = PENDING, 0, now
+            self._move(e, PENDING)
+            e.attempts, e.next_at = 0, now
         if rearm and s.state == CLOSED:
             s.state = CLOSING
             self._closing[session_id] = None
@@ -220,10 +231,11 @@ class SessionRegistry:
         for u in urls:
             e = s.engine_closes.get(u)
             if e is None:
-                s.engine_closes[u] = EngineClose()
+                s.engine_closes[u] = e = EngineClose(state=OK)
+                self._move(e, SENDING)
                 out.append(u)
             elif e.state == PENDING and e.next_at <= now:
-                e.state = SENDING
+                self._move(e, SENDING)
                 out.append(u)
         if not s.engine_closes:  # no engine known: nothing to free anywhere
             self._closed(s, now)
@@ -242,21 +254,33 @@ class SessionRegistry:
             return None
         e.last = result
         if result == "ok":
-            e.state = OK
+            self._move(e, OK)
             self.close_stats["ok"] += 1
         else:
             e.attempts += 1
             self.close_stats["failed_attempts"] += 1
             if final or e.attempts > self.retry.retries:
-                e.state = FAILED
+                self._move(e, FAILED)
                 self.close_stats["given_up"] += 1
             else:
-                e.state = PENDING
+                self._move(e, PENDING)
                 e.next_at = now + self.retry.delay(e.attempts)
                 heapq.heappush(self._due, (e.next_at, session_id, gen, url))
         if not s.unfinished():
             self._closed(s, now)
         return e.state
+
+    def defer(self, session_id: str, gen: int, url: str, until: float) -> bool:
+        """Put back a close marked sending that was not sent (its engine is failing and another call is
+        probing it): pending again until ``until``, no attempt counted. False when it is stale."""
+        s = self._sessions.get(session_id)
+        e = s.engine_closes.get(url) if s is not None and s.close_gen == gen and s.state == CLOSING else None
+        if e is None or e.state != SENDING:
+            return False
+        self._move(e, PENDING)
+        e.next_at = until
+        heapq.heappush(self._due, (until, session_id, gen, url))
+        return True
 
     def skip_close(self, session_id: str, now: float) -> None:
         """Mark a closing session closed without calling any engine (its KV is already gone)."""
@@ -271,7 +295,8 @@ class SessionRegistry:
         self._closing.pop(s.session_id, None)
 
     def due_retries(self, now: float) -> list[tuple[str, int, str]]:
-        """Pending engine closes due by ``now``, as (session_id, close_gen, url), each marked sending."""
+        """Pending engine closes due by ``now``, as (session_id, close_gen, url), each marked sending. The
+        caller sends each (:meth:`note_retry`) or puts it back (:meth:`defer`)."""
         out = []
         while self._due and self._due[0][0] <= now:
             at, sid, gen, url = heapq.heappop(self._due)
@@ -281,10 +306,13 @@ class SessionRegistry:
             e = s.engine_closes.get(url)
             if e is None or e.state != PENDING or e.next_at != at:
                 continue
-            e.state = SENDING
-            self.close_stats["retries"] += 1
+            self._move(e, SENDING)
             out.append((sid, gen, url))
         return out
+
+    def note_retry(self) -> None:
+        """Count one close call sent again after a failure."""
+        self.close_stats["retries"] += 1
 
     def next_due(self) -> float | None:
         """When the earliest pending retry is due (monotonic s; may be a stale entry), or None."""
@@ -303,16 +331,8 @@ class SessionRegistry:
         return n
 
     def close_counts(self) -> dict[str, int]:
-        """Engine closes not finished: {"sending": calls out, "pending": waiting for a retry}."""
-        c = {SENDING: 0, PENDING: 0}
-        for sid in self._closing:
-            s = self._sessions.get(sid)
-            if s is None:
-                continue
-            for e in s.engine_closes.values():
-                if e.state in c:
-                    c[e.state] += 1
-        return c
+        """Engine closes not finished: {"sending": queued or out, "pending": waiting for a retry}. O(1)."""
+        return dict(self._unfinished)
 
     def idle_sessions(self, now: float, idle_close_s: float) -> list[str]:
         """Active sessions with nothing in flight, idle for more than ``idle_close_s`` seconds."""
