@@ -87,8 +87,8 @@ class Metrics:
                                     "closed (adaptive mode: learned from the gaps between turns)", registry=r)
         self.step = Gauge(p + "step", "Training steps seen: cache flushes and weight updates relayed by kvgate",
                           registry=r)
-        self.close_latency = Histogram(p + "session_close_fanout_seconds", "Time of one close fan-out to "
-                                       "every engine", buckets=LATENCY_BUCKETS, registry=r)
+        self.close_latency = Histogram(p + "session_close_fanout_seconds", "Time from a close to every "
+                                       "engine having it (drain and retries included)", buckets=LATENCY_BUCKETS, registry=r)
         # engines and compatibility
         self.engines = Gauge(p + "engines", "Engines known, by worker type", ["worker_type"], registry=r)
         self.discovery_failures = Counter(p + "discovery_failures", "Failed engine discovery refreshes "

@@ -98,9 +98,11 @@ ROWS: tuple[RowSpec, ...] = (
                   (Target(f"sum by (reason) (rate(agentic_kv_session_close_total{{{KV}}}[{RI}]))", "{{reason}}"),),
                   unit="ops"),
         PanelSpec("Close failures and registry drops",
-                  "Failed engine /close_session calls (after retries) or sessions dropped by the registry cap; "
-                  "non-zero: check engine reachability, close_timeout_s and /kvgate/engines warnings.",
+                  "Failed engine /close_session calls (retried with backoff), closes pending a retry or given up, "
+                  "registry cap drops; pending that stays or any given up: check the engines' reachability.",
                   (Target(f"sum(rate(agentic_kv_session_close_failure_total{{{KV}}}[{RI}]))", "close failures/s"),
+                   Target(f"sum(agentic_kv_session_close_pending{{{KV},state=\"pending\"}})", "pending retry"),
+                   Target(f"sum(agentic_kv_session_close_given_up_total{{{KV}}})", "given up (total)"),
                    Target(f"sum(agentic_kv_sessions_dropped{{{KV}}})", "dropped by cap (total)"))),
         PanelSpec("Session id source (named vs inferred)",
                   "Generate calls sent with a session_id, by where it came from (body/header/field = named by the "
@@ -111,7 +113,7 @@ ROWS: tuple[RowSpec, ...] = (
                           "skipped (session_params)")),
                   unit="reqps"),
         PanelSpec("Close fan-out latency",
-                  "Time of one close fan-out to every engine; near close_timeout_s x (close_retries + 1) means an "
+                  "Time from a close to every engine having it (retries included); seconds or more means an "
                   "engine is slow or unreachable: check the close failures panel and the engines' health.",
                   _quantiles("agentic_kv_session_close_fanout_seconds"), unit="s"),
         PanelSpec("Router forwards session_id",
