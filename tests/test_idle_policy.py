@@ -186,3 +186,12 @@ def test_abort_closes_at_once():
     assert ends_session("abort")
     for other in ("stop", "length", None, "tool_calls", ""):
         assert not ends_session(other)
+
+
+def test_client_aborts_remember_named_rids_only_and_are_bounded():
+    from kvgate.sessions.idle_policy import ClientAborts
+    ab = ClientAborts(max_rids=2)
+    ab.note("r1")
+    ab.note(["r2", "r3", 5, None])
+    ab.note(None)
+    assert not ab.asked("r1") and ab.asked("r2") and ab.asked("r3") and not ab.asked(None) and not ab.asked(5)

@@ -466,3 +466,72 @@ def test_response_units_per_route():
     assert response_units("/v1/chat/completions", {"choices": [{"message": msg}]}, True) == chat_output_text(msg)
     assert response_units("/v1/chat/completions", {"choices": []}, True) is None
     assert response_units("/generate", [gen], False) is None
+
+
+def test_abandoned_attempt_leaves_the_session_as_it_was_so_the_retry_extends_it():
+    rng = random.Random(21)
+    inf = SessionInference()
+    p1, o1 = ids(rng, 1000), ids(rng, 1000)
+    r1 = inf.infer(p1, 0)
+    inf.on_request_start(r1.session_id, p1, 0, r1.prepared)
+    inf.on_response(r1.session_id, o1, 1)
+    inf.on_request_end(r1.session_id, 1)
+    turn2 = p1 + o1 + ids(rng, 56)
+    a = inf.infer(turn2, 2)
+    assert a.session_id == r1.session_id and a.reason == "decisive"
+    inf.on_request_start(a.session_id, turn2, 2, a.prepared)
+    inf.on_request_end(a.session_id, 2.5, completed=False)  # the client timed out and left
+    b = inf.infer(turn2, 3)  # the identical retry
+    assert b.session_id == r1.session_id and b.reason == "decisive" and b.matched_tokens == 2000
+    assert inf.stats()["abandoned"] == 1 and inf.stats()["index_keys"] == 1
+
+
+def test_retry_while_the_abandoned_attempt_is_still_in_flight_links_to_it():
+    rng = random.Random(22)
+    inf = SessionInference()
+    p1, o1 = ids(rng, 300), ids(rng, 100)
+    r1 = inf.infer(p1, 0)
+    inf.on_request_start(r1.session_id, p1, 0, r1.prepared)
+    inf.on_response(r1.session_id, o1, 0)
+    inf.on_request_end(r1.session_id, 0)
+    turn2 = p1 + o1 + ids(rng, 10)
+    a = inf.infer(turn2, 1)
+    inf.on_request_start(a.session_id, turn2, 1, a.prepared)
+    b = inf.infer(turn2, 1.5)  # kvgate has not seen attempt 1 end yet
+    assert b.session_id == r1.session_id and b.reason == "retry"
+    inf.on_request_start(b.session_id, turn2, 1.5, b.prepared)
+    inf.on_request_end(a.session_id, 1.6, completed=False)  # attempt 1 ends: the retry still runs
+    out2 = ids(rng, 50)
+    inf.on_response(b.session_id, out2, 2)
+    inf.on_request_end(b.session_id, 2)
+    c = inf.infer(turn2 + out2 + [7], 3)
+    assert c.session_id == r1.session_id and c.reason == "decisive" and inf.stats()["abandoned"] == 0
+
+
+def test_identical_first_prompts_in_flight_are_siblings_not_retries():
+    inf = SessionInference()
+    p = list(range(5000, 5300))
+    a = inf.infer(p, 0)
+    inf.on_request_start(a.session_id, p, 0, a.prepared)
+    b = inf.infer(p, 0)
+    assert b.reason == "new" and b.session_id != a.session_id
+
+
+def test_units_with_a_non_integer_anywhere_are_not_inferred_and_leave_nothing_behind():
+    inf = SessionInference(max_sessions=10)
+    for i in range(20):
+        bad = list(range(i * 1000, i * 1000 + 64)) + [1.5]  # a float after the last full block
+        r = inf.infer(bad, i)
+        assert r.session_id is None and r.reason == "unsupported"
+        inf.on_request_start(f"named-{i}", bad, i)  # a named session with such a prompt: no raise, no index
+        inf.on_request_end(f"named-{i}", i, completed=True)
+    for bad in ([1, 2, True], [1, [2]], [0.0] * 70):
+        assert inf.infer(bad, 30).reason == "unsupported"
+    st = inf.stats()
+    assert st["index_keys"] == 0 and all(t.in_flight == 0 for t in inf._tracks.values())
+    p = list(range(90_000, 90_200))
+    r = inf.infer(p, 40)
+    inf.on_request_start(r.session_id, p, 40, r.prepared)
+    inf.on_response(r.session_id, [5] * 20, 41)
+    inf.on_request_end(r.session_id, 41)
+    assert inf.infer(p + [5] * 20 + [1], 42).session_id == r.session_id
