@@ -223,6 +223,7 @@ async def test_retried_turn_keeps_its_inferred_session_and_engine(sim_factory, r
     assert st == 200
     assert h2["X-Kvgate-Session-Id"] == sid  # turn 1's session, not a new one
     meta = orjson.loads(body)["meta_info"]
+    print(f"retry: prompt {meta['prompt_tokens']}, cached {meta['cached_tokens']}")
     assert meta["prompt_tokens"] == 2056 and meta["cached_tokens"] >= 2050  # same engine: the prefix is cached
     inf = gw.inference.stats()
     assert inf["new"] == 1 and inf["decisive"] + inf["retry"] == 2 and inf["abandoned"] <= 1

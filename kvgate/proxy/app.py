@@ -262,6 +262,7 @@ class Gateway:
             self._augment(entry)
         out["step"] = self.lifecycle.steps.as_json()
         out["idle_policy"] = self.lifecycle.policy.stats()
+        out["close_queues"] = self.lifecycle.stats()
         out["inference"] = self.inference.stats() if self.inference is not None else None
         return _json(out)
 
