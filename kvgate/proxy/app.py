@@ -468,6 +468,11 @@ class Gateway:
             try:
                 await self.lifecycle.before_turn(session_id)
                 self.lifecycle.request_started(session_id, plan.source)
+            except asyncio.CancelledError:  # client gone while its session's close calls were answered
+                self._release(ticket)
+                if plan.inferred:
+                    self._finish_inference(plan.session_id, None, False)
+                raise
             except Exception:
                 self.metrics.faults.labels("registry").inc()
                 session_id = None
