@@ -358,3 +358,29 @@ async def test_idle_close_of_many_sessions_at_once_does_not_block_kvgate(sim_fac
     print(f"idle close of {n} sessions through an outage: max event-loop stall {max(stalls) * 1000:.0f} ms, "
           f"{probes} failed calls during the outage, {len(warnings)} warning lines")
     assert max(stalls) < 0.5
+
+
+async def test_a_session_coming_back_waits_for_its_close_calls_on_the_wire(sim_factory, kvgate_factory):
+    e = await sim_factory(**SIM)
+    gate = await NetGate.open(e.port)
+    gw, kv = await kvgate_factory(upstream=e.url, agentic_session_lifecycle=True, engines=[gate.url],
+                                  close_timeout_s=0.3, close_retry_backoff_s=30.0)
+    lc, reg = gw.lifecycle, gw.lifecycle.registry
+    try:
+        gate.freeze()  # the engine holds the close call without answering
+        assert lc.close("back", "idle")
+        while not lc._on_wire.get("back"):
+            await asyncio.sleep(0.01)
+        async with aiohttp.ClientSession() as http:
+            st, _, _ = await _post(http, kv + "/generate", {"input_ids": list(range(1, 65)),
+                                                            "sampling_params": {"max_new_tokens": 2}},
+                                   {"X-Session-ID": "back"})
+        assert st == 200
+        s = reg.get("back")
+        # The request went out only after the call on the wire was answered (here: timed out), then
+        # re-opened the session and dropped the close it no longer wants.
+        assert reg.close_stats["failed_attempts"] == 1 and reg.close_stats["cancelled"] == 1
+        assert s.state == "active" and s.reopened == 1 and s.engine_closes == {}
+        assert reg.close_counts() == {"sending": 0, "pending": 0}
+    finally:
+        await gate.close()
