@@ -216,7 +216,9 @@ async def test_inferred_session_freed_when_its_client_leaves_the_queue(fleet):
         await asyncio.gather(waiter, return_exceptions=True)
         await _until(gw, lambda: gw.gate.coord.waiting == 0, "the waiter removed")
         await big
-    # the inferred session is not left "in flight": its next turn links to it again
+    # the inferred session is not left "in flight", and the attempt that never went out moved nothing:
+    # kvgate keeps no prompt of a turn that did not complete (its retry is matched as the turn it was)
+    assert all(t.in_flight == 0 for t in gw.inference._tracks.values())
+    assert gw.inference.stats()["abandoned"] == 1
     longer = {**prompt, "input_ids": prompt["input_ids"] + [7] * 100}
-    r = gw.inference.infer(longer["input_ids"], gw.lifecycle.clock())
-    assert r.reason == "prompt-only" and not r.is_new
+    assert gw.inference.infer(longer["input_ids"], gw.lifecycle.clock()).reason == "new"
