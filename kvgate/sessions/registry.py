@@ -358,9 +358,7 @@ class SessionRegistry:
         """The registry as JSON: counts and up to ``limit`` sessions, most recently active first, after
         skipping the first ``offset`` (a page)."""
         items = []
-        if limit <= 0:
-            return {"counts": self.counts(), "tracked": len(self._sessions), "sessions": items}
-        for s in reversed(self._sessions.values()):
+        for s in reversed(self._sessions.values()) if limit > 0 else ():
             if len(items) >= limit:
                 break
             if state and s.state != state:
