@@ -1,4 +1,4 @@
-"""Command line: ``kvgate serve | check-config | sim-engine | demo | bench``."""
+"""Command line: ``kvgate serve | check-config | sim-engine | demo | bench | bench-proxy``."""
 
 from __future__ import annotations
 
@@ -72,6 +72,12 @@ def build_parser() -> argparse.ArgumentParser:
                                      "engines")
     bench_cli.add_arguments(b)
     b.set_defaults(func=bench_cli.run)
+
+    from kvgate.bench import proxy_bench
+    pb = sub.add_parser("bench-proxy", help="measure what each proxy hop adds (direct, smg, kvgate arms) with the "
+                                            "engines replaced by nginx answering fixed SGLang JSON")
+    proxy_bench.add_arguments(pb)
+    pb.set_defaults(func=proxy_bench.run)
     return p
 
 
@@ -80,7 +86,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.command == "check-config" and args.config_file:
         args.config = args.config_file
-    if args.command in ("demo", "bench"):
+    if args.command in ("demo", "bench", "bench-proxy"):
         from kvgate.tools.procs import exit_on_signals
         exit_on_signals()  # they start engines, a router and kvgate: a SIGTERM or SIGHUP must stop those too
         try:

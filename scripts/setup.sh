@@ -33,5 +33,27 @@ if ! command -v prometheus >/dev/null 2>&1 && [ ! -x /usr/bin/prometheus ]; then
          "to run the Prometheus dashboard test" >&2
   fi
 fi
+# nginx and wrk (Debian's nginx-light and wrk) for `kvgate bench-proxy` and tests/test_proxy_bench.py: nginx
+# stands in for the engines with fixed answers, wrk is the load generator. The bench and its test skip without
+# them. The package's nginx service is not started (policy-rc.d) and is disabled: the bench runs its own.
+if ! command -v wrk >/dev/null 2>&1 || { ! command -v nginx >/dev/null 2>&1 && [ ! -x /usr/sbin/nginx ]; }; then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+    POLICY_ADDED=""
+    if [ ! -e /usr/sbin/policy-rc.d ]; then
+      printf '#!/bin/sh\nexit 101\n' >/usr/sbin/policy-rc.d && chmod 755 /usr/sbin/policy-rc.d && POLICY_ADDED=1
+    fi
+    export DEBIAN_FRONTEND=noninteractive
+    apt_install_bench() { apt-get install -y -q --no-install-recommends nginx-light wrk >/dev/null; }
+    apt_install_bench || { apt-get update -q >/dev/null && apt_install_bench; } \
+      || echo "setup: WARNING: apt-get install nginx-light wrk failed; kvgate bench-proxy will skip" >&2
+    [ -z "$POLICY_ADDED" ] || rm -f /usr/sbin/policy-rc.d
+    if command -v systemctl >/dev/null 2>&1 && [ -d /run/systemd/system ]; then
+      systemctl disable --now nginx >/dev/null 2>&1 || true
+    fi
+  else
+    echo "setup: nginx or wrk not found and not root (or no apt-get): install Debian's nginx-light and wrk" \
+         "to run kvgate bench-proxy" >&2
+  fi
+fi
 touch "$VENV/.installed"
 echo "setup: $VENV ready ($("$VENV/bin/python" --version); smg $("$VENV/bin/python" -c 'import importlib.metadata as m; print(m.version("smg"))'))"

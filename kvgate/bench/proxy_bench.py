@@ -1,0 +1,330 @@
+"""``kvgate bench-proxy``: what each proxy hop costs, with the engines replaced by a stand-in that costs ~nothing.
+
+Chain: wrk (load generator, C) -> [kvgate] -> smg -> nginx answering fixed SGLang /generate JSON or SSE. Arms:
+direct (wrk -> nginx), smg, and one kvgate process per feature set (off, lifecycle, lifecycle + admission, and
+session placement when this kvgate has it), all started once and measured in interleaved rounds (the arm order
+rotates each round). Per round and request shape: p50 latency at one connection (wrk --latency), and for the
+throughput shapes the max req/s at many connections plus the proxy process group's CPU per request
+(/proc/<pid>/stat utime + stime). Writes DIR/proxy-bench.json and DIR/proxy-bench.md (kvgate/bench/proxy_report.py).
+
+Needs nginx and wrk (Debian: apt-get install nginx-light wrk; scripts/setup.sh installs them when it can) and
+smg; ``run`` returns 3 with one line when one is missing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import sys
+import tempfile
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+from kvgate.bench.proxy_report import DIRECT, SMG, Sample, markdown, summarise
+from kvgate.tools import procs
+
+#: The stand-in engine's capacity (tokens): large enough that admission never holds a benchmark request.
+STANDIN_MAX_TOTAL_NUM_TOKENS = 1_000_000_000
+#: Completion tokens each answer claims (the fixed answer's meta_info).
+COMPLETION_TOKENS = 16
+#: Prompt tokens per shape; "sse" is the small prompt with "stream": true.
+SHAPE_TOKENS = {"small": 16, "8k": 8192, "64k": 65536, "sse": 16}
+#: Requests whose x-request-id starts with this get the SSE answer (smg forwards x-request-id; it parses
+#: and re-serialises the body, so the stand-in cannot read "stream" from it).
+SSE_REQUEST_ID = "sse-bench"
+
+ALL_ARMS = ("direct", "smg", "kvgate-off", "lifecycle", "lifecycle+admission", "placement")
+KVGATE_FLAGS = {
+    "kvgate-off": [],
+    "lifecycle": ["--agentic-session-lifecycle"],
+    "lifecycle+admission": ["--agentic-session-lifecycle", "--agentic-program-admission",
+                            "--admission-poll-interval-s", "0.5"],
+    "placement": ["--agentic-session-lifecycle", "--session-placement", "kvgate"],
+}
+
+
+def generate_answer(prompt_tokens: int) -> bytes:
+    """A fixed SGLang /generate answer (srt/entrypoints/http_server.py shape: text, output_ids, meta_info)."""
+    return json.dumps({"text": " ok" * COMPLETION_TOKENS, "output_ids": list(range(1, COMPLETION_TOKENS + 1)),
+                       "meta_info": {"id": "bench", "finish_reason": {"type": "length", "length": COMPLETION_TOKENS},
+                                     "prompt_tokens": prompt_tokens, "completion_tokens": COMPLETION_TOKENS,
+                                     "cached_tokens": 0, "e2e_latency": 0.001}},
+                      separators=(",", ":")).encode()
+
+
+def sse_answer(prompt_tokens: int) -> bytes:
+    """A fixed SGLang /generate SSE stream: a few ``data:`` events, then ``data: [DONE]``."""
+    events = []
+    for i in (1, COMPLETION_TOKENS // 2, COMPLETION_TOKENS):
+        done = i == COMPLETION_TOKENS
+        events.append(json.dumps({
+            "text": " ok" * i, "output_ids": list(range(1, i + 1)),
+            "meta_info": {"id": "bench", "finish_reason": {"type": "length", "length": i} if done else None,
+                          "prompt_tokens": prompt_tokens, "completion_tokens": i, "cached_tokens": 0}},
+            separators=(",", ":")))
+    return "".join(f"data: {e}\n\n" for e in events).encode() + b"data: [DONE]\n\n"
+
+
+def request_body(shape: str) -> bytes:
+    """The benchmark's request body for ``shape``: input_ids of SHAPE_TOKENS[shape] token ids, a top-level
+    session_id (what an RL rollout sends), max_new_tokens = COMPLETION_TOKENS, and "stream" for sse."""
+    n = SHAPE_TOKENS[shape]
+    body = {"input_ids": [(i * 7919) % 150000 + 1 for i in range(n)], "session_id": f"bench-{shape}",
+            "sampling_params": {"max_new_tokens": COMPLETION_TOKENS, "temperature": 0}}
+    if shape == "sse":
+        body["stream"] = True
+    return json.dumps(body, separators=(",", ":")).encode()
+
+
+def _nginx_str(data: bytes) -> str:
+    return "'" + data.decode().replace("\\", "\\\\").replace("'", "\\'") + "'"
+
+
+def nginx_config(port: int, workdir: Path) -> str:
+    """An nginx.conf for a single-process stand-in engine on 127.0.0.1:``port`` (what smg and kvgate call:
+    reference router-compat.md): /health, server and model info, /v1/loads with a huge KV pool, and POST
+    /generate answered with fixed JSON (or SSE for x-request-id SSE_REQUEST_ID*). Bodies are read and dropped."""
+    w = str(workdir)
+    loads = json.dumps({"loads": [{"dp_rank": 0, "num_used_tokens": 0, "token_usage": 0.0,
+                                   "max_total_num_tokens": STANDIN_MAX_TOTAL_NUM_TOKENS, "num_reqs": 0,
+                                   "num_waiting_reqs": 0}]}).encode()
+    server_info = json.dumps({"model_path": "", "tokenizer_path": None, "version": "0.5.17",
+                              "max_total_num_tokens": STANDIN_MAX_TOTAL_NUM_TOKENS, "enable_metrics": True,
+                              "disaggregation_mode": "null", "dp_size": 1}).encode()
+    model_info = json.dumps({"model_path": "", "tokenizer_path": None, "is_generation": True,
+                             "model_type": "llama", "architectures": ["LlamaForCausalLM"]}).encode()
+    return f"""daemon off;
+master_process off;
+worker_processes 1;
+pid {w}/nginx.pid;
+error_log {w}/nginx-error.log warn;
+events {{ worker_connections 4096; }}
+http {{
+  access_log off;
+  client_body_temp_path {w}/body;
+  proxy_temp_path {w}/proxy;
+  client_max_body_size 0;
+  client_body_buffer_size 4m;
+  keepalive_requests 100000000;
+  keepalive_timeout 600s;
+  server {{
+    listen 127.0.0.1:{port} reuseport;
+    default_type application/json;
+    location = /health {{ return 200 ''; }}
+    location = /health_generate {{ return 200 ''; }}
+    location = /server_info {{ return 200 {_nginx_str(server_info)}; }}
+    location = /get_server_info {{ return 200 {_nginx_str(server_info)}; }}
+    location = /model_info {{ return 200 {_nginx_str(model_info)}; }}
+    location = /get_model_info {{ return 200 {_nginx_str(model_info)}; }}
+    location = /v1/loads {{ return 200 {_nginx_str(loads)}; }}
+    location = /metrics {{ default_type text/plain; return 200 ''; }}
+    location = /generate {{
+      if ($http_x_request_id ~ "^{SSE_REQUEST_ID}") {{ rewrite ^ /_sse last; }}
+      return 200 {_nginx_str(generate_answer(SHAPE_TOKENS['small']))};
+    }}
+    location = /_sse {{ internal; default_type text/event-stream; return 200 {_nginx_str(sse_answer(SHAPE_TOKENS['sse']))}; }}
+    location / {{ return 404 '{{"error":{{"message":"not found"}}}}'; }}
+  }}
+}}
+"""
+
+
+def wrk_script(path: Path, body: bytes, sse: bool) -> None:
+    """A wrk Lua script that POSTs ``body`` as JSON (and the SSE request id when ``sse``)."""
+    headers = 'wrk.headers["Content-Type"] = "application/json"\n'
+    if sse:
+        headers += f'wrk.headers["X-Request-Id"] = "{SSE_REQUEST_ID}"\n'
+    path.write_text(f'wrk.method = "POST"\n{headers}wrk.body = [==[{body.decode()}]==]\n')
+
+
+_UNITS = {"us": 1.0, "ms": 1000.0, "s": 1_000_000.0}
+
+
+def parse_wrk(text: str) -> dict[str, float]:
+    """From wrk --latency output: p50_us, rps, requests, errors (non-2xx + socket errors). Raises ValueError
+    when the output has no request count."""
+    out: dict[str, float] = {"errors": 0.0}
+    m = re.search(r"^\s+50%\s+([\d.]+)(us|ms|s)\s*$", text, re.M)
+    if m:
+        out["p50_us"] = float(m.group(1)) * _UNITS[m.group(2)]
+    m = re.search(r"^\s*(\d+) requests in", text, re.M)
+    if not m:
+        raise ValueError(f"wrk output without a request count: {text[-500:]!r}")
+    out["requests"] = float(m.group(1))
+    m = re.search(r"^Requests/sec:\s+([\d.]+)", text, re.M)
+    out["rps"] = float(m.group(1)) if m else 0.0
+    m = re.search(r"Non-2xx or 3xx responses:\s+(\d+)", text)
+    if m:
+        out["errors"] += float(m.group(1))
+    m = re.search(r"Socket errors: connect (\d+), read (\d+), write (\d+), timeout (\d+)", text)
+    if m:
+        out["errors"] += sum(float(x) for x in m.groups())
+    return out
+
+
+def group_cpu_s(pgid: int) -> float:
+    """CPU seconds (user + system) used so far by every live process in process group ``pgid``."""
+    tick = os.sysconf("SC_CLK_TCK")
+    total = 0
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = Path(entry.path, "stat").read_text()
+        except OSError:
+            continue
+        fields = stat[stat.rindex(")") + 2:].split()  # after "pid (comm) ": state ppid pgrp ...
+        if int(fields[2]) == pgid:
+            total += int(fields[11]) + int(fields[12])
+    return total / tick
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--out", default="proxy-bench", help="output directory (created): proxy-bench.json and .md")
+    p.add_argument("--rounds", type=int, default=3, help="interleaved rounds; the report gives medians")
+    p.add_argument("--latency-s", type=int, default=2, help="seconds per latency run (one connection)")
+    p.add_argument("--throughput-s", type=int, default=3, help="seconds per throughput run")
+    p.add_argument("--connections", type=int, default=64, help="connections of a throughput run")
+    p.add_argument("--arms", nargs="+", default=list(ALL_ARMS), choices=ALL_ARMS,
+                   help="arms to run (direct and smg are always run: ratios need them)")
+    p.add_argument("--shapes", nargs="+", default=list(SHAPE_TOKENS), choices=list(SHAPE_TOKENS),
+                   help="request shapes measured at one connection")
+    p.add_argument("--throughput-shapes", nargs="*", default=["small"], choices=list(SHAPE_TOKENS),
+                   help="request shapes also measured at --connections connections")
+
+
+def missing_tools() -> str | None:
+    """None when nginx, wrk and smg are all there, else the one line saying what to install."""
+    if procs.find_executable("nginx") is None and not Path("/usr/sbin/nginx").exists():
+        return "nginx not found (Debian: apt-get install nginx-light)"
+    if shutil.which("wrk") is None:
+        return "wrk not found (Debian: apt-get install wrk)"
+    if procs.find_executable("smg") is None:
+        return "the smg router is not installed (pip install smg)"
+    return None
+
+
+def _placement_available() -> bool:
+    from kvgate.config import KEYS
+    return any(k.name == "session_placement" for k in KEYS)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Start the stand-in, smg and the kvgate arms, measure, write the report. 0 ok, 1 errors seen, 2 bad
+    arguments, 3 a tool is missing."""
+    why = missing_tools()
+    if why is not None:
+        print(f"kvgate bench-proxy: skipped: {why}", file=sys.stderr)
+        return 3
+    if args.rounds < 1 or args.latency_s < 1 or args.throughput_s < 1 or args.connections < 1:
+        print("kvgate bench-proxy: --rounds, --latency-s, --throughput-s and --connections must be >= 1",
+              file=sys.stderr)
+        return 2
+    arms = [a for a in ALL_ARMS if a in (DIRECT, SMG) or a in args.arms]
+    if "placement" in arms and not _placement_available():
+        print("kvgate bench-proxy: this kvgate has no session_placement key; the placement arm is left out",
+              file=sys.stderr)
+        arms.remove("placement")
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix="kvgate-proxy-bench-"))
+    started: list[procs.Proc] = []
+    try:
+        urls, pgids = _start_chain(arms, work, started)
+        scripts = {}
+        for shape in set(args.shapes) | set(args.throughput_shapes):
+            scripts[shape] = work / f"{shape}.lua"
+            wrk_script(scripts[shape], request_body(shape), shape == "sse")
+        samples: list[Sample] = []
+        for arm in arms:  # warm every path once (connections, first-request costs)
+            _wrk(urls[arm], scripts[args.shapes[0]], 1, 1)
+        t_start = time.monotonic()
+        for rnd in range(args.rounds):
+            order = arms[rnd % len(arms):] + arms[:rnd % len(arms)]
+            for shape in args.shapes:
+                for arm in order:
+                    r = _wrk(urls[arm], scripts[shape], 1, args.latency_s)
+                    samples.append(Sample(rnd, arm, shape, "latency", p50_us=r.get("p50_us"),
+                                          requests=int(r["requests"]), errors=int(r["errors"])))
+            for shape in args.throughput_shapes:
+                for arm in order:
+                    cpu0 = group_cpu_s(pgids[arm]) if arm in pgids else None
+                    r = _wrk(urls[arm], scripts[shape], args.connections, args.throughput_s)
+                    cpu = None
+                    if cpu0 is not None and r["requests"] > 0:
+                        cpu = (group_cpu_s(pgids[arm]) - cpu0) / r["requests"] * 1e6
+                    samples.append(Sample(rnd, arm, shape, "throughput", rps=r["rps"], cpu_us_per_req=cpu,
+                                          requests=int(r["requests"]), errors=int(r["errors"])))
+            print(f"kvgate bench-proxy: round {rnd + 1}/{args.rounds} done ({time.monotonic() - t_start:.0f} s)",
+                  file=sys.stderr, flush=True)
+        summary = summarise(samples)
+        meta = {"rounds": args.rounds, "latency run": f"{args.latency_s} s at 1 connection",
+                "throughput run": f"{args.throughput_s} s at {args.connections} connections",
+                "upstream": "nginx with fixed answers", "smg": _smg_version(), "cpus": os.cpu_count()}
+        md = markdown(summary, meta)
+        (out / "proxy-bench.md").write_text(md)
+        (out / "proxy-bench.json").write_text(json.dumps(
+            {"meta": meta, "arms": arms, "summary": summary.to_json(), "samples": [asdict(s) for s in samples]},
+            indent=1))
+        print(md)
+        print(f"kvgate bench-proxy: wrote {out / 'proxy-bench.md'} and {out / 'proxy-bench.json'}", file=sys.stderr)
+        return 1 if summary.errors else 0
+    finally:
+        procs.stop_all(started)
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def _smg_version() -> str:
+    try:
+        import importlib.metadata as md
+        return md.version("smg")
+    except Exception:
+        return "?"
+
+
+def _start_chain(arms: list[str], work: Path, started: list[procs.Proc]) -> tuple[dict[str, str], dict[str, int]]:
+    """Start nginx, smg and one kvgate per kvgate arm; return (arm -> base URL, arm -> process group id)."""
+    nport = procs.free_port()
+    conf = work / "nginx.conf"
+    conf.write_text(nginx_config(nport, work))
+    nginx = procs.find_executable("nginx") or "/usr/sbin/nginx"
+    ng = procs.start("nginx", [nginx, "-p", str(work), "-c", str(conf)], work, url=f"http://127.0.0.1:{nport}")
+    started.append(ng)
+    procs.wait_http(ng.url + "/health", 30, ng)
+    rport, mport = procs.free_port(), procs.free_port()
+    router = procs.start("smg", procs.smg_command(rport, [ng.url], mport, policy="round_robin"), work,
+                         url=f"http://127.0.0.1:{rport}")
+    started.append(router)
+    procs.wait_http(router.url + "/readiness", 60, router, procs.router_ready(1))
+    urls = {DIRECT: ng.url, SMG: router.url}
+    pgids = {SMG: router.popen.pid}
+    for arm in arms:
+        if arm in (DIRECT, SMG):
+            continue
+        kport = procs.free_port()
+        cmd = [sys.executable, "-m", "kvgate", "serve", "--upstream", router.url, "--port", str(kport),
+               "--log-level", "warning", *KVGATE_FLAGS[arm]]
+        kv = procs.start(f"kvgate-{arm.replace('+', '-')}", cmd, work, url=f"http://127.0.0.1:{kport}")
+        started.append(kv)
+        procs.wait_http(kv.url + "/kvgate/engines", 30, kv,
+                        lambda st, body: st == 200 and len(json.loads(body)["engines"]) == 1)
+        if "--agentic-program-admission" in KVGATE_FLAGS[arm]:  # measure once the ledger has its capacity
+            procs.wait_http(kv.url + "/kvgate/stats", 30, kv,
+                            lambda st, body: st == 200 and not json.loads(body)["ledger"]["degraded"])
+        urls[arm] = kv.url
+        pgids[arm] = kv.popen.pid
+    return urls, pgids
+
+
+def _wrk(url: str, script: Path, connections: int, seconds: int) -> dict[str, float]:
+    import subprocess
+    cmd = ["wrk", "-t1", f"-c{connections}", f"-d{seconds}s", "--latency", "--timeout", "10s", "-s", str(script),
+           url + "/generate"]
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=seconds + 60, start_new_session=True)
+    if res.returncode != 0:
+        raise RuntimeError(f"wrk failed ({res.returncode}): {res.stderr.strip()[-300:]}")
+    return parse_wrk(res.stdout)

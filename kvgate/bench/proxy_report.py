@@ -1,0 +1,143 @@
+"""The proxy hot-path benchmark's summary: medians over rounds, added cost per hop, ratios to smg (pure).
+
+Input: one record per (round, arm, shape, mode) measured by ``kvgate bench-proxy`` (kvgate/bench/proxy_bench.py).
+Added latency of a hop = its arm's p50 minus the p50 of the arm it sits in front of: smg adds
+p50(smg) - p50(direct); a kvgate arm adds p50(kvgate arm) - p50(smg). Ratios divide a kvgate arm's added
+latency by smg's. Medians are taken over rounds per (arm, shape) before subtracting, so a noisy round of one
+arm moves one sample, not the whole comparison.
+"""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Mapping
+
+#: Arms in table order. "direct" talks to the upstream stand-in, "smg" to the router in front of it, every
+#: kvgate arm to a kvgate in front of smg.
+DIRECT, SMG = "direct", "smg"
+KVGATE_ARMS = ("kvgate-off", "lifecycle", "lifecycle+admission", "placement")
+ARM_ORDER = (DIRECT, SMG, *KVGATE_ARMS)
+SHAPE_ORDER = ("small", "8k", "64k", "sse")
+SHAPE_TITLES = {"small": "small /generate", "8k": "8K-token /generate", "64k": "64K-token /generate",
+                "sse": "small /generate, SSE stream"}
+
+
+@dataclass
+class Sample:
+    """One measurement. mode "latency": p50_us (microseconds at 1 connection); mode "throughput": rps
+    (requests/second at many connections) and cpu_us_per_req (the proxy process's CPU per request, us;
+    None for direct). errors: non-2xx answers and socket errors seen by the load generator."""
+
+    round: int
+    arm: str
+    shape: str
+    mode: str
+    p50_us: float | None = None
+    rps: float | None = None
+    cpu_us_per_req: float | None = None
+    requests: int = 0
+    errors: int = 0
+
+
+@dataclass
+class Summary:
+    """Medians over rounds. latency[shape][arm] = p50 us; added[shape][arm] = us added by that arm's own hop;
+    ratio[shape][arm] = added / smg's added; rps[shape][arm]; cpu[shape][arm] us/request; errors summed."""
+
+    latency: dict[str, dict[str, float]] = field(default_factory=dict)
+    added: dict[str, dict[str, float]] = field(default_factory=dict)
+    ratio: dict[str, dict[str, float | None]] = field(default_factory=dict)
+    rps: dict[str, dict[str, float]] = field(default_factory=dict)
+    cpu: dict[str, dict[str, float]] = field(default_factory=dict)
+    errors: int = 0
+    rounds: int = 0
+
+    def to_json(self) -> dict[str, Any]:
+        return {"rounds": self.rounds, "errors": self.errors, "p50_us": self.latency, "added_us": self.added,
+                "ratio_to_smg": self.ratio, "max_rps": self.rps, "cpu_us_per_request": self.cpu}
+
+
+def _median(values: Iterable[float | None]) -> float | None:
+    vals = [v for v in values if v is not None]
+    return statistics.median(vals) if vals else None
+
+
+def summarise(samples: Iterable[Sample]) -> Summary:
+    """Medians per (shape, arm) over rounds, then added latency and ratios (see the module doc)."""
+    samples = list(samples)
+    out = Summary(errors=sum(s.errors for s in samples), rounds=len({s.round for s in samples}))
+    groups: dict[tuple[str, str, str], list[Sample]] = {}
+    for s in samples:
+        groups.setdefault((s.mode, s.shape, s.arm), []).append(s)
+    for (mode, shape, arm), group in groups.items():
+        if mode == "latency":
+            m = _median(s.p50_us for s in group)
+            if m is not None:
+                out.latency.setdefault(shape, {})[arm] = m
+        else:
+            rps = _median(s.rps for s in group)
+            if rps is not None:
+                out.rps.setdefault(shape, {})[arm] = rps
+            cpu = _median(s.cpu_us_per_req for s in group)
+            if cpu is not None:
+                out.cpu.setdefault(shape, {})[arm] = cpu
+    for shape, lat in out.latency.items():
+        added: dict[str, float] = {}
+        if DIRECT in lat and SMG in lat:
+            added[SMG] = lat[SMG] - lat[DIRECT]
+        if SMG in lat:
+            for arm in KVGATE_ARMS:
+                if arm in lat:
+                    added[arm] = lat[arm] - lat[SMG]
+        out.added[shape] = added
+        smg_added = added.get(SMG)
+        out.ratio[shape] = {arm: (a / smg_added if smg_added and smg_added > 0 else None)
+                            for arm, a in added.items() if arm != SMG}
+    return out
+
+
+def _us(v: float | None) -> str:
+    if v is None:
+        return "-"
+    return f"{v / 1000:.2f} ms" if abs(v) >= 1000 else f"{v:.0f} us"
+
+
+def markdown(summary: Summary, meta: Mapping[str, Any] | None = None) -> str:
+    """The report: one row per request shape (added p50 per hop, ratio to smg), one throughput row per shape
+    measured at many connections (req/s and the proxy's CPU us per request), and the run's settings."""
+    arms = [a for a in ARM_ORDER if a != DIRECT and any(a in d for d in summary.latency.values())]
+    lines = []
+    if meta:
+        lines.append("Settings: " + ", ".join(f"{k} {v}" for k, v in meta.items()))
+        lines.append("")
+    head = ["request"] + [("smg adds" if a == SMG else f"{a} adds") for a in arms]
+    lines.append("| " + " | ".join(head) + " |")
+    lines.append("|" + "---|" * len(head))
+    for shape in SHAPE_ORDER:
+        if shape not in summary.latency:
+            continue
+        row = [f"{SHAPE_TITLES.get(shape, shape)}, p50"]
+        for a in arms:
+            added = summary.added.get(shape, {}).get(a)
+            cell = _us(added)
+            ratio = summary.ratio.get(shape, {}).get(a)
+            if a != SMG and ratio is not None:
+                cell += f" ({ratio:.2f}x)"
+            row.append(cell)
+        lines.append("| " + " | ".join(row) + " |")
+    for shape in SHAPE_ORDER:
+        if shape not in summary.rps:
+            continue
+        row = [f"{SHAPE_TITLES.get(shape, shape)}, max req/s (CPU/req)"]
+        for a in arms:
+            rps = summary.rps[shape].get(a)
+            cpu = summary.cpu.get(shape, {}).get(a)
+            row.append("-" if rps is None else f"{rps:,.0f}" + (f" ({cpu:.0f} us)" if cpu is not None else ""))
+        lines.append("| " + " | ".join(row) + " |")
+    lines.append("")
+    direct = {s: summary.latency[s].get(DIRECT) for s in SHAPE_ORDER if s in summary.latency}
+    lines.append("Direct to the upstream stand-in, p50: " + ", ".join(f"{s} {_us(v)}" for s, v in direct.items())
+                 + (f"; direct max req/s {summary.rps['small'].get(DIRECT, 0):,.0f}" if "small" in summary.rps else ""))
+    lines.append(f"Medians over {summary.rounds} interleaved rounds; load-generator errors: {summary.errors}.")
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,94 @@
+"""kvgate bench-proxy: the summary arithmetic, wrk's output, and one tiny real run (nginx, smg, kvgate, wrk)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+import pytest
+
+from kvgate.bench import proxy_bench
+from kvgate.bench.proxy_report import Sample, markdown, summarise
+
+
+def test_summary_takes_medians_then_subtracts_the_hop_in_front():
+    samples = []
+    # three rounds; one noisy round per arm must not move the median
+    for rnd, (d, s, k) in enumerate([(10, 110, 160), (12, 500, 170), (11, 120, 900)]):
+        samples += [Sample(rnd, "direct", "small", "latency", p50_us=d),
+                    Sample(rnd, "smg", "small", "latency", p50_us=s),
+                    Sample(rnd, "kvgate-off", "small", "latency", p50_us=k),
+                    Sample(rnd, "smg", "small", "throughput", rps=1000 + rnd, cpu_us_per_req=200, errors=rnd)]
+    out = summarise(samples)
+    assert out.rounds == 3 and out.errors == 3
+    assert out.latency["small"] == {"direct": 11, "smg": 120, "kvgate-off": 170}
+    assert out.added["small"] == {"smg": 109, "kvgate-off": 50}
+    assert out.ratio["small"]["kvgate-off"] == pytest.approx(50 / 109)
+    assert out.rps["small"]["smg"] == 1001 and out.cpu["small"]["smg"] == 200
+    md = markdown(out)
+    assert "| small /generate, p50 | 109 us | 50 us (0.46x) |" in md
+    assert "| small /generate, max req/s (CPU/req) | 1,001 (200 us) | - |" in md
+
+
+def test_parse_wrk_output():
+    text = """Running 1s test @ http://127.0.0.1:1/generate
+  1 threads and 1 connections
+  Thread Stats   Avg      Stdev     Max   +/- Stdev
+    Latency   150.00us   20.00us   1.00ms   90.00%
+  Latency Distribution
+     50%  142.00us
+     75%  150.00us
+     90%  170.00us
+     99%    1.02ms
+  6543 requests in 1.00s, 1.00MB read
+  Non-2xx or 3xx responses: 3
+Requests/sec:   6540.12
+Transfer/sec:      1.00MB
+"""
+    r = proxy_bench.parse_wrk(text)
+    assert r == {"p50_us": 142.0, "requests": 6543.0, "rps": 6540.12, "errors": 3.0}
+    assert proxy_bench.parse_wrk(text.replace("142.00us", "1.50ms"))["p50_us"] == 1500.0
+    with pytest.raises(ValueError):
+        proxy_bench.parse_wrk("nothing")
+
+
+def test_request_bodies_have_the_token_counts():
+    for shape, n in proxy_bench.SHAPE_TOKENS.items():
+        body = json.loads(proxy_bench.request_body(shape))
+        assert len(body["input_ids"]) == n and body["session_id"] == f"bench-{shape}"
+        assert body.get("stream", False) == (shape == "sse")
+    sse = proxy_bench.sse_answer(16)
+    assert sse.endswith(b"data: [DONE]\n\n") and sse.count(b"data: ") == 4
+
+
+@pytest.mark.skipif(proxy_bench.missing_tools() is not None, reason=str(proxy_bench.missing_tools()))
+def test_a_tiny_run_writes_a_sane_table(tmp_path):
+    parser = argparse.ArgumentParser()
+    proxy_bench.add_arguments(parser)
+    args = parser.parse_args(["--out", str(tmp_path), "--rounds", "1", "--latency-s", "1", "--throughput-s", "1",
+                              "--connections", "4", "--arms", "kvgate-off", "lifecycle+admission",
+                              "--shapes", "small", "sse", "--throughput-shapes", "small"])
+    assert proxy_bench.run(args) == 0
+    report = json.loads((tmp_path / "proxy-bench.json").read_text())
+    s = report["summary"]
+    assert report["arms"] == ["direct", "smg", "kvgate-off", "lifecycle+admission"]
+    assert s["errors"] == 0 and s["rounds"] == 1
+    for shape in ("small", "sse"):
+        lat = s["p50_us"][shape]
+        assert set(lat) == {"direct", "smg", "kvgate-off", "lifecycle+admission"}
+        # every hop costs something and nothing on loopback takes a second
+        assert all(0 < v < 1e6 for v in lat.values())
+        assert lat["smg"] > lat["direct"]
+    rps, cpu = s["max_rps"]["small"], s["cpu_us_per_request"]["small"]
+    assert set(rps) == {"direct", "smg", "kvgate-off", "lifecycle+admission"}
+    assert all(v > 10 for v in rps.values())
+    # the proxies' own CPU per request: more than nothing, less than a second; direct has no proxy
+    assert set(cpu) == {"smg", "kvgate-off", "lifecycle+admission"}
+    assert all(0 < v < 1e6 for v in cpu.values())
+    # every request answered: requests counted per sample
+    assert all(x["requests"] > 0 for x in report["samples"])
+    md = (tmp_path / "proxy-bench.md").read_text()
+    assert md.count("\n| small /generate") == 3  # p50 row, SSE row, throughput row
+    assert "| request | smg adds | kvgate-off adds | lifecycle+admission adds |" in md
+    assert os.listdir(tmp_path) and sorted(os.listdir(tmp_path)) == ["proxy-bench.json", "proxy-bench.md"]
