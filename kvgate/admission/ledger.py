@@ -131,6 +131,9 @@ class Ledger:
         self._ceiling = 0
         self._epoch = 0
         self._leases: dict[Hashable, Lease] = {}
+        # A lower bound on every lease's expires_at: expire() scans the leases only once it is reached, so
+        # admitting a request does not walk every lease in flight.
+        self._expiry_floor = math.inf
         self._hold = Holdings(block_tokens)
         self._lease_expired_total = 0
         self._granted_total = 0
@@ -230,6 +233,7 @@ class Ledger:
         self._hold.add(ticket, place, blocks, tail)
         lease = Lease(ticket, tokens, float(now), float(now) + self.lease_ttl_s, self._epoch, oversized,
                       place, cost, force, blocks)
+        self._expiry_floor = min(self._expiry_floor, lease.expires_at)
         self._leases[ticket] = lease
         self._granted_total += 1
         self._oversized_total += int(oversized)
@@ -351,9 +355,12 @@ class Ledger:
 
         Returns the reclaimed tickets in grant order; each counts in lease_expired_total.
         """
+        if now < self._expiry_floor:
+            return []
         gone = [t for t, lease in self._leases.items() if lease.expires_at <= now]
         for t in gone:
             self.release(t, now)
+        self._expiry_floor = min((lease.expires_at for lease in self._leases.values()), default=math.inf)
         self._lease_expired_total += len(gone)
         return gone
 

@@ -110,9 +110,15 @@ def _completion(max_new: Any, cap: int) -> int:
     return min(m, cap)
 
 
+def _is_token_id(x: Any) -> bool:
+    return type(x) is int  # bool is an int subclass but not a token id
+
+
 def _is_int_list(v: Any) -> bool:
-    # type() is: bools are not token ids, and it is ~2x faster than isinstance on 100k-id prompts
-    return isinstance(v, list) and all(type(x) is int for x in v)
+    """A non-empty list of token ids, judged by its first and last items only: a 64K-token prompt is counted
+    with len() at C speed instead of type-checking every id in Python. A list mixing ids and other values is
+    rejected by SGLang itself (400); counting its length then only reserves for a request that fails at once."""
+    return isinstance(v, list) and bool(v) and _is_token_id(v[0]) and _is_token_id(v[-1])
 
 
 def _content_chars(content: Any) -> str:

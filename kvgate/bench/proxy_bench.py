@@ -193,6 +193,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="arms to run (direct and smg are always run: ratios need them)")
     p.add_argument("--shapes", nargs="+", default=list(SHAPE_TOKENS), choices=list(SHAPE_TOKENS),
                    help="request shapes measured at one connection")
+    p.add_argument("--baseline", metavar="DIR",
+                   help="another kvgate source tree (e.g. a git worktree of main): its kvgate arms run in the "
+                        "same rounds as 'ARM@base', for before/after figures from one run")
     p.add_argument("--throughput-shapes", nargs="*", default=["small"], choices=list(SHAPE_TOKENS),
                    help="request shapes also measured at --connections connections")
 
@@ -229,12 +232,18 @@ def run(args: argparse.Namespace) -> int:
         print("kvgate bench-proxy: this kvgate has no session_placement key; the placement arm is left out",
               file=sys.stderr)
         arms.remove("placement")
+    baseline = getattr(args, "baseline", None)
+    if baseline:
+        if not Path(baseline, "kvgate", "__init__.py").exists():
+            print(f"kvgate bench-proxy: --baseline: {baseline} has no kvgate package", file=sys.stderr)
+            return 2
+        arms += [f"{a}@base" for a in arms if a not in (DIRECT, SMG) and a != "placement"]
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix="kvgate-proxy-bench-"))
     started: list[procs.Proc] = []
     try:
-        urls, pgids = _start_chain(arms, work, started)
+        urls, pgids = _start_chain(arms, work, started, baseline)
         scripts = {}
         for shape in set(args.shapes) | set(args.throughput_shapes):
             scripts[shape] = work / f"{shape}.lua"
@@ -286,8 +295,10 @@ def _smg_version() -> str:
         return "?"
 
 
-def _start_chain(arms: list[str], work: Path, started: list[procs.Proc]) -> tuple[dict[str, str], dict[str, int]]:
-    """Start nginx, smg and one kvgate per kvgate arm; return (arm -> base URL, arm -> process group id)."""
+def _start_chain(arms: list[str], work: Path, started: list[procs.Proc],
+                 baseline: str | None = None) -> tuple[dict[str, str], dict[str, int]]:
+    """Start nginx, smg and one kvgate per kvgate arm ("ARM@base" arms from the ``baseline`` source tree);
+    return (arm -> base URL, arm -> process group id)."""
     nport = procs.free_port()
     conf = work / "nginx.conf"
     conf.write_text(nginx_config(nport, work))
@@ -306,13 +317,17 @@ def _start_chain(arms: list[str], work: Path, started: list[procs.Proc]) -> tupl
         if arm in (DIRECT, SMG):
             continue
         kport = procs.free_port()
-        cmd = [sys.executable, "-m", "kvgate", "serve", "--upstream", router.url, "--port", str(kport),
-               "--log-level", "warning", *KVGATE_FLAGS[arm]]
+        name, _, tag = arm.partition("@")
+        # the baseline's package directory goes first on sys.path (ahead of the installed kvgate and the cwd)
+        entry = (["-c", f"import sys; sys.path.insert(0, {str(Path(baseline).resolve())!r}); "
+                        "from kvgate.cli import main; sys.exit(main())"] if tag else ["-m", "kvgate"])
+        cmd = [sys.executable, *entry, "serve", "--upstream", router.url, "--port", str(kport),
+               "--log-level", "warning", *KVGATE_FLAGS[name]]
         kv = procs.start(f"kvgate-{arm.replace('+', '-')}", cmd, work, url=f"http://127.0.0.1:{kport}")
         started.append(kv)
         procs.wait_http(kv.url + "/kvgate/engines", 30, kv,
                         lambda st, body: st == 200 and len(json.loads(body)["engines"]) == 1)
-        if "--agentic-program-admission" in KVGATE_FLAGS[arm]:  # measure once the ledger has its capacity
+        if "--agentic-program-admission" in KVGATE_FLAGS[name]:  # measure once the ledger has its capacity
             procs.wait_http(kv.url + "/kvgate/stats", 30, kv,
                             lambda st, body: st == 200 and not json.loads(body)["ledger"]["degraded"])
         urls[arm] = kv.url

@@ -87,8 +87,8 @@ def summarise(samples: Iterable[Sample]) -> Summary:
         if DIRECT in lat and SMG in lat:
             added[SMG] = lat[SMG] - lat[DIRECT]
         if SMG in lat:
-            for arm in KVGATE_ARMS:
-                if arm in lat:
+            for arm in lat:
+                if arm not in (DIRECT, SMG):
                     added[arm] = lat[arm] - lat[SMG]
         out.added[shape] = added
         smg_added = added.get(SMG)
@@ -103,10 +103,19 @@ def _us(v: float | None) -> str:
     return f"{v / 1000:.2f} ms" if abs(v) >= 1000 else f"{v:.0f} us"
 
 
+def arm_order(arms: Iterable[str]) -> list[str]:
+    """``arms`` in table order: ARM_ORDER first, then the others (baseline arms, "name@base") sorted after
+    the arm they compare with."""
+    def key(a: str) -> tuple[int, int]:
+        name, _, tag = a.partition("@")
+        return (ARM_ORDER.index(name) if name in ARM_ORDER else len(ARM_ORDER), 1 if tag else 0)
+    return sorted(set(arms), key=key)
+
+
 def markdown(summary: Summary, meta: Mapping[str, Any] | None = None) -> str:
     """The report: one row per request shape (added p50 per hop, ratio to smg), one throughput row per shape
     measured at many connections (req/s and the proxy's CPU us per request), and the run's settings."""
-    arms = [a for a in ARM_ORDER if a != DIRECT and any(a in d for d in summary.latency.values())]
+    arms = [a for a in arm_order(a for d in summary.latency.values() for a in d) if a != DIRECT]
     lines = []
     if meta:
         lines.append("Settings: " + ", ".join(f"{k} {v}" for k, v in meta.items()))

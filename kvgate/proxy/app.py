@@ -157,6 +157,8 @@ class Gateway:
         if self.poller is not None:
             self.poller.listeners.append(self._capacity)
         self.gate: Gate = gate or OpenGate()
+        # Generate bodies are parsed only when a feature reads them (session ids, prompts, reservations).
+        self.reads_body = self.lifecycle_on or not isinstance(self.gate, OpenGate)
         self.started = time.time()
         self.app = self._build_app()
 
@@ -431,7 +433,7 @@ class Gateway:
         raw = await read_body(request, self.cfg.max_body_bytes,
                               join_max=max(self.cfg.body_parse_max_bytes, STEP_BODY_PARSE_LIMIT))
         c = classify(request.method, request.path, raw, parse=False)
-        if c.is_generate:
+        if c.is_generate and self.reads_body:
             c.body = self._parse_body(request, raw)
         plan = SessionPlan(body=raw)
         if self.lifecycle_on and c.body is not None:
@@ -574,8 +576,7 @@ class Gateway:
                 self.metrics.upstream_errors.labels("cut").inc()
             elif outcome.ended == "client_gone":
                 self.metrics.client_disconnects.inc()
-        self.metrics.requests.labels(route, status).inc()
-        self.metrics.upstream_latency.labels(route).observe(elapsed)
+        self.metrics.relayed(route, status, elapsed)
 
     def _observed_safe(self, outcome):
         # The lease must be released whatever the observer does.

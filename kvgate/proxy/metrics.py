@@ -19,6 +19,7 @@ class Metrics:
 
     def __init__(self) -> None:
         r = self.registry = CollectorRegistry(auto_describe=True)
+        self._relayed: dict[tuple[str, str], tuple] = {}
         p = "agentic_kv_"
         # proxy
         self.requests = Counter(p + "requests", "Requests relayed, by route and upstream status "
@@ -138,6 +139,21 @@ class Metrics:
                        "unsupported"):
             self.session_inference.labels(result)
 
+
+    def relayed(self, route: str, status: str, elapsed_s: float) -> None:
+        """Count one relayed request (route label, upstream status or error) and its upstream latency, seconds.
+
+        The labelled children are looked up once per (route, status) and kept: a ``labels()`` call builds a
+        key tuple and takes the metric's lock on every request. Both label sets are bounded (route_label's
+        known routes, HTTP statuses), so the cache is too.
+        """
+        key = (route, status)
+        children = self._relayed.get(key)
+        if children is None:
+            children = self._relayed[key] = (self.requests.labels(route, status),
+                                             self.upstream_latency.labels(route))
+        children[0].inc()
+        children[1].observe(elapsed_s)
 
     def render(self) -> tuple[bytes, str]:
         return generate_latest(self.registry), CONTENT_TYPE_LATEST
