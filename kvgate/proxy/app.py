@@ -157,8 +157,11 @@ class Gateway:
         if self.poller is not None:
             self.poller.listeners.append(self._capacity)
         self.gate: Gate = gate or OpenGate()
-        # Generate bodies are parsed only when a feature reads them (session ids, prompts, reservations).
-        self.reads_body = self.lifecycle_on or not isinstance(self.gate, OpenGate)
+        # Generate bodies are parsed only when a feature reads them (session ids, prompts, reservations, and
+        # session placement by kvgate where this kvgate has it): features off, a 64K-token body is relayed unparsed.
+        placement = getattr(self, "placement_modes", None) or {}
+        self.reads_body = (self.lifecycle_on or not isinstance(self.gate, OpenGate)
+                           or any(m == "kvgate" for m in placement.values()))
         self.started = time.time()
         self.app = self._build_app()
 

@@ -1,0 +1,85 @@
+"""The request path does only the work a request needs: bodies parsed only when a feature reads them, token ids
+counted by length, metrics children reused, lease expiry checked without walking every lease."""
+
+from __future__ import annotations
+
+import aiohttp
+import orjson
+
+from kvgate.admission.ledger import Ledger
+from kvgate.admission.capacity import ClusterSnapshot, EngineCapacity
+from kvgate.admission.reservation import estimate_reservation
+from kvgate.proxy import app as app_module
+from kvgate.proxy.classify import classify
+from kvgate.proxy.metrics import Metrics
+
+
+def test_classify_skips_the_parse_when_asked():
+    raw = orjson.dumps({"input_ids": [1, 2, 3]})
+    assert classify("POST", "/generate", raw).body == {"input_ids": [1, 2, 3]}
+    c = classify("POST", "/generate", raw, parse=False)
+    assert c.body is None and c.is_generate and c.route == "/generate"
+
+
+def test_token_id_prompts_are_counted_by_length():
+    ids = list(range(1, 65537))
+    assert estimate_reservation("/generate", {"input_ids": ids, "sampling_params": {"max_new_tokens": 7}},
+                                expected_decode_cap=4096) == 65536 + 7
+    # ends checked only: a stray value inside is SGLang's 400 to give; the reservation is the list's length
+    assert estimate_reservation("/generate", {"input_ids": [1, "x", 3], "sampling_params": {"max_new_tokens": 1}},
+                                expected_decode_cap=4096) == 3 + 1
+    # a bool is not a token id; batches of id lists count per item
+    assert estimate_reservation("/generate", {"input_ids": [True, 2], "sampling_params": {"max_new_tokens": 1}},
+                                expected_decode_cap=4096) == 1 + 1
+    assert estimate_reservation("/generate", {"input_ids": [[1, 2], [3, 4, 5]],
+                                              "sampling_params": {"max_new_tokens": 1}},
+                                expected_decode_cap=4096) == (2 + 1) + (3 + 1)
+    assert estimate_reservation("/v1/completions", {"prompt": ids[:100], "max_tokens": 2},
+                                expected_decode_cap=4096) == 102
+
+
+async def test_features_off_relays_the_generate_body_unparsed(kvgate_factory, echo_upstream, monkeypatch):
+    gw, url = await kvgate_factory(upstream=echo_upstream.url)
+    assert gw.reads_body is False
+    parsed = []
+    real = app_module.classify
+
+    def spy(method, path, raw, parse=True):
+        c = real(method, path, raw, parse)
+        parsed.append(c.body)
+        return c
+    monkeypatch.setattr(app_module, "classify", spy)
+    raw = orjson.dumps({"input_ids": list(range(1, 9000)), "session_id": "s"})
+    async with aiohttp.ClientSession() as http:
+        async with http.post(url + "/generate", data=raw, headers={"Content-Type": "application/json"}) as r:
+            assert r.status == 200
+    assert parsed == [None]
+    assert echo_upstream.received[0]["body"] == raw
+    gw2, _ = await kvgate_factory(upstream=echo_upstream.url, agentic_session_lifecycle=True)
+    assert gw2.reads_body is True
+
+
+def test_relayed_metrics_reuse_their_children():
+    m = Metrics()
+    for _ in range(3):
+        m.relayed("/generate", "200", 0.5)
+    m.relayed("other", "error", 0.25)
+    assert len(m._relayed) == 2
+    assert m.requests.labels("/generate", "200")._value.get() == 3
+    assert m.requests.labels("other", "error")._value.get() == 1
+    assert m.upstream_latency.labels("/generate")._sum.get() == 1.5
+
+
+def test_lease_expiry_floor_still_reclaims_every_due_lease():
+    lg = Ledger(lease_ttl_s=100.0, stale_after_s=1e6)
+    lg.reconcile(ClusterSnapshot.build({"e": EngineCapacity.from_pools([(1_000_000, 0, 0.0)])}, 0.0), 0.0)
+    assert lg.try_acquire("a", 10, 0.0) and lg.try_acquire("b", 10, 10.0) and lg.try_acquire("c", 10, 20.0)
+    assert lg.renew("a", 50.0)  # a now expires at 150, after b (110) and c (120)
+    assert lg.expire(109.0) == []
+    assert lg.expire(110.0) == ["b"]
+    assert lg.expire(130.0) == ["c"]
+    assert lg.expire(149.0) == []
+    assert lg.try_acquire("d", 10, 140.0)  # expires at 240
+    assert lg.expire(150.0) == ["a"]
+    assert lg.expire(239.0) == [] and lg.expire(240.0) == ["d"]
+    assert lg.lease_count == 0 and lg.lease_expired_total == 4
