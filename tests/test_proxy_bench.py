@@ -17,18 +17,22 @@ def test_summary_takes_medians_then_subtracts_the_hop_in_front():
     # three rounds; one noisy round per arm must not move the median
     for rnd, (d, s, k) in enumerate([(10, 110, 160), (12, 500, 170), (11, 120, 900)]):
         samples += [Sample(rnd, "direct", "small", "latency", p50_us=d),
-                    Sample(rnd, "smg", "small", "latency", p50_us=s),
-                    Sample(rnd, "kvgate-off", "small", "latency", p50_us=k),
+                    Sample(rnd, "smg", "small", "latency", p50_us=s, cpu_us_per_req=100),
+                    Sample(rnd, "kvgate-off", "small", "latency", p50_us=k, cpu_us_per_req=300 + rnd),
+                    Sample(rnd, "kvgate-nosmg", "small", "latency", p50_us=d + 40 + rnd),
                     Sample(rnd, "smg", "small", "throughput", rps=1000 + rnd, cpu_us_per_req=200, errors=rnd)]
     out = summarise(samples)
     assert out.rounds == 3 and out.errors == 3
-    assert out.latency["small"] == {"direct": 11, "smg": 120, "kvgate-off": 170}
-    assert out.added["small"] == {"smg": 109, "kvgate-off": 50}
+    assert out.latency["small"] == {"direct": 11, "smg": 120, "kvgate-off": 170, "kvgate-nosmg": 53}
+    # per-round differences, then the median: smg 100, 488, 109; kvgate-off 50, -330, 780; nosmg vs direct 40-42
+    assert out.added["small"] == {"smg": 109, "kvgate-off": 50, "kvgate-nosmg": 41}
+    assert out.latency_cpu["small"] == {"smg": 100, "kvgate-off": 301}
     assert out.ratio["small"]["kvgate-off"] == pytest.approx(50 / 109)
     assert out.rps["small"]["smg"] == 1001 and out.cpu["small"]["smg"] == 200
     md = markdown(out)
-    assert "| small /generate, p50 | 109 us | 50 us (0.46x) |" in md
-    assert "| small /generate, max req/s (CPU/req) | 1,001 (200 us) | - |" in md
+    assert "| small /generate, p50 | 109 us | 50 us (0.46x) | 41 us (0.38x) |" in md
+    assert "| small /generate, max req/s (CPU/req) | 1,001 (200 us) | - | - |" in md
+    assert "| small /generate, CPU/req at 1 connection | 100 us | 301 us (3.01x) | - |" in md
 
 
 def test_parse_wrk_output():
@@ -67,28 +71,30 @@ def test_a_tiny_run_writes_a_sane_table(tmp_path):
     parser = argparse.ArgumentParser()
     proxy_bench.add_arguments(parser)
     args = parser.parse_args(["--out", str(tmp_path), "--rounds", "1", "--latency-s", "1", "--throughput-s", "1",
-                              "--connections", "4", "--arms", "kvgate-off", "lifecycle+admission",
+                              "--connections", "4", "--arms", "kvgate-off", "lifecycle+admission", "kvgate-nosmg",
                               "--shapes", "small", "sse", "--throughput-shapes", "small"])
     assert proxy_bench.run(args) == 0
     report = json.loads((tmp_path / "proxy-bench.json").read_text())
     s = report["summary"]
-    assert report["arms"] == ["direct", "smg", "kvgate-off", "lifecycle+admission"]
+    assert report["arms"] == ["direct", "smg", "kvgate-off", "lifecycle+admission", "kvgate-nosmg"]
+    arms = set(report["arms"])
     assert s["errors"] == 0 and s["rounds"] == 1
     for shape in ("small", "sse"):
         lat = s["p50_us"][shape]
-        assert set(lat) == {"direct", "smg", "kvgate-off", "lifecycle+admission"}
+        assert set(lat) == arms
         # every hop costs something and nothing on loopback takes a second
         assert all(0 < v < 1e6 for v in lat.values())
-        assert lat["smg"] > lat["direct"]
+        assert lat["smg"] > lat["direct"] and lat["kvgate-nosmg"] > lat["direct"]
+        assert set(s["cpu_us_per_request_one_connection"][shape]) == arms - {"direct"}
     rps, cpu = s["max_rps"]["small"], s["cpu_us_per_request"]["small"]
-    assert set(rps) == {"direct", "smg", "kvgate-off", "lifecycle+admission"}
+    assert set(rps) == arms
     assert all(v > 10 for v in rps.values())
     # the proxies' own CPU per request: more than nothing, less than a second; direct has no proxy
-    assert set(cpu) == {"smg", "kvgate-off", "lifecycle+admission"}
+    assert set(cpu) == arms - {"direct"}
     assert all(0 < v < 1e6 for v in cpu.values())
     # every request answered: requests counted per sample
     assert all(x["requests"] > 0 for x in report["samples"])
     md = (tmp_path / "proxy-bench.md").read_text()
-    assert md.count("\n| small /generate") == 3  # p50 row, SSE row, throughput row
-    assert "| request | smg adds | kvgate-off adds | lifecycle+admission adds |" in md
+    assert md.count("\n| small /generate") == 5  # p50 and CPU rows for small and SSE, throughput row
+    assert "| request | smg adds | kvgate-off adds | lifecycle+admission adds | kvgate-nosmg adds |" in md
     assert os.listdir(tmp_path) and sorted(os.listdir(tmp_path)) == ["proxy-bench.json", "proxy-bench.md"]

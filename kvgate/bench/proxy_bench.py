@@ -37,13 +37,16 @@ SHAPE_TOKENS = {"small": 16, "8k": 8192, "64k": 65536, "sse": 16}
 #: and re-serialises the body, so the stand-in cannot read "stream" from it).
 SSE_REQUEST_ID = "sse-bench"
 
-ALL_ARMS = ("direct", "smg", "kvgate-off", "lifecycle", "lifecycle+admission", "placement")
+ALL_ARMS = ("direct", "smg", "kvgate-off", "lifecycle", "lifecycle+admission", "placement", "kvgate-nosmg")
 KVGATE_FLAGS = {
     "kvgate-off": [],
     "lifecycle": ["--agentic-session-lifecycle"],
     "lifecycle+admission": ["--agentic-session-lifecycle", "--agentic-program-admission",
                             "--admission-poll-interval-s", "0.5"],
     "placement": ["--agentic-session-lifecycle", "--session-placement", "kvgate"],
+    # features off, in front of the stand-in itself: kvgate's own hop without smg's (smg's SSE path stalls a
+    # keep-alive client like wrk for a delayed ACK, ~40 ms a stream; kvgate's client to smg does not)
+    "kvgate-nosmg": ["--no-compat-probe"],
 }
 
 
@@ -256,8 +259,12 @@ def run(args: argparse.Namespace) -> int:
             order = arms[rnd % len(arms):] + arms[:rnd % len(arms)]
             for shape in args.shapes:
                 for arm in order:
+                    cpu0 = group_cpu_s(pgids[arm]) if arm in pgids else None
                     r = _wrk(urls[arm], scripts[shape], 1, args.latency_s)
-                    samples.append(Sample(rnd, arm, shape, "latency", p50_us=r.get("p50_us"),
+                    cpu = None
+                    if cpu0 is not None and r["requests"] > 0:
+                        cpu = (group_cpu_s(pgids[arm]) - cpu0) / r["requests"] * 1e6
+                    samples.append(Sample(rnd, arm, shape, "latency", p50_us=r.get("p50_us"), cpu_us_per_req=cpu,
                                           requests=int(r["requests"]), errors=int(r["errors"])))
             for shape in args.throughput_shapes:
                 for arm in order:
@@ -321,12 +328,18 @@ def _start_chain(arms: list[str], work: Path, started: list[procs.Proc],
         # the baseline's package directory goes first on sys.path (ahead of the installed kvgate and the cwd)
         entry = (["-c", f"import sys; sys.path.insert(0, {str(Path(baseline).resolve())!r}); "
                         "from kvgate.cli import main; sys.exit(main())"] if tag else ["-m", "kvgate"])
-        cmd = [sys.executable, *entry, "serve", "--upstream", router.url, "--port", str(kport),
+        upstream = ng.url if name == "kvgate-nosmg" else router.url
+        cmd = [sys.executable, *entry, "serve", "--upstream", upstream, "--port", str(kport),
                "--log-level", "warning", *KVGATE_FLAGS[name]]
+        if name == "kvgate-nosmg":
+            cmd += ["--engines", ng.url]
         kv = procs.start(f"kvgate-{arm.replace('+', '-')}", cmd, work, url=f"http://127.0.0.1:{kport}")
         started.append(kv)
-        procs.wait_http(kv.url + "/kvgate/engines", 30, kv,
-                        lambda st, body: st == 200 and len(json.loads(body)["engines"]) == 1)
+        if name == "kvgate-nosmg":  # no router to list engines: ready when it answers
+            procs.wait_http(kv.url + "/kvgate/health", 30, kv)
+        else:
+            procs.wait_http(kv.url + "/kvgate/engines", 30, kv,
+                            lambda st, body: st == 200 and len(json.loads(body)["engines"]) == 1)
         if "--agentic-program-admission" in KVGATE_FLAGS[name]:  # measure once the ledger has its capacity
             procs.wait_http(kv.url + "/kvgate/stats", 30, kv,
                             lambda st, body: st == 200 and not json.loads(body)["ledger"]["degraded"])

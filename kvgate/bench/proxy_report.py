@@ -1,10 +1,12 @@
 """The proxy hot-path benchmark's summary: medians over rounds, added cost per hop, ratios to smg (pure).
 
 Input: one record per (round, arm, shape, mode) measured by ``kvgate bench-proxy`` (kvgate/bench/proxy_bench.py).
-Added latency of a hop = its arm's p50 minus the p50 of the arm it sits in front of: smg adds
-p50(smg) - p50(direct); a kvgate arm adds p50(kvgate arm) - p50(smg). Ratios divide a kvgate arm's added
-latency by smg's. Medians are taken over rounds per (arm, shape) before subtracting, so a noisy round of one
-arm moves one sample, not the whole comparison.
+Added latency of a hop = its arm's p50 minus the p50 of the arm it sits in front of, in the same round: smg
+adds p50(smg) - p50(direct); a kvgate arm adds p50(kvgate arm) - p50(smg) (``kvgate-nosmg`` talks to the stand-in
+directly: it adds p50(kvgate-nosmg) - p50(direct)). The reported figure is the median over rounds of those
+per-round differences, so a noisy round moves one sample, not the whole comparison. Ratios divide a kvgate arm's
+added latency by smg's. CPU per request (the proxy process group's user + system time over the requests it
+relayed) is reported for the latency runs too: on a shared machine it is the steadier measure of a hop's work.
 """
 
 from __future__ import annotations
@@ -16,7 +18,8 @@ from typing import Any, Iterable, Mapping
 #: Arms in table order. "direct" talks to the upstream stand-in, "smg" to the router in front of it, every
 #: kvgate arm to a kvgate in front of smg.
 DIRECT, SMG = "direct", "smg"
-KVGATE_ARMS = ("kvgate-off", "lifecycle", "lifecycle+admission", "placement")
+NOSMG = "kvgate-nosmg"
+KVGATE_ARMS = ("kvgate-off", "lifecycle", "lifecycle+admission", "placement", NOSMG)
 ARM_ORDER = (DIRECT, SMG, *KVGATE_ARMS)
 SHAPE_ORDER = ("small", "8k", "64k", "sse")
 SHAPE_TITLES = {"small": "small /generate", "8k": "8K-token /generate", "64k": "64K-token /generate",
@@ -46,6 +49,7 @@ class Summary:
     ratio[shape][arm] = added / smg's added; rps[shape][arm]; cpu[shape][arm] us/request; errors summed."""
 
     latency: dict[str, dict[str, float]] = field(default_factory=dict)
+    latency_cpu: dict[str, dict[str, float]] = field(default_factory=dict)
     added: dict[str, dict[str, float]] = field(default_factory=dict)
     ratio: dict[str, dict[str, float | None]] = field(default_factory=dict)
     rps: dict[str, dict[str, float]] = field(default_factory=dict)
@@ -55,7 +59,15 @@ class Summary:
 
     def to_json(self) -> dict[str, Any]:
         return {"rounds": self.rounds, "errors": self.errors, "p50_us": self.latency, "added_us": self.added,
-                "ratio_to_smg": self.ratio, "max_rps": self.rps, "cpu_us_per_request": self.cpu}
+                "ratio_to_smg": self.ratio, "max_rps": self.rps, "cpu_us_per_request": self.cpu,
+                "cpu_us_per_request_one_connection": self.latency_cpu}
+
+
+def front_of(arm: str) -> str | None:
+    """The arm whose p50 ``arm``'s hop adds to: direct for smg and kvgate-nosmg, smg for the other kvgate arms."""
+    if arm == DIRECT:
+        return None
+    return DIRECT if arm in (SMG, NOSMG) or arm.startswith(NOSMG + "@") else SMG
 
 
 def _median(values: Iterable[float | None]) -> float | None:
@@ -75,6 +87,9 @@ def summarise(samples: Iterable[Sample]) -> Summary:
             m = _median(s.p50_us for s in group)
             if m is not None:
                 out.latency.setdefault(shape, {})[arm] = m
+            cpu = _median(s.cpu_us_per_req for s in group)
+            if cpu is not None:
+                out.latency_cpu.setdefault(shape, {})[arm] = cpu
         else:
             rps = _median(s.rps for s in group)
             if rps is not None:
@@ -82,14 +97,18 @@ def summarise(samples: Iterable[Sample]) -> Summary:
             cpu = _median(s.cpu_us_per_req for s in group)
             if cpu is not None:
                 out.cpu.setdefault(shape, {})[arm] = cpu
-    for shape, lat in out.latency.items():
-        added: dict[str, float] = {}
-        if DIRECT in lat and SMG in lat:
-            added[SMG] = lat[SMG] - lat[DIRECT]
-        if SMG in lat:
-            for arm in lat:
-                if arm not in (DIRECT, SMG):
-                    added[arm] = lat[arm] - lat[SMG]
+    per_round: dict[tuple[str, int], dict[str, float]] = {}
+    for s in samples:
+        if s.mode == "latency" and s.p50_us is not None:
+            per_round.setdefault((s.shape, s.round), {})[s.arm] = s.p50_us
+    diffs: dict[str, dict[str, list[float]]] = {}
+    for (shape, _), lat in per_round.items():
+        for arm, v in lat.items():
+            front = front_of(arm)
+            if front is not None and front in lat:
+                diffs.setdefault(shape, {}).setdefault(arm, []).append(v - lat[front])
+    for shape, by_arm in diffs.items():
+        added = {arm: statistics.median(v) for arm, v in by_arm.items()}
         out.added[shape] = added
         smg_added = added.get(SMG)
         out.ratio[shape] = {arm: (a / smg_added if smg_added and smg_added > 0 else None)
@@ -143,6 +162,16 @@ def markdown(summary: Summary, meta: Mapping[str, Any] | None = None) -> str:
             rps = summary.rps[shape].get(a)
             cpu = summary.cpu.get(shape, {}).get(a)
             row.append("-" if rps is None else f"{rps:,.0f}" + (f" ({cpu:.0f} us)" if cpu is not None else ""))
+        lines.append("| " + " | ".join(row) + " |")
+    for shape in SHAPE_ORDER:
+        if shape not in summary.latency_cpu:
+            continue
+        cpu = summary.latency_cpu[shape]
+        row = [f"{SHAPE_TITLES.get(shape, shape)}, CPU/req at 1 connection"]
+        for a in arms:
+            v = cpu.get(a)
+            ratio = f" ({v / cpu[SMG]:.2f}x)" if v is not None and a != SMG and cpu.get(SMG) else ""
+            row.append("-" if v is None else f"{_us(v)}{ratio}")
         lines.append("| " + " | ".join(row) + " |")
     lines.append("")
     direct = {s: summary.latency[s].get(DIRECT) for s in SHAPE_ORDER if s in summary.latency}
