@@ -87,12 +87,14 @@ def _nginx_str(data: bytes) -> str:
     return "'" + data.decode().replace("\\", "\\\\").replace("'", "\\'") + "'"
 
 
-def nginx_config(port: int, workdir: Path) -> str:
+def nginx_config(port: int, workdir: Path, token_usage: float = 0.0) -> str:
     """An nginx.conf for a single-process stand-in engine on 127.0.0.1:``port`` (what smg and kvgate call:
-    reference router-compat.md): /health, server and model info, /v1/loads with a huge KV pool, and POST
+    reference router-compat.md): /health, server and model info, /v1/loads with a huge KV pool (``token_usage``
+    full: 0.99 holds every request in admission), and POST
     /generate answered with fixed JSON (or SSE for x-request-id SSE_REQUEST_ID*). Bodies are read and dropped."""
     w = str(workdir)
-    loads = json.dumps({"loads": [{"dp_rank": 0, "num_used_tokens": 0, "token_usage": 0.0,
+    loads = json.dumps({"loads": [{"dp_rank": 0, "num_used_tokens": int(token_usage * STANDIN_MAX_TOTAL_NUM_TOKENS),
+                                   "token_usage": token_usage,
                                    "max_total_num_tokens": STANDIN_MAX_TOTAL_NUM_TOKENS, "num_reqs": 0,
                                    "num_waiting_reqs": 0}]}).encode()
     server_info = json.dumps({"model_path": "", "tokenizer_path": None, "version": "0.5.17",
@@ -196,6 +198,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="arms to run (direct and smg are always run: ratios need them)")
     p.add_argument("--shapes", nargs="+", default=list(SHAPE_TOKENS), choices=list(SHAPE_TOKENS),
                    help="request shapes measured at one connection")
+    p.add_argument("--waiters", type=int, default=0, metavar="N",
+                   help="instead of the table: hold N small requests in admission (the stand-in reports a full KV "
+                        "pool) and report kvgate's RSS before, while they wait, and after they leave")
     p.add_argument("--baseline", metavar="DIR",
                    help="another kvgate source tree (e.g. a git worktree of main): its kvgate arms run in the "
                         "same rounds as 'ARM@base', for before/after figures from one run")
@@ -230,6 +235,8 @@ def run(args: argparse.Namespace) -> int:
         print("kvgate bench-proxy: --rounds, --latency-s, --throughput-s and --connections must be >= 1",
               file=sys.stderr)
         return 2
+    if getattr(args, "waiters", 0):
+        return _run_waiters(args)
     arms = [a for a in ALL_ARMS if a in (DIRECT, SMG) or a in args.arms]
     if "placement" in arms and not _placement_available():
         print("kvgate bench-proxy: this kvgate has no session_placement key; the placement arm is left out",
@@ -240,7 +247,7 @@ def run(args: argparse.Namespace) -> int:
         if not Path(baseline, "kvgate", "__init__.py").exists():
             print(f"kvgate bench-proxy: --baseline: {baseline} has no kvgate package", file=sys.stderr)
             return 2
-        arms += [f"{a}@base" for a in arms if a not in (DIRECT, SMG) and a != "placement"]
+        arms += [f"{a}@base" for a in arms if a not in (DIRECT, SMG, "placement", "kvgate-nosmg")]
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix="kvgate-proxy-bench-"))
@@ -356,3 +363,78 @@ def _wrk(url: str, script: Path, connections: int, seconds: int) -> dict[str, fl
     if res.returncode != 0:
         raise RuntimeError(f"wrk failed ({res.returncode}): {res.stderr.strip()[-300:]}")
     return parse_wrk(res.stdout)
+
+
+def rss_mb(pid: int) -> float:
+    """Resident set size of process ``pid``, MiB (/proc/<pid>/status VmRSS)."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    return 0.0
+
+
+def _run_waiters(args: argparse.Namespace) -> int:
+    """``--waiters N``: N small requests held in admission by a full KV pool, then their clients leave."""
+    import asyncio
+    import urllib.request
+    n = args.waiters
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix="kvgate-proxy-bench-"))
+    started: list[procs.Proc] = []
+
+    def waiting(url: str) -> int:
+        with urllib.request.urlopen(url + "/kvgate/stats", timeout=10) as r:
+            return int(json.loads(r.read())["waiting"])
+
+    async def hold(port: int, url: str, pid: int) -> dict[str, float]:
+        body = request_body("small")
+        req = (b"POST /generate HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+               b"Content-Length: %d\r\n\r\n" % len(body)) + body
+        before = rss_mb(pid)
+        writers = []
+        for _ in range(n):
+            _, w = await asyncio.open_connection("127.0.0.1", port)
+            w.write(req)
+            writers.append(w)
+        deadline = time.monotonic() + 120
+        while waiting(url) < n:  # polling a process we started: the one place a short pause is the event
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"only {waiting(url)} of {n} requests waiting after 120 s")
+            await asyncio.sleep(0.2)
+        held = rss_mb(pid)
+        for w in writers:
+            w.close()
+        while waiting(url) > 0:
+            await asyncio.sleep(0.2)
+        await asyncio.sleep(1.0)  # let the cancelled handlers finish
+        return {"waiters": n, "rss_before_mib": round(before, 1), "rss_waiting_mib": round(held, 1),
+                "rss_after_mib": round(rss_mb(pid), 1), "kib_per_waiter": round((held - before) * 1024 / n, 2)}
+
+    try:
+        import resource
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        if soft < n + 100:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (min(hard, n + 1000), hard))
+        nport = procs.free_port()
+        conf = work / "nginx.conf"
+        conf.write_text(nginx_config(nport, work, token_usage=0.99))
+        ng = procs.start("nginx", [procs.find_executable("nginx") or "/usr/sbin/nginx", "-p", str(work), "-c",
+                                   str(conf)], work, url=f"http://127.0.0.1:{nport}")
+        started.append(ng)
+        procs.wait_http(ng.url + "/health", 30, ng)
+        kport = procs.free_port()
+        kv = procs.start("kvgate", [sys.executable, "-m", "kvgate", "serve", "--upstream", ng.url, "--engines", ng.url,
+                                    "--no-compat-probe", "--port", str(kport), "--log-level", "warning",
+                                    *KVGATE_FLAGS["lifecycle+admission"], "--agentic-admission-max-wait-s", "3600"],
+                         work, url=f"http://127.0.0.1:{kport}")
+        started.append(kv)
+        procs.wait_http(kv.url + "/kvgate/stats", 30, kv,
+                        lambda st, body: st == 200 and not json.loads(body)["ledger"]["degraded"])
+        res = asyncio.run(hold(kport, kv.url, kv.popen.pid))
+        (out / "proxy-bench-waiters.json").write_text(json.dumps(res, indent=1))
+        print(json.dumps(res))
+        return 0
+    finally:
+        procs.stop_all(started)
+        shutil.rmtree(work, ignore_errors=True)
