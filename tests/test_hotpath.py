@@ -57,6 +57,9 @@ async def test_features_off_relays_the_generate_body_unparsed(kvgate_factory, ec
     assert echo_upstream.received[0]["body"] == raw
     gw2, _ = await kvgate_factory(upstream=echo_upstream.url, agentic_session_lifecycle=True)
     assert gw2.reads_body is True
+    # placement by kvgate reads the session id from the body even with lifecycle off
+    gw3, _ = await kvgate_factory(upstream=echo_upstream.url, session_placement="kvgate")
+    assert gw3.reads_body is True
 
 
 def test_relayed_metrics_reuse_their_children():

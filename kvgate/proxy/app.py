@@ -158,10 +158,9 @@ class Gateway:
             self.poller.listeners.append(self._capacity)
         self.gate: Gate = gate or OpenGate()
         # Generate bodies are parsed only when a feature reads them (session ids, prompts, reservations, and
-        # session placement by kvgate where this kvgate has it): features off, a 64K-token body is relayed unparsed.
-        placement = getattr(self, "placement_modes", None) or {}
+        # kvgate's session placement): features off, a 64K-token body is relayed unparsed.
         self.reads_body = (self.lifecycle_on or not isinstance(self.gate, OpenGate)
-                           or any(m == "kvgate" for m in placement.values()))
+                           or any(m == "kvgate" for m in self.placement_modes.values()))
         self.started = time.time()
         self.app = self._build_app()
 
