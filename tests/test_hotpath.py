@@ -71,6 +71,10 @@ def test_relayed_metrics_reuse_their_children():
     assert m.requests.labels("/generate", "200")._value.get() == 3
     assert m.requests.labels("other", "error")._value.get() == 1
     assert m.upstream_latency.labels("/generate")._sum.get() == 1.5
+    c = m.child(m.session_id_injected, "body")
+    assert c is m.child(m.session_id_injected, "body") and c is m.session_id_injected.labels("body")
+    c.inc()
+    assert m.session_id_injected.labels("body")._value.get() == 1
 
 
 def test_lease_expiry_floor_still_reclaims_every_due_lease():

@@ -407,7 +407,7 @@ class Gateway:
                 self.metrics.placement_calls.labels("connect_retry").inc()
                 tried.append(target.engine)
                 continue
-            self.metrics.placement_calls.labels("engine").inc()
+            self.metrics.child(self.metrics.placement_calls, "engine").inc()
             return resp, outcome
 
     def _pick(self, plan: SessionPlan, body_obj: dict, keys: list[int], tried: list[str]):
@@ -416,7 +416,7 @@ class Gateway:
             return None, None
         if self.placement.last_reason != "sticky":
             reason = "replaced" if self.placement.last_replaced else self.placement.last_reason
-            self.metrics.placements.labels(target.engine, reason).inc()
+            self.metrics.child(self.metrics.placements, target.engine, reason).inc()
             self._publish_placed()
         self.placement.remember_prefix(keys, target)
         return target, self._engine_body(plan.body, body_obj, target)
@@ -538,7 +538,7 @@ class Gateway:
             units = request_units(path, body_obj)
             if units is not None:
                 inferred = self.inference.infer(units, self.lifecycle.clock())
-                self.metrics.session_inference.labels(inferred.reason).inc()
+                self.metrics.child(self.metrics.session_inference, inferred.reason).inc()
                 sid, source = inferred.session_id, "inferred"
         if sid is None:
             return SessionPlan(body=raw)
@@ -549,7 +549,7 @@ class Gateway:
         if inferred is not None:
             # Synchronously, before the admission wait: a concurrent turn must see this session busy.
             self.inference.on_request_start(sid, units, self.lifecycle.clock(), inferred.prepared)
-        self.metrics.session_id_injected.labels(source).inc()
+        self.metrics.child(self.metrics.session_id_injected, source).inc()
         extra = {}
         rk = self.cfg.routing_key_header
         if self.cfg.set_routing_key and rk not in request.headers:

@@ -20,6 +20,7 @@ class Metrics:
     def __init__(self) -> None:
         r = self.registry = CollectorRegistry(auto_describe=True)
         self._relayed: dict[tuple[str, str], tuple] = {}
+        self._children: dict[tuple, object] = {}
         p = "agentic_kv_"
         # proxy
         self.requests = Counter(p + "requests", "Requests relayed, by route and upstream status "
@@ -139,6 +140,15 @@ class Metrics:
                        "unsupported"):
             self.session_inference.labels(result)
 
+
+    def child(self, metric, *values: str):
+        """``metric.labels(*values)``, looked up once and kept (request-path counters: no key tuple, lock and
+        dict lookup inside prometheus_client per request). Only for bounded label sets."""
+        key = (id(metric), values)
+        c = self._children.get(key)
+        if c is None:
+            c = self._children[key] = metric.labels(*values)
+        return c
 
     def relayed(self, route: str, status: str, elapsed_s: float) -> None:
         """Count one relayed request (route label, upstream status or error) and its upstream latency, seconds.
