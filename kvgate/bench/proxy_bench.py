@@ -38,11 +38,13 @@ SHAPE_TOKENS = {"small": 16, "8k": 8192, "64k": 65536, "sse": 16}
 SSE_REQUEST_ID = "sse-bench"
 
 ALL_ARMS = ("direct", "smg", "kvgate-off", "lifecycle", "lifecycle+admission", "placement", "kvgate-nosmg")
+# The lifecycle arms keep smg on the path (session_placement router): with the default (auto) kvgate itself
+# places /generate sessions behind a router that drops session_id, which is the placement arm.
 KVGATE_FLAGS = {
     "kvgate-off": [],
-    "lifecycle": ["--agentic-session-lifecycle"],
+    "lifecycle": ["--agentic-session-lifecycle", "--session-placement", "router"],
     "lifecycle+admission": ["--agentic-session-lifecycle", "--agentic-program-admission",
-                            "--admission-poll-interval-s", "0.5"],
+                            "--admission-poll-interval-s", "0.5", "--session-placement", "router"],
     "placement": ["--agentic-session-lifecycle", "--session-placement", "kvgate"],
     # features off, in front of the stand-in itself: kvgate's own hop without smg's (smg's SSE path stalls a
     # keep-alive client like wrk for a delayed ACK, ~40 ms a stream; kvgate's client to smg does not)
