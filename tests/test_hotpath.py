@@ -9,7 +9,6 @@ import orjson
 from kvgate.admission.ledger import Ledger
 from kvgate.admission.capacity import ClusterSnapshot, EngineCapacity
 from kvgate.admission.reservation import estimate_reservation
-from kvgate.proxy import app as app_module
 from kvgate.proxy.classify import classify
 from kvgate.proxy.metrics import Metrics
 
@@ -38,25 +37,36 @@ def test_token_id_prompts_are_counted_by_length():
                                 expected_decode_cap=4096) == 102
 
 
-async def test_features_off_relays_the_generate_body_unparsed(kvgate_factory, echo_upstream, monkeypatch):
+async def test_features_off_relays_the_generate_body_unparsed(kvgate_factory, echo_upstream):
+    raw = orjson.dumps({"input_ids": list(range(1, 9000)), "session_id": "s"})
+
+    async def send(url):
+        async with aiohttp.ClientSession() as http:
+            async with http.post(url + "/generate", data=raw, headers={"Content-Type": "application/json"}) as r:
+                assert r.status == 200
+
+    def spy_on(gw):
+        parsed = []
+        real = gw._parse_body
+
+        def spy(request, body):
+            parsed.append(real(request, body))
+            return parsed[-1]
+        gw._parse_body = spy
+        return parsed
+
     gw, url = await kvgate_factory(upstream=echo_upstream.url)
     assert gw.reads_body is False
-    parsed = []
-    real = app_module.classify
-
-    def spy(method, path, raw, parse=True):
-        c = real(method, path, raw, parse)
-        parsed.append(c.body)
-        return c
-    monkeypatch.setattr(app_module, "classify", spy)
-    raw = orjson.dumps({"input_ids": list(range(1, 9000)), "session_id": "s"})
-    async with aiohttp.ClientSession() as http:
-        async with http.post(url + "/generate", data=raw, headers={"Content-Type": "application/json"}) as r:
-            assert r.status == 200
-    assert parsed == [None]
+    parsed = spy_on(gw)
+    await send(url)
+    assert parsed == []
     assert echo_upstream.received[0]["body"] == raw
-    gw2, _ = await kvgate_factory(upstream=echo_upstream.url, agentic_session_lifecycle=True)
+    # lifecycle on: the same request is parsed once
+    gw2, url2 = await kvgate_factory(upstream=echo_upstream.url, agentic_session_lifecycle=True)
     assert gw2.reads_body is True
+    parsed2 = spy_on(gw2)
+    await send(url2)
+    assert len(parsed2) == 1 and parsed2[0]["session_id"] == "s"
     # placement by kvgate reads the session id from the body even with lifecycle off
     gw3, _ = await kvgate_factory(upstream=echo_upstream.url, session_placement="kvgate")
     assert gw3.reads_body is True
