@@ -248,6 +248,9 @@ def _run_once(args: argparse.Namespace, records, sessions, admission: bool, log_
         sims = [asyncio.run(_get_json(u + "/sim/stats")) for u in engine_urls]
         stats = asyncio.run(_get_json(kvgate.url + "/kvgate/stats")) if admission else None
         health = asyncio.run(_get_json(kvgate.url + "/kvgate/health"))
+    except BaseException:  # Ctrl-C, SIGTERM or a failure: say why the wait, then stop (finally)
+        print(f"kvgate demo: stopping the {len(started)} processes it started", file=sys.stderr, flush=True)
+        raise
     finally:
         procs.stop_all(started)
 

@@ -26,13 +26,24 @@ TERMINATING_SIGNALS = (signal.SIGTERM, signal.SIGHUP)
 
 
 def exit_on_signals() -> None:
-    """Turn SIGTERM and SIGHUP into SystemExit(128 + signum) in this (orchestrating) process, so its ``finally``
-    blocks run and every child process group it started is stopped instead of being orphaned (SIGINT already
-    raises KeyboardInterrupt)."""
+    """Make the first SIGTERM, SIGHUP or SIGINT end this (orchestrating) process cleanly: SIGTERM and SIGHUP
+    raise SystemExit(128 + signum), SIGINT raises KeyboardInterrupt, so its ``finally`` blocks run and every
+    child process group it started is stopped instead of being orphaned. Every later one of these signals is
+    ignored: the process is already stopping, and a second Ctrl-C must not interrupt that (or the exit after it).
+
+    A SIGINT ignored when the process started (a background job of a non-interactive shell) stays ignored,
+    as POSIX shells intend; such a process is stopped with SIGTERM."""
     def _raise(signum, frame):
+        for sig in (signal.SIGINT, *TERMINATING_SIGNALS):
+            if signal.getsignal(sig) is _raise:
+                signal.signal(sig, signal.SIG_IGN)
+        if signum == signal.SIGINT:
+            raise KeyboardInterrupt
         raise SystemExit(128 + signum)
     for sig in TERMINATING_SIGNALS:
         signal.signal(sig, _raise)
+    if signal.getsignal(signal.SIGINT) is not signal.SIG_IGN:
+        signal.signal(signal.SIGINT, _raise)
 
 
 def stop_all(started: list["Proc"], grace_s: float = 5.0) -> None:

@@ -1,0 +1,71 @@
+"""kvgate.tools.procs: how the demo and the bench react to signals, in a real subprocess (no sleeps: every step
+waits for a line the child prints)."""
+
+import signal
+import subprocess
+import sys
+
+import pytest
+
+# A stand-in for `kvgate demo`: it installs the demo's signal handling, says it is running, and on Ctrl-C says
+# it is stopping, then waits for the test (stdin) before it finishes stopping: presses sent in between land while
+# it stops, whatever the machine's load.
+CHILD = r"""
+import sys, threading
+from kvgate.tools.procs import exit_on_signals
+exit_on_signals()
+try:
+    print("running", flush=True)
+    threading.Event().wait()
+except KeyboardInterrupt:
+    print("stopping", flush=True)
+    sys.stdin.readline()
+    print("stopped", flush=True)
+    raise SystemExit(130)
+"""
+
+
+def _start(ignore_sigint: bool = False) -> subprocess.Popen:
+    # Whatever the test runner's own SIGINT disposition (a background job of a non-interactive shell inherits it
+    # ignored), the child starts as from an interactive terminal, or explicitly with SIGINT ignored.
+    restore = signal.SIG_IGN if ignore_sigint else signal.SIG_DFL
+    return subprocess.Popen([sys.executable, "-c", CHILD], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, restore))
+
+
+@pytest.mark.parametrize("first", [signal.SIGINT, signal.SIGTERM, signal.SIGHUP])
+def test_first_signal_stops_and_later_presses_are_ignored(first):
+    p = _start()
+    try:
+        assert p.stdout.readline() == "running\n"
+        p.send_signal(first)
+        if first == signal.SIGINT:
+            assert p.stdout.readline() == "stopping\n"
+            for _ in range(5):  # Ctrl-C pressed again and again while it stops its children
+                p.send_signal(signal.SIGINT)
+            p.send_signal(signal.SIGTERM)
+            p.stdin.write("\n")
+            p.stdin.flush()
+            assert p.stdout.readline() == "stopped\n"
+            assert p.wait(timeout=30) == 130
+        else:
+            assert p.wait(timeout=30) == 128 + first
+        assert "Traceback" not in p.stderr.read()
+    finally:
+        p.kill()
+        p.wait()
+
+
+def test_sigint_ignored_at_start_stays_ignored():
+    """POSIX shells start background jobs with SIGINT ignored; the demo keeps it so and is stopped by SIGTERM."""
+    p = _start(ignore_sigint=True)
+    try:
+        assert p.stdout.readline() == "running\n"
+        p.send_signal(signal.SIGINT)
+        p.send_signal(signal.SIGTERM)  # an ignored signal is discarded when sent
+        assert p.wait(timeout=30) == 128 + signal.SIGTERM
+        assert p.stdout.read() == ""  # no "stopping": the SIGINT did nothing
+    finally:
+        p.kill()
+        p.wait()
