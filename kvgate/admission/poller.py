@@ -160,20 +160,27 @@ class CapacityPoller:
         return snapshot
 
     def _log_transition(self) -> None:
-        # One line when admission loses or regains its capacity signal, not one per round.
+        # One line when admission loses or regains its capacity signal, not one per round. Losing it needs the
+        # user's action (WARNING, naming the cause); the first figures and their return are INFO.
         if self.gate is None:
             return
         degraded = self.gate.ledger.is_degraded(self.clock())
         if degraded != self._degraded:
             if degraded:
-                log.warning("admission degraded: no fresh KV capacity figures from %s (scrapes: %s); requests bypass "
-                            "the queue until they return", ", ".join(self.directory.urls) or "no engines",
-                            self.last_sources or "none")
-            elif self._degraded is not None:
+                log.warning("admission degraded: %s; requests bypass the queue until then",
+                            degraded_cause(self.directory.upstream, self.directory.static is not None,
+                                           self.directory.last_error, self.directory.urls, self.last_sources))
+            elif self._degraded is None:
+                log.info("admission: KV capacity figures from %d engines, ceiling %d tokens",
+                         len(self.directory.urls), self.gate.ledger.ceiling)
+            else:
                 log.info("admission signal back: ceiling %d tokens", self.gate.ledger.ceiling)
             self._degraded = degraded
 
     async def _run(self) -> None:
+        # The first round waits for the first engine list (or the router's failure to give one): before it,
+        # "no engines" would only mean "not asked yet".
+        await self.directory.first_refresh.wait()
         while True:
             try:
                 await self.poll_once()
@@ -184,3 +191,24 @@ class CapacityPoller:
             self.round_done.set()
             self.round_done.clear()
             await asyncio.sleep(self.interval_s)
+
+
+def degraded_cause(upstream: str, static: bool, discovery_error: str | None, urls: list[str],
+                   scrapes: dict[str, str]) -> str:
+    """Why admission has no fresh KV capacity figures, in words that say what to fix (pure).
+
+    upstream: the router's base URL; static: the engines come from the config, not the router;
+    discovery_error: the router's last discovery failure (None when it answered); urls: the engines known;
+    scrapes: engine URL -> "/v1/loads", "/metrics" or "failed" from the last round."""
+    if not static and discovery_error is not None:
+        return (f"the router at {upstream} does not answer engine discovery ({discovery_error}); "
+                f"check that it is running")
+    if not urls:
+        return (f"the router at {upstream} lists no engines (GET /workers); check its --worker-urls and that "
+                f"the engines are healthy")
+    failed = [u for u in urls if scrapes.get(u, "failed") == "failed"]
+    if failed:
+        return (f"{len(failed)} of {len(urls)} engines did not answer GET /v1/loads or GET /metrics "
+                f"({', '.join(failed)}); check that they are up (/metrics needs --enable-metrics)")
+    return ("the engines' last KV capacity figures are stale or show no healthy engine with KV capacity; check "
+            "their token_usage and max_total_num_tokens in /kvgate/engines and /kvgate/stats")
