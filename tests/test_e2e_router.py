@@ -95,7 +95,7 @@ async def test_close_reaches_every_engine_with_dp_ranks_collapsed_and_dead_engin
     assert list(view["close_pending"]) == [dead]
     assert took < 0.5 * 2 + 1.0  # the dead engine costs the others nothing
     m = gw.metrics.render()[0].decode()
-    assert 'agentic_kv_session_close_total{reason="explicit"} 0.0' in m
+    assert 'agentic_kv_session_close_total{reason="client"} 0.0' in m
     assert "agentic_kv_session_close_failure_total 2.0" in m  # the first call and the one asked for again
     assert 'agentic_kv_session_close_pending{state="pending"} 1.0' in m
     assert 'agentic_kv_session_close_calls_total{result="ok"} 2.0' in m

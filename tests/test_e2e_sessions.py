@@ -78,13 +78,13 @@ async def test_close_missed_by_an_unreachable_engine_is_retried_until_it_has_it(
             await gate.up()  # B's HTTP side is back, with the session's KV still referenced
             async with http.post(kv + "/kvgate/sessions/s-b/close", params={"wait": "1"}) as r:
                 view = await r.json()
-        assert view["state"] == "closed" and view["closes"] == 1 and view["close_reason"] == "explicit"
+        assert view["state"] == "closed" and view["closes"] == 1 and view["close_reason"] == "client"
         assert view["close_results"] == {ga.url: "ok", gb.url: "ok"} and view["close_pending"] == {}
         assert eng.stats()["closes_received"] == 1 and other.stats()["closes_received"] == 1
         assert refs(eng, "s-b") == 0  # B ends with 0 tokens referenced by the session
         assert _metric(gw, 'agentic_kv_session_close_pending{state="pending"}') == 0.0
         assert _metric(gw, "agentic_kv_session_close_failure_total") == 2.0
-        assert _metric(gw, 'agentic_kv_session_close_total{reason="explicit"}') == 1.0
+        assert _metric(gw, 'agentic_kv_session_close_total{reason="client"}') == 1.0
     finally:
         await ga.close()
         await gb.close()

@@ -217,7 +217,7 @@ async def test_every_dashboard_query_returns_series_from_a_real_prometheus(sim_f
         states = _values(panel("Sessions by state"), "state")
         assert states["active"] >= 7 and states["closed"] >= 1
         assert states["active"] + states["closing"] + states["closed"] == 11  # s0-s8, p, late
-        assert set(_values(panel("Sessions closed per second, by reason"), "reason")) >= {"api"}
+        assert set(_values(panel("Sessions closed per second, by reason"), "reason")) >= {"admin_api"}
         assert set(_values(panel("Session id source (named vs inferred)"), "source")) == {"header"}
         assert set(_values(panel("Admission decisions per second", "C"), "reason")) == {"protected", "degraded",
                                                                                        "aged"}

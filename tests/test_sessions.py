@@ -25,7 +25,7 @@ def test_close_is_idempotent_and_reopens():
     reg = SessionRegistry()
     reg.request_started("a", None, 0.0)
     reg.request_finished("a", 1.0)
-    assert reg.begin_close("a", "explicit", 2.0) is True
+    assert reg.begin_close("a", "client", 2.0) is True
     assert reg.begin_close("a", "idle", 2.1) is False
     assert reg.get("a").state == CLOSING
     gen = reg.get("a").close_gen
@@ -40,17 +40,17 @@ def test_close_is_idempotent_and_reopens():
     assert reg.due_retries(3.0) == [("a", gen, E2)]
     assert reg.close_result("a", gen, E2, "ok", 3.1) == OK
     assert s.state == CLOSED and s.closes == 1 and s.close_results == {E1: "ok", E2: "ok"}
-    assert reg.begin_close("a", "explicit", 3.2) is False  # closed on every engine: idempotent
+    assert reg.begin_close("a", "client", 3.2) is False  # closed on every engine: idempotent
     reg.request_started("a", None, 4.0)
     assert s.state == ACTIVE and s.reopened == 1 and s.turns == 2
-    assert reg.begin_close("a", "explicit", 5.0) is True
-    assert reg.begin_close("never-seen", "explicit", 5.0) is True  # closing an unknown id still fans out
+    assert reg.begin_close("a", "client", 5.0) is True
+    assert reg.begin_close("never-seen", "client", 5.0) is True  # closing an unknown id still fans out
     assert reg.counts() == {ACTIVE: 0, CLOSING: 2, CLOSED: 0, "dropped": 0}
 
 
 def test_failed_close_backs_off_gives_up_and_is_rearmed_when_asked_again():
     reg = SessionRegistry(retry=CloseRetry(retries=2, backoff_s=1.0, max_backoff_s=1.5))
-    assert reg.begin_close("s", "explicit", 0.0)
+    assert reg.begin_close("s", "client", 0.0)
     gen = reg.get("s").close_gen
     assert reg.to_send("s", [E1], 0.0) == [E1]
     assert reg.close_result("s", gen, E1, "connect error", 0.0) == PENDING
@@ -63,7 +63,7 @@ def test_failed_close_backs_off_gives_up_and_is_rearmed_when_asked_again():
     s = reg.get("s")
     assert s.state == CLOSED and reg.close_stats["given_up"] == 1 and reg.close_stats["failed_attempts"] == 3
     # the client asks again: the failed engine is re-armed at once with fresh attempts
-    assert reg.begin_close("s", "explicit", 100.0) is True
+    assert reg.begin_close("s", "client", 100.0) is True
     assert s.state == CLOSING and reg.to_send("s", [E1], 100.0) == [E1]
     assert reg.close_result("s", gen, E1, "ok", 100.1) == OK and s.state == CLOSED and s.closes == 2
 
@@ -85,7 +85,7 @@ def test_reopen_cancels_pending_closes_and_stale_results_are_ignored():
 def test_engine_back_makes_its_pending_closes_due_now():
     reg = SessionRegistry(retry=CloseRetry(retries=5, backoff_s=30.0))
     for sid in ("x", "y"):
-        reg.begin_close(sid, "explicit", 0.0)
+        reg.begin_close(sid, "client", 0.0)
         reg.to_send(sid, [E1], 0.0)
         reg.close_result(sid, reg.get(sid).close_gen, E1, "connect error", 0.0)
     assert reg.due_retries(1.0) == []
@@ -95,11 +95,11 @@ def test_engine_back_makes_its_pending_closes_due_now():
 
 def test_a_4xx_is_final_and_no_engine_means_closed():
     reg = SessionRegistry()
-    reg.begin_close("s", "explicit", 0.0)
+    reg.begin_close("s", "client", 0.0)
     reg.to_send("s", [E1], 0.0)
     assert reg.close_result("s", reg.get("s").close_gen, E1, "http 404", 0.0, final=True) == FAILED
     assert reg.get("s").state == CLOSED
-    reg.begin_close("t", "explicit", 0.0)
+    reg.begin_close("t", "client", 0.0)
     assert reg.to_send("t", [], 0.0) == [] and reg.get("t").state == CLOSED
 
 

@@ -1,6 +1,6 @@
 """Property test of the session lifecycle's pure core (registry, step tracker, client aborts) over random
 interleavings of turns, aborts (client-asked and step boundaries), abandoned attempts and their retries,
-closes (explicit, API, idle, asked again), engine outages, calls that are lost or answered late, cache
+closes (client, admin_api, idle, asked again), engine outages, calls that are lost or answered late, cache
 flushes and time. Engines follow SGLang 0.5.17+ (sglang-engine-api.md, Sessions): a request with an id
 re-opens it (tombstone cleared) and a completed one references its KV; a close drops the references and
 tombstones the id; a flush drops every reference.
@@ -119,7 +119,7 @@ class LifecycleMachine(RuleBasedStateMachine):
         if ends_session("abort" if outcome.startswith("abort") else None) and self.aborts.asked(rid):
             self._close(sid, "abort")
 
-    @rule(sid=st.sampled_from(SESSIONS), reason=st.sampled_from(["explicit", "api", "idle"]))
+    @rule(sid=st.sampled_from(SESSIONS), reason=st.sampled_from(["client", "admin_api", "idle"]))
     def close(self, sid, reason):
         if reason == "idle" and (self.reg.get(sid) is None or self.reg.get(sid).state != ACTIVE):
             return  # the idle sweep only closes active sessions
@@ -178,7 +178,7 @@ class LifecycleMachine(RuleBasedStateMachine):
             for sid in SESSIONS:  # the client (or the API) asks again for closes that were given up
                 s = self.reg.get(sid)
                 if s is not None and s.state == CLOSED and any(e.state == FAILED for e in s.engine_closes.values()):
-                    self._close(sid, "explicit")
+                    self._close(sid, "client")
             nxt = self.reg.next_due()
             if not self.wire and nxt is None:
                 break

@@ -289,7 +289,7 @@ class Gateway:
         engine has answered this round of calls, with the per-engine results and pending retries."""
         sid = request.match_info["sid"]
         self._forget(sid)
-        self.lifecycle.close(sid, "api")
+        self.lifecycle.close(sid, "admin_api")
         if request.query.get("wait") in ("1", "true"):
             await self.lifecycle.settled(sid, self.cfg.session_close_drain_s + 4 * self.cfg.close_timeout_s + 1.0)
         s = self.lifecycle.registry.get(sid)
@@ -312,7 +312,7 @@ class Gateway:
         if not isinstance(sid, str) or not sid:
             return _json({"error": {"message": "session_id must be a non-empty string"}}, 400)
         self._forget(sid)
-        self.lifecycle.close(sid, "explicit")
+        self.lifecycle.close(sid, "client")
         return web.Response(status=200)
 
     def _forget(self, sid: str) -> None:

@@ -127,7 +127,8 @@ class Metrics:
             self.body_features_skipped.labels(reason)
         for kind in ("unreachable", "timeout", "cut", "protocol_error"):
             self.upstream_errors.labels(kind)
-        for reason in ("explicit", "api", "idle", "abort", "pause"):
+        # client: its /close_session; admin_api: POST /kvgate/sessions/{id}/close; pause: the program policy
+        for reason in ("client", "admin_api", "idle", "abort", "pause"):
             self.session_close.labels(reason)
         self.session_close_skipped.labels("no_kv")
         for outcome in ("engine", "router_fallback", "connect_retry"):

@@ -349,7 +349,7 @@ class SessionLifecycle:
         if t0 is not None:
             self.metrics.close_latency.observe(time.perf_counter() - t0)
         if s is not None:
-            self.metrics.session_close.labels(s.close_reason or "explicit").inc()
+            self.metrics.session_close.labels(s.close_reason or "client").inc()
         self._notify()
 
     async def _retry_loop(self) -> None:

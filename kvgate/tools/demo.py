@@ -63,6 +63,66 @@ class Replay:
     queue_ms: list[float] = field(default_factory=list)
 
 
+@dataclass
+class CloseFigures:
+    """What the demo counted about sessions and their closes, from kvgate and from the engines.
+
+    sessions: sessions in the trace window; closed: of those, closed in kvgate's registry at the end;
+    closes: kvgate's fan-outs by reason (agentic_kv_session_close_total); session_closes: per session, how
+    many times it was closed (the registry's ``closes``); engines: engines each close went to;
+    failed_calls: engine calls that failed after retries; engine_closes: /close_session calls each engine
+    received; engine_sessions: the session ids each engine saw on a generate call."""
+
+    sessions: int
+    closed: int
+    closes: dict[str, int]
+    session_closes: list[int]
+    engines: int
+    failed_calls: int
+    engine_closes: list[int]
+    engine_sessions: list[set[str]]
+
+
+def reconcile(f: CloseFigures) -> tuple[list[str], list[str]]:
+    """The summary's session, fan-out and engine lines, each sum shown so it can be checked, and the list of
+    figures that do not add up (empty when every one does). Pure: no I/O.
+
+    Why two counts differ when nothing is wrong: a session that sends another turn after kvgate closed it for
+    being idle is reopened and closed again (one session, two closes); every close goes to every engine (one
+    close, one call per engine); a router policy that ignores the routing key (round_robin) can send a
+    session's turns to both engines, so both see its session_id."""
+    total = sum(f.closes.values())
+    again = sum(c - 1 for c in f.session_closes if c > 1)
+    calls = total * f.engines
+    calls_ok = calls - f.failed_calls
+    seen = set().union(*f.engine_sessions) if f.engine_sessions else set()
+    on_many = sum(1 for sid in seen if sum(sid in e for e in f.engine_sessions) > 1)
+    per_engine = sum(len(e) for e in f.engine_sessions)
+    by_reason = ", ".join(f"{k} {v}" for k, v in f.closes.items())
+    lines = [
+        f"sessions   {f.sessions} in the trace window, {f.closed} closed at the end; {total} closes ({by_reason}) = "
+        f"{total - again} sessions + {again} closed again (they sent a turn after their idle close)",
+        f"fan-out    {calls} /close_session calls = {total} closes x {f.engines} engines: {calls_ok} ok, "
+        f"{f.failed_calls} failed; the engines received {' + '.join(map(str, f.engine_closes))} = "
+        f"{sum(f.engine_closes)}",
+        f"engines    session_id reached an engine for {len(seen)} sessions; per engine "
+        f"{' + '.join(str(len(e)) for e in f.engine_sessions)} = {per_engine}"
+        + (f" ({on_many} sessions had turns on more than one engine: the router's policy does not keep a session "
+           f"on one engine)" if on_many else ""),
+    ]
+    off = []
+    if f.closed != f.sessions:
+        off.append(f"{f.sessions - f.closed} sessions not closed at the end")
+    if total - again != len([c for c in f.session_closes if c > 0]):
+        off.append(f"{total} closes by reason, but the registry has {sum(f.session_closes)} closes of "
+                   f"{len([c for c in f.session_closes if c > 0])} sessions")
+    if sum(f.engine_closes) != calls_ok:
+        off.append(f"the engines received {sum(f.engine_closes)} closes, kvgate made {calls_ok} successful calls")
+    if len(seen) != f.sessions:
+        off.append(f"session_id reached the engines for {len(seen)} sessions, the trace window has {f.sessions}")
+    return lines, off
+
+
 def _request(route: str, book: TokenBook, rec, rid: str) -> tuple[str, bytes]:
     """The path and body of one turn: the whole prompt every time (token ids, or text for /v1/completions)."""
     max_new = max(1, rec.output_length)
@@ -255,18 +315,22 @@ def _run_once(args: argparse.Namespace, records, sessions, admission: bool, log_
         procs.stop_all(started)
 
     closes = {k: int(_sum_metric(mtext, "agentic_kv_session_close_total", reason=k))
-              for k in ("idle", "explicit", "api")}
+              for k in ("idle", "client", "admin_api", "abort")}
     close_fail = int(_sum_metric(mtext, "agentic_kv_session_close_failure_total"))
     closed = sum(1 for s in reg["sessions"] if s["state"] == "closed")
-    calls_ok = sum(sum(1 for r in s["close_results"].values() if r == "ok") for s in reg["sessions"])
-    engine_sessions = [len(s["sessions"]) for s in sims]
-    engine_closes = [s["closes_received"] for s in sims]
+    figures = CloseFigures(sessions=n_sessions, closed=closed, closes=closes,
+                           session_closes=[s["closes"] for s in reg["sessions"]], engines=len(engine_urls),
+                           failed_calls=close_fail, engine_closes=[s["closes_received"] for s in sims],
+                           engine_sessions=[set(s["sessions"]) for s in sims])
+    lines, off = reconcile(figures)
     hit = rep.cached_tokens / rep.prompt_tokens if rep.prompt_tokens else 0.0
     summary = {
         "requests": len(records), "ok": rep.ok, "errors": rep.errors, "wall_s": round(wall, 1),
         "sessions": n_sessions, "sessions_closed": closed, "closes_by_reason": closes,
-        "close_calls_ok": calls_ok, "close_failures": close_fail, **end,
-        "engine_sessions_seen": engine_sessions, "engine_closes_received": engine_closes,
+        "close_calls": sum(closes.values()) * len(engine_urls), "close_failures": close_fail, **end,
+        "engine_sessions_seen": [len(x) for x in figures.engine_sessions],
+        "engine_sessions_union": len(set().union(*figures.engine_sessions)),
+        "engine_closes_received": figures.engine_closes, "not_adding_up": off,
         "prompt_tokens": rep.prompt_tokens, "cached_tokens": rep.cached_tokens, "cache_hit_rate": round(hit, 4),
         "latency_p50_s": round(percentile(rep.latencies, 50), 3),
         "latency_p99_s": round(percentile(rep.latencies, 99), 3),
@@ -281,11 +345,10 @@ def _run_once(args: argparse.Namespace, records, sessions, admission: bool, log_
     print(f"  requests   {rep.ok}/{len(records)} ok, errors {rep.errors or 0}, replay wall time {wall:.1f} s")
     print(f"  latency    p50 {summary['latency_p50_s']:.3f} s, p99 {summary['latency_p99_s']:.3f} s")
     print(f"  cache      hit rate {hit:.1%} ({rep.cached_tokens} of {rep.prompt_tokens} prompt tokens cached)")
-    print(f"  sessions   {n_sessions} in the trace window, all closed at the end: {closed}; "
-          f"{sum(closes.values())} closes (idle {closes['idle']}, at the end {closes['api']}, "
-          f"explicit {closes['explicit']}; a session that went on after an idle close is closed again)")
-    print(f"  fan-out    {calls_ok} /close_session calls ok, {close_fail} failed; engines received "
-          f"session_id for {engine_sessions} sessions and {engine_closes} closes")
+    for line in lines:
+        print(f"  {line}")
+    for line in off:
+        print(f"  DOES NOT ADD UP: {line}")
     print(f"  router     turns sent to /{'generate' if args.route == 'generate' else 'v1/completions'}; kvgate's "
           f"probe says the router {health['session_id_passthrough']} top-level session_id on /generate, so "
           f"{health['session_placement']['/generate']} places /generate sessions")
@@ -295,5 +358,5 @@ def _run_once(args: argparse.Namespace, records, sessions, admission: bool, log_
               f"(protected {c['bypass_protected']}, degraded {c['bypass_degraded']}, aged {c['bypass_aged']}), "
               f"cancelled {c['cancelled']}; queue wait p50 {summary['queue_ms_p50']} ms, p99 {summary['queue_ms_p99']} ms, "
               f"max {max(rep.queue_ms) if rep.queue_ms else 0:.0f} ms; ceiling {stats['ledger']['ceiling']} tokens")
-    summary["failed"] = rep.ok != len(records) or close_fail > 0 or closed != n_sessions
+    summary["failed"] = rep.ok != len(records) or close_fail > 0 or bool(off)
     return summary

@@ -1,0 +1,38 @@
+"""The demo's summary reconciles: every printed sum adds up, and a figure that does not is named (pure)."""
+
+from kvgate.tools.demo import CloseFigures, reconcile
+
+
+def _figures(**kw) -> CloseFigures:
+    # 5 sessions on 2 engines; s1 went on after its idle close and was closed twice; s2's turns went to both
+    # engines (round_robin); the rest were closed at the end through kvgate's API.
+    base = dict(sessions=5, closed=5, closes={"idle": 3, "client": 0, "admin_api": 3, "abort": 0},
+                session_closes=[2, 1, 1, 1, 1], engines=2, failed_calls=0, engine_closes=[6, 6],
+                engine_sessions=[{"s0", "s1", "s2"}, {"s2", "s3", "s4"}])
+    return CloseFigures(**{**base, **kw})
+
+
+def test_figures_that_add_up():
+    lines, off = reconcile(_figures())
+    assert off == []
+    assert lines[0] == ("sessions   5 in the trace window, 5 closed at the end; 6 closes (idle 3, client 0, "
+                        "admin_api 3, abort 0) = 5 sessions + 1 closed again (they sent a turn after their idle close)")
+    assert lines[1] == ("fan-out    12 /close_session calls = 6 closes x 2 engines: 12 ok, 0 failed; the engines "
+                        "received 6 + 6 = 12")
+    assert lines[2] == ("engines    session_id reached an engine for 5 sessions; per engine 3 + 3 = 6 (1 sessions had "
+                        "turns on more than one engine: the router's policy does not keep a session on one engine)")
+
+
+def test_failed_calls_are_subtracted():
+    lines, off = reconcile(_figures(failed_calls=1, engine_closes=[6, 5]))
+    assert "12 /close_session calls = 6 closes x 2 engines: 11 ok, 1 failed" in lines[1]
+    assert off == []
+
+
+def test_figures_that_do_not_add_up_are_named():
+    _, off = reconcile(_figures(engine_closes=[6, 7], engine_sessions=[{"s0"}, {"s1"}], closed=4))
+    assert off == ["1 sessions not closed at the end",
+                   "the engines received 13 closes, kvgate made 12 successful calls",
+                   "session_id reached the engines for 2 sessions, the trace window has 5"]
+    _, off = reconcile(_figures(closes={"idle": 3, "client": 0, "admin_api": 4, "abort": 0}, engine_closes=[7, 7]))
+    assert off == ["7 closes by reason, but the registry has 6 closes of 5 sessions"]
