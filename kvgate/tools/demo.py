@@ -38,7 +38,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="replay and simulated compute this many times faster (kvgate's idle close scales too)")
     p.add_argument("--engines", type=int, default=2, help="simulated engines")
     p.add_argument("--max-total-num-tokens", type=int, default=200_000,
-                   help="KV pool of each engine, tokens (small on purpose: the trace window is KV-bound)")
+                   help="KV pool of each engine, tokens")
     p.add_argument("--idle-close-s", type=float, default=30.0, help="kvgate session_idle_close_s (trace time)")
     p.add_argument("--runs", choices=("both", "lifecycle", "admission"), default="both",
                    help="lifecycle: session lifecycle only; admission: lifecycle + program-aware admission; "
