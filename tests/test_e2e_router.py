@@ -56,49 +56,80 @@ async def test_session_id_reaches_engine_through_smg_and_answers_are_identical(s
     assert e1.stats()["sessions"] == {"sess-42": 1}
 
 
+class HeldEngine:
+    """An engine whose /close_session answers only when the test releases it (a hung engine, as an event)."""
+
+    def __init__(self):
+        self.arrived = asyncio.Event()
+        self.release = asyncio.Event()
+
+    async def __aenter__(self):
+        from aiohttp import web
+
+        async def close_session(request):
+            self.arrived.set()
+            await self.release.wait()
+            return web.Response()
+        app = web.Application()
+        app.router.add_post("/close_session", close_session)
+        self.runner = web.AppRunner(app)
+        await self.runner.setup()
+        site = web.TCPSite(self.runner, "127.0.0.1", 0)
+        await site.start()
+        self.url = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
+        return self
+
+    async def __aexit__(self, *exc):
+        self.release.set()
+        await self.runner.cleanup()
+
+
 async def test_close_reaches_every_engine_with_dp_ranks_collapsed_and_dead_engine_bounded(
         sim_factory, router_factory, kvgate_factory):
+    """No wall-clock bounds: an engine that answers only when released shows that the caller is not held by the
+    fan-out and that the other engines (and the dead one) are not held by a slow one."""
     e1 = await sim_factory(max_total_num_tokens=50_000, speed=50, dp_size=2)
     e2 = await sim_factory(max_total_num_tokens=50_000, speed=50)
     w1, w2 = CloseWatcher(e1), CloseWatcher(e2)
     router = await router_factory([e1.url, e2.url])
     dead = f"http://127.0.0.1:{free_port()}"
-    # DP-aware style URLs: the same engine listed once per rank; plus an engine that is down.
-    gw, kv = await kvgate_factory(upstream=router, agentic_session_lifecycle=True, close_timeout_s=0.5,
-                                  close_retry_backoff_s=30.0,  # no timed retry during the test
-                                  engines=[e1.url + "@0", e1.url + "@1", e2.url, dead])
-    await gw.directory.first_refresh.wait()
-    assert gw.directory.urls == [e1.url, e2.url, dead]
-    async with aiohttp.ClientSession() as http:
+    async with HeldEngine() as held, aiohttp.ClientSession() as http:
+        # DP-aware style URLs: the same engine listed once per rank; plus an engine that is down and one that hangs.
+        gw, kv = await kvgate_factory(upstream=router, agentic_session_lifecycle=True, close_timeout_s=60,
+                                      close_retry_backoff_s=30.0,  # no timed retry during the test
+                                      engines=[e1.url + "@0", e1.url + "@1", e2.url, dead, held.url])
+        await gw.directory.first_refresh.wait()
+        assert gw.directory.urls == [e1.url, e2.url, dead, held.url]
         for turn in range(3):
             st, _, _ = await _post(http, kv + "/generate", {"input_ids": [1, 2, 3, turn], "sampling_params": {
                 "max_new_tokens": 2}}, {"X-Session-ID": "s-close"})
             assert st == 200
-        t0 = time.monotonic()
         async with http.post(kv + "/close_session", json={"session_id": "s-close"}) as r:
             assert r.status == 200 and await r.read() == b""
-        answered = time.monotonic() - t0
+        # answered although the held engine cannot have answered: the caller is never held by the fan-out
+        assert gw.lifecycle.registry.get("s-close").state == "closing" and not held.release.is_set()
         await w1.wait_for("s-close")
         await w2.wait_for("s-close")
+        await held.arrived.wait()
+        # every other engine has its answer while the hung one still holds its call: one slow engine holds up none
         await gw.lifecycle.wait_until(lambda: gw.lifecycle.registry.get("s-close").close_results.keys() == {
             e1.url, e2.url, dead})
-        took = time.monotonic() - t0
+        held.release.set()
+        await gw.lifecycle.wait_until(lambda: held.url in gw.lifecycle.registry.get("s-close").close_results)
         # Asking again is idempotent for the engines that have the close, and retries the one that does not.
         async with http.post(kv + "/kvgate/sessions/s-close/close", params={"wait": "1"}) as r:
             view = await r.json()
-    assert answered < 0.25  # the caller is never held by the fan-out
     assert w1.ids.count("s-close") == 1 and w2.ids.count("s-close") == 1  # one call per engine, not per DP rank
     assert view["state"] == "closing" and view["closes"] == 0 and view["turns"] == 3  # not closed: dead lacks it
-    assert view["close_results"][e1.url] == "ok" and view["close_results"][e2.url] == "ok"
+    assert [view["close_results"][u] for u in (e1.url, e2.url, held.url)] == ["ok", "ok", "ok"]
     assert view["close_results"][dead].startswith("connect error")
     assert view["close_pending"][dead]["state"] == "pending" and view["close_pending"][dead]["attempts"] == 1
     assert list(view["close_pending"]) == [dead]
-    assert took < 0.5 * 2 + 1.0  # the dead engine costs the others nothing
     m = gw.metrics.render()[0].decode()
     assert 'agentic_kv_session_close_total{reason="client"} 0.0' in m
     assert "agentic_kv_session_close_failure_total 2.0" in m  # the first call and the one asked for again
     assert 'agentic_kv_session_close_pending{state="pending"} 1.0' in m
-    assert 'agentic_kv_session_close_calls_total{result="ok"} 2.0' in m
+    assert 'agentic_kv_session_close_calls_total{result="ok"} 3.0' in m
 
 
 async def test_close_waits_for_inflight_request(sim_factory, router_factory, kvgate_factory):
@@ -132,9 +163,9 @@ async def test_idle_close_fires(sim_factory, router_factory, kvgate_factory):
                                {"X-Session-ID": "idle-1"})
         assert st == 200
         finished = time.monotonic()
-        await w1.wait_for("idle-1", timeout=10)
+        await w1.wait_for("idle-1", timeout=60)
         waited = time.monotonic() - finished
-    assert 0.3 <= waited < 2.0
+    assert waited >= 0.3  # not before the idle threshold (how late the sweep runs on a busy machine is not asserted)
     s = gw.lifecycle.registry.get("idle-1")
     assert s.close_reason == "idle"
     assert 'agentic_kv_session_close_total{reason="idle"} 1.0' in gw.metrics.render()[0].decode()
@@ -226,7 +257,7 @@ async def test_client_disconnect_aborts_the_engine_request_through_smg(sim_facto
     async def aborted():
         while e1.stats()["totals"]["aborted"] < 1:
             await asyncio.sleep(0.02)
-    await asyncio.wait_for(aborted(), 10)
+    await asyncio.wait_for(aborted(), 60)
     st = e1.stats()["totals"]
     assert st["running"] == 0 and st["generation_tokens"] < 5000  # stopped early, KV no longer decoding
     while gw.lifecycle.registry.get("gone").in_flight:

@@ -125,7 +125,6 @@ async def test_every_dashboard_query_returns_series_from_a_real_prometheus(sim_f
     prom_bin = _require(_prometheus(), "prometheus (Debian package prometheus)")
     smg = _require(procs.find_executable("smg"), "the smg router (pip install smg)")
     assert smg
-    t_start = time.monotonic()
     started: list[procs.Proc] = []
     try:
         # Fleet: two engines of 2,000 tokens (the second with the session cache off -> an engine warning),
@@ -234,8 +233,6 @@ async def test_every_dashboard_query_returns_series_from_a_real_prometheus(sim_f
         assert [(r["metric"]["engine"], r["metric"]["kind"], r["value"][1]) for r in warnings] == \
             [(e2.url, "session_radix_cache_off", "1")]
         assert _values(panel("Budget degraded"), "instance") == {_hostport(kv): 0.0}
-        elapsed = time.monotonic() - t_start
-        assert elapsed < 60, f"the test took {elapsed:.1f} s"
     finally:
         for p in reversed(started):
             p.stop()
