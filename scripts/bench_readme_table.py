@@ -1,4 +1,4 @@
-"""Print the compact per-arm table the README quotes from a bench run: ``python scripts/bench_readme_table.py
+"""Print the compact per-arm table docs/benchmark.md quotes from a bench run: ``python scripts/bench_readme_table.py
 DIR`` (DIR holds results.json from ``kvgate bench``; a results file such as docs/bench/kvb-A.json works too).
 Every figure is the mean over the run's seeds."""
 

@@ -239,7 +239,7 @@ def _ranking_text(tiers: list[list[str]], n_seeds: int, se: float | None, df: in
 
 def results_path(where: str) -> Path:
     """DIR/results.json of a bench run's --out directory, or ``where`` itself when it names a results file
-    (docs/bench/*.json keep the README's runs)."""
+    (docs/bench/*.json keep the runs docs/benchmark.md quotes)."""
     p = Path(where)
     return p / "results.json" if p.is_dir() else p
 

@@ -1,0 +1,29 @@
+"""docs/metrics.md says which labelled series exist at 0 from the start (before their first event) and which
+appear with their first event: a fresh kvgate's /metrics must say the same."""
+
+from prometheus_client.parser import text_string_to_metric_families
+
+from kvgate.proxy.metrics import Metrics
+
+
+def _samples() -> dict[tuple[str, tuple], float]:
+    text = Metrics().render()[0].decode()
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for fam in text_string_to_metric_families(text) for s in fam.samples}
+
+
+def test_known_labels_are_exported_at_zero_from_the_start():
+    got = _samples()
+    expected = {
+        "agentic_kv_faults_total": ("stage", ["session", "registry", "admission", "idle_sweep", "inference"]),
+        "agentic_kv_upstream_errors_total": ("kind", ["unreachable", "timeout", "cut"]),
+        "agentic_kv_session_close_total": ("reason", ["client", "admin_api", "idle", "abort"]),
+        "agentic_kv_session_close_skipped_total": ("reason", ["no_kv"]),
+        "agentic_kv_session_inference_total": ("result", ["decisive", "partial", "rerender", "prompt-only", "new",
+                                                          "new-ambiguous", "unsupported"]),
+    }
+    for name, (label, values) in expected.items():
+        for v in values:
+            assert got[(name, ((label, v),))] == 0.0, (name, v)
+    assert not [k for k in got if k[0] == "agentic_kv_session_close_total" and k[1][0][1] in ("explicit", "api")]
+    assert not [k for k in got if k[0].startswith("agentic_kv_engine_warning")]  # appears with its first warning
