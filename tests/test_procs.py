@@ -69,3 +69,46 @@ def test_sigint_ignored_at_start_stays_ignored():
     finally:
         p.kill()
         p.wait()
+
+
+# The demo's replay is asyncio: a Ctrl-C that lands inside a task's step (here: the task is in a blocking read
+# when the signal comes, so it lands there whatever the timing) must stop asyncio.run as a whole, not end that one
+# task with an exception asyncio then reports as "Task exception was never retrieved".
+ASYNC_CHILD = r"""
+import asyncio, sys
+from kvgate.tools.procs import exit_on_signals
+exit_on_signals()
+
+async def reader():
+    print("reading", flush=True)
+    sys.stdin.readline()
+    await asyncio.sleep(3600)
+
+async def main():
+    task = asyncio.create_task(reader())
+    await asyncio.sleep(3600)
+
+try:
+    asyncio.run(main())
+except KeyboardInterrupt:
+    print("stopped", flush=True)
+    raise SystemExit(130)
+"""
+
+
+def test_ctrl_c_inside_an_asyncio_task_stops_the_whole_run_quietly():
+    p = subprocess.Popen([sys.executable, "-c", ASYNC_CHILD], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True, start_new_session=True,
+                         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    try:
+        assert p.stdout.readline() == "reading\n"
+        p.send_signal(signal.SIGINT)
+        p.stdin.write("\n")
+        p.stdin.flush()
+        assert p.stdout.readline() == "stopped\n"
+        assert p.wait(timeout=30) == 130
+        err = p.stderr.read()
+        assert "Traceback" not in err and "never retrieved" not in err, err
+    finally:
+        p.kill()
+        p.wait()

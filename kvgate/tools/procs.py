@@ -6,6 +6,7 @@ by signalling the whole group: SIGTERM, then SIGKILL after a grace period.
 
 from __future__ import annotations
 
+import asyncio
 import os
 import shutil
 import signal
@@ -37,9 +38,19 @@ def exit_on_signals() -> None:
         for sig in (signal.SIGINT, *TERMINATING_SIGNALS):
             if signal.getsignal(sig) is _raise:
                 signal.signal(sig, signal.SIG_IGN)
-        if signum == signal.SIGINT:
-            raise KeyboardInterrupt
-        raise SystemExit(128 + signum)
+        exc = KeyboardInterrupt() if signum == signal.SIGINT else SystemExit(128 + signum)
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            raise exc from None
+        if asyncio.current_task(loop) is None:
+            raise exc  # in the event loop itself: out of asyncio.run, which then cancels every task
+        # Inside a task's step: raised there, the exception would end that task alone and asyncio would print
+        # "Task exception was never retrieved" with a traceback; raise it from the loop's next callback instead.
+
+        def _stop():
+            raise exc
+        loop.call_soon_threadsafe(_stop)
     for sig in TERMINATING_SIGNALS:
         signal.signal(sig, _raise)
     if signal.getsignal(signal.SIGINT) is not signal.SIG_IGN:
