@@ -93,9 +93,9 @@ ROWS: tuple[RowSpec, ...] = (
                   "arriving: check that the client ends sessions or that session_idle_close_s is set.",
                   (Target(f"sum by (state) (agentic_kv_sessions{{{KV}}})", "{{state}}"),)),
         PanelSpec("Sessions closed per second, by reason",
-                  "client = the client's /close_session, admin_api = kvgate's /kvgate/sessions/{id}/close, "
-                  "idle = kvgate's idle sweep, abort = a turn ended in an abort; only idle closes means the "
-                  "rollout never closes sessions and KV stays pinned until session_idle_close_s.",
+                  "client = the client's /close_session, admin_api = /kvgate/sessions/{id}/close, idle = kvgate's "
+                  "sweep, abort = an aborted turn; only idle closes: the rollout never closes sessions, KV stays "
+                  "pinned until session_idle_close_s.",
                   (Target(f"sum by (reason) (rate(agentic_kv_session_close_total{{{KV}}}[{RI}]))", "{{reason}}"),),
                   unit="ops"),
         PanelSpec("Close failures and registry drops",
