@@ -16,9 +16,10 @@ def test_known_labels_are_exported_at_zero_from_the_start():
     got = _samples()
     expected = {
         "agentic_kv_faults_total": ("stage", ["session", "registry", "admission", "idle_sweep", "inference",
-                                                "placement"]),
-        "agentic_kv_upstream_errors_total": ("kind", ["unreachable", "timeout", "cut"]),
-        "agentic_kv_session_close_total": ("reason", ["client", "admin_api", "idle", "abort"]),
+                                                "placement", "observer"]),
+        "agentic_kv_upstream_errors_total": ("kind", ["unreachable", "timeout", "cut", "protocol_error"]),
+        "agentic_kv_body_features_skipped_total": ("reason", ["content_encoding", "size"]),
+        "agentic_kv_session_close_total": ("reason", ["client", "admin_api", "idle", "abort", "pause"]),
         "agentic_kv_session_close_skipped_total": ("reason", ["no_kv"]),
         "agentic_kv_placement_calls_total": ("outcome", ["engine", "router_fallback", "connect_retry"]),
         "agentic_kv_session_inference_total": ("result", ["decisive", "partial", "rerender", "prompt-only", "new",
