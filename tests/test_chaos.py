@@ -148,8 +148,13 @@ async def test_chaos_ends_with_nothing_reserved_waiting_or_in_flight(kvgate_fact
             fleet.kill(fleet.router)
             clients.cancel_some(w2)
             await asyncio.gather(*w2, return_exceptions=True)
-            w3 = clients.wave(http, 2 * CLIENTS, CLIENTS // 2)  # sent while nothing listens: 502 naming it
+            # Wave 2b, sent while the router and engine 0 are down: a session kvgate places on the live engine is
+            # answered there; anything else gets kvgate's 502 naming the upstream. Which of the two depends on
+            # when discovery noticed the deaths, so only the set of outcomes is fixed.
+            before = len(clients.outcomes)
+            w3 = clients.wave(http, 2 * CLIENTS, CLIENTS // 2)
             await asyncio.gather(*w3, return_exceptions=True)
+            w3_outcomes = clients.outcomes[before:]
             await fleet.start_engine(0)
             await fleet.start_router(2)
             # Wave 3: everything back; clients still leave at random.
@@ -165,7 +170,8 @@ async def test_chaos_ends_with_nothing_reserved_waiting_or_in_flight(kvgate_fact
         assert sessions and all(s["in_flight"] == 0 for s in sessions)
         assert all(t.in_flight == 0 for t in gw.inference._tracks.values())
         outcomes = {o: clients.outcomes.count(o) for o in sorted(set(clients.outcomes))}
-        assert outcomes.get("status 200", 0) > 0 and outcomes.get("status 502", 0) >= CLIENTS // 2, outcomes
+        assert outcomes.get("status 200", 0) > 0, outcomes
+        assert len(w3_outcomes) == CLIENTS // 2 and set(w3_outcomes) <= {"status 200", "status 502", "left"}, w3_outcomes
         assert "status 500" not in outcomes or all(e is None for s, _, e in clients.statuses if s == 500), outcomes
         kvgate_502 = [e for s, _, e in clients.statuses if s == 502]
         assert all(e in ("upstream_unreachable", "upstream_protocol_error", None) for e in kvgate_502)
