@@ -148,6 +148,22 @@ KEYS: list[Key] = [
         _nonneg, ">= 0"),
     Key("max_tracked_sessions", int, 100_000,
         "Cap on sessions kept in the registry; the oldest idle ones are dropped first.", _pos, "> 0"),
+    # --- state shared by replicas ----------------------------------------------------------------
+    Key("state_backend", str, "memory",
+        "Where replicas keep what they must agree on (session activity and idle close, placement, inferred "
+        "sessions): memory (this process only) or redis (shared by every replica on redis_url).",
+        choices=("memory", "redis")),
+    Key("redis_url", str, "redis://127.0.0.1:6379/0", "The Redis server of state_backend: redis.",
+        lambda v: v.startswith(("redis://", "rediss://", "unix://")), "a redis://, rediss:// or unix:// URL"),
+    Key("redis_key_prefix", str, "kvgate:",
+        "Prefix of every Redis key kvgate writes (one prefix per kvgate deployment sharing a Redis).",
+        lambda v: len(v) > 0, "a non-empty string"),
+    Key("redis_session_ttl_s", float, 86400.0,
+        "Seconds a session's shared record (activity, engine) lives in Redis after its last touch; keep it "
+        "above the idle threshold.", _pos, "> 0"),
+    Key("redis_timeout_s", float, 0.25,
+        "One Redis call, seconds; a slower or failed call is treated as Redis unreachable (fail-open).",
+        _pos, "> 0"),
     # --- engines ---------------------------------------------------------------------------------
     Key("engines", list, [], "Static engine base URLs; when empty, engines are discovered from the router.",
         lambda v: all(isinstance(x, str) for x in v), "a list of URL strings"),

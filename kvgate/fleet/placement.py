@@ -106,7 +106,7 @@ class Placement:
         self.last_reason: str | None = None  # why the last place() chose its target: sticky | prefix | free_kv
         self.last_replaced = False           # the last place() moved a session off an engine it cannot use
         self.counts = {"sticky": 0, "prefix": 0, "free_kv": 0, "replaced": 0, "no_engine": 0,
-                       "unreachable": 0, "dropped": 0}
+                       "unreachable": 0, "dropped": 0, "adopted": 0}
 
     # --- the fleet ---------------------------------------------------------------------------------
 
@@ -256,6 +256,23 @@ class Placement:
         if e is not None:
             r = target.dp_rank or 0
             e.in_flight[r] = max(0, e.in_flight.get(r, 0) - max(0, prompt_tokens))
+
+    def adopt(self, session_id: str, target: Target, now: float) -> bool:
+        """Another kvgate replica placed ``session_id`` on ``target``: make it this session's sticky target
+        here, when that engine is known and usable (else the session is placed by the rules). Returns
+        whether it was adopted."""
+        e = self._engines.get(target.engine)
+        if e is None or not self._usable(e, now):
+            return False
+        s = self._sessions.get(session_id)
+        if s is None:
+            self._sessions[session_id] = _Session(target, now)
+            self._count_session(target, +1)
+            self._evict_over_cap()
+        else:
+            self._set_target(session_id, s, target)
+        self.counts["adopted"] += 1
+        return True
 
     def forget(self, session_id: str) -> bool:
         """The session closed: drop it. Returns whether it was known."""

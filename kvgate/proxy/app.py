@@ -63,6 +63,7 @@ class SessionPlan:
     extra: dict[str, str] = field(default_factory=dict)
     inferred: bool = False
     prompt_is_text: bool = False
+    units: Any = None  # the prompt's units, kept for replicas sharing inference (state_backend: redis)
 
 
 def _as_text(session_id: str | None) -> str | None:
@@ -139,6 +140,12 @@ class Gateway:
                 allow_parallel=cfg.session_inference_allow_parallel, max_sessions=cfg.max_tracked_sessions)
             self.metrics.inference_tracked.set_function(lambda: len(self.inference))
             self.metrics.inference_dropped.set_function(lambda: self.inference.counts["dropped"])
+        self.shared = None
+        if cfg.state_backend == "redis":
+            from kvgate.shared.redis_state import SharedState
+            self.shared = SharedState(cfg.redis_url, cfg.redis_key_prefix, cfg.redis_session_ttl_s,
+                                      cfg.redis_timeout_s, self.metrics)
+            self.lifecycle.idle_check = self.shared.idle_claim
         self.poller = None
         # Where admission counts a session's request: the engine kvgate placed it on; a session kvgate did
         # not place (the router routes it, or its first turn) counts against the fleet-wide rule.
@@ -191,6 +198,8 @@ class Gateway:
         warning = self._routing_key_warning()
         if warning is not None:
             log.warning(warning)
+        if self.shared is not None:
+            await self.shared.start()
         await self.directory.start()
         await self.lifecycle.start()
         start = getattr(self.gate, "start", None)
@@ -206,6 +215,8 @@ class Gateway:
         if stop is not None:
             await stop()
         await self.lifecycle.stop()
+        if self.shared is not None:
+            await self.shared.stop()
         await self.directory.stop()
         await self.upstream.close()
 
@@ -382,9 +393,18 @@ class Gateway:
             return None
         headers = forward_headers(request.headers)  # no routing key: it is for the router
         tried: list[str] = []
+        if self.shared is not None and self.placement.engine_of(plan.session_id) is None:
+            await self._adopt_shared(plan.session_id, await self.shared.engine_of(plan.session_id))
         while True:
             try:
                 target, body = self._pick(plan, c.body, keys, tried)
+                if target is not None and self.shared is not None and self.placement.last_reason != "sticky":
+                    # Another replica may have placed it meanwhile: the first placement wins.
+                    won = await self.shared.claim_engine(plan.session_id, target.engine, target.dp_rank,
+                                                         replace=self.placement.last_replaced)
+                    if won is not None and won != (target.engine, target.dp_rank) and not tried:
+                        await self._adopt_shared(plan.session_id, won)
+                        target, body = self._pick(plan, c.body, keys, tried)
                 if target is not None:
                     self.placement.call_started(target, tokens)
             except Exception:  # fail-open: nothing went out yet
@@ -409,6 +429,17 @@ class Gateway:
                 continue
             self.metrics.child(self.metrics.placement_calls, "engine").inc()
             return resp, outcome
+
+    async def _adopt_shared(self, sid: str, where: tuple[str, int | None] | None) -> None:
+        # The engine another replica placed the session on becomes its sticky engine here.
+        if where is None:
+            return
+        try:
+            if self.placement.adopt(sid, Target(where[0], where[1]), self.lifecycle.clock()):
+                self._publish_placed()
+        except Exception:
+            log.exception("adopting a shared placement failed")
+            self.metrics.faults.labels("placement").inc()
 
     def _pick(self, plan: SessionPlan, body_obj: dict, keys: list[int], tried: list[str]):
         target = self.placement.place(plan.session_id, keys, self.lifecycle.clock(), exclude=tried)
@@ -440,7 +471,7 @@ class Gateway:
         plan = SessionPlan(body=raw)
         if self.lifecycle_on and c.body is not None:
             try:
-                plan = self._resolve_session(c.path, c.body, raw, request)
+                plan = await self._resolve_session(c.path, c.body, raw, request)
             except Exception:  # fail-open: a kvgate fault never alters or drops the request
                 log.exception("session resolution failed; forwarding unchanged")
                 self.metrics.faults.labels("session").inc()
@@ -472,6 +503,8 @@ class Gateway:
             try:
                 await self.lifecycle.before_turn(session_id)
                 self.lifecycle.request_started(session_id, plan.source)
+                if self.shared is not None:
+                    self.shared.turn_started(session_id)
             except asyncio.CancelledError:  # client gone while its session's close calls were answered
                 self._release(ticket)
                 if plan.inferred:
@@ -512,6 +545,8 @@ class Gateway:
                 self._finish_session(session_id, obs, c.body)
             if plan.inferred:
                 self._finish_inference(plan.session_id, obs, _completed(outcome))
+                if plan.units is not None and obs is not None and obs.output and _completed(outcome):
+                    self._share_turn(plan.session_id, plan.units, obs.output)
             if self.lifecycle_on and c.method == "POST" and c.path in STEP_BOUNDARY_ROUTES:
                 self._step_boundary(c.path, raw, outcome)
             if self.lifecycle_on and c.method == "POST" and c.path == "/abort_request":
@@ -529,7 +564,7 @@ class Gateway:
             return None
         return parse_json_object(raw)
 
-    def _resolve_session(self, path: str, body_obj: dict, raw: bytes, request: web.Request) -> SessionPlan:
+    async def _resolve_session(self, path: str, body_obj: dict, raw: bytes, request: web.Request) -> SessionPlan:
         if not isinstance(body_obj.get("session_id"), (str, type(None))):
             return SessionPlan(body=raw)  # a session_id SGLang rejects (a number, a list): its answer, unchanged
         res = self.resolver.resolve(body_obj, request.headers)
@@ -538,8 +573,14 @@ class Gateway:
             units = request_units(path, body_obj)
             if units is not None:
                 inferred = self.inference.infer(units, self.lifecycle.clock())
-                self.metrics.child(self.metrics.session_inference, inferred.reason).inc()
+                reason = inferred.reason
                 sid, source = inferred.session_id, "inferred"
+                if reason == "new" and self.shared is not None:
+                    # Its previous turn may have gone through another replica.
+                    other = await self.shared.continued_session(units, self._block(units))
+                    if other is not None:
+                        sid, reason = other, "shared"
+                self.metrics.child(self.metrics.session_inference, reason).inc()
         if sid is None:
             return SessionPlan(body=raw)
         new_body = with_session_id(raw, body_obj, sid)
@@ -555,7 +596,8 @@ class Gateway:
         if self.cfg.set_routing_key and rk not in request.headers:
             extra[rk] = header_safe(sid)
         return SessionPlan(sid, source, new_body if new_body is not None else raw, extra,
-                           inferred=inferred is not None, prompt_is_text=isinstance(units, str))
+                           inferred=inferred is not None, prompt_is_text=isinstance(units, str),
+                           units=units if inferred is not None and self.shared is not None else None)
 
     def _release(self, ticket: Ticket, meta: dict | None = None) -> None:
         try:
@@ -599,7 +641,19 @@ class Gateway:
             self.metrics.faults.labels("observer").inc()
             return None
 
+    def _block(self, units) -> int:
+        return self.cfg.session_inference_block_chars if isinstance(units, str) else self.cfg.session_inference_block_tokens
+
+    def _share_turn(self, sid: str, units, output) -> None:
+        try:
+            self.shared.link_turn(sid, units, output, self._block(units))
+        except Exception:
+            log.exception("sharing a turn for session inference failed")
+            self.metrics.faults.labels("inference").inc()
+
     def _finish_session(self, session_id: str, obs, body: dict | None) -> None:
+        if self.shared is not None:
+            self.shared.turn_finished(session_id)
         try:
             rids = (body.get("rid") if body else None, (obs.meta_info or {}).get("id") if obs else None)
             self.lifecycle.request_finished(session_id, obs.meta_info if obs else None,

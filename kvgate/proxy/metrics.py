@@ -38,6 +38,11 @@ class Metrics:
                                           "ended; the upstream request was cancelled", registry=r)
         self.faults = Counter(p + "faults", "Faults in kvgate's own logic; the request went out unchanged",
                               ["stage"], registry=r)
+        self.state_backend_up = Gauge(p + "state_backend_up", "1 while the shared state backend (Redis) "
+                                      "answers, 0 while each replica goes on with its own state", registry=r)
+        self.state_backend_bypass = Counter(p + "state_backend_bypass", "Shared-state calls not made or "
+                                            "failed because Redis was unreachable; the decision used this "
+                                            "replica's own state (fail-open), by op", ["op"], registry=r)
         self.body_features_skipped = Counter(p + "body_features_skipped", "Generate calls relayed untouched "
                                              "without kvgate's body features (session id, inference, admission "
                                              "estimate), by why: content_encoding (sent compressed), size (over "
@@ -77,10 +82,12 @@ class Metrics:
                                       "weight update, flush, memory release or engine fault, a step boundary)",
                                       ["cause"], registry=r)
         self.session_close_skipped = Counter(p + "session_close_skipped", "Closes not fanned out, by why (no_kv: "
-                                             "the session's KV went with a cache flush)", ["reason"], registry=r)
+                                             "the session's KV went with a cache flush; elsewhere: another replica "
+                                             "closes it)", ["reason"], registry=r)
         self.session_inference = Counter(p + "session_inference", "Generate calls without a named session, by what "
                                          "prefix inference found (decisive, partial, rerender, prompt-only, new, "
-                                         "new-ambiguous, unsupported; retry: the same prompt as its session's turn in flight)", ["result"], registry=r)
+                                         "new-ambiguous, unsupported; retry: the same prompt as its session's turn in flight; shared: a turn "
+                                         "another replica relayed)", ["result"], registry=r)
         self.inference_tracked = Gauge(p + "session_inference_tracked", "Sessions tracked by prefix inference",
                                        registry=r)
         self.inference_dropped = Gauge(p + "session_inference_dropped", "Sessions dropped by the inference cap",
@@ -123,6 +130,8 @@ class Metrics:
         # first event (a missing series and a zero rate are different things to Prometheus).
         for stage in ("session", "registry", "admission", "idle_sweep", "inference", "placement", "observer"):
             self.faults.labels(stage)
+        for op in ("heartbeat", "turn", "idle", "placement", "inference"):
+            self.state_backend_bypass.labels(op)
         for reason in ("content_encoding", "size"):
             self.body_features_skipped.labels(reason)
         for kind in ("unreachable", "timeout", "cut", "protocol_error"):
@@ -131,6 +140,7 @@ class Metrics:
         for reason in ("client", "admin_api", "idle", "abort", "pause"):
             self.session_close.labels(reason)
         self.session_close_skipped.labels("no_kv")
+        self.session_close_skipped.labels("elsewhere")
         for outcome in ("engine", "router_fallback", "connect_retry"):
             self.placement_calls.labels(outcome)
         for result in ("ok", "error"):
@@ -138,7 +148,7 @@ class Metrics:
         for cause in ("client", "other"):
             self.session_aborts.labels(cause)
         for result in ("decisive", "partial", "rerender", "prompt-only", "retry", "new", "new-ambiguous",
-                       "unsupported"):
+                       "unsupported", "shared"):
             self.session_inference.labels(result)
 
 

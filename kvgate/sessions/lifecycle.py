@@ -22,7 +22,7 @@ import asyncio
 import logging
 import time
 from collections import OrderedDict, deque
-from typing import Any, Callable
+from typing import Any, Awaitable, Callable
 
 import aiohttp
 
@@ -116,6 +116,8 @@ class SessionLifecycle:
         self._changed = asyncio.Event()
         # Called with the session id when a close begins (session placement forgets the session).
         self.on_close: list[Callable[[str], None]] = []
+        # Replicas sharing state: (session_id, threshold_s) -> (verdict, age_s), see sweep_idle.
+        self.idle_check: Callable[[str, float], Awaitable[tuple[str, float]]] | None = None
         self._publish()
 
     @property
@@ -379,18 +381,60 @@ class SessionLifecycle:
             threshold = self.policy.sweep_threshold()
             await asyncio.sleep(min(max(threshold / 4, 0.05), 5.0) if threshold > 0 else 5.0)
             try:
-                now = self.clock()
-                for i, sid in enumerate(self.registry.idle_sessions(now, self.policy.sweep_threshold())):
-                    s = self.registry.get(sid)
-                    if s is not None and s.state == ACTIVE and self.policy.should_close(sid, now - s.last_seen):
-                        self.close(sid, "idle")
-                    if i % _SWEEP_BATCH == _SWEEP_BATCH - 1:
-                        await asyncio.sleep(0)  # a sweep of 100k sessions must not hold up requests
+                await self.sweep_idle()
             except asyncio.CancelledError:
                 raise
             except Exception:  # never let a registry fault kill the sweep
                 log.exception("idle sweep failed")
                 self.metrics.faults.labels("idle_sweep").inc()
+
+    async def sweep_idle(self) -> int:
+        """One idle sweep: close the sessions idle past their threshold. With ``idle_check`` set (replicas
+        sharing state), a session idle here is closed only when it is idle on every replica and this
+        replica wins its close; one another replica closes is marked closed here without calls. Returns
+        the number of closes this sweep started."""
+        now = self.clock()
+        started = 0
+        for i, sid in enumerate(self.registry.idle_sessions(now, self.policy.sweep_threshold())):
+            s = self.registry.get(sid)
+            if s is not None and s.state == ACTIVE and self.policy.should_close(sid, now - s.last_seen):
+                if self.idle_check is None:
+                    started += bool(self.close(sid, "idle"))
+                else:
+                    started += await self._shared_idle(sid)
+            if i % _SWEEP_BATCH == _SWEEP_BATCH - 1:
+                await asyncio.sleep(0)  # a sweep of 100k sessions must not hold up requests
+        return started
+
+    async def _shared_idle(self, sid: str) -> int:
+        verdict, age = await self.idle_check(sid, self.policy.threshold(sid))
+        s = self.registry.get(sid)
+        if s is None or s.state != ACTIVE or s.in_flight:
+            return 0  # a turn came while Redis answered
+        if verdict == "close":
+            return int(bool(self.close(sid, "idle")))
+        if verdict == "busy":
+            # Another replica served it: its idle time restarts from the shared last activity.
+            self.registry.touch(sid, self.clock() - age)
+        elif verdict == "elsewhere":
+            self.closed_elsewhere(sid)
+        # "unknown" (Redis unreachable): no close now, asked again on the next sweep.
+        return 0
+
+    def closed_elsewhere(self, session_id: str) -> None:
+        """Another replica closes ``session_id`` on every engine: mark it closed here without calls (its
+        consumers, such as placement, forget it as on a close)."""
+        now = self.clock()
+        if not self.registry.begin_close(session_id, "idle", now):
+            return
+        for cb in self.on_close:
+            try:
+                cb(session_id)
+            except Exception:
+                log.exception("on_close callback failed")
+        self.registry.skip_close(session_id, now)
+        self.metrics.session_close_skipped.labels("elsewhere").inc()
+        self._notify()
 
     def _notify(self) -> None:
         self._changed.set()

@@ -194,6 +194,14 @@ class SessionRegistry:
             if usage_source:
                 s.usage_source = usage_source
 
+    def touch(self, session_id: str, last_seen: float) -> None:
+        """Another replica served ``session_id`` at ``last_seen`` (monotonic s, this replica's clock):
+        its last activity moves forward to it (never back)."""
+        s = self._sessions.get(session_id)
+        if s is not None and last_seen > s.last_seen:
+            s.last_seen = last_seen
+            self._sessions.move_to_end(session_id)
+
     # --- closing -----------------------------------------------------------------------------------
 
     def begin_close(self, session_id: str, reason: str, now: float) -> bool:

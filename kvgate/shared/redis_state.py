@@ -1,0 +1,295 @@
+"""The Redis edge of ``state_backend: redis``: what replicas must agree on, moved in and out of Redis.
+
+Kept in Redis (every key starts with ``redis_key_prefix`` and expires):
+  ``sess:<id>``   a hash: ``state`` (active | closing), ``last`` (last activity, epoch seconds),
+                  ``if:<replica>`` (that replica's turns in flight); TTL ``redis_session_ttl_s`` from its
+                  last touch. Idle close is decided on it by one Lua script, atomically, so exactly one
+                  replica closes a session and none closes one another replica just served.
+  ``place:<id>``  the session's engine and DP rank (first writer wins, SET NX), TTL as above.
+  ``link:<key>``  session inference: a hash per chain key of a completed turn's prompt + output (at its
+                  last full block): "<length>|<fingerprint of the units after that block>" -> session id;
+                  TTL as above.
+  ``replica:<id>`` a replica's heartbeat (TTL 5 s): the turns in flight of a replica whose heartbeat
+                  expired (it died) do not keep a session busy.
+
+Fail-open: a failed or slow call (``redis_timeout_s``) marks Redis unreachable; until a heartbeat
+succeeds again, no call is made and every decision falls back to this replica's own state (counted in
+``agentic_kv_state_backend_bypass_total{op}``, said once in the log, and once when Redis is back).
+Writes never delay a request: they run in the background (:meth:`drain` waits for them).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import secrets
+import time
+from typing import Any, Awaitable, Callable, Sequence
+
+from kvgate.common.aio import cancel_tasks
+from kvgate.shared import fingerprint
+
+log = logging.getLogger("kvgate.shared.redis_state")
+
+HEARTBEAT_S = 1.0
+REPLICA_TTL_S = 5
+
+# A turn starts (+1) or ends (-1) on replica ARGV[3]; last activity only moves forward.
+# KEYS[1] sess key; ARGV: now, ttl, replica, delta
+_TURN = """
+local k = KEYS[1]
+local f = 'if:' .. ARGV[3]
+local n = redis.call('HINCRBY', k, f, tonumber(ARGV[4]))
+if n <= 0 then redis.call('HDEL', k, f) end
+if tonumber(ARGV[4]) > 0 then redis.call('HSET', k, 'state', 'active') end
+local last = tonumber(redis.call('HGET', k, 'last') or '0')
+if tonumber(ARGV[1]) > last then redis.call('HSET', k, 'last', ARGV[1]) end
+if not redis.call('HGET', k, 'state') then redis.call('HSET', k, 'state', 'active') end
+redis.call('EXPIRE', k, ARGV[2])
+return n
+"""
+
+# Should this replica close the session as idle? Atomic: the first replica to find it idle marks it
+# closing and gets 'close'; the others get 'elsewhere'. 'busy' with the seconds since its last activity.
+# KEYS[1] sess key; ARGV: now, threshold, replica, ttl, replica key prefix
+_IDLE_CLAIM = """
+local k = KEYS[1]
+local now = tonumber(ARGV[1])
+if redis.call('EXISTS', k) == 0 then
+  redis.call('HSET', k, 'state', 'closing', 'closer', ARGV[3], 'last', ARGV[1])
+  redis.call('EXPIRE', k, ARGV[4])
+  return {'close', '0'}
+end
+local h = redis.call('HGETALL', k)
+local state, last = 'active', 0
+for i = 1, #h, 2 do
+  local f, v = h[i], h[i + 1]
+  if f == 'state' then state = v
+  elseif f == 'last' then last = tonumber(v)
+  elseif string.sub(f, 1, 3) == 'if:' and tonumber(v) > 0 then
+    if redis.call('EXISTS', ARGV[5] .. string.sub(f, 4)) == 1 then return {'busy', '0'} end
+  end
+end
+if state ~= 'active' then return {'elsewhere', '0'} end
+local age = now - last
+if age <= tonumber(ARGV[2]) then return {'busy', tostring(age)} end
+redis.call('HSET', k, 'state', 'closing', 'closer', ARGV[3])
+redis.call('EXPIRE', k, ARGV[4])
+return {'close', tostring(age)}
+"""
+
+
+class SharedState:
+    """A replica's handle on the shared state. ``url``: the Redis URL; ``prefix``: key prefix;
+    ``ttl_s``: seconds a session's keys live after their last touch; ``timeout_s``: one call, seconds;
+    ``metrics``: kvgate's Metrics (state_backend_up, state_backend_bypass); ``wall``: epoch seconds,
+    shared by the replicas (their clocks must agree to well under the idle threshold; injectable for
+    tests); ``client``: a redis.asyncio client to use instead of one built from ``url``."""
+
+    def __init__(self, url: str, prefix: str, ttl_s: float, timeout_s: float, metrics,
+                 wall: Callable[[], float] = time.time, client: Any = None, replica_id: str | None = None):
+        self.url = url
+        self.prefix = prefix
+        self.ttl = max(1, int(ttl_s))
+        self.timeout_s = timeout_s
+        self.metrics = metrics
+        self.wall = wall
+        self.replica = replica_id or secrets.token_hex(6)
+        self.up = True
+        self._client = client
+        self._scripts: dict[str, Any] = {}
+        self._pending: set[asyncio.Task] = set()
+        self._beat: asyncio.Task | None = None
+        metrics.state_backend_up.set(1)
+
+    # --- lifecycle --------------------------------------------------------------------------------
+
+    @property
+    def client(self):
+        if self._client is None:
+            import redis.asyncio as redis
+            from redis.backoff import NoBackoff
+            from redis.retry import Retry
+            # No client-side retries: a failed call falls back at once (fail-open) and the heartbeat probes.
+            self._client = redis.Redis.from_url(self.url, socket_timeout=self.timeout_s,
+                                                socket_connect_timeout=self.timeout_s,
+                                                retry=Retry(NoBackoff(), 0), decode_responses=True)
+        return self._client
+
+    async def start(self) -> None:
+        """Register the scripts and start the heartbeat (which also finds Redis back after an outage)."""
+        c = self.client
+        self._scripts = {"turn": c.register_script(_TURN), "idle": c.register_script(_IDLE_CLAIM)}
+        await self._heartbeat_once()
+        if not self.up:
+            log.warning("Redis at %s unreachable at startup; each replica uses its own state until it answers",
+                        self.url)
+        self._beat = asyncio.create_task(self._heartbeat(), name="kvgate-redis-heartbeat")
+
+    async def stop(self) -> None:
+        await self.drain(1.0)
+        await cancel_tasks(self._beat, *self._pending)
+        if self._client is not None:
+            try:
+                await self._client.aclose()
+            except Exception:
+                pass
+
+    async def drain(self, timeout_s: float = 5.0) -> None:
+        """Wait until the background writes issued so far are done (tests; shutdown)."""
+        if self._pending:
+            await asyncio.wait(list(self._pending), timeout=timeout_s)
+
+    async def _heartbeat_once(self) -> None:
+        try:
+            await asyncio.wait_for(self.client.set(self.prefix + "replica:" + self.replica, "1", ex=REPLICA_TTL_S),
+                                   self.timeout_s * 2)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            self._down("heartbeat", exc)
+            return
+        if not self.up:
+            self.up = True
+            self.metrics.state_backend_up.set(1)
+            log.warning("Redis at %s answers again; replicas share their state again", self.url)
+
+    async def _heartbeat(self) -> None:
+        while True:
+            await asyncio.sleep(HEARTBEAT_S)
+            await self._heartbeat_once()
+
+    def _down(self, op: str, exc: BaseException) -> None:
+        self.metrics.state_backend_bypass.labels(op).inc()
+        if self.up:
+            self.up = False
+            self.metrics.state_backend_up.set(0)
+            log.warning("Redis at %s unreachable (%s: %s); each replica goes on with its own state "
+                        "(sessions, placement, inference) until it answers again", self.url, op,
+                        type(exc).__name__)
+
+    async def _call(self, op: str, make: Callable[[], Awaitable[Any]]) -> tuple[bool, Any]:
+        """Run one Redis call. Returns (True, result), or (False, None) when Redis is unreachable
+        (counted; nothing is attempted while it is known down)."""
+        if not self.up:
+            self.metrics.state_backend_bypass.labels(op).inc()
+            return False, None
+        try:
+            return True, await asyncio.wait_for(make(), self.timeout_s * 2)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            self._down(op, exc)
+            return False, None
+
+    def _spawn(self, op: str, make: Callable[[], Awaitable[Any]]) -> None:
+        if not self.up:
+            self.metrics.state_backend_bypass.labels(op).inc()
+            return
+        t = asyncio.get_running_loop().create_task(self._call(op, make))
+        self._pending.add(t)
+        t.add_done_callback(self._pending.discard)
+
+    def _sess(self, sid: str) -> str:
+        return self.prefix + "sess:" + sid
+
+    # --- session activity and idle close ------------------------------------------------------------
+
+    def turn_started(self, sid: str) -> None:
+        """A turn of ``sid`` starts on this replica (in the background)."""
+        self._spawn("turn", lambda: self._scripts["turn"](keys=[self._sess(sid)],
+                                                         args=[repr(self.wall()), self.ttl, self.replica, 1]))
+
+    def turn_finished(self, sid: str) -> None:
+        """A turn of ``sid`` ended on this replica (in the background)."""
+        self._spawn("turn", lambda: self._scripts["turn"](keys=[self._sess(sid)],
+                                                         args=[repr(self.wall()), self.ttl, self.replica, -1]))
+
+    async def idle_claim(self, sid: str, threshold_s: float) -> tuple[str, float]:
+        """This replica finds ``sid`` idle for more than ``threshold_s`` seconds on its own. Returns
+        ("close", 0) when it is idle on every replica and this one won the close, ("busy", age_s) when a
+        turn is in flight on a live replica or the last activity anywhere is ``age_s`` seconds ago,
+        ("elsewhere", 0) when another replica closes it, ("unknown", 0) when Redis is unreachable."""
+        ok, r = await self._call("idle", lambda: self._scripts["idle"](
+            keys=[self._sess(sid)],
+            args=[repr(self.wall()), repr(threshold_s), self.replica, self.ttl, self.prefix + "replica:"]))
+        if not ok:
+            return "unknown", 0.0
+        return str(r[0]), float(r[1])
+
+    # --- placement ------------------------------------------------------------------------------------
+
+    async def engine_of(self, sid: str) -> tuple[str, int | None] | None:
+        """The engine (base URL) and DP rank another replica placed ``sid`` on, or None."""
+        ok, v = await self._call("placement", lambda: self.client.get(self.prefix + "place:" + sid))
+        return _target(v) if ok and v else None
+
+    async def claim_engine(self, sid: str, engine: str, dp_rank: int | None,
+                           replace: bool = False) -> tuple[str, int | None] | None:
+        """Record where this replica placed ``sid``. The first replica's choice wins: returns the stored
+        (engine, rank), which differs from the arguments when another replica placed it first. ``replace``:
+        the session moved off an engine it cannot use (overwrite). None when Redis is unreachable."""
+        key, val = self.prefix + "place:" + sid, f"{'' if dp_rank is None else dp_rank}|{engine}"
+
+        async def run():
+            if replace:
+                await self.client.set(key, val, ex=self.ttl)
+                return val
+            if await self.client.set(key, val, ex=self.ttl, nx=True):
+                return val
+            got = await self.client.get(key)
+            await self.client.expire(key, self.ttl)
+            return got or val
+        ok, v = await self._call("placement", run)
+        return _target(v) if ok and v else None
+
+    # --- session inference -----------------------------------------------------------------------------
+
+    def link_turn(self, sid: str, prompt: Sequence[int] | str, output: Sequence[int] | str, block: int) -> None:
+        """A turn of ``sid`` completed with ``output``: let any replica link the next turn to it."""
+        try:
+            link = fingerprint.turn_link(prompt, output, block)
+        except (TypeError, OverflowError, ValueError):
+            return
+        if link is None:
+            return
+        key, length, tail_fp = link
+        k = self.prefix + "link:" + key
+
+        async def run():
+            # One hash per block key: GRPO siblings share their first blocks and differ after them.
+            async with self.client.pipeline(transaction=False) as p:
+                p.hset(k, f"{length}|{tail_fp}", sid)
+                p.expire(k, self.ttl)
+                await p.execute()
+        self._spawn("inference", run)
+
+    async def continued_session(self, units: Sequence[int] | str, block: int) -> str | None:
+        """The session whose completed turn (prompt + output) ``units`` extends, as recorded by any
+        replica; the longest such turn wins. None when there is none or Redis is unreachable."""
+        try:
+            keys = fingerprint.chain(units, block)
+        except (TypeError, OverflowError, ValueError):
+            return None
+        if not keys:
+            return None
+        async def run():
+            async with self.client.pipeline(transaction=False) as p:
+                for k in keys:
+                    p.hgetall(self.prefix + "link:" + k)
+                return await p.execute()
+        ok, found = await self._call("inference", run)
+        if not ok:
+            return None
+        best, best_len = None, -1
+        for links in found:
+            for f, sid in (links or {}).items():
+                length, tail_fp = f.split("|", 1)
+                if int(length) > best_len and fingerprint.continues(units, block, int(length), tail_fp):
+                    best, best_len = sid, int(length)
+        return best
+
+
+def _target(v: str) -> tuple[str, int | None]:
+    rank, engine = v.split("|", 1)
+    return engine, (int(rank) if rank else None)
