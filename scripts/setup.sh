@@ -33,6 +33,28 @@ if ! command -v prometheus >/dev/null 2>&1 && [ ! -x /usr/bin/prometheus ]; then
          "to run the Prometheus dashboard test" >&2
   fi
 fi
+# redis-server (Debian's package) for tests/test_replicas_redis.py: several kvgate replicas sharing state
+# (state_backend: redis). The tests start their own redis-server on 127.0.0.1 and skip without it. The package's
+# service is not started (policy-rc.d) and is disabled: it would listen on port 6379 for everyone.
+if ! command -v redis-server >/dev/null 2>&1 && [ ! -x /usr/bin/redis-server ]; then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+    POLICY_ADDED=""
+    if [ ! -e /usr/sbin/policy-rc.d ]; then
+      printf '#!/bin/sh\nexit 101\n' >/usr/sbin/policy-rc.d && chmod 755 /usr/sbin/policy-rc.d && POLICY_ADDED=1
+    fi
+    export DEBIAN_FRONTEND=noninteractive
+    apt_install_redis() { apt-get install -y -q --no-install-recommends redis-server >/dev/null; }
+    apt_install_redis || { apt-get update -q >/dev/null && apt_install_redis; } \
+      || echo "setup: WARNING: apt-get install redis-server failed; the replica tests will skip" >&2
+    [ -z "$POLICY_ADDED" ] || rm -f /usr/sbin/policy-rc.d
+    if command -v systemctl >/dev/null 2>&1 && [ -d /run/systemd/system ]; then
+      systemctl disable --now redis-server >/dev/null 2>&1 || true
+    fi
+  else
+    echo "setup: redis-server not found and not root (or no apt-get): install Debian's redis-server package" \
+         "to run the replica tests" >&2
+  fi
+fi
 # nginx and wrk (Debian's nginx-light and wrk) for `kvgate bench-proxy` and tests/test_proxy_bench.py: nginx
 # stands in for the engines with fixed answers, wrk is the load generator. The bench and its test skip without
 # them. The package's nginx service is not started (policy-rc.d) and is disabled: the bench runs its own.
