@@ -273,3 +273,46 @@ async def test_redis_stopped_and_restarted_requests_keep_flowing(redis_server, s
     keys = await redis_server.keys("kvgate:sess:*")
     assert {"kvgate:sess:after-0", "kvgate:sess:after-1"} <= set(keys)
     assert all(ttl > 0 for ttl in keys.values())
+
+
+async def test_admission_replicas_share_one_ceiling(redis_server, sim_factory, kvgate_factory):
+    """Admission on in two replicas in front of one engine (ceiling 1,800 tokens, 500 per request): each
+    replica alone would admit 3 at once (6 in all, 3,000 tokens); sharing the ceiling, the second replica's
+    requests wait for room the first one's free, and the live reservations on Redis never exceed 1,800."""
+    e = await sim_factory(max_total_num_tokens=2000, speed=4.0)
+    reps = []
+    for _ in range(2):
+        gw, url = await kvgate_factory(upstream=e.url, engines=[e.url], agentic_program_admission=True,
+                                       admission_poll_interval_s=0.1, agentic_admission_max_wait_s=60.0,
+                                       state_backend="redis", redis_url=redis_server.url)
+        while gw.gate.ledger.snapshot is None or gw.gate.ledger.ceiling == 0:
+            await gw.poller.round_done.wait()
+        reps.append((gw, url))
+    (a, url_a), (b, url_b) = reps
+    assert a.gate.ledger.ceiling == b.gate.ledger.ceiling == 1800
+    fleet_key = a.shared.lease_keys(None)[0]
+    peaks = []
+
+    async def send(http, url, i):
+        async with http.post(url + "/generate", data=orjson.dumps(
+                {"input_ids": list(range(1000 * i + 1, 1000 * i + 101)),
+                 "sampling_params": {"max_new_tokens": 400, "ignore_eos": True}})) as r:
+            await r.read()
+            peaks.append(await a.shared.reserved(fleet_key))
+            return r.status
+
+    async with aiohttp.ClientSession() as http:
+        first = [asyncio.create_task(send(http, url_a, i)) for i in range(3)]
+        await a.gate.wait_until(lambda: len(a.gate._shared_held) == 3, 10)
+        assert await a.shared.reserved(fleet_key) == 1500
+        second = [asyncio.create_task(send(http, url_b, 10 + i)) for i in range(3)]
+        # B's own ledger admits all three (it sees none of A's); the shared ceiling holds them back.
+        await b.gate.wait_until(lambda: b.gate.coord.counters["admit"] == 3, 10)
+        peaks.append(await a.shared.reserved(fleet_key))
+        statuses = await asyncio.gather(*first, *second)
+    assert statuses == [200] * 6
+    assert max(peaks) <= 1800, peaks
+    assert b.gate.shared_counts["waited"] >= 1 and b.gate.shared_counts["granted"] == 3
+    for gw, _ in reps:
+        await gw.shared.drain()
+    assert await a.shared.reserved(fleet_key) == 0

@@ -83,6 +83,11 @@ class AdmissionGate:
         self._kick = asyncio.Event()
         self._timer: asyncio.Task | None = None
         self._changed = asyncio.Event()
+        # Replicas sharing state (kvgate.shared.redis_state.SharedState): a lease the ledger granted here
+        # is also granted against the shared ceilings before the request goes out.
+        self.shared = None
+        self._shared_held: dict[int, tuple[list[str], str]] = {}
+        self.shared_counts = {"granted": 0, "waited": 0, "aged": 0, "unreachable": 0}
 
     async def start(self) -> None:
         self._timer = asyncio.create_task(self._run_timer(), name="kvgate-admission-timer")
@@ -123,10 +128,50 @@ class AdmissionGate:
             finally:
                 self._futures.pop(ticket, None)
             self.wait_hist.observe(d.waited_s)
+        waited = d.waited_s
+        if self.shared is not None and d.lease is not None and not d.kind.is_bypass:
+            try:
+                waited += await self._shared_grant(ticket, d)
+            except asyncio.CancelledError:  # client gone while waiting for the shared ceiling
+                self.dispatch(self.coord.release(ticket, self.clock()))
+                raise
         self.coord.consumed(ticket)
         # bypasses hold a lease too (they never wait, but they count): release it like an admit's
-        return Ticket(d.header, d.waited_s, handle=ticket if d.lease is not None else None,
-                      headers=[(HEADER_DECISION, d.header), (HEADER_QUEUE_MS, str(d.queue_ms))])
+        return Ticket(d.header, waited, handle=ticket if d.lease is not None else None,
+                      headers=[(HEADER_DECISION, d.header), (HEADER_QUEUE_MS, str(int(round(waited * 1000))))])
+
+    async def _shared_grant(self, ticket: int, d: Decision) -> float:
+        """Hold the lease ``d`` granted here against the ceilings shared by every replica too (fleet, and
+        its engine when known): a replica admits only within what the others left. Refused: asked again
+        with a short backoff until the rest of ``agentic_admission_max_wait_s``, then the request goes
+        (counted ``aged``, as the ledger's aged bypass). Redis unreachable: it goes at once (fail-open).
+        Returns the seconds spent waiting."""
+        lease = d.lease
+        keys = self.shared.lease_keys(lease.place)
+        ceilings = [self.ledger.ceiling] + ([self.ledger.ceiling_of(lease.place)] if len(keys) > 1 else [])
+        member = self.shared.lease_member(ticket, lease.charged)
+        loop = asyncio.get_running_loop()
+        t0 = loop.time()
+        deadline = t0 + max(0.0, self.cfg.agentic_admission_max_wait_s - d.waited_s)
+        delay, refused = 0.005, False
+        while True:
+            r = await self.shared.lease_grant(keys, member, lease.charged, ceilings, self.cfg.admission_lease_ttl_s)
+            if r is None:
+                self.shared_counts["unreachable"] += 1
+                break
+            if r:
+                self._shared_held[ticket] = (keys, member)
+                self.shared_counts["granted"] += 1
+                self.shared_counts["waited"] += refused
+                break
+            if loop.time() >= deadline:
+                self.shared_counts["aged"] += 1
+                break
+            refused = True
+            # Other replicas hold the room: poll the shared ledger with a growing backoff (at most 0.2 s).
+            await asyncio.sleep(min(delay, max(0.0, deadline - loop.time())))
+            delay = min(delay * 2, 0.2)
+        return loop.time() - t0
 
     def _place(self, session_id: str | None) -> Any:
         """Where the session's requests go: (engine URL, dp_rank) from the injected lookup, else None."""
@@ -147,6 +192,9 @@ class AdmissionGate:
         """The upstream attempt ended; ``observed``: the response's meta_info (prompt_tokens,
         completion_tokens, cached_tokens) when read, for the program policy's working set."""
         if ticket.handle is not None:
+            held = self._shared_held.pop(ticket.handle, None)
+            if held is not None:
+                self.shared.lease_release(*held)
             self.dispatch(self.coord.release(ticket.handle, self.clock(), observed))
 
     def forget(self, session_id: str) -> None:
@@ -219,7 +267,10 @@ class AdmissionGate:
 
     def stats(self) -> dict[str, Any]:
         """GET /kvgate/stats: the coordinator's and ledger's figures (JSON)."""
-        return {"admission": "on", "policy": self.policy, **self.coord.stats(self.clock())}
+        out = {"admission": "on", "policy": self.policy, **self.coord.stats(self.clock())}
+        if self.shared is not None:
+            out["shared_leases"] = {**self.shared_counts, "held": len(self._shared_held)}
+        return out
 
 
 class _AdmissionCollector:
@@ -242,6 +293,14 @@ class _AdmissionCollector:
                                ("admission_cancelled", "cancelled", "Waiters whose client left before admission")):
             m = CounterMetricFamily(p + name, doc)
             m.add_metric([], c[key])
+            yield m
+        if g.shared is not None:
+            m = CounterMetricFamily(p + "admission_shared_leases", "Leases held against the ceilings shared by "
+                                    "replicas (state_backend: redis), by result: granted (waited: after other "
+                                    "replicas freed room), aged (went after max_wait), unreachable (Redis down: "
+                                    "went at once)", labels=["result"])
+            for result, n in g.shared_counts.items():
+                m.add_metric([result], n)
             yield m
         m = CounterMetricFamily(p + "admission_bypass", "Requests that bypassed the FIFO, by reason", labels=["reason"])
         for reason in ("protected", "degraded", "aged"):

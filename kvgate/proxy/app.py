@@ -164,6 +164,8 @@ class Gateway:
         if self.poller is not None:
             self.poller.listeners.append(self._capacity)
         self.gate: Gate = gate or OpenGate()
+        if self.shared is not None and hasattr(self.gate, "shared"):
+            self.gate.shared = self.shared  # admission leases held against the ceilings shared by replicas
         # Generate bodies are parsed only when a feature reads them (session ids, prompts, reservations, and
         # kvgate's session placement): features off, a 64K-token body is relayed unparsed.
         self.reads_body = (self.lifecycle_on or not isinstance(self.gate, OpenGate)

@@ -9,6 +9,9 @@ Kept in Redis (every key starts with ``redis_key_prefix`` and expires):
   ``link:<key>``  session inference: a hash per chain key of a completed turn's prompt + output (at its
                   last full block): "<length>|<fingerprint of the units after that block>" -> session id;
                   TTL as above.
+  ``lease:fleet``, ``lease:<engine>[|<rank>]``  admission leases (sorted sets, score = expiry): granted
+                  by one Lua script against the shared ceilings, released on the request's end, dropped by
+                  TTL (``admission_lease_ttl_s``) when the replica holding them died.
   ``replica:<id>`` a replica's heartbeat (TTL 5 s): the turns in flight of a replica whose heartbeat
                   expired (it died) do not keep a session busy.
 
@@ -79,6 +82,40 @@ return {'close', tostring(age)}
 """
 
 
+# Grant a lease against every ceiling it counts against (the fleet's, and its engine's or DP rank's when
+# known), atomically: leases whose expiry passed are dropped first (a dead replica's leases go by TTL), then
+# the lease is granted when each place's live reservations plus it fit that place's ceiling, or nothing is
+# reserved there (a request larger than the whole ceiling still runs alone, as in the ledger).
+# KEYS: one sorted set per place (member "<replica>:<lease>|<tokens>", score = expiry, epoch s);
+# ARGV: now, expiry, member, tokens, key ttl (s), then one ceiling per key.
+_LEASE_GRANT = """
+local now = tonumber(ARGV[1])
+local tokens = tonumber(ARGV[4])
+for i = 1, #KEYS do
+  redis.call('ZREMRANGEBYSCORE', KEYS[i], '-inf', now)
+  local sum = 0
+  for _, m in ipairs(redis.call('ZRANGE', KEYS[i], 0, -1)) do
+    sum = sum + tonumber(string.match(m, '|(%d+)$'))
+  end
+  if sum > 0 and sum + tokens > tonumber(ARGV[5 + i]) then return 0 end
+end
+for i = 1, #KEYS do
+  redis.call('ZADD', KEYS[i], ARGV[2], ARGV[3])
+  redis.call('EXPIRE', KEYS[i], ARGV[5])
+end
+return 1
+"""
+
+# Live reservations (tokens) on one place. KEYS[1]: its sorted set; ARGV[1]: now.
+_LEASE_SUM = """
+local sum = 0
+for _, m in ipairs(redis.call('ZRANGEBYSCORE', KEYS[1], '(' .. ARGV[1], '+inf')) do
+  sum = sum + tonumber(string.match(m, '|(%d+)$'))
+end
+return sum
+"""
+
+
 class SharedState:
     """A replica's handle on the shared state. ``url``: the Redis URL; ``prefix``: key prefix;
     ``ttl_s``: seconds a session's keys live after their last touch; ``timeout_s``: one call, seconds;
@@ -118,13 +155,18 @@ class SharedState:
 
     async def start(self) -> None:
         """Register the scripts and start the heartbeat (which also finds Redis back after an outage)."""
-        c = self.client
-        self._scripts = {"turn": c.register_script(_TURN), "idle": c.register_script(_IDLE_CLAIM)}
+        self.register_scripts()
         await self._heartbeat_once()
         if not self.up:
             log.warning("Redis at %s unreachable at startup; each replica uses its own state until it answers",
                         self.url)
         self._beat = asyncio.create_task(self._heartbeat(), name="kvgate-redis-heartbeat")
+
+    def register_scripts(self) -> None:
+        """Load the Lua scripts (sent to Redis on first use; start() does this)."""
+        c = self.client
+        self._scripts = {"turn": c.register_script(_TURN), "idle": c.register_script(_IDLE_CLAIM),
+                         "grant": c.register_script(_LEASE_GRANT), "sum": c.register_script(_LEASE_SUM)}
 
     async def stop(self) -> None:
         await self.drain(1.0)
@@ -288,6 +330,47 @@ class SharedState:
                 if int(length) > best_len and fingerprint.continues(units, block, int(length), tail_fp):
                     best, best_len = sid, int(length)
         return best
+
+
+    # --- admission leases ------------------------------------------------------------------------------
+
+    def lease_keys(self, place: Any) -> list[str]:
+        """The sorted sets a lease on ``place`` counts in: the fleet's, plus its engine's ("<url>") or DP
+        rank's ("<url>|<rank>") when ``place`` is an engine URL or an (engine URL, rank) pair."""
+        keys = [self.prefix + "lease:fleet"]
+        if isinstance(place, str):
+            keys.append(self.prefix + "lease:" + place)
+        elif isinstance(place, tuple) and len(place) == 2:
+            keys.append(self.prefix + f"lease:{place[0]}|{place[1]}")
+        return keys
+
+    def lease_member(self, lease_id: Any, tokens: int) -> str:
+        return f"{self.replica}:{lease_id}|{max(0, int(tokens))}"
+
+    async def lease_grant(self, keys: Sequence[str], member: str, tokens: int, ceilings: Sequence[int],
+                          ttl_s: float) -> bool | None:
+        """Hold ``tokens`` under ``member`` in every set of ``keys`` (see :meth:`lease_keys`) if each stays
+        within its ceiling (tokens; same order as ``keys``); the hold expires after ``ttl_s`` seconds
+        unless released. True: granted; False: refused (wait and ask again); None: Redis unreachable."""
+        now = self.wall()
+        ok, r = await self._call("admission", lambda: self._scripts["grant"](
+            keys=list(keys), args=[repr(now), repr(now + ttl_s), member, max(0, int(tokens)),
+                                   max(1, int(ttl_s) + 1), *[int(c) for c in ceilings]]))
+        return bool(r) if ok else None
+
+    def lease_release(self, keys: Sequence[str], member: str) -> None:
+        """Release a lease granted by :meth:`lease_grant` (in the background)."""
+        async def run():
+            async with self.client.pipeline(transaction=True) as p:
+                for k in keys:
+                    p.zrem(k, member)
+                await p.execute()
+        self._spawn("admission", run)
+
+    async def reserved(self, key: str) -> int | None:
+        """Live reserved tokens in one lease set (a key from :meth:`lease_keys`); None when unreachable."""
+        ok, r = await self._call("admission", lambda: self._scripts["sum"](keys=[key], args=[repr(self.wall())]))
+        return int(r) if ok else None
 
 
 def _target(v: str) -> tuple[str, int | None]:
