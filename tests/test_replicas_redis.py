@@ -316,3 +316,33 @@ async def test_admission_replicas_share_one_ceiling(redis_server, sim_factory, k
     for gw, _ in reps:
         await gw.shared.drain()
     assert await a.shared.reserved(fleet_key) == 0
+
+
+async def test_a_dead_replicas_sessions_continue_through_another(redis_server, sim_factory, kvgate_factory):
+    """An agent that names no session talks to replica A only; A dies (no more traffic, heartbeat gone).
+    Its next turns through replica B, which never saw it, continue the same inferred session on the same
+    engine."""
+    e1 = await sim_factory(max_total_num_tokens=50_000, speed=1000)
+    e2 = await sim_factory(max_total_num_tokens=50_000, speed=1000)
+    clock = Clock()
+    reps = await _replicas(kvgate_factory, clock, upstream=e1.url, engines=[e1.url, e2.url],
+                           agentic_session_lifecycle=True, session_inference=True, session_placement="kvgate",
+                           session_idle_close_s=0, state_backend="redis", redis_url=redis_server.url)
+    (a, url_a), (b, url_b) = reps
+    prompt = list(range(300, 400))
+    async with aiohttp.ClientSession() as http:
+        for k in range(5):
+            if k == 3:
+                a.shared._beat.cancel()
+                import redis.asyncio as redis
+                c = redis.from_url(redis_server.url)
+                await c.delete(f"kvgate:replica:{a.shared.replica}")
+                await c.aclose()
+            out = await _generate(http, url_a if k < 3 else url_b,
+                                  {"input_ids": prompt, "sampling_params": {"max_new_tokens": 8}})
+            prompt = prompt + out["output_ids"] + [9, 9]
+            await _drain(reps)
+    seen = {**e1.stats()["sessions"], **e2.stats()["sessions"]}
+    assert list(seen.values()) == [5], seen  # one session id, all five turns, on one engine
+    assert b.metrics.session_inference.labels("shared")._value.get() == 1
+    assert b.placement.counts["adopted"] == 1
