@@ -37,8 +37,9 @@ log = logging.getLogger("kvgate.shared.redis_state")
 HEARTBEAT_S = 1.0
 REPLICA_TTL_S = 5
 
-# A turn starts (+1) or ends (-1) on replica ARGV[3]; last activity only moves forward.
-# KEYS[1] sess key; ARGV: now, ttl, replica, delta
+# A turn starts (+1) or ends (-1) on replica ARGV[3]; last activity only moves forward; the session's
+# placement lives as long as its activity.
+# KEYS[1] sess key, KEYS[2] place key; ARGV: now, ttl, replica, delta
 _TURN = """
 local k = KEYS[1]
 local f = 'if:' .. ARGV[3]
@@ -49,6 +50,7 @@ local last = tonumber(redis.call('HGET', k, 'last') or '0')
 if tonumber(ARGV[1]) > last then redis.call('HSET', k, 'last', ARGV[1]) end
 if not redis.call('HGET', k, 'state') then redis.call('HSET', k, 'state', 'active') end
 redis.call('EXPIRE', k, ARGV[2])
+redis.call('EXPIRE', KEYS[2], ARGV[2])
 return n
 """
 
@@ -239,13 +241,16 @@ class SharedState:
 
     def turn_started(self, sid: str) -> None:
         """A turn of ``sid`` starts on this replica (in the background)."""
-        self._spawn("turn", lambda: self._scripts["turn"](keys=[self._sess(sid)],
-                                                         args=[repr(self.wall()), self.ttl, self.replica, 1]))
+        self._turn(sid, 1)
 
     def turn_finished(self, sid: str) -> None:
         """A turn of ``sid`` ended on this replica (in the background)."""
-        self._spawn("turn", lambda: self._scripts["turn"](keys=[self._sess(sid)],
-                                                         args=[repr(self.wall()), self.ttl, self.replica, -1]))
+        self._turn(sid, -1)
+
+    def _turn(self, sid: str, delta: int) -> None:
+        now = self.wall()
+        self._spawn("turn", lambda: self._scripts["turn"](keys=[self._sess(sid), self.prefix + "place:" + sid],
+                                                         args=[repr(now), self.ttl, self.replica, delta]))
 
     async def idle_claim(self, sid: str, threshold_s: float) -> tuple[str, float]:
         """This replica finds ``sid`` idle for more than ``threshold_s`` seconds on its own. Returns
