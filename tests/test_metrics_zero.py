@@ -20,10 +20,12 @@ def test_known_labels_are_exported_at_zero_from_the_start():
         "agentic_kv_upstream_errors_total": ("kind", ["unreachable", "timeout", "cut", "protocol_error"]),
         "agentic_kv_body_features_skipped_total": ("reason", ["content_encoding", "size"]),
         "agentic_kv_session_close_total": ("reason", ["client", "admin_api", "idle", "abort", "pause"]),
-        "agentic_kv_session_close_skipped_total": ("reason", ["no_kv"]),
+        "agentic_kv_session_close_skipped_total": ("reason", ["no_kv", "elsewhere"]),
+        "agentic_kv_state_backend_bypass_total": ("op", ["heartbeat", "turn", "idle", "placement", "inference",
+                                                         "admission"]),
         "agentic_kv_placement_calls_total": ("outcome", ["engine", "router_fallback", "connect_retry"]),
         "agentic_kv_session_inference_total": ("result", ["decisive", "partial", "rerender", "prompt-only", "new",
-                                                          "new-ambiguous", "unsupported"]),
+                                                          "new-ambiguous", "unsupported", "shared"]),
     }
     for name, (label, values) in expected.items():
         for v in values:
