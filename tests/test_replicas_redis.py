@@ -346,3 +346,27 @@ async def test_a_dead_replicas_sessions_continue_through_another(redis_server, s
     assert list(seen.values()) == [5], seen  # one session id, all five turns, on one engine
     assert b.metrics.session_inference.labels("shared")._value.get() == 1
     assert b.placement.counts["adopted"] == 1
+
+
+async def test_a_client_close_on_one_replica_is_not_sent_again_by_another(redis_server, sim_factory, kvgate_factory):
+    """The client closes its session through replica A; replica B, which served its other turns, later finds
+    it idle and marks it closed without sending a second close."""
+    e1 = await sim_factory(max_total_num_tokens=50_000, speed=1000)
+    clock = Clock()
+    reps = await _replicas(kvgate_factory, clock, upstream=e1.url, engines=[e1.url],
+                           agentic_session_lifecycle=True, session_inference=False, session_placement="router",
+                           session_idle_close_s=2.0, state_backend="redis", redis_url=redis_server.url)
+    (a, url_a), (b, url_b) = reps
+    async with aiohttp.ClientSession() as http:
+        for url in (url_b, url_a):
+            await _generate(http, url, {"input_ids": list(range(1, 40)), "session_id": "c",
+                                        "sampling_params": {"max_new_tokens": 2}})
+        async with http.post(url_a + "/close_session", json={"session_id": "c"}) as r:
+            assert r.status == 200
+    await a.lifecycle.wait_until(lambda: a.lifecycle.registry.get("c").state == "closed", 10)
+    await _drain(reps)
+    clock.t += 3
+    assert await b.lifecycle.sweep_idle() == 0
+    assert b.lifecycle.registry.get("c").state == "closed"
+    assert e1.engine.closes_received == 1
+    assert b.metrics.session_close_skipped.labels("elsewhere")._value.get() == 1

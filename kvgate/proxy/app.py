@@ -146,6 +146,7 @@ class Gateway:
             self.shared = SharedState(cfg.redis_url, cfg.redis_key_prefix, cfg.redis_session_ttl_s,
                                       cfg.redis_timeout_s, self.metrics)
             self.lifecycle.idle_check = self.shared.idle_claim
+            self.lifecycle.on_close.append(self.shared.session_closed)
         self.poller = None
         # Where admission counts a session's request: the engine kvgate placed it on; a session kvgate did
         # not place (the router routes it, or its first turn) counts against the fleet-wide rule.

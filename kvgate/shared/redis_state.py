@@ -54,6 +54,14 @@ redis.call('EXPIRE', KEYS[2], ARGV[2])
 return n
 """
 
+# This replica closes the session (KEYS[1]; ARGV[1] replica) for any reason: mark it so, if known.
+_CLOSED = """
+if redis.call('EXISTS', KEYS[1]) == 1 then
+  redis.call('HSET', KEYS[1], 'state', 'closing', 'closer', ARGV[1])
+end
+return 1
+"""
+
 # Should this replica close the session as idle? Atomic: the first replica to find it idle marks it
 # closing and gets 'close'; the others get 'elsewhere'. 'busy' with the seconds since its last activity.
 # KEYS[1] sess key; ARGV: now, threshold, replica, ttl, replica key prefix
@@ -168,7 +176,8 @@ class SharedState:
         """Load the Lua scripts (sent to Redis on first use; start() does this)."""
         c = self.client
         self._scripts = {"turn": c.register_script(_TURN), "idle": c.register_script(_IDLE_CLAIM),
-                         "grant": c.register_script(_LEASE_GRANT), "sum": c.register_script(_LEASE_SUM)}
+                         "grant": c.register_script(_LEASE_GRANT), "sum": c.register_script(_LEASE_SUM),
+                         "closed": c.register_script(_CLOSED)}
 
     async def stop(self) -> None:
         await self.drain(1.0)
@@ -251,6 +260,11 @@ class SharedState:
         now = self.wall()
         self._spawn("turn", lambda: self._scripts["turn"](keys=[self._sess(sid), self.prefix + "place:" + sid],
                                                          args=[repr(now), self.ttl, self.replica, delta]))
+
+    def session_closed(self, sid: str) -> None:
+        """This replica closes ``sid`` (any reason): the other replicas' idle sweeps then mark it closed
+        without calls of their own (in the background; a session Redis does not know is left alone)."""
+        self._spawn("turn", lambda: self._scripts["closed"](keys=[self._sess(sid)], args=[self.replica]))
 
     async def idle_claim(self, sid: str, threshold_s: float) -> tuple[str, float]:
         """This replica finds ``sid`` idle for more than ``threshold_s`` seconds on its own. Returns
