@@ -135,7 +135,7 @@ async def test_alternating_named_session_is_not_idle_closed_and_closes_once(back
                 await g.lifecycle.sweep_idle()
         closes_while_active = sum(_idle_closes(g) for g, _ in reps)
         if backend == "memory":
-            assert closes_while_active >= 2  # what the issue saw: the active session closed again and again
+            assert closes_while_active >= 2  # each replica alone closes the active session again and again
             return
         assert closes_while_active == 0
         assert [g.lifecycle.registry.get("agent-1").state for g, _ in reps] == ["active", "active"]
