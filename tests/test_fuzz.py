@@ -22,6 +22,7 @@ import asyncio
 import gzip
 import os
 import sys
+import shutil
 import tempfile
 import threading
 from pathlib import Path
@@ -67,6 +68,7 @@ class Fleet:
         asyncio.run_coroutine_threadsafe(self.upstream.close(), self.loop).result(10)
         self.loop.call_soon_threadsafe(self.loop.stop)
         self.thread.join(10)
+        shutil.rmtree(self.log_dir, ignore_errors=True)
 
 
 @pytest.fixture(scope="module")
