@@ -21,8 +21,8 @@ from __future__ import annotations
 import asyncio
 import gzip
 import os
-import sys
 import shutil
+import sys
 import tempfile
 import threading
 from pathlib import Path
