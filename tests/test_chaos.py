@@ -179,5 +179,17 @@ async def test_chaos_ends_with_nothing_reserved_waiting_or_in_flight(kvgate_fact
         assert unhandled == [], [r.getMessage() for r in unhandled]
         m = gw.metrics.render()[0].decode()
         assert 'agentic_kv_faults_total{stage="session"} 0.0' in m and 'agentic_kv_faults_total{stage="observer"} 0.0' in m
+        # Every session's close reaches both engines, although one engine and the router died on the way.
+        reg = gw.lifecycle.registry
+        ids = [s["session_id"] for s in sessions]
+        async with aiohttp.ClientSession() as http:
+            for sid in ids:
+                async with http.post(kv + "/close_session", json={"session_id": sid}) as r:
+                    assert r.status == 200
+        await gw.lifecycle.wait_until(lambda: reg.close_counts() == {"sending": 0, "pending": 0}
+                                      and all(reg.get(sid).state == "closed" for sid in ids), 60)
+        assert reg.close_stats["given_up"] == 0
+        assert all(reg.get(sid).close_results == {u: "ok" for u in fleet.engine_urls} for sid in ids), \
+            {sid: reg.get(sid).close_results for sid in ids}
     finally:
         fleet.stop_all()
