@@ -126,3 +126,16 @@ def test_aggregate_means_over_seeds_and_the_replicated_table():
     # an arm with errors is last whatever its makespan
     bad = aggregate([{**a, "makespan_s": 1.0}, {**b, "makespan_s": 1.0}])
     assert ranked_tiers({"direct": direct, "bad": bad}) == ([["direct"], ["bad"]], None, 0)
+
+
+def test_pauses_and_resumes_survive_the_mean_over_seeds():
+    from kvgate.bench.report import aggregate
+    prog = {"admit": 2, "wait": 1, "bypass": 0, "bypass_protected": 0, "bypass_degraded": 0, "bypass_aged": 0,
+            "pause": 545, "resume": 533}
+    a = summarize({**RAW, "kvgate_counters": prog}, 1.0, 0)
+    b = summarize({**RAW, "kvgate_counters": {**prog, "pause": 455, "resume": 467}}, 1.0, 0)
+    assert a["pause_resume"] == "545/533" and (a["pauses"], a["resumes"]) == (545, 533)
+    m = aggregate([a, b])
+    assert m["pause_resume"] == "500/500" and m["pauses"] == 500.0
+    fifo = aggregate([summarize(RAW, 1.0, 0), summarize(RAW, 1.0, 0)])   # fifo counters have no "pause"
+    assert fifo["pause_resume"] == "-" and fifo["pauses"] is None

@@ -107,7 +107,9 @@ def summarize(raw: dict, speed: float, ideal_prefill_tokens: int) -> dict:
     }
     m["admit_wait_bypass"] = (f"{m['admit']}/{m['wait']}/{m['bypass']}" if counters else "-")
     # program policy only: programs paused on overflow and resumed
-    m["pause_resume"] = (f"{counters['pause']}/{counters['resume']}" if counters and "pause" in counters else "-")
+    m["pauses"] = counters["pause"] if counters and "pause" in counters else None
+    m["resumes"] = counters["resume"] if counters and "resume" in counters else None
+    m["pause_resume"] = (f"{m['pauses']}/{m['resumes']}" if m["pauses"] is not None else "-")
     # the arm did not run to the end (its fleet failed to start, or --arm-timeout-s cut it): not comparable
     m["failed"] = bool(raw.get("failed") or raw.get("timed_out"))
     m["session_precision"], m["session_recall"] = session_accuracy(reqs)
@@ -144,7 +146,7 @@ def placement_markdown(metrics: dict[str, dict], router_policy: str) -> str:
 def aggregate(reps: list[dict]) -> dict:
     """One arm's metrics over its replicates (summarize() outputs, one per workload seed): the mean of every
     numeric metric (None/NaN values skipped; None when no replicate has one), ``replicates`` = how many, and
-    ``makespan_s_reps`` = the per-replicate makespans. admit/wait/bypass is the per-replicate mean. Raises
+    ``makespan_s_reps`` = the per-replicate makespans. admit/wait/bypass and pauses/resumes are per-replicate means. Raises
     ValueError when ``reps`` is empty."""
     if not reps:
         raise ValueError("aggregate of no replicates")
@@ -169,6 +171,8 @@ def aggregate(reps: list[dict]) -> dict:
         out["admit_wait_bypass"] = f"{out['admit']:.0f}/{out['wait']:.0f}/{out['bypass']:.0f}"
     else:
         out["admit_wait_bypass"] = "-"
+    # a string per replicate cannot be averaged: rebuild it from the mean counts
+    out["pause_resume"] = (f"{out['pauses']:.0f}/{out['resumes']:.0f}" if out.get("pauses") is not None else "-")
     out["replicates"] = len(reps)
     out["makespan_s_reps"] = [r.get(HEADLINE) for r in reps]
     return out
