@@ -94,3 +94,21 @@ def test_arms_flag_picks_any_known_arm():
     for bad in ("nope", "lifecycle-2", "direct,admision"):
         with pytest.raises(ValueError, match="unknown arm"):
             _pick_arms(bad)
+
+
+def test_many_programs_stays_in_the_regime_its_comment_claims():
+    # many small programs: each a few % of one engine's KV pool, the step's working set 2-3x the fleet's KV, on
+    # every seed the bench runs (the same four workloads in every arm)
+    from pathlib import Path
+
+    from kvgate.bench.scenario import load_scenario
+    from kvgate.bench.workload import plan_agentic, plan_summary
+    sc = load_scenario(Path(__file__).resolve().parent.parent / "configs" / "bench" / "many-programs.yaml")
+    fleet = sc.engines * sc.max_total_num_tokens
+    for seed in range(sc.seed, sc.seed + sc.replicates):
+        s = plan_summary(plan_agentic(sc.workload, seed))
+        assert 96 <= s["sessions"] <= 192
+        assert 2.0 <= s["working_set_tokens"] / fleet <= 3.0
+        assert s["final_context_tokens_mean"] <= 0.05 * sc.max_total_num_tokens
+        assert s["final_context_tokens_max"] <= 0.07 * sc.max_total_num_tokens
+        assert s["tool_gap_s_max"] <= 30.0
