@@ -89,6 +89,9 @@ def expand_arms(sc: Scenario) -> list[ArmSpec]:
             out.append(ArmSpec(a, kvgate=True, lifecycle=True, pool_tokens=pool, hicache=True))
         elif a == "hicache+lifecycle+admission":
             out.append(ArmSpec(a, kvgate=True, lifecycle=True, admission=True, pool_tokens=pool, hicache=True))
+        elif a == "hicache+lifecycle+admission-program":
+            out.append(ArmSpec(a, kvgate=True, lifecycle=True, admission=True, admission_policy="program",
+                               pool_tokens=pool, hicache=True))
     return out
 
 

@@ -16,7 +16,8 @@ import yaml
 
 ARMS = ("direct", "proxy-only", "lifecycle", "lifecycle-inferred", "admission", "lifecycle+admission",
         "admission-program", "lifecycle+admission-program", "router-limit", "unbounded-kv", "hicache",
-        "hicache+lifecycle", "hicache+lifecycle+admission", "proxy-placement", "smg-manual")
+        "hicache+lifecycle", "hicache+lifecycle+admission", "hicache+lifecycle+admission-program",
+        "proxy-placement", "smg-manual")
 # How the client sends its turns (the route): token ids to /generate, chat messages, or completions text.
 APIS = ("generate", "chat", "completions")
 
