@@ -34,7 +34,7 @@ from typing import Any, Hashable
 from .capacity import ClusterSnapshot
 from .ledger import Grant, Lease, Ledger
 
-__all__ = ["Kind", "Decision", "AdmissionCoordinator", "ADMISSION_OFF", "held_kind"]
+__all__ = ["Kind", "Decision", "DecisionTally", "AdmissionCoordinator", "ADMISSION_OFF", "held_kind"]
 
 
 def _url(place: Any) -> Any:
@@ -97,6 +97,66 @@ class Decision:
         return int(round(self.waited_s * 1000.0))
 
 
+class DecisionTally:
+    """Lifetime counters of admission decisions and a rolling window over the last ``window_s`` seconds (pure,
+    injected ``now``). Shared by the FIFO and the program coordinators, whose stats report the same figures.
+
+    ``counters`` maps a name to its lifetime count; the window keeps (now, name) per counted event and
+    (now, waited_s) per waiter that left the queue by admit or bypass.
+    """
+
+    def __init__(self, names: tuple[str, ...], window_s: float) -> None:
+        self.counters: dict[str, int] = {k: 0 for k in names}
+        self.window_s = window_s
+        self._events: deque[tuple[float, str]] = deque()
+        self._waits: deque[tuple[float, float]] = deque()
+
+    def count(self, name: str, now: float, by: int = 1) -> None:
+        """Add ``by`` to counter ``name`` and one event to the window."""
+        self.counters[name] += by
+        self._events.append((now, name))
+
+    def record(self, d: Decision, now: float) -> Decision:
+        """Count one decision (admit, wait or bypass by reason) and, for a waiter leaving, its wait; returns ``d``."""
+        if d.kind is Kind.ADMIT:
+            self.count("admit", now)
+        elif d.kind is Kind.WAIT:
+            self.count("wait", now)
+        else:
+            self.counters["bypass"] += 1
+            self.count("bypass_" + (d.kind.bypass_reason or ""), now)
+        if d.queued and d.kind is not Kind.WAIT:
+            self._waits.append((now, d.waited_s))
+        return d
+
+    def window(self, now: float) -> dict[str, Any]:
+        """Window figures: counts per name, defer_rate = wait/(admit+wait+bypass) and degraded_rate =
+        bypass_degraded/(admit+wait+bypass) (0 when empty), and a wait-seconds summary (count, mean, p50, max)."""
+        horizon = now - self.window_s
+        while self._events and self._events[0][0] < horizon:
+            self._events.popleft()
+        while self._waits and self._waits[0][0] < horizon:
+            self._waits.popleft()
+        win = {k: 0 for k in self.counters}
+        for _, name in self._events:
+            win[name] += 1
+            if name.startswith("bypass_"):
+                win["bypass"] += 1
+        denom = win["admit"] + win["wait"] + win["bypass"]
+        waits = sorted(w for _, w in self._waits)
+        return {
+            "window": win,
+            "defer_rate": (win["wait"] / denom) if denom else 0.0,
+            "degraded_rate": (win["bypass_degraded"] / denom) if denom else 0.0,
+            "wait_s": {
+                "count": len(waits),
+                "mean": (sum(waits) / len(waits)) if waits else 0.0,
+                "p50": waits[len(waits) // 2] if waits else 0.0,
+                "max": waits[-1] if waits else 0.0,
+            },
+        }
+
+
 @dataclass
 class _Waiter:
     ticket: Hashable
@@ -144,46 +204,19 @@ class AdmissionCoordinator:
         self._from_queue: set[Hashable] = set()  # tickets granted by pump, lease still held
         self._seq = itertools.count(1)  # orders enqueues and grants (equal clock readings happen)
         self._granted_seq: dict[Hashable, int] = {}  # ticket -> seq of its grant, while its lease lives
-        self.counters: dict[str, int] = {
-            "admit": 0,
-            "wait": 0,
-            "bypass": 0,
-            "bypass_protected": 0,
-            "bypass_degraded": 0,
-            "bypass_aged": 0,
-            "cancelled": 0,
-            "backfilled": 0,
-        }
-        self._events: deque[tuple[float, str]] = deque()  # (now, counter name) for the rolling window
-        self._waits: deque[tuple[float, float]] = deque()  # (now, waited_s) of waiters that left by admit/bypass
+        self.tally = DecisionTally(("admit", "wait", "bypass", "bypass_protected", "bypass_degraded", "bypass_aged",
+                                    "cancelled", "backfilled"), self.window_s)
+        self.counters = self.tally.counters  # the same dict: lifetime counters, read by the gate and /kvgate/stats
 
     # ---------------------------------------------------------------- bookkeeping
     def _count(self, name: str, now: float) -> None:
-        self.counters[name] += 1
-        self._events.append((now, name))
+        self.tally.count(name, now)
 
     def _record(self, d: Decision, now: float) -> Decision:
         if d.lease is not None:
             self._granted_seq[d.ticket] = next(self._seq)
-        if d.kind is Kind.ADMIT:
-            self._count("admit", now)
-        elif d.kind is Kind.WAIT:
-            self._count("wait", now)
-        else:
-            self.counters["bypass"] += 1
-            self._count("bypass_" + (d.kind.bypass_reason or ""), now)
-        if d.queued and d.kind is not Kind.WAIT:
-            self._waits.append((now, d.waited_s))
-        return d
+        return self.tally.record(d, now)
 
-    def _prune(self, now: float) -> None:
-        horizon = now - self.window_s
-        while self._events and self._events[0][0] < horizon:
-            self._events.popleft()
-        while self._waits and self._waits[0][0] < horizon:
-            self._waits.popleft()
-
-    # ---------------------------------------------------------------- API
     def submit(self, ticket: Hashable, tokens: int, protected: bool, now: float, *, place: Any = None,
                blocks: tuple = (), session_id: Hashable | None = None, prompt_tokens: int | None = None) -> Decision:
         """Decide for a new in-scope request of ``tokens`` reservation at ``now``.
@@ -390,27 +423,11 @@ class AdmissionCoordinator:
         """JSON-able figures: lifetime counters, waiting, window counts, defer_rate and degraded_rate over the
         last window_s (wait/(admit+wait+bypass) and bypass_degraded/(admit+wait+bypass), 0 when empty),
         wait-seconds summary of waiters that left in the window, and all ledger figures under "ledger"."""
-        self._prune(now)
-        win = {k: 0 for k in self.counters}
-        for _, name in self._events:
-            win[name] += 1
-            if name.startswith("bypass_"):
-                win["bypass"] += 1
-        denom = win["admit"] + win["wait"] + win["bypass"]
-        waits = sorted(w for _, w in self._waits)
         return {
             "counters": dict(self.counters),
             "waiting": self.waiting,
             "window_s": self.window_s,
-            "window": win,
-            "defer_rate": (win["wait"] / denom) if denom else 0.0,
-            "degraded_rate": (win["bypass_degraded"] / denom) if denom else 0.0,
-            "wait_s": {
-                "count": len(waits),
-                "mean": (sum(waits) / len(waits)) if waits else 0.0,
-                "p50": waits[len(waits) // 2] if waits else 0.0,
-                "max": waits[-1] if waits else 0.0,
-            },
+            **self.tally.window(now),
             "max_wait_s": self.max_wait_s,
             "ledger": self.ledger.stats(now),
         }

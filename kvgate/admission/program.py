@@ -39,12 +39,11 @@ from __future__ import annotations
 
 import enum
 import itertools
-from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Hashable, Mapping
 
 from .capacity import ClusterSnapshot
-from .coordinator import Decision, Kind
+from .coordinator import Decision, DecisionTally, Kind
 from .ledger import Grant, Ledger
 from .working_set import FLEET
 
@@ -132,28 +131,17 @@ class ProgramCoordinator:
         self._actions: list[Action] = []
         self.pauses: dict[str, int] = {}
         self.resumes: dict[str, int] = {}
-        self.counters: dict[str, int] = {k: 0 for k in (
+        self.tally = DecisionTally((
             "admit", "wait", "bypass", "bypass_protected", "bypass_degraded", "bypass_aged", "cancelled",
-            "backfilled", "pause", "resume", "marked", "programs_ended", "prefix_miss_tokens")}
-        self._events: deque[tuple[float, str]] = deque()
-        self._waits: deque[tuple[float, float]] = deque()
+            "backfilled", "pause", "resume", "marked", "programs_ended", "prefix_miss_tokens"), self.window_s)
+        self.counters = self.tally.counters  # the same dict: lifetime counters
 
     # ---------------------------------------------------------------- bookkeeping
     def _count(self, name: str, now: float, by: int = 1) -> None:
-        self.counters[name] += by
-        self._events.append((now, name))
+        self.tally.count(name, now, by)
 
     def _record(self, d: Decision, now: float) -> Decision:
-        if d.kind is Kind.ADMIT:
-            self._count("admit", now)
-        elif d.kind is Kind.WAIT:
-            self._count("wait", now)
-        else:
-            self.counters["bypass"] += 1
-            self._count("bypass_" + (d.kind.bypass_reason or ""), now)
-        if d.queued and d.kind is not Kind.WAIT:
-            self._waits.append((now, d.waited_s))
-        return d
+        return self.tally.record(d, now)
 
     @staticmethod
     def _label(place: Any) -> str:
@@ -506,29 +494,13 @@ class ProgramCoordinator:
     def stats(self, now: float) -> dict[str, Any]:
         """JSON-able figures: counters, waiting (resumes / new), programs by place and state, pauses and resumes
         by place, window rates and the ledger's figures."""
-        horizon = now - self.window_s
-        while self._events and self._events[0][0] < horizon:
-            self._events.popleft()
-        while self._waits and self._waits[0][0] < horizon:
-            self._waits.popleft()
-        win = {k: 0 for k in self.counters}
-        for _, name in self._events:
-            win[name] += 1
-            if name.startswith("bypass_"):
-                win["bypass"] += 1
-        denom = win["admit"] + win["wait"] + win["bypass"]
-        waits = sorted(w for _, w in self._waits)
         return {
             "policy": "program",
             "counters": dict(self.counters),
             "waiting": self.waiting,
             "waiting_resume": sum(1 for w in self._queue.values() if w.resume),
             "window_s": self.window_s,
-            "window": win,
-            "defer_rate": (win["wait"] / denom) if denom else 0.0,
-            "degraded_rate": (win["bypass_degraded"] / denom) if denom else 0.0,
-            "wait_s": {"count": len(waits), "mean": (sum(waits) / len(waits)) if waits else 0.0,
-                       "p50": waits[len(waits) // 2] if waits else 0.0, "max": waits[-1] if waits else 0.0},
+            **self.tally.window(now),
             "max_wait_s": self.max_wait_s,
             "victim": self.victim,
             "resume_order": self.resume,
