@@ -184,6 +184,9 @@ KEYS: list[Key] = [
     Key("placement_pressure_threshold", float, 0.85,
         "A new session joins the engine holding its prefix only while that engine's KV usage is below this.",
         _unit, "in (0, 1]"),
+    Key("placement_reopen_hint_s", float, 600.0,
+        "Seconds a closed session's engine is remembered, so a re-opened session goes back to it (0: off).",
+        _nonneg, ">= 0"),
     # --- admission --------------------------------------------------------------------------------
     Key("agentic_program_admission", bool, False,
         "Hold each request in one global FIFO until the KV token ledger admits it."),

@@ -50,6 +50,7 @@ def test_shipped_config_documents_every_key_and_is_valid():
     ({"session_placement_routes": {"/generate": "yes"}}, "session_placement_routes: must be a mapping from"),
     ({"session_placement_routes": ["/generate"]}, "session_placement_routes: expected a mapping"),
     ({"placement_pressure_threshold": 0}, "placement_pressure_threshold: must be in (0, 1]"),
+    ({"placement_reopen_hint_s": -1}, "placement_reopen_hint_s: must be >= 0"),
 ])
 def test_bad_values_name_the_key_in_one_line(raw, message):
     with pytest.raises(ConfigError) as err:

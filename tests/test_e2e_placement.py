@@ -341,3 +341,50 @@ async def test_router_restart_is_probed_again_and_placed_sessions_ride_through_i
         assert gw.directory.verdicts["/generate"] == "dropped"
     finally:
         p2.stop()
+
+
+async def test_a_closed_session_reopened_goes_back_to_its_engine(sim_factory, router_factory, kvgate_factory):
+    # SGLang 0.5.17+ re-opens a closed session id on its next request; placement keeps the closed session's
+    # engine as a hint, so the re-opened session goes back where its KV may still be. Prompts under one
+    # 64-token block have no prefix key, so only the hint can bring it back; free KV ties (tiny prompts), and
+    # by the session-count rule it would go to the other engine.
+    e1 = await sim_factory(max_total_num_tokens=50_000, speed=50)
+    e2 = await sim_factory(max_total_num_tokens=50_000, speed=50)
+    router = await router_factory([e1.url, e2.url])
+    gw, kv = await kvgate_factory(upstream=router, agentic_session_lifecycle=True, session_placement="kvgate",
+                                  session_inference=False, discovery_interval_s=60, admission_poll_interval_s=0.2)
+    await gw.directory.first_refresh.wait()
+    gen = {"sampling_params": {"max_new_tokens": 4, "ignore_eos": True}}
+    engines = {e1.url: e1, e2.url: e2}
+    async with aiohttp.ClientSession() as http:
+        prompt = list(range(1, 41))
+        st, body, _ = await _post(http, kv + "/generate", {"input_ids": prompt, **gen}, {"X-Session-ID": "r"})
+        assert st == 200
+        home_url, _ = gw.placement.engine_of("r")
+        home = engines[home_url]
+        other = e2 if home is e1 else e1
+        st, _, _ = await _post(http, kv + "/close_session", {"session_id": "r"})
+        assert st == 200
+        await _wait(lambda: home.stats()["closes_received"] == 1 and other.stats()["closes_received"] == 1)
+        assert home.stats()["session_state"]["r"]["closed"] is True
+        # three other sessions: the engine list's first engine (r's) ends with 2, the other with 1
+        for sid in ("a", "b", "c"):
+            st, _, _ = await _post(http, kv + "/generate", {"input_ids": list(range(100, 130)), **gen},
+                                   {"X-Session-ID": sid})
+            assert st == 200
+        assert gw.placement.sessions_on(home.url) == 2 and gw.placement.sessions_on(other.url) == 1
+        # r comes back: re-opened on its engine (the session-count rule would have picked the other one)
+        prompt = prompt + orjson.loads(body)["output_ids"] + [7] * 10
+        for turn in range(2):
+            st, body, _ = await _post(http, kv + "/generate", {"input_ids": prompt, **gen}, {"X-Session-ID": "r"})
+            assert st == 200
+            prompt = prompt + orjson.loads(body)["output_ids"] + [8] * 4
+        assert _where("r", home, other) == [3, 0]
+        assert home.stats()["session_state"]["r"]["closed"] is False  # the engine re-opened the id
+        assert gw.placement.engine_of("r") == (home.url, None)
+        assert gw.placement.counts["reopened"] == 1 and gw.placement.counts["sticky"] == 1
+        async with http.get(kv + "/kvgate/engines") as r:
+            view = await r.json()
+        assert view["placement"]["counts"]["reopened"] == 1 and view["placement"]["reopen_hints"] == 0
+        m = gw.metrics.render()[0].decode()
+    assert f'agentic_kv_session_placements_total{{engine="{home.url}",reason="reopened"}} 1.0' in m

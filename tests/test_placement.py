@@ -152,3 +152,72 @@ def test_counts_stay_consistent_under_any_sequence(ops):
                 expect[s.target.engine] += 1
         assert {u: p.sessions_on(u) for u in listed} == expect
         assert len(p) <= 5
+
+
+def test_a_reopened_session_goes_back_to_its_engine_below_pressure_not_where_free_kv_or_a_sibling_points():
+    p = fleet(pressure_threshold=0.8, reopen_hint_s=100.0)
+    p.set_capacity({A: [(10_000, 0)], B: [(10_000, 0)], C: [(10_000, 0)]})
+    turn1 = list(range(1, 200))                       # GRPO siblings share the first turn's prompt exactly
+    keys = prefix_keys(turn1)
+    assert p.place("g0", keys, 0.0) == Target(A)
+    p.remember_prefix(keys, Target(A))
+    p.set_capacity({A: [(10_000, 8_500)]})            # A busy: the sibling goes by free KV ...
+    assert p.place("g1", keys, 1.0) == Target(B)
+    p.remember_prefix(keys, Target(B))                # ... and the shared prompt's key now points at B
+    p.set_capacity({A: [(10_000, 1_000)]})
+    assert p.forget("g0", 2.0) and p.engine_of("g0") is None and p.sessions_on(A) == 0
+    assert p.reopen_hints(2.0) == 1
+    # g0 comes back with its own next turn: the prefix index would say B, free KV would say C
+    turn2 = prefix_keys(turn1 + list(range(900, 1000)))
+    assert p.place("g0", turn2, 50.0) == Target(A)
+    assert p.last_reason == "reopened" and p.counts["reopened"] == 1 and p.engine_of("g0") == (A, None)
+    assert p.reopen_hints(50.0) == 0                  # the hint is used up: from now on g0 is sticky
+    assert p.place("g0", turn2, 51.0) == Target(A) and p.last_reason == "sticky"
+    # without the hint the same call would have gone where the sibling's key points
+    q = fleet(pressure_threshold=0.8, reopen_hint_s=0.0)
+    q.set_capacity({A: [(10_000, 1_000)], B: [(10_000, 0)], C: [(10_000, 0)]})
+    q.place("g0", keys, 0.0)
+    q.remember_prefix(keys, Target(B))
+    q.forget("g0", 2.0)
+    assert q.place("g0", turn2, 50.0) == Target(B) and q.last_reason == "prefix" and q.reopen_hints(50.0) == 0
+
+
+def test_the_reopen_hint_yields_to_pressure_expires_and_is_bounded():
+    p = fleet(pressure_threshold=0.8, reopen_hint_s=100.0, max_sessions=3)
+    p.set_capacity({A: [(10_000, 0)], B: [(10_000, 0)], C: [(10_000, 0)]})
+    for sid in ("s1", "s2", "s3"):
+        assert p.place(sid, [], 0.0) == Target({"s1": A, "s2": B, "s3": C}[sid])
+    # at or above the threshold (engine usage + kvgate's in-flight prompts): placed by the rules
+    p.forget("s1", 1.0)
+    p.set_capacity({A: [(10_000, 7_000)]})
+    p.call_started(Target(A), 1_000)
+    assert p.place("s1", [], 2.0) == Target(B) and p.last_reason == "free_kv"
+    assert p.counts["reopen_elsewhere"] == 1
+    p.call_finished(Target(A), 1_000)
+    # stale after reopen_hint_s
+    p.forget("s2", 10.0)
+    assert p.reopen_hints(110.0) == 1 and p.reopen_hints(110.5) == 0
+    assert p.place("s2", [], 111.0) != Target(B) or p.last_reason != "reopened"
+    # an engine that left: no hint; at most max_sessions hints (the oldest dropped first)
+    p.forget("s3", 200.0)
+    p.set_engines([(A, True), (B, True)])
+    assert p.place("s3", [], 201.0) in (Target(A), Target(B)) and p.last_reason != "reopened"
+    assert p.reopen_hints(201.0) == 0
+    for i in range(5):
+        p.place(f"x{i}", [], 300.0)
+        p.forget(f"x{i}", 300.0 + i)
+    assert p.reopen_hints(304.0) == 3                 # x2, x3, x4
+    assert p.place("x1", [], 305.0) is not None and p.last_reason != "reopened"
+    assert p.place("x4", [], 305.0) is not None and p.last_reason == "reopened"
+
+
+def test_a_reopened_session_on_a_dp_engine_keeps_its_rank():
+    p = Placement(reopen_hint_s=60.0)
+    p.set_engines([(A, True)])
+    p.set_capacity({A: [(5_000, 0), (5_000, 0)]})
+    t1, t2 = p.place("s1", [], 0.0), p.place("s2", [], 0.0)
+    assert t1.dp_rank != t2.dp_rank
+    p.forget("s1", 1.0)
+    p.place("s3", [], 1.0)                            # s3 takes s1's now-empty rank by the free-KV rule
+    assert p.place("s1", [], 2.0) == t1 and p.last_reason == "reopened"
+    assert p.forget("nope", 3.0) is False and p.reopen_hints(3.0) == 0

@@ -20,7 +20,14 @@ Rules (docs/placement.md):
   - an engine that leaves the router's list, is marked unhealthy there or refuses a connection: its sessions are re-placed on
     their next call (counted in ``replaced``); a refused connection keeps the engine out for
     ``unreachable_s`` seconds.
-  - a closed session is forgotten; at most ``max_sessions`` are kept (the longest idle dropped first).
+  - reopened: a closed session's engine (and rank) is kept as a hint for ``reopen_hint_s`` seconds (at most
+    ``max_sessions`` hints, the oldest dropped first). SGLang 0.5.17+ re-opens a closed id on its next request
+    (sglang-engine-api.md "sessions"), and kvgate re-opens a session that comes back after an idle close; its
+    prefix may still sit in that engine's radix cache (a closed session's KV is evictable, not gone), so the
+    re-opened session goes back there while that rank is usable and below ``pressure_threshold``, before the
+    prefix rule (whose index may point a shared prompt at a sibling's engine, or hold no key at all for a
+    prompt that was rewritten or is under one block). At or above the threshold it is placed by the rules.
+  - a closed session is otherwise forgotten; at most ``max_sessions`` are kept (the longest idle dropped first).
 """
 
 from __future__ import annotations
@@ -87,26 +94,33 @@ class Placement:
     pressure_threshold: KV usage in (0, 1] at or above which a prefix's engine takes no new session.
     tie_fraction: free-KV differences below this share of the largest pool count as ties, in [0, 1).
     unreachable_s: seconds an engine that refused a connection stays out.
-    max_sessions / max_prefixes: caps on remembered sessions and indexed prompts (oldest dropped first).
+    max_sessions / max_prefixes: caps on remembered sessions and indexed prompts (oldest dropped first); the
+    closed sessions' engine hints are capped at max_sessions too.
+    reopen_hint_s: seconds a closed session's engine is kept as a hint for its re-opening (0: no hint).
+    Raises ValueError for a value out of range.
     """
 
     def __init__(self, *, pressure_threshold: float = 0.85, tie_fraction: float = 0.02, unreachable_s: float = 5.0,
-                 max_sessions: int = 100_000, max_prefixes: int = 100_000):
-        if not 0 < pressure_threshold <= 1 or not 0 <= tie_fraction < 1 or max_sessions < 1 or max_prefixes < 1:
-            raise ValueError("pressure_threshold in (0, 1], tie_fraction in [0, 1), caps >= 1")
+                 max_sessions: int = 100_000, max_prefixes: int = 100_000, reopen_hint_s: float = 600.0):
+        if not 0 < pressure_threshold <= 1 or not 0 <= tie_fraction < 1 or max_sessions < 1 or max_prefixes < 1 \
+                or not reopen_hint_s >= 0:
+            raise ValueError("pressure_threshold in (0, 1], tie_fraction in [0, 1), caps >= 1, reopen_hint_s >= 0")
         self.pressure_threshold = pressure_threshold
         self.tie_fraction = tie_fraction
         self.unreachable_s = unreachable_s
         self.max_sessions = max_sessions
         self.max_prefixes = max_prefixes
+        self.reopen_hint_s = reopen_hint_s
         self._engines: dict[str, _Engine] = {}
         self._sessions: OrderedDict[str, _Session] = OrderedDict()  # first = longest idle
         self._prefixes: OrderedDict[int, Target] = OrderedDict()    # prompt chain key -> where it went
+        self._closed: OrderedDict[str, tuple[Target, float]] = OrderedDict()  # closed session -> (target, closed at)
         self.placements: dict[str, int] = {}  # engine -> sessions placed there (new and re-placed)
-        self.last_reason: str | None = None  # why the last place() chose its target: sticky | prefix | free_kv
+        # why the last place() chose its target: sticky | reopened | prefix | free_kv
+        self.last_reason: str | None = None
         self.last_replaced = False           # the last place() moved a session off an engine it cannot use
-        self.counts = {"sticky": 0, "prefix": 0, "free_kv": 0, "replaced": 0, "no_engine": 0,
-                       "unreachable": 0, "dropped": 0, "adopted": 0}
+        self.counts = {"sticky": 0, "reopened": 0, "prefix": 0, "free_kv": 0, "replaced": 0, "no_engine": 0,
+                       "unreachable": 0, "dropped": 0, "adopted": 0, "reopen_elsewhere": 0}
 
     # --- the fleet ---------------------------------------------------------------------------------
 
@@ -169,7 +183,12 @@ class Placement:
                 return s.target
             self.counts["replaced"] += 1
             self.last_replaced = True
-        target, reason = self._choose(prefix_keys, now, excluded)
+        target, reason = None, None
+        if s is None:
+            target = self._reopen_target(session_id, now, excluded)
+            reason = "reopened" if target is not None else None
+        if target is None:
+            target, reason = self._choose(prefix_keys, now, excluded)
         if target is None:
             self.counts["no_engine"] += 1
             return None
@@ -186,6 +205,26 @@ class Placement:
             s.last_used = now
             self._set_target(session_id, s, target)
         return target
+
+    def _reopen_target(self, session_id: str, now: float, excluded: set) -> Target | None:
+        """The engine (rank) a closed ``session_id`` was on, if its hint is fresh and that rank is usable and
+        below the pressure threshold; None otherwise (counted in ``reopen_elsewhere`` when a hint was there).
+        The hint is used up either way."""
+        hint = self._closed.pop(session_id, None)
+        if hint is None:
+            return None
+        t, closed_at = hint
+        if now - closed_at > self.reopen_hint_s:
+            return None  # stale: its prefix is likely evicted by now
+        e = self._engines.get(t.engine)
+        if e is None or e.url in excluded or not self._usable(e, now) \
+                or e.rank_usage(t.dp_rank or 0) >= self.pressure_threshold:
+            self.counts["reopen_elsewhere"] += 1
+            return None
+        rank = t.dp_rank if e.dp_size > 1 else None
+        if rank is not None and rank >= e.dp_size or rank is None and e.dp_size > 1:
+            rank = self._best_rank(e)  # the engine came back with fewer ranks, or its ranks became known
+        return Target(e.url, rank)
 
     def _set_target(self, session_id: str, s: _Session, target: Target) -> None:
         self._count_session(s.target, -1)
@@ -264,6 +303,7 @@ class Placement:
         e = self._engines.get(target.engine)
         if e is None or not self._usable(e, now):
             return False
+        self._closed.pop(session_id, None)
         s = self._sessions.get(session_id)
         if s is None:
             self._sessions[session_id] = _Session(target, now)
@@ -274,13 +314,29 @@ class Placement:
         self.counts["adopted"] += 1
         return True
 
-    def forget(self, session_id: str) -> bool:
-        """The session closed: drop it. Returns whether it was known."""
+    def forget(self, session_id: str, now: float | None = None) -> bool:
+        """The session closed at ``now`` (monotonic seconds): drop it, keeping its engine as the hint for a
+        re-opening (module docstring) when ``now`` is given and ``reopen_hint_s`` > 0. Returns whether it
+        was known."""
         s = self._sessions.pop(session_id, None)
         if s is None:
             return False
         self._count_session(s.target, -1)
+        if now is not None and self.reopen_hint_s > 0:
+            self._closed[session_id] = (s.target, now)
+            self._closed.move_to_end(session_id)
+            while len(self._closed) > self.max_sessions:
+                self._closed.popitem(last=False)
         return True
+
+    def reopen_hints(self, now: float) -> int:
+        """Closed sessions whose engine hint is still fresh at ``now`` (for /kvgate/engines)."""
+        while self._closed:
+            sid, (_, closed_at) = next(iter(self._closed.items()))
+            if now - closed_at <= self.reopen_hint_s:
+                break
+            del self._closed[sid]  # oldest first: the rest are fresher
+        return len(self._closed)
 
     def _evict_over_cap(self) -> None:
         while len(self._sessions) > self.max_sessions:

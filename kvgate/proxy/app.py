@@ -109,7 +109,8 @@ class Gateway:
                                          probe=cfg.compat_probe, lifecycle_on=cfg.agentic_session_lifecycle,
                                          placement_modes=self.placement_modes)
         self.placement = Placement(pressure_threshold=cfg.placement_pressure_threshold,
-                                   max_sessions=cfg.max_tracked_sessions, max_prefixes=cfg.max_tracked_sessions)
+                                   max_sessions=cfg.max_tracked_sessions, max_prefixes=cfg.max_tracked_sessions,
+                                   reopen_hint_s=cfg.placement_reopen_hint_s)
         self.directory.on_change.append(self._engines_changed)
         self._engines_changed(self.directory.engines)  # a static list is there from the start
         for r in PLACEMENT_ROUTES:
@@ -250,7 +251,8 @@ class Gateway:
             e["placements"] = p.get("placements", 0)
             e["placed_in_flight_prompt_tokens"] = p.get("in_flight_prompt_tokens", 0)
         out["placement"] = {"modes": dict(self.placement_modes), "counts": dict(self.placement.counts),
-                            "sessions": len(self.placement)}
+                            "sessions": len(self.placement),
+                            "reopen_hints": self.placement.reopen_hints(self.lifecycle.clock())}
         return _json(out)
 
     async def handle_stats(self, request: web.Request) -> web.Response:
@@ -367,7 +369,7 @@ class Gateway:
 
     def _placement_forget(self, sid: str) -> None:
         try:
-            if self.placement.forget(sid):
+            if self.placement.forget(sid, self.lifecycle.clock()):
                 self._publish_placed()
         except Exception:
             log.exception("placement forget failed")

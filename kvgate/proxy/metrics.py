@@ -110,7 +110,7 @@ class Metrics:
         self.placement_active = Gauge(p + "session_placement_active", "1 when kvgate places the route's session "
                                       "traffic on engines itself (0: the router picks)", ["route"], registry=r)
         self.placements = Counter(p + "session_placements", "Sessions placed on an engine by kvgate, by engine "
-                                  "and why (free_kv, prefix, replaced)", ["engine", "reason"], registry=r)
+                                  "and why (free_kv, prefix, reopened, replaced)", ["engine", "reason"], registry=r)
         self.placed_sessions = Gauge(p + "placed_sessions", "Active sessions kvgate placed, by engine",
                                      ["engine"], registry=r)
         self.placement_calls = Counter(p + "placement_calls", "Session calls on a placed route, by where they "
