@@ -73,6 +73,9 @@ class Metrics:
                                              "again after a failure", registry=r)
         self.session_close_given_up = Counter(p + "session_close_given_up", "Engine closes given up (retries "
                                               "used up, or a 4xx); asking to close again re-arms them", registry=r)
+        self.session_close_dropped = Counter(p + "session_close_dropped", "Engine closes dropped without another "
+                                             "try, by why (engine_gone: the router no longer lists the engine)",
+                                             ["reason"], registry=r)
         self.session_close_cancelled = Counter(p + "session_close_cancelled", "Engine closes dropped because "
                                                "the session came back before they were delivered", registry=r)
         self.session_reopened = Counter(p + "session_reopened", "Requests that re-opened a closing or closed "
@@ -141,6 +144,7 @@ class Metrics:
             self.session_close.labels(reason)
         self.session_close_skipped.labels("no_kv")
         self.session_close_skipped.labels("elsewhere")
+        self.session_close_dropped.labels("engine_gone")
         for outcome in ("engine", "router_fallback", "connect_retry"):
             self.placement_calls.labels(outcome)
         for result in ("ok", "error"):

@@ -11,6 +11,10 @@ registry's (kvgate.sessions.registry). Here:
     backoff until it succeeds or ``close_retries`` are used up; while an engine fails, only one call at
     a time probes it (the other closes wait, their attempts not counted), and once it answers again
     its pending closes are all retried at once,
+  - an engine that leaves the fleet (the router no longer lists it) gets no new closes; the ones already
+    queued still go out once (a router that lists no engine for a moment loses nothing), a failed one is
+    dropped instead of retried, and its pending retries are dropped at once (counted by reason); once
+    nothing is queued, on the wire or pending for it, its queue and workers are removed,
   - it never blocks or fails the caller, and logs per engine (when it starts and stops failing), not
     per session.
 The router does not proxy /close_session (router-compat.md), so kvgate calls the engines directly.
@@ -31,7 +35,7 @@ from kvgate.common.aio import cancel_tasks
 from kvgate.fleet.directory import EngineDirectory
 from kvgate.sessions.idle_policy import ClientAborts, IdlePolicy, StepTracker, ends_session
 from kvgate.proxy.metrics import Metrics
-from kvgate.sessions.registry import (ACTIVE, CLOSED, CLOSING, FAILED, PENDING, SENDING, CloseRetry,
+from kvgate.sessions.registry import (ACTIVE, CLOSED, CLOSING, ENGINE_GONE, FAILED, PENDING, SENDING, CloseRetry,
                                       SessionRegistry)
 
 log = logging.getLogger("kvgate.sessions.lifecycle")
@@ -108,6 +112,8 @@ class SessionLifecycle:
         self._draining: dict[str, asyncio.Task] = {}
         self._started: OrderedDict[str, float] = OrderedDict()  # close start (perf_counter) per session
         self._queues: dict[str, _EngineQueue] = {}
+        self._gone: set[str] = set()  # engines with a queue that the fleet no longer lists
+        self.queues_removed = 0
         self._on_wire: dict[str, int] = {}  # close calls on the wire, per session
         self._session: aiohttp.ClientSession | None = None
         self._idle_task: asyncio.Task | None = None
@@ -118,6 +124,7 @@ class SessionLifecycle:
         self.on_close: list[Callable[[str], None]] = []
         # Replicas sharing state: (session_id, threshold_s) -> (verdict, age_s), see sweep_idle.
         self.idle_check: Callable[[str, float], Awaitable[tuple[str, float]]] | None = None
+        directory.on_change.append(self.engines_changed)
         self._publish()
 
     @property
@@ -255,6 +262,46 @@ class SessionLifecycle:
         if s.state == CLOSED:  # no engine known
             self._finished(session_id)
 
+    def engines_changed(self, engines: Any = None) -> None:
+        """The fleet's engine list changed (directory on_change): an engine with a close queue that is no
+        longer listed gets its pending retries dropped (counted, reason ``engine_gone``) and its queue removed
+        once nothing is left for it; one listed again is kept."""
+        listed = set(self.directory.urls)
+        now = self.clock()
+        for url in list(self._queues):
+            if url in listed:
+                self._gone.discard(url)
+            elif url not in self._gone:
+                self._gone.add(url)
+                dropped = self.registry.drop_engine(url, now, ENGINE_GONE)
+                if dropped:
+                    self.metrics.session_close_dropped.labels("engine_gone").inc(len(dropped))
+                log.info("engine %s left the fleet: %d pending closes dropped; its queue goes once its %d queued "
+                         "closes are sent", url, len(dropped), len(self._queues[url].items))
+                for sid in dropped:  # closed now that nothing else is unfinished: counted like any close
+                    s = self.registry.get(sid)
+                    if s is not None and s.state == CLOSED:
+                        self._finished(sid)
+        self._retire_settled()
+        self._notify()
+
+    def _retire_settled(self) -> None:
+        """Remove the queue (and stop the workers) of each engine that left the fleet and has nothing queued,
+        on the wire or pending."""
+        for url in list(self._gone):
+            q = self._queues.get(url)
+            if q is None:
+                self._gone.discard(url)
+                continue
+            if q.items or q.active or self.registry.unfinished_on(url):
+                continue
+            del self._queues[url]
+            self._gone.discard(url)
+            self.queues_removed += 1
+            for w in q.workers:
+                w.cancel()  # idle: waiting for work that no longer comes
+            log.info("engine %s: close queue removed (the engine left the fleet)", url)
+
     def _enqueue(self, url: str, session_id: str, gen: int, retry: bool = False) -> None:
         q = self._queues.get(url)
         if q is None:
@@ -267,6 +314,8 @@ class SessionLifecycle:
     async def _worker(self, q: _EngineQueue) -> None:
         while True:
             while not q.items:
+                if q.url in self._gone:
+                    self._retire_settled()  # may cancel this worker: it then ends at the wait below
                 q.wake.clear()
                 await q.wake.wait()
             session_id, gen, retry = q.items.popleft()
@@ -276,6 +325,11 @@ class SessionLifecycle:
                 # The engine is failing and another call probes it: wait for it to answer again
                 # (engine_back) rather than spend this close's attempts on it.
                 self.registry.defer(session_id, gen, q.url, self.clock() + self.registry.retry.max_backoff_s)
+                if q.url in self._gone and self.registry.drop_close(session_id, q.url, self.clock(), ENGINE_GONE):
+                    self.metrics.session_close_dropped.labels("engine_gone").inc()
+                    s = self.registry.get(session_id)
+                    if s is not None and s.state == CLOSED:
+                        self._finished(session_id)
                 continue
             if retry:
                 self.registry.note_retry()
@@ -317,6 +371,11 @@ class SessionLifecycle:
     def _on_result(self, q: _EngineQueue, session_id: str, gen: int, result: str, final: bool) -> None:
         now = self.clock()
         state = self.registry.close_result(session_id, gen, q.url, result, now, final)
+        dropped = state == PENDING and q.url in self._gone and \
+            self.registry.drop_close(session_id, q.url, now, ENGINE_GONE)
+        if dropped:  # the engine left the fleet: no retry
+            state = FAILED
+            self.metrics.session_close_dropped.labels("engine_gone").inc()
         if result == "ok":
             self.metrics.close_calls.labels("ok").inc()
             if q.failing:
@@ -333,7 +392,7 @@ class SessionLifecycle:
                             "with backoff", q.url, result)
             if state == PENDING:
                 self._retry_wake.set()
-            elif state == FAILED:
+            elif state == FAILED and not dropped:
                 self.metrics.session_close_given_up.inc()
                 q.given_up += 1
                 if now - q.given_up_logged >= 60.0:
@@ -484,5 +543,7 @@ class SessionLifecycle:
                 lambda st=state: self.registry.close_counts()[st])
 
     def stats(self) -> dict[str, Any]:
-        """Per engine: close calls queued, whether its last call failed."""
-        return {u: {"queued": len(q.items), "failing": q.failing} for u, q in self._queues.items()}
+        """Per engine with a close queue: close calls queued, whether its last call failed, whether the fleet
+        still lists it (``gone``: the queue goes once nothing is left for it)."""
+        return {u: {"queued": len(q.items), "failing": q.failing, "gone": u in self._gone}
+                for u, q in self._queues.items()}

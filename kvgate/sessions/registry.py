@@ -26,6 +26,8 @@ from typing import Any
 
 ACTIVE, CLOSING, CLOSED = "active", "closing", "closed"
 SENDING, PENDING, OK, FAILED = "sending", "pending", "ok", "failed"
+#: The last result of a close dropped because its engine left the fleet (the router no longer lists it).
+ENGINE_GONE = "dropped: engine left the fleet"
 
 
 @dataclass(frozen=True)
@@ -127,8 +129,10 @@ class SessionRegistry:
         self._due: list[tuple[float, str, int, str]] = []  # heap of (next_at, sid, close_gen, url)
         self.dropped = 0
         # Engine close calls: ok, failed attempts, retries sent, given up (retries used up or 4xx),
-        # cancelled (the session came back before the engine had the close).
-        self.close_stats = {"ok": 0, "failed_attempts": 0, "retries": 0, "given_up": 0, "cancelled": 0}
+        # cancelled (the session came back before the engine had the close), dropped (its engine left the
+        # fleet while the close waited for a retry).
+        self.close_stats = {"ok": 0, "failed_attempts": 0, "retries": 0, "given_up": 0, "cancelled": 0,
+                            "dropped": 0}
         self._unfinished = {SENDING: 0, PENDING: 0}  # engine closes by state, kept as they move
 
     def _move(self, e: EngineClose, state: str) -> None:
@@ -231,10 +235,18 @@ class SessionRegistry:
 
     def to_send(self, session_id: str, urls: list[str], now: float) -> list[str]:
         """The engines (of ``urls``) to send the session's close to now: those without one yet and those
-        pending and due. They are marked sending. Empty when the session is not closing."""
+        pending and due. They are marked sending. Empty when the session is not closing. A pending close of an
+        engine no longer in ``urls`` (re-armed by a new close after its engine left) is dropped
+        (:meth:`drop_close`): nothing would ever send it."""
         s = self._sessions.get(session_id)
         if s is None or s.state != CLOSING:
             return []
+        if any(e.state == PENDING and u not in urls for u, e in s.engine_closes.items()):
+            listed = set(urls)
+            for u in [u for u, e in s.engine_closes.items() if e.state == PENDING and u not in listed]:
+                self.drop_close(session_id, u, now, ENGINE_GONE)
+            if s.state != CLOSING:
+                return []
         out = []
         for u in urls:
             e = s.engine_closes.get(u)
@@ -289,6 +301,36 @@ class SessionRegistry:
         e.next_at = until
         heapq.heappush(self._due, (until, session_id, gen, url))
         return True
+
+    def drop_close(self, session_id: str, url: str, now: float, reason: str = "dropped") -> bool:
+        """Give up ``url``'s pending close of ``session_id`` without another try (its engine left the fleet):
+        ``failed`` with ``reason`` as its last result, counted in close_stats["dropped"]. The session is
+        closed once nothing else is unfinished. Returns whether a pending close was dropped; asking to close
+        the session again re-arms it, as any failed close."""
+        s = self._sessions.get(session_id)
+        e = s.engine_closes.get(url) if s is not None and s.state == CLOSING else None
+        if e is None or e.state != PENDING:
+            return False
+        self._move(e, FAILED)
+        e.last = reason
+        self.close_stats["dropped"] += 1
+        if not s.unfinished():
+            self._closed(s, now)
+        return True
+
+    def drop_engine(self, url: str, now: float, reason: str = ENGINE_GONE) -> list[str]:
+        """:meth:`drop_close` for every pending close of ``url`` (one walk over the closing sessions). Closes
+        still marked sending (queued or on the wire) are left to their call. Returns the sessions whose
+        close was dropped."""
+        return [sid for sid in list(self._closing) if self.drop_close(sid, url, now, reason)]
+
+    def unfinished_on(self, url: str) -> int:
+        """Closes of ``url`` still sending or pending (one walk over the closing sessions)."""
+        n = 0
+        for sid in self._closing:
+            e = self._sessions[sid].engine_closes.get(url) if sid in self._sessions else None
+            n += e is not None and e.state in (SENDING, PENDING)
+        return n
 
     def skip_close(self, session_id: str, now: float) -> None:
         """Mark a closing session closed without calling any engine (its KV is already gone)."""
