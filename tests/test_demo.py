@@ -1,4 +1,4 @@
-"""`kvgate demo` end to end as a user runs it (subprocesses: two engines, smg, kvgate), on a short window."""
+"""`kvgate demo` end to end as a user runs it (subprocesses: four engines, smg, kvgate), on a short window."""
 
 import json
 import subprocess
@@ -29,7 +29,9 @@ def test_demo_short_window_both_runs(tmp_path):
         assert s["not_adding_up"] == []  # every printed sum adds up (tests/test_demo_figures.py: the arithmetic)
         total = sum(s["closes_by_reason"].values())
         assert s["close_failures"] == 0 and total >= n_sessions
-        assert s["close_calls"] == 2 * total == sum(s["engine_closes_received"])  # every close reached both engines
+        engines = len(s["engine_closes_received"])
+        assert engines == 4 and s["route"] == "generate" and s["placed_by"] == "kvgate"
+        assert s["close_calls"] == engines * total == sum(s["engine_closes_received"])  # every close, every engine
         assert s["engine_sessions_union"] == n_sessions  # session_id reached an engine for every session
         assert s["prompt_tokens"] == sum(r.input_length for r in records)
     assert lifecycle["admission_stats"] is None
@@ -61,7 +63,7 @@ def test_demo_signal_stops_every_child(tmp_path, how):
         kvgate_log = (log_dir / "lifecycle" / "kvgate.log").read_text()
         assert "listening" in kvgate_log
         children = _descendants(p.pid)
-        assert len(children) >= 4  # two engines, the router (launcher + smg::router), kvgate
+        assert len(children) >= 6  # four engines, the router (launcher + smg::router), kvgate
         if how == "SIGINT-repeated":
             p.send_signal(signal.SIGINT)
             for line in p.stdout:  # it has begun stopping its children: press again and again now

@@ -36,3 +36,10 @@ def test_figures_that_do_not_add_up_are_named():
                    "session_id reached the engines for 2 sessions, the trace window has 5"]
     _, off = reconcile(_figures(closes={"idle": 3, "client": 0, "admin_api": 4, "abort": 0}, engine_closes=[7, 7]))
     assert off == ["7 closes by reason, but the registry has 6 closes of 5 sessions"]
+
+
+def test_sessions_on_several_engines_are_explained_by_who_placed_them():
+    lines, off = reconcile(_figures(placed_by="kvgate"))
+    assert off == []
+    assert lines[2].endswith("(1 sessions had turns on more than one engine: re-opened after a close while their "
+                             "engine was at the placement pressure threshold)")

@@ -1,10 +1,18 @@
 """``kvgate demo``: the whole request path on real input.
 
-Starts two simulated engines, a real smg router in front of them and kvgate in front of that (each a
+Starts four simulated engines, a real smg router in front of them and kvgate in front of that (each a
 subprocess in its own process group), replays a slice of the Mooncake conversation trace through
 kvgate at its real timestamps (scaled by --speed), closes the sessions that remain, prints a summary
 and stops everything it started. Sessions come from hash-block chains (kvgate.bench.trace) and are sent as
-X-Session-ID, which kvgate turns into a top-level session_id.
+X-Session-ID, which kvgate turns into a top-level session_id. Turns go as token ids to /generate, the way RL
+rollouts (and kvgate bench) send them; smg drops session_id there, so kvgate places the sessions itself
+(docs/placement.md). ``--route completions`` sends text to /v1/completions instead, the OpenAI route where
+smg forwards session_id and the router places the sessions.
+
+Fleet size: the trace window brings about 40,000 prompt tokens/s; one simulated engine (the default
+llama-3-8b-h100 profile) prefills about 20,000/s, less for long prompts. Two engines queue without bound
+(the engines then run their KV pools full, and admission can only move that queue into kvgate, every
+request waiting until it ages out); four keep up, which is what the demo is meant to show.
 """
 
 from __future__ import annotations
@@ -36,16 +44,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--duration-s", type=float, default=120.0, help="window length in trace time, seconds")
     p.add_argument("--speed", type=float, default=1.0,
                    help="replay and simulated compute this many times faster (kvgate's idle close scales too)")
-    p.add_argument("--engines", type=int, default=2, help="simulated engines")
+    p.add_argument("--engines", type=int, default=4,
+                   help="simulated engines (four keep up with the trace's ~40,000 prompt tokens/s; two do not)")
     p.add_argument("--max-total-num-tokens", type=int, default=200_000,
                    help="KV pool of each engine, tokens")
     p.add_argument("--idle-close-s", type=float, default=30.0, help="kvgate session_idle_close_s (trace time)")
     p.add_argument("--runs", choices=("both", "lifecycle", "admission"), default="both",
                    help="lifecycle: session lifecycle only; admission: lifecycle + program-aware admission; "
                         "both: one after the other, each on a fresh fleet")
-    p.add_argument("--route", choices=("completions", "generate"), default="completions",
-                   help="send turns as /v1/completions (text prompt; smg 1.13 forwards session_id there) or "
-                        "/generate (token ids; smg 1.13 drops session_id there)")
+    p.add_argument("--route", choices=("generate", "completions"), default="generate",
+                   help="generate: token ids to /generate, as RL rollouts send them (smg 1.13 drops session_id "
+                        "there, so kvgate places the sessions); completions: text to /v1/completions (smg 1.13 "
+                        "forwards session_id there and the router places the sessions)")
     p.add_argument("--log-dir", default=None, help="where child process logs go (default: a temp dir)")
     p.add_argument("--json", dest="json_out", default=None, help="also write the summary as JSON to this file")
 
@@ -71,7 +81,8 @@ class CloseFigures:
     closes: kvgate's fan-outs by reason (agentic_kv_session_close_total); session_closes: per session, how
     many times it was closed (the registry's ``closes``); engines: engines each close went to;
     failed_calls: engine calls that failed after retries; engine_closes: /close_session calls each engine
-    received; engine_sessions: the session ids each engine saw on a generate call."""
+    received; engine_sessions: the session ids each engine saw on a generate call; placed_by: who picked each
+    session's engine ("kvgate" or "router")."""
 
     sessions: int
     closed: int
@@ -81,6 +92,7 @@ class CloseFigures:
     failed_calls: int
     engine_closes: list[int]
     engine_sessions: list[set[str]]
+    placed_by: str = "router"
 
 
 def reconcile(f: CloseFigures) -> tuple[list[str], list[str]]:
@@ -90,7 +102,8 @@ def reconcile(f: CloseFigures) -> tuple[list[str], list[str]]:
     Why two counts differ when nothing is wrong: a session that sends another turn after kvgate closed it for
     being idle is reopened and closed again (one session, two closes); every close goes to every engine (one
     close, one call per engine); a router policy that ignores the routing key (round_robin) can send a
-    session's turns to both engines, so both see its session_id."""
+    session's turns to several engines, so each sees its session_id; kvgate's placement moves a session only
+    when it re-opens (after a close) while its engine is at the pressure threshold, or its engine left."""
     total = sum(f.closes.values())
     again = sum(c - 1 for c in f.session_closes if c > 1)
     calls = total * f.engines
@@ -107,8 +120,10 @@ def reconcile(f: CloseFigures) -> tuple[list[str], list[str]]:
         f"{sum(f.engine_closes)}",
         f"engines    session_id reached an engine for {len(seen)} sessions; per engine "
         f"{' + '.join(str(len(e)) for e in f.engine_sessions)} = {per_engine}"
-        + (f" ({on_many} sessions had turns on more than one engine: the router's policy does not keep a session "
-           f"on one engine)" if on_many else ""),
+        + ((f" ({on_many} sessions had turns on more than one engine: the router's policy does not keep a session "
+            f"on one engine)" if f.placed_by == "router" else
+            f" ({on_many} sessions had turns on more than one engine: re-opened after a close while their engine "
+            f"was at the placement pressure threshold)") if on_many else ""),
     ]
     off = []
     if f.closed != f.sessions:
@@ -280,6 +295,10 @@ def _run_once(args: argparse.Namespace, records, sessions, admission: bool, log_
         if admission:
             kv_cmd += ["--agentic-program-admission", "--admission-poll-interval-s", str(max(0.05, 2.0 / speed)),
                        "--agentic-admission-max-wait-s", str(30.0 / speed)]
+            if args.route == "completions":
+                # The simulator counts one token per byte of text (kvgate.sim.tokenizer); at the default 3
+                # characters per token the ledger would count each text prompt at a third of its size.
+                kv_cmd += ["--admission-chars-per-token", "1"]
         kvgate = procs.start("kvgate", kv_cmd, log_dir, url=f"http://127.0.0.1:{kport}")
         started.append(kvgate)
         procs.wait_http(kvgate.url + "/kvgate/engines", 30, kvgate,
@@ -308,6 +327,7 @@ def _run_once(args: argparse.Namespace, records, sessions, admission: bool, log_
         sims = [asyncio.run(_get_json(u + "/sim/stats")) for u in engine_urls]
         stats = asyncio.run(_get_json(kvgate.url + "/kvgate/stats")) if admission else None
         health = asyncio.run(_get_json(kvgate.url + "/kvgate/health"))
+        placement = asyncio.run(_get_json(kvgate.url + "/kvgate/engines")).get("placement") or {}
     except BaseException:  # Ctrl-C, SIGTERM or a failure: say why the wait, then stop (finally)
         print(f"kvgate demo: stopping the {len(started)} processes it started", file=sys.stderr, flush=True)
         raise
@@ -318,10 +338,12 @@ def _run_once(args: argparse.Namespace, records, sessions, admission: bool, log_
               for k in ("idle", "client", "admin_api", "abort")}
     close_fail = int(_sum_metric(mtext, "agentic_kv_session_close_failure_total"))
     closed = sum(1 for s in reg["sessions"] if s["state"] == "closed")
+    path = "/generate" if args.route == "generate" else "/v1/completions"
+    placed_by = health["session_placement"][path]
     figures = CloseFigures(sessions=n_sessions, closed=closed, closes=closes,
                            session_closes=[s["closes"] for s in reg["sessions"]], engines=len(engine_urls),
                            failed_calls=close_fail, engine_closes=[s["closes_received"] for s in sims],
-                           engine_sessions=[set(s["sessions"]) for s in sims])
+                           engine_sessions=[set(s["sessions"]) for s in sims], placed_by=placed_by)
     lines, off = reconcile(figures)
     hit = rep.cached_tokens / rep.prompt_tokens if rep.prompt_tokens else 0.0
     summary = {
@@ -339,7 +361,8 @@ def _run_once(args: argparse.Namespace, records, sessions, admission: bool, log_
         "queue_ms_p99": round(percentile(rep.queue_ms, 99), 1) if rep.queue_ms else None,
         "admission_stats": stats, "route": args.route,
         "router_generate_session_id": health["session_id_passthrough"],
-        "session_placement": health.get("session_placement"),
+        "session_placement": health.get("session_placement"), "placed_by": placed_by,
+        "placement_counts": placement.get("counts"),
     }
     print("summary")
     print(f"  requests   {rep.ok}/{len(records)} ok, errors {rep.errors or 0}, replay wall time {wall:.1f} s")
@@ -349,9 +372,15 @@ def _run_once(args: argparse.Namespace, records, sessions, admission: bool, log_
         print(f"  {line}")
     for line in off:
         print(f"  DOES NOT ADD UP: {line}")
-    print(f"  router     turns sent to /{'generate' if args.route == 'generate' else 'v1/completions'}; kvgate's "
-          f"probe says the router {health['session_id_passthrough']} top-level session_id on /generate, so "
-          f"{health['session_placement']['/generate']} places /generate sessions")
+    verdict = health["session_id_passthrough_by_route"].get(path, health["session_id_passthrough"])
+    print(f"  router     turns sent to {path}; kvgate's probe says the router {verdict} top-level session_id "
+          f"there, so {'kvgate places the sessions on the engines' if placed_by == 'kvgate' else 'the router places the sessions'}")
+    if placed_by == "kvgate" and placement.get("counts"):
+        pc = placement["counts"]
+        print(f"  placement  {pc['free_kv'] + pc['prefix'] + pc['reopened'] + pc['replaced']} placements: free KV "
+              f"{pc['free_kv']}, prefix {pc['prefix']}, re-opened on their engine {pc['reopened']}, replaced "
+              f"{pc['replaced']}; {pc['sticky']} later turns stayed on their engine; {pc['reopen_elsewhere']} "
+              f"re-opened elsewhere (their engine at the pressure threshold)")
     if admission:
         c = stats["counters"]
         print(f"  admission  admit {c['admit']}, wait {c['wait']}, bypass {c['bypass_protected'] + c['bypass_degraded'] + c['bypass_aged']} "
