@@ -29,7 +29,7 @@ from kvgate.config import PLACEMENT_ROUTES, Config
 from kvgate.fleet import compat
 from kvgate.fleet.placement import Placement, Target
 from kvgate.fleet.directory import EngineDirectory
-from kvgate.proxy.relay import MAX_FIELD_BYTES, MAX_LINE_BYTES, Upstream, forward_headers, header_safe, \
+from kvgate.proxy.relay import MAX_FIELD_BYTES, MAX_LINE_BYTES, Upstream, forward_head, header_safe, \
     BodyParts, preserve_header_bytes, read_body
 from kvgate.proxy.admit import Gate, OpenGate, RequestInfo, Ticket
 from kvgate.sessions.idle_policy import IdlePolicy, StepTracker
@@ -396,7 +396,7 @@ class Gateway:
             log.exception("session placement failed; forwarding to the router")
             self.metrics.faults.labels("placement").inc()
             return None
-        headers = forward_headers(request.headers)  # no routing key: it is for the router
+        headers = forward_head(request.raw_headers)  # no routing key: it is for the router
         tried: list[str] = []
         if self.shared is not None and self.placement.engine_of(plan.session_id) is None:
             await self._adopt_shared(plan.session_id, await self.shared.engine_of(plan.session_id))
@@ -527,7 +527,7 @@ class Gateway:
         t1 = time.perf_counter()
         outcome = None
         try:  # from here on every exit path ends the request in the registry and the inference index
-            headers = forward_headers(request.headers, plan.extra)
+            headers = forward_head(request.raw_headers, plan.extra)
             add = ticket.headers if tracked is None else [*ticket.headers, (SESSION_HEADER, header_safe(tracked))]
             placed = None
             if self._placed_route(c, plan):

@@ -24,6 +24,7 @@ from aiohttp.http_exceptions import HttpProcessingError
 from multidict import CIMultiDict
 from yarl import URL
 
+from kvgate.proxy.pool import ConnectFailed, Disconnected, Exchange, Pool, ResponseError
 from kvgate.sessions.observe import ResponseObserver
 
 log = logging.getLogger("kvgate.proxy.relay")
@@ -77,6 +78,81 @@ def forward_headers(headers: Mapping[str, str], extra: Mapping[str, str] | None 
 def response_headers(headers: Mapping[str, str]) -> CIMultiDict:
     """Upstream response headers to relay: hop-by-hop removed (Content-Length kept)."""
     return _without_hop_by_hop(headers)
+
+
+_DROP_REQUEST_BYTES = frozenset(h.encode() for h in HOP_BY_HOP | _RECOMPUTED_REQUEST)
+_HOP_BY_HOP_BYTES = frozenset(h.encode() for h in HOP_BY_HOP)
+
+
+def _connection_named(raw_headers: Iterable[tuple[bytes, bytes]]) -> frozenset:
+    named = set()
+    for k, v in raw_headers:
+        if k.lower() == b"connection":
+            named.update(t.strip().lower() for t in v.split(b",") if t.strip())
+    return frozenset(named)
+
+
+def forward_head(raw_headers: Iterable[tuple[bytes, bytes]], extra: Mapping[str, str] | None = None) -> bytes:
+    """The request's header lines for the upstream, as bytes (``Name: value\\r\\n`` each): what
+    forward_headers() keeps, from the raw header bytes the client sent (so bytes that are not UTF-8 pass
+    unchanged), in the client's order; then ``extra``, which replaces headers of the same name."""
+    named = _connection_named(raw_headers)
+    drop = _DROP_REQUEST_BYTES | named if named else _DROP_REQUEST_BYTES
+    extra_lines = b""
+    if extra:
+        drop = drop | {k.lower().encode("ascii") for k in extra}
+        check = aiohttp.http_writer._safe_header
+        extra_lines = "".join(f"{check(k)}: {check(v)}\r\n" for k, v in extra.items()).encode("utf-8", "surrogateescape")
+    out = []
+    for k, v in raw_headers:
+        if k.lower() in drop:
+            continue
+        out += (k, b": ", v, b"\r\n")
+    return b"".join(out) + extra_lines
+
+
+def _head_from_multidict(headers: Mapping[str, str]) -> bytes:
+    check = aiohttp.http_writer._safe_header
+    text = "".join(f"{check(k)}: {check(v)}\r\n" for k, v in headers.items())
+    try:
+        return text.encode("utf-8", "surrogateescape")
+    except UnicodeEncodeError:  # a lone surrogate that did not come from the wire: aiohttp drops it too
+        return text.encode("utf-8", "ignore")
+
+
+def _multidict_from_head(fields: bytes) -> CIMultiDict:
+    out = CIMultiDict()
+    for line in fields.split(b"\r\n"):
+        if line:
+            k, _, v = line.partition(b": ")
+            out.add(k.decode("ascii"), v.decode("utf-8", "surrogateescape"))
+    return out
+
+
+def _response_fields(raw: list[tuple[bytes, bytes]]) -> tuple[CIMultiDict, bytes, bool]:
+    """Upstream response header bytes -> (headers to relay: hop-by-hop removed, Content-Length kept, values
+    decoded as aiohttp does, with surrogateescape; the Content-Type bytes; whether Content-Encoding is set)."""
+    named = _connection_named(raw)
+    ctype = b""
+    encoded = False
+    keep = []
+    for k, v in raw:
+        lk = k.lower()
+        if lk in _HOP_BY_HOP_BYTES or lk in named:
+            continue
+        if lk == b"content-type":
+            if not ctype:
+                ctype = v
+        elif lk == b"content-encoding":
+            encoded = True
+        keep.append((k.decode("latin-1"), v.decode("utf-8", "surrogateescape")))
+    return CIMultiDict(keep), ctype, encoded
+
+
+class _OneWriteResponse(web.StreamResponse):
+    """A StreamResponse whose head is written with its first body bytes (one write for a small answer)."""
+
+    _send_headers_immediately = False
 
 
 # A value that can go into a header as it is: visible ASCII, inner spaces, at most 256 characters.
@@ -137,9 +213,12 @@ class RelayOutcome:
 
 
 class Upstream:
-    """One pooled client session to the router. ``close()`` it on shutdown.
+    """The pooled client to the router (and to engines kvgate places sessions on). ``close()`` it on shutdown.
 
-    base: router base URL; connect_timeout_s / read_timeout_s (0 = no read timeout) in seconds.
+    base: router base URL; connect_timeout_s / read_timeout_s (0 = no read timeout) in seconds; pool_size:
+    most upstream connections in use at once (0 = no limit). Plain-http upstreams go through kvgate's own
+    HTTP/1.1 pool (kvgate.proxy.pool: pre-built request heads, httptools parsing); others (https) through
+    aiohttp's client, with the same guarantees.
     """
 
     def __init__(self, base: str, connect_timeout_s: float, read_timeout_s: float, pool_size: int = 0):
@@ -149,6 +228,9 @@ class Upstream:
         self._pool_size = pool_size
         self._session: aiohttp.ClientSession | None = None
         self._observer_fault_logged = False
+        self.pool = Pool(connect_timeout_s, read_timeout_s, pool_size)
+        # base URL -> (path prefix bytes, "Host: ...\r\n" bytes), or None for a base the pool cannot serve
+        self._targets: dict[str, tuple[bytes, bytes] | None] = {}
 
     @property
     def session(self) -> aiohttp.ClientSession:
@@ -163,25 +245,156 @@ class Upstream:
         return self._session
 
     async def close(self) -> None:
+        self.pool.close()
         if self._session is not None:
             await self._session.close()
 
-    async def relay(self, request: web.Request, path_qs: str, headers: CIMultiDict, body: bytes | BodyParts,
+    def _target(self, base: str) -> tuple[bytes, bytes] | None:
+        """(path prefix, Host header line) for a plain-http ``base``; None for others (aiohttp serves them)."""
+        try:
+            return self._targets[base]
+        except KeyError:
+            pass
+        url = URL(base)
+        target = None
+        if url.scheme == "http" and url.raw_host and not url.user:
+            port = url.port or 80
+            host = url.raw_host if ":" not in url.raw_host else f"[{url.raw_host}]"
+            host_value = host if url.explicit_port is None else f"{host}:{port}"
+            self.pool.set_address(base, url.raw_host, port)
+            target = (url.raw_path.rstrip("/").encode("ascii"), f"Host: {host_value}\r\n".encode("ascii"))
+        self._targets[base] = target
+        return target
+
+    async def relay(self, request: web.Request, path_qs: str, headers: CIMultiDict | bytes, body: bytes | BodyParts,
                     observe: Callable[[bool], ResponseObserver] | None, add_headers: Iterable[tuple[str, str]] = (),
                     on_headers: Callable[[int], None] | None = None,
                     base: str | None = None) -> tuple[web.StreamResponse, RelayOutcome]:
         """Send ``body`` to base+``path_qs`` and stream the answer to ``request``'s client.
 
+        headers: the request headers to send, as forward_head() bytes or a forward_headers() multidict.
         base: another base URL than the router's (an engine kvgate placed a session on); same pool.
 
         observe: None, or a factory (is_sse -> ResponseObserver) for responses kvgate reads as they pass.
         Returns the response object (already prepared and finished, or an error Response to return)
         and the outcome. When the client goes away the handler is cancelled (handler_cancellation)
-        or a write fails: either way leaving the ``async with`` closes the upstream connection, which
-        cancels the upstream request.
+        or a write fails: either way the upstream connection is closed, which cancels the upstream request.
         """
-        # The raw path and query, not re-encoded: what the client sent is what the router gets.
         base = base or self.base
+        target = self._target(base)
+        if target is None:
+            if isinstance(headers, bytes):
+                headers = _multidict_from_head(headers)
+            return await self._relay_aiohttp(request, path_qs, headers, body, observe, add_headers, on_headers, base)
+        method = request.method
+        fields = headers if isinstance(headers, bytes) else _head_from_multidict(headers)
+        size = len(body)
+        # The raw path and query, not re-encoded: what the client sent is what the upstream gets.
+        head = b"".join((method.encode("ascii"), b" ", target[0], path_qs.encode("utf-8", "surrogateescape"),
+                         b" HTTP/1.1\r\n", target[1], fields, b"Content-Length: %d\r\n\r\n" % size))
+        retry = method in _RETRIED_METHODS
+        if retry and not isinstance(body, bytes):
+            body = b"".join(body.parts)  # resent once when a pooled connection turns out closed: must be whole
+        try:
+            up = await self.pool.exchange(base, head, body if isinstance(body, bytes) else body.parts, size,
+                                          method, retry, SEND_PIECE_BYTES)
+        except asyncio.TimeoutError:
+            return self._error(504, f"kvgate: upstream {base} timed out", "upstream_timeout", base,
+                               RelayOutcome(None, None, "timeout"), add_headers)
+        except ConnectFailed as exc:
+            return self._error(502, f"kvgate: upstream {base} unreachable: {exc}", "upstream_unreachable", base,
+                               RelayOutcome(None, None, "unreachable", sent=False), add_headers)
+        except (Disconnected, OSError) as exc:
+            return self._error(502, f"kvgate: upstream {base} unreachable: {exc}", "upstream_unreachable", base,
+                               RelayOutcome(None, None, "unreachable"), add_headers)
+        except ResponseError as exc:
+            # The upstream answered something that is not HTTP/1.1 (bad status line, bad Content-Length,
+            # bad chunk framing, a body on a 204 ...): its fault, so a 502 naming it, never a 500.
+            log.warning("upstream %s broke HTTP answering %s: %s", base, path_qs, exc)
+            return self._error(502, f"kvgate: upstream {base} sent a malformed response: {exc}",
+                               "upstream_protocol_error", base, RelayOutcome(None, None, "protocol_error"),
+                               add_headers)
+        try:
+            return await self._stream(request, path_qs, up, observe, add_headers, on_headers, base)
+        finally:
+            up.release()
+
+    async def _stream(self, request: web.Request, path_qs: str, up: Exchange, observe, add_headers, on_headers,
+                      base: str) -> tuple[web.StreamResponse, RelayOutcome]:
+        """Relay the response whose head ``up`` holds to ``request``'s client."""
+        status = up.status
+        if isinstance(up.failed, ResponseError):  # broken before a byte went to the client: still a clean 502
+            log.warning("upstream %s broke HTTP answering %s: %s", base, path_qs, up.failed)
+            return self._error(502, f"kvgate: upstream {base} sent a malformed response: {up.failed}",
+                               "upstream_protocol_error", base, RelayOutcome(None, None, "protocol_error"),
+                               add_headers)
+        if on_headers is not None:
+            on_headers(status)
+        out_headers, ctype, encoded = _response_fields(up.headers)
+        for k, v in add_headers:
+            out_headers[k] = v
+        observer = None
+        fault = False
+        if observe is not None and not encoded:
+            try:
+                observer = observe(ctype.startswith(b"text/event-stream"))
+            except Exception as exc:
+                fault = self._observer_fault(exc, path_qs)
+        reason = up.reason.decode("utf-8", "surrogateescape") or None
+        if up.complete:
+            # The whole body is here: head and body go to the client in one write.
+            chunk = await up.read()
+            resp = _OneWriteResponse(status=status, reason=reason, headers=out_headers)
+            if chunk and observer is not None:
+                try:
+                    observer.feed(chunk)
+                except Exception as exc:
+                    observer, fault = None, self._observer_fault(exc, path_qs)
+            try:
+                await resp.prepare(request)
+                await resp.write_eof(chunk)
+            except (ConnectionResetError, aiohttp.ClientConnectionResetError):
+                return resp, RelayOutcome(status, observer, "client_gone", observer_fault=fault)
+            return resp, RelayOutcome(status, observer, "complete", observer_fault=fault)
+        resp = web.StreamResponse(status=status, reason=reason, headers=out_headers)
+        await resp.prepare(request)
+        while True:
+            try:
+                chunk = await up.read()
+            except (ResponseError, asyncio.TimeoutError) as exc:
+                # Upstream cut or broke the body mid-way: the client sees the cut too (no fake completion).
+                log.warning("upstream %s cut the response to %s mid-way: %s", base, path_qs, exc)
+                _abort_client(request)
+                return resp, RelayOutcome(status, observer, "upstream_error", observer_fault=fault)
+            if not chunk:
+                break
+            if observer is not None:
+                try:
+                    observer.feed(chunk)
+                except Exception as exc:  # the relay never depends on what an observer makes of a chunk
+                    observer, fault = None, self._observer_fault(exc, path_qs)
+            try:
+                await resp.write(chunk)
+            except (ConnectionResetError, aiohttp.ClientConnectionResetError):
+                return resp, RelayOutcome(status, observer, "client_gone", observer_fault=fault)
+        try:
+            await resp.write_eof()
+        except (ConnectionResetError, aiohttp.ClientConnectionResetError):
+            return resp, RelayOutcome(status, observer, "client_gone", observer_fault=fault)
+        return resp, RelayOutcome(status, observer, "complete", observer_fault=fault)
+
+    @staticmethod
+    def _error(status: int, message: str, kind: str, base: str, outcome: RelayOutcome,
+               add_headers: Iterable[tuple[str, str]]) -> tuple[web.Response, RelayOutcome]:
+        err = error_response(status, message, kind, base)
+        for k, v in add_headers:  # the admission decision is reported on kvgate's own errors too
+            err.headers[k] = v
+        return err, outcome
+
+    async def _relay_aiohttp(self, request: web.Request, path_qs: str, headers: CIMultiDict, body: bytes | BodyParts,
+                             observe, add_headers, on_headers, base: str) -> tuple[web.StreamResponse, RelayOutcome]:
+        """relay() through aiohttp's client: for upstreams the pool does not serve (https)."""
+        # The raw path and query, not re-encoded: what the client sent is what the router gets.
         url = URL(base + path_qs, encoded=True)
         data: bytes | AsyncIterator[bytes | memoryview] = body
         if request.method in _RETRIED_METHODS:

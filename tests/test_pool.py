@@ -1,0 +1,216 @@
+"""The relay's own HTTP/1.1 client (kvgate.proxy.pool) on real sockets: connections reused and counted, every
+body framing relayed byte for byte, 1xx and HEAD, cuts, refused connects, and a stale connection resent only
+when the method allows it."""
+
+from __future__ import annotations
+
+import asyncio
+
+import aiohttp
+import pytest
+
+from fake_upstream import parse_answer, request, send_raw
+from kvgate.proxy.pool import ConnectFailed, Disconnected, Pool
+from kvgate.tools.procs import free_port
+
+
+class KeepAliveUpstream:
+    """A raw upstream that keeps connections open: ``script(conn_no, req_no, head)`` returns the bytes to answer
+    with, a tuple (bytes, "close") to answer and then close, or None to close the connection without
+    answering. Counts connections; records request heads and bodies."""
+
+    def __init__(self, script):
+        self.script = script
+        self.opened = 0
+        self.used: set[int] = set()  # connections that carried a request (not kvgate's engine discovery)
+        self.heads: list[bytes] = []
+        self.bodies: list[bytes] = []
+        self.url = ""
+
+    async def start(self) -> "KeepAliveUpstream":
+        self._server = await asyncio.start_server(self._handle, "127.0.0.1", 0)
+        self.url = f"http://127.0.0.1:{self._server.sockets[0].getsockname()[1]}"
+        return self
+
+    async def close(self) -> None:
+        self._server.close()
+        await self._server.wait_closed()
+
+    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        conn_no = self.opened
+        self.opened += 1
+        req_no = 0
+        try:
+            while True:
+                head = (await reader.readuntil(b"\r\n\r\n"))[:-4]
+                length = 0
+                for line in head.split(b"\r\n")[1:]:
+                    k, _, v = line.partition(b":")
+                    if k.strip().lower() == b"content-length":
+                        length = int(v)
+                body = await reader.readexactly(length)
+                if head.split(b" ", 2)[1] in (b"/workers", b"/list_workers"):
+                    writer.write(b"HTTP/1.1 404 Not Found\r\nContent-Length: 0\r\n\r\n")
+                    continue
+                self.used.add(conn_no)
+                self.heads.append(head)
+                self.bodies.append(body)
+                answer = self.script(conn_no, req_no, head)
+                req_no += 1
+                if answer is None:
+                    break
+                close = isinstance(answer, tuple)
+                writer.write(answer[0] if close else answer)
+                await writer.drain()
+                if close:
+                    break
+        except (asyncio.IncompleteReadError, ConnectionError, asyncio.CancelledError):
+            pass
+        finally:
+            writer.close()
+
+    @property
+    def connections(self) -> int:
+        return len(self.used)
+
+
+@pytest.fixture
+async def keepalive():
+    ups = []
+
+    async def make(script):
+        up = await KeepAliveUpstream(script).start()
+        ups.append(up)
+        return up
+
+    yield make
+    for up in ups:
+        await up.close()
+
+
+def _port(url: str) -> int:
+    return int(url.rsplit(":", 1)[1])
+
+
+OK = b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 11\r\n\r\n{\"ok\":true}"
+
+
+async def test_connections_are_reused_and_counted(kvgate_factory, keepalive):
+    up = await keepalive(lambda c, r, h: OK)
+    gw, url = await kvgate_factory(upstream=up.url)
+    async with aiohttp.ClientSession() as http:
+        for i in range(5):
+            async with http.post(url + "/generate", data=b'{"input_ids":[%d]}' % i) as r:
+                assert r.status == 200 and await r.read() == b'{"ok":true}'
+    assert up.connections == 1 and gw.upstream.pool.connections_made == 1
+    assert [b for b in up.bodies] == [b'{"input_ids":[%d]}' % i for i in range(5)]
+    assert gw.upstream.pool.idle_count(gw.upstream.base) == 1
+    # the request head: request line, Host, the client's headers in order, Content-Length last
+    lines = up.heads[0].split(b"\r\n")
+    assert lines[0] == b"POST /generate HTTP/1.1"
+    assert lines[1] == b"Host: " + up.url[len("http://"):].encode()
+    assert lines[-1] == b"Content-Length: 17"
+
+
+async def test_concurrent_requests_open_one_connection_each_then_share_them(kvgate_factory, keepalive):
+    up = await keepalive(lambda c, r, h: OK)
+    gw, url = await kvgate_factory(upstream=up.url)
+    async with aiohttp.ClientSession() as http:
+        async def one():
+            async with http.post(url + "/generate", data=b"{}") as r:
+                return r.status
+        assert await asyncio.gather(*[one() for _ in range(4)]) == [200] * 4
+        made = gw.upstream.pool.connections_made
+        assert 1 <= made <= 4 and up.connections == made
+        for _ in range(6):  # sequential: every one reuses an idle connection
+            assert await one() == 200
+    assert gw.upstream.pool.connections_made == made
+
+
+@pytest.mark.parametrize("framing, answer, status, body", [
+    ("content-length", b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\n\r\nhello", 200, b"hello"),
+    ("chunked", b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n3\r\nhel\r\n2\r\nlo\r\n0\r\n\r\n", 200,
+     b"hello"),
+    ("close-delimited", (b"HTTP/1.1 200 OK\r\n\r\nhello, until the connection closes", "close"), 200,
+     b"hello, until the connection closes"),
+    ("empty 204", b"HTTP/1.1 204 No Content\r\n\r\n", 204, b""),
+    ("1xx first", b"HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 103 Early Hints\r\nLink: </a>\r\n\r\n"
+                  b"HTTP/1.1 201 Created\r\nContent-Length: 2\r\n\r\nok", 201, b"ok"),
+])
+async def test_every_body_framing_is_relayed_byte_for_byte(kvgate_factory, keepalive, framing, answer, status, body):
+    up = await keepalive(lambda c, r, h: answer)
+    gw, url = await kvgate_factory(upstream=up.url)
+    for _ in range(2):
+        raw = await send_raw(_port(url), request(body=b"{}"))
+        ans = parse_answer(raw)
+        assert ans is not None, raw[:200]
+        assert (ans.status, ans.body) == (status, body)
+        assert ans.header(b"link") is None  # an informational response's headers are not the final ones
+    m = gw.metrics.render()[0].decode()
+    assert f'agentic_kv_requests_total{{route="/generate",status="{status}"}} 2.0' in m
+    # a close-delimited body ends with its connection; the others' connection is reused
+    assert gw.upstream.pool.connections_made == up.connections == (2 if framing == "close-delimited" else 1)
+
+
+async def test_head_response_ends_with_its_head(kvgate_factory, keepalive):
+    up = await keepalive(lambda c, r, h: b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\nX-Up: 1\r\n\r\n"
+                         if h.startswith(b"HEAD") else OK)
+    gw, url = await kvgate_factory(upstream=up.url)
+    async with aiohttp.ClientSession() as http:
+        async with http.head(url + "/thing") as r:
+            assert r.status == 200 and r.headers["Content-Length"] == "5" and r.headers["X-Up"] == "1"
+            assert await r.read() == b""
+        async with http.post(url + "/generate", data=b"{}") as r:  # the next request is answered in full
+            assert r.status == 200 and await r.read() == b'{"ok":true}'
+    assert [h.split(b" ", 1)[0] for h in up.heads] == [b"HEAD", b"POST"]
+
+
+async def test_upstream_closing_mid_body_cuts_the_client(kvgate_factory, keepalive):
+    up = await keepalive(lambda c, r, h: (b"HTTP/1.1 200 OK\r\nContent-Length: 10\r\n\r\nhalf", "close"))
+    gw, url = await kvgate_factory(upstream=up.url)
+    raw = await send_raw(_port(url), request(body=b"{}"))
+    # the head and the bytes there were, then the cut: never a complete-looking answer
+    assert raw.startswith(b"HTTP/1.1 200") and raw.endswith(b"half") and parse_answer(raw) is None
+    m = gw.metrics.render()[0].decode()
+    assert 'agentic_kv_upstream_errors_total{kind="cut"} 1.0' in m
+    assert 'agentic_kv_requests_total{route="/generate",status="200"} 1.0' in m
+    assert gw.upstream.pool.idle_count(gw.upstream.base) == 0  # a cut connection is never reused
+
+
+async def test_refused_connect_raises_connect_failed_and_sends_nothing():
+    pool = Pool(connect_timeout_s=5.0, read_timeout_s=0.0)
+    pool.set_address("dead", "127.0.0.1", free_port())
+    with pytest.raises(ConnectFailed):
+        await pool.exchange("dead", b"GET / HTTP/1.1\r\nHost: x\r\nContent-Length: 0\r\n\r\n", b"", 0, "GET",
+                            True, 1 << 20)
+    assert pool.connections_made == 0
+    pool.close()
+
+
+async def test_stale_connection_resent_only_for_methods_safe_to_send_twice(keepalive):
+    # The upstream closes its first connection on the second request without answering (an idle
+    # connection it dropped as the request went out): a GET is sent again on a new connection, a POST is not.
+    up = await keepalive(lambda c, r, h: None if (c == 0 and r == 1) or (c == 1 and r == 1) else OK)
+    pool = Pool(connect_timeout_s=5.0, read_timeout_s=0.0)
+    port = _port(up.url)
+    pool.set_address("up", "127.0.0.1", port)
+
+    async def send(method: str, retry: bool) -> int:
+        head = f"{method} /x HTTP/1.1\r\nHost: x\r\nContent-Length: 0\r\n\r\n".encode()
+        ex = await pool.exchange("up", head, b"", 0, method, retry, 1 << 20)
+        try:
+            while await ex.read():
+                pass
+            return ex.status
+        finally:
+            ex.release()
+
+    assert await send("GET", True) == 200  # connection 0, request 0
+    assert await send("GET", True) == 200  # connection 0 closes unanswered; resent on connection 1
+    assert up.connections == 2 and len(up.heads) == 3
+    with pytest.raises(Disconnected):
+        await send("POST", False)  # connection 1, request 1: closed unanswered, not resent
+    assert up.connections == 2 and len(up.heads) == 4
+    assert await send("POST", False) == 200  # a new connection
+    assert up.connections == 3
+    pool.close()
