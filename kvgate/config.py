@@ -89,6 +89,9 @@ KEYS: list[Key] = [
         _nonneg, ">= 0"),
     Key("upstream_pool_size", int, 0, "Upper bound on pooled upstream connections; 0 = unbounded.",
         _nonneg, ">= 0"),
+    Key("event_loop", str, "uvloop", "The event loop kvgate serves on: uvloop (libuv, faster) or asyncio (the "
+        "standard library's). uvloop falls back to asyncio, with one log line, where it is not installed.",
+        choices=("uvloop", "asyncio")),
     # --- session identity ------------------------------------------------------------------------
     Key("agentic_session_lifecycle", bool, False,
         "Inject a top-level session_id into generate calls and close finished sessions on every engine."),

@@ -736,11 +736,14 @@ def serve(cfg: Config) -> int:
         await stop.wait()
         await runner.cleanup()
 
-    try:
-        import uvloop
-    except ImportError:  # optional speed-up
-        asyncio.run(main())
-    else:
-        uvloop.run(main())
+    run = asyncio.run
+    if cfg.event_loop == "uvloop":
+        try:
+            import uvloop
+        except ImportError:
+            log.warning("event_loop: uvloop is not installed; serving on asyncio's event loop")
+        else:
+            run = uvloop.run
+    run(main())
     return 0
 
