@@ -214,3 +214,26 @@ async def test_stale_connection_resent_only_for_methods_safe_to_send_twice(keepa
     assert await send("POST", False) == 200  # a new connection
     assert up.connections == 3
     pool.close()
+
+
+def test_request_head_drops_hop_by_hop_and_connection_named_headers_and_keeps_bytes():
+    from kvgate.proxy.relay import forward_head
+    raw = ((b"Host", b"kvgate:8080"), (b"X-A", b"caf\xe9"), (b"Connection", b"keep-alive, X-Hop"), (b"X-Hop", b"1"),
+           (b"Content-Length", b"3"), (b"Expect", b"100-continue"), (b"Keep-Alive", b"timeout=5"),
+           (b"X-SMG-Routing-Key", b"client"), (b"x-b", b"2"))
+    assert forward_head(raw) == b"X-A: caf\xe9\r\nX-SMG-Routing-Key: client\r\nx-b: 2\r\n"
+    # an extra header replaces the client's of the same name (any case) and goes last
+    assert forward_head(raw, {"x-smg-routing-key": "s1"}) == b"X-A: caf\xe9\r\nx-b: 2\r\nx-smg-routing-key: s1\r\n"
+    assert forward_head(((b"X-A", b"1"),)) == b"X-A: 1\r\n"
+
+
+def test_response_head_serialiser_keeps_bytes_and_refuses_injected_lines():
+    from multidict import CIMultiDict
+    from kvgate.proxy.relay import _serialize_headers_preserving_bytes as ser
+    ok = ser("HTTP/1.1 200 OK", CIMultiDict([("X-Up", b"caf\xe9".decode("utf-8", "surrogateescape")), ("A", "b")]))
+    assert ok == b"HTTP/1.1 200 OK\r\nX-Up: caf\xe9\r\nA: b\r\n\r\n"
+    for bad in ("a\r\nEvil: 1", "a\nb", "a\rb"):
+        with pytest.raises(ValueError):
+            ser("HTTP/1.1 200 OK", CIMultiDict([("X", bad)]))
+    with pytest.raises(ValueError):
+        ser("HTTP/1.1 200 OK", CIMultiDict([("X\r\nY", "v")]))

@@ -523,7 +523,7 @@ class Gateway:
             def observe(is_sse: bool, route=c.path, text=plan.prompt_is_text) -> ResponseObserver:
                 return ResponseObserver(is_sse, route=route, prompt_is_text=text,
                                         max_json_bytes=self.cfg.body_parse_max_bytes)
-        self.metrics.inflight.inc()
+        self.metrics.inflight_now += 1
         t1 = time.perf_counter()
         outcome = None
         try:  # from here on every exit path ends the request in the registry and the inference index
@@ -542,7 +542,7 @@ class Gateway:
             self.metrics.client_disconnects.inc()
             raise
         finally:
-            self.metrics.inflight.dec()
+            self.metrics.inflight_now -= 1
             obs = self._observed_safe(outcome)
             self._release(ticket, obs.meta_info if obs else None)
             self._record(c.route, outcome, time.perf_counter() - t1)

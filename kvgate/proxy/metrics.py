@@ -32,6 +32,9 @@ class Metrics:
                                        "(classify, resolve session; admission queue wait excluded)",
                                        buckets=OVERHEAD_BUCKETS, registry=r)
         self.inflight = Gauge(p + "inflight_requests", "Requests being relayed now", registry=r)
+        # Counted in a plain int (no lock per request), read at scrape time.
+        self.inflight_now = 0
+        self.inflight.set_function(lambda: self.inflight_now)
         self.upstream_errors = Counter(p + "upstream_errors", "Upstream failures answered by kvgate "
                                        "(unreachable, timeout) or cut mid-response", ["kind"], registry=r)
         self.client_disconnects = Counter(p + "client_disconnects", "Clients gone before their response "
