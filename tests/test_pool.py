@@ -237,3 +237,28 @@ def test_response_head_serialiser_keeps_bytes_and_refuses_injected_lines():
             ser("HTTP/1.1 200 OK", CIMultiDict([("X", bad)]))
     with pytest.raises(ValueError):
         ser("HTTP/1.1 200 OK", CIMultiDict([("X\r\nY", "v")]))
+
+
+async def test_pool_limit_holds_a_request_until_a_connection_frees(keepalive):
+    up = await keepalive(lambda c, r, h: OK)
+    pool = Pool(connect_timeout_s=5.0, read_timeout_s=0.0, limit=1)
+    pool.set_address("up", "127.0.0.1", _port(up.url))
+    head = b"POST /x HTTP/1.1\r\nHost: x\r\nContent-Length: 0\r\n\r\n"
+    first = await pool.exchange("up", head, b"", 0, "POST", False, 1 << 20)
+    second = asyncio.create_task(pool.exchange("up", head, b"", 0, "POST", False, 1 << 20))
+    waiting = asyncio.create_task(pool.exchange("up", head, b"", 0, "POST", False, 1 << 20))
+    for _ in range(5):
+        await asyncio.sleep(0)
+    assert not second.done() and not waiting.done()  # the one connection allowed is in use
+    waiting.cancel()  # a request cancelled while it waits gives nothing back it did not hold
+    await asyncio.gather(waiting, return_exceptions=True)
+    assert await first.read() == b'{"ok":true}' and await first.read() == b""
+    first.release()
+    ex = await second
+    assert ex.status == 200 and await ex.read() == b'{"ok":true}'
+    ex.release()
+    assert pool.connections_made == 1 and up.connections == 1
+    third = await pool.exchange("up", head, b"", 0, "POST", False, 1 << 20)  # the limit is free again
+    third.release()
+    assert pool._limit._value == 1
+    pool.close()

@@ -308,7 +308,7 @@ class Pool:
         the connection closes before any response byte (only for a bytes body and a method safe to send
         twice, RFC 9112 section 9.3.1). Raises ConnectFailed, Disconnected, ResponseError, TimeoutError."""
         if self._limit is not None:
-            await self._limit.acquire()
+            await self._limit.acquire()  # outside the try: a wait cancelled here holds nothing to release
         try:
             conn = await self._get(key, method == "HEAD")
             try:
@@ -391,8 +391,15 @@ class Pool:
             if conn._paused:
                 conn._paused = False
                 conn.transport.resume_reading()
-            conn.idle_since = asyncio.get_running_loop().time()
-            self._idle.setdefault(conn.key, collections.deque()).append(conn)
+            conn.idle_since = now = asyncio.get_running_loop().time()
+            idle = self._idle.setdefault(conn.key, collections.deque())
+            # The oldest idle connection goes once the peer closed it or it sat idle too long (reuse takes the
+            # newest, so the oldest would otherwise stay open after a burst).
+            while idle and (idle[0].closed or now - idle[0].idle_since > KEEPALIVE_S):
+                old = idle.popleft()
+                old.close()
+                self._open.discard(old)
+            idle.append(conn)
         else:
             conn.close()
             self._open.discard(conn)
