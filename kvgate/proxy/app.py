@@ -173,6 +173,9 @@ class Gateway:
         self.reads_body = (self.lifecycle_on or not isinstance(self.gate, OpenGate)
                            or any(m == "kvgate" for m in self.placement_modes.values()))
         self.started = time.time()
+        # Read on every request: looked up once (a Config attribute goes through __getattr__).
+        self._max_body = cfg.max_body_bytes
+        self._join_max = max(cfg.body_parse_max_bytes, STEP_BODY_PARSE_LIMIT)
         self.app = self._build_app()
 
     # --- app -------------------------------------------------------------------------------------
@@ -191,6 +194,8 @@ class Gateway:
         if self.lifecycle_on:
             r.add_route("GET", "/close_session", self.handle_close_session)
             r.add_route("POST", "/close_session", self.handle_close_session)
+        for route in PLACEMENT_ROUTES:  # the generate routes by exact path: a dict lookup, not the catch-all's regex
+            r.add_route("*", route, self.handle_proxy)
         r.add_route("*", "/{tail:.*}", self.handle_proxy)
         app.on_startup.append(self._on_startup)
         app.on_cleanup.append(self._on_cleanup)
@@ -468,8 +473,7 @@ class Gateway:
 
     async def handle_proxy(self, request: web.Request) -> web.StreamResponse:
         t0 = time.perf_counter()
-        raw = await read_body(request, self.cfg.max_body_bytes,
-                              join_max=max(self.cfg.body_parse_max_bytes, STEP_BODY_PARSE_LIMIT))
+        raw = await read_body(request, self._max_body, join_max=self._join_max)
         c = classify(request.method, request.path, raw, parse=False)
         if c.is_generate and self.reads_body:
             c.body = self._parse_body(request, raw)
