@@ -1,8 +1,11 @@
 """Relaying one request to the upstream router and its response back, chunk by chunk (I/O edge).
 
 Hop-by-hop headers are dropped both ways (RFC 9110 section 7.6.1); everything else passes as is,
-byte for byte (header values that are not UTF-8 included: see preserve_header_bytes). The upstream
-client never decompresses, so bodies and Content-Encoding pass through untouched. An upstream that
+byte for byte (header values that are not UTF-8 included: the request head is built from the raw bytes
+the client sent, see forward_head; responses see preserve_header_bytes). The upstream client (kvgate.proxy.pool
+for http upstreams, aiohttp's for https) never decompresses, so bodies and Content-Encoding pass through
+untouched. A response whose body is all there with its head goes to the client in one write; others are
+streamed chunk by chunk as they arrive (SSE). An upstream that
 breaks HTTP (bad status line, bad Content-Length, bad chunk) is answered 502 naming it; a response
 observer that raises is switched off for that response and never stops the bytes.
 """
