@@ -262,3 +262,15 @@ async def test_pool_limit_holds_a_request_until_a_connection_frees(keepalive):
     third.release()
     assert pool._limit._value == 1
     pool.close()
+
+
+async def test_trailers_are_not_relayed_as_headers_and_an_endless_head_is_refused(kvgate_factory, keepalive):
+    from kvgate.proxy import pool
+    answers = [b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n2\r\nok\r\n0\r\nX-Trailer: t\r\n\r\n",
+               b"HTTP/1.1 200 OK\r\nX-Big: " + b"v" * (pool.MAX_HEAD_BYTES + 10) + b"\r\nContent-Length: 0\r\n\r\n"]
+    up = await keepalive(lambda c, r, h: answers[len(up.heads) - 1])
+    gw, url = await kvgate_factory(upstream=up.url)
+    ans = parse_answer(await send_raw(_port(url), request(body=b"{}")))
+    assert (ans.status, ans.body, ans.header(b"x-trailer")) == (200, b"ok", None)
+    ans = parse_answer(await send_raw(_port(url), request(body=b"{}")))
+    assert ans.status == 502 and ans.header(b"x-kvgate-error") == b"upstream_protocol_error"

@@ -28,6 +28,9 @@ import httptools
 KEEPALIVE_S = 15.0
 # Body bytes buffered from the upstream before reading from it pauses until the relay catches up.
 READ_HIGH_WATER = 1 << 18
+# A response head larger than this is refused (ResponseError): the parser would otherwise hold it all in memory.
+# Well above what routers send (smg answers a 1 MB request header with 431).
+MAX_HEAD_BYTES = 8 << 20
 _QUICKACK = getattr(socket, "TCP_QUICKACK", None)  # Linux only
 
 
@@ -48,7 +51,8 @@ class _Conn(asyncio.Protocol):
 
     __slots__ = ("transport", "parser", "key", "idle_since", "closed", "_loop", "_read_timeout", "_timer",
                  "_waiter", "_write_waiter", "status", "reason", "headers", "framed", "head_done", "done",
-                 "exc", "got_bytes", "_chunks", "_buffered", "_paused", "head_only", "keep_alive", "_sock")
+                 "exc", "got_bytes", "_chunks", "_buffered", "_paused", "head_only", "keep_alive", "_sock",
+                 "_head_bytes")
 
     def __init__(self, loop: asyncio.AbstractEventLoop, key: str, read_timeout: float):
         self._loop = loop
@@ -73,6 +77,7 @@ class _Conn(asyncio.Protocol):
         self.done = False
         self.exc: BaseException | None = None
         self.got_bytes = False
+        self._head_bytes = 0
         self._chunks: list[bytes] = []
         self._buffered = 0
         self._paused = False
@@ -96,6 +101,14 @@ class _Conn(asyncio.Protocol):
             self.transport.close()
             self._wake()
             return
+        if not self.head_done:
+            self._head_bytes += len(data)
+            if self._head_bytes > MAX_HEAD_BYTES:
+                self.exc = ResponseError(f"response head over {MAX_HEAD_BYTES} bytes")
+                self.closed = True
+                self.transport.close()
+                self._wake()
+                return
         try:
             self.parser.feed_data(data)
         except httptools.HttpParserUpgrade:
@@ -155,6 +168,8 @@ class _Conn(asyncio.Protocol):
         self.reason += reason
 
     def on_header(self, name: bytes, value: bytes) -> None:
+        if self.head_done:
+            return  # a trailer after a chunked body: not relayed (aiohttp's client drops them too)
         lname = name.lower()
         if lname == b"content-length" or (lname == b"transfer-encoding" and b"chunked" in value.lower()):
             self.framed = True
