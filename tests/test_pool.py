@@ -274,3 +274,30 @@ async def test_trailers_are_not_relayed_as_headers_and_an_endless_head_is_refuse
     assert (ans.status, ans.body, ans.header(b"x-trailer")) == (200, b"ok", None)
     ans = parse_answer(await send_raw(_port(url), request(body=b"{}")))
     assert ans.status == 502 and ans.header(b"x-kvgate-error") == b"upstream_protocol_error"
+
+
+@pytest.mark.parametrize("flags, entry, line", [
+    (["--event-loop", "asyncio"], ["-m", "kvgate"], None),
+    # uvloop asked for but not importable: one log line, then asyncio's loop
+    ([], ["-c", "import sys; sys.modules['uvloop'] = None; from kvgate.cli import main; sys.exit(main())"],
+     "event_loop: uvloop is not installed; serving on asyncio's event loop"),
+])
+async def test_serve_relays_on_asyncios_event_loop(keepalive, log_dir, flags, entry, line):
+    import sys
+    from kvgate.tools import procs
+    up = await keepalive(lambda c, r, h: OK)
+    port = procs.free_port()
+    p = procs.start("kvgate", [sys.executable, *entry, "serve", "--upstream", up.url, "--port", str(port),
+                               "--no-compat-probe", *flags], log_dir, url=f"http://127.0.0.1:{port}")
+    try:
+        await asyncio.to_thread(procs.wait_http, p.url + "/kvgate/health", 30, p)
+        async with aiohttp.ClientSession() as http:
+            for _ in range(3):
+                async with http.post(p.url + "/generate", data=b"{}") as r:
+                    assert r.status == 200 and await r.read() == b'{"ok":true}'
+    finally:
+        p.stop()
+    assert up.connections == 1 and len(up.heads) == 3
+    log = p.log_path.read_text()
+    assert (line in log) if line else ("uvloop" not in log), log[-500:]
+    assert log.count("event_loop") == (1 if line else 0)
