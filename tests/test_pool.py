@@ -301,3 +301,12 @@ async def test_serve_relays_on_asyncios_event_loop(keepalive, log_dir, flags, en
     log = p.log_path.read_text()
     assert (line in log) if line else ("uvloop" not in log), log[-500:]
     assert log.count("event_loop") == (1 if line else 0)
+
+
+async def test_a_second_response_to_one_request_is_a_502(kvgate_factory, keepalive):
+    up = await keepalive(lambda c, r, h: OK + b"HTTP/1.1 404 Not Found\r\nContent-Length: 0\r\n\r\n")
+    gw, url = await kvgate_factory(upstream=up.url)
+    for _ in range(2):  # the connection is not reused: the next request gets the same, complete answer
+        ans = parse_answer(await send_raw(_port(url), request(body=b"{}")))
+        assert ans.status == 502 and ans.header(b"x-kvgate-error") == b"upstream_protocol_error"
+    assert gw.upstream.pool.idle_count(gw.upstream.base) == 0 and gw.upstream.pool.connections_made == 2

@@ -164,6 +164,10 @@ class _Conn(asyncio.Protocol):
 
     # --- httptools callbacks ---
 
+    def on_message_begin(self) -> None:
+        if self.done:  # a second response to one request: the upstream is broken, the connection unusable
+            raise httptools.HttpParserError("a response with no request outstanding")
+
     def on_status(self, reason: bytes) -> None:
         self.reason += reason
 
