@@ -310,3 +310,15 @@ async def test_a_second_response_to_one_request_is_a_502(kvgate_factory, keepali
         ans = parse_answer(await send_raw(_port(url), request(body=b"{}")))
         assert ans.status == 502 and ans.header(b"x-kvgate-error") == b"upstream_protocol_error"
     assert gw.upstream.pool.idle_count(gw.upstream.base) == 0 and gw.upstream.pool.connections_made == 2
+
+
+def test_https_upstreams_keep_aiohttps_client_with_the_same_headers():
+    from kvgate.proxy.relay import Upstream, _multidict_from_head, forward_head
+    up = Upstream("http://127.0.0.1:9/", 1.0, 0.0)
+    assert up._target("http://127.0.0.1:9") == (b"", b"Host: 127.0.0.1:9\r\n")
+    assert up._target("http://router/prefix/") == (b"/prefix", b"Host: router\r\n")
+    assert up._target("http://[::1]:8000") == (b"", b"Host: [::1]:8000\r\n")
+    assert up._target("https://router:8443") is None  # TLS: aiohttp's client relays it
+    head = forward_head(((b"X-A", b"caf\xe9"), (b"Connection", b"close"), (b"x-b", b"1")), {"X-SMG-Routing-Key": "s"})
+    md = _multidict_from_head(head)
+    assert list(md.items()) == [("X-A", "caf\udce9"), ("x-b", "1"), ("X-SMG-Routing-Key", "s")]
