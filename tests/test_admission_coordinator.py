@@ -1,6 +1,8 @@
 """Global FIFO coordinator with a hand-driven clock (issue 3 "The behaviour", "Ledger and queue")."""
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from kvgate.admission.capacity import ClusterSnapshot, EngineCapacity
 from kvgate.admission.coordinator import AdmissionCoordinator, Kind
@@ -276,3 +278,47 @@ def test_invalidate_flushes_queue_degraded():
     assert lg.reserved == 9000  # a's lease is still released normally
     co.release("a", 3.0)
     assert lg.reserved == 0
+
+
+_TALLY_NAMES = ("admit", "wait", "bypass", "bypass_protected", "bypass_degraded", "bypass_aged", "cancelled")
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.floats(0, 3, allow_nan=False), st.sampled_from(_TALLY_NAMES), st.booleans()),
+                max_size=300),
+       st.floats(0.5, 5, allow_nan=False))
+def test_tally_window_counts_what_a_list_of_events_would(events, window_s):
+    """The compact window gives the figures of the plain rule: every event at or after now - window_s."""
+    from kvgate.admission.coordinator import DecisionTally
+
+    tally = DecisionTally(_TALLY_NAMES, window_s)
+    kept, waits, now = [], [], 0.0
+    for dt, name, waited in events:
+        now += dt
+        tally.count(name, now)
+        kept.append((now, name))
+        if waited:
+            tally._w_t.append(now)
+            tally._w_s.append(dt)
+            waits.append((now, dt))
+        if len(kept) % 37 == 0:  # read now and then, as a scrape would
+            tally.window(now)
+    w = tally.window(now)
+    live = [n for t, n in kept if t >= now - window_s]
+    want = {k: live.count(k) for k in _TALLY_NAMES}
+    want["bypass"] += sum(v for k, v in want.items() if k.startswith("bypass_"))
+    assert w["window"] == want
+    live_waits = sorted(s for t, s in waits if t >= now - window_s)
+    assert w["wait_s"]["count"] == len(live_waits)
+    assert w["wait_s"]["max"] == (live_waits[-1] if live_waits else 0.0)
+
+
+def test_tally_window_stays_bounded_when_nobody_reads_it():
+    from kvgate.admission.coordinator import DecisionTally
+
+    tally = DecisionTally(_TALLY_NAMES, 10.0)
+    for i in range(200_000):  # 1,000 decisions a second for 200 s, never scraped
+        tally.count("admit", i / 1000)
+    assert len(tally._ev_t) - tally._ev_head <= 10_000 + 1024
+    assert len(tally._ev_t) <= 2 * (10_000 + 1024) + 4096
+    assert tally.window(200.0)["window"]["admit"] == 10_000  # events at t >= 190.0 s

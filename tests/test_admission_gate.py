@@ -48,3 +48,81 @@ def test_pause_actions_reach_the_closer_and_a_failing_closer_is_contained():
     co._actions.append(Action("close", "x", None))
     g._run_actions()  # logged and counted, never raised
     assert g.metrics.faults.labels("admission")._value.get() == 1
+
+
+async def test_a_waiter_holds_its_raw_bytes_not_its_parsed_body():
+    """A 64K-token prompt parsed is ~2.3 MB of int objects: a request waiting in the FIFO keeps only its raw
+    bytes and a compact record (traced memory while it waits), and reads the same body once admitted."""
+    import asyncio
+    import tracemalloc
+
+    import orjson
+
+    from kvgate.proxy.admit import RequestInfo
+    from kvgate.proxy.classify import classify
+
+    g = _gate()
+    full = lambda used: ClusterSnapshot.build(  # noqa: E731
+        {"http://e0": EngineCapacity.from_pools([(200_000, used, used / 200_000)])}, 0.0)
+    g.reconcile(full(199_000))
+    ids = [(i * 7919) % 150_000 + 1000 for i in range(65_536)]  # ids above the small-int cache
+    raw = orjson.dumps({"input_ids": ids, "sampling_params": {"max_new_tokens": 16}})
+    del ids
+    tracemalloc.start()
+    try:
+        base = tracemalloc.get_traced_memory()[0]
+        c = classify("POST", "/generate", raw)
+        parsed = tracemalloc.get_traced_memory()[0] - base
+        task = asyncio.ensure_future(g.acquire(RequestInfo(c, {}, None)))
+        await g.wait_until(lambda: g.coord.waiting == 1)
+        waiting = tracemalloc.get_traced_memory()[0] - base
+    finally:
+        tracemalloc.stop()
+    assert parsed > 2_000_000  # the parsed prompt, for scale
+    assert waiting < 200_000, waiting  # the record and 1,024 block hashes; not the parsed prompt
+    g.reconcile(full(0))
+    ticket = await task
+    assert ticket.decision == "admit" and ticket.handle is not None
+    assert c.body["input_ids"][:2] == [1000, 8919] and len(c.body["input_ids"]) == 65_536  # parsed again
+    g.release(ticket)
+    assert g.coord.ledger.stats(0.0)["lease_count"] == 0
+
+
+async def test_memory_is_given_back_once_a_burst_of_waiters_drains(monkeypatch):
+    import asyncio
+
+    import kvgate.admission.gate as gate_mod
+    from kvgate.proxy.admit import RequestInfo
+    from kvgate.proxy.classify import classify
+
+    calls = []
+    monkeypatch.setattr(gate_mod, "GIVE_BACK_AFTER_WAITERS", 3)
+    monkeypatch.setattr(gate_mod, "GIVE_BACK_DELAY_S", 0.0)
+    monkeypatch.setattr(gate_mod, "give_back", lambda: calls.append(1) or 0.0)
+    g = _gate()
+    g.reconcile(ClusterSnapshot.build({"http://e0": EngineCapacity.from_pools([(10_000, 9_990, 0.999)])}, 0.0))
+    raw = b'{"input_ids":[1,2,3],"sampling_params":{"max_new_tokens":8}}'
+    tasks = [asyncio.ensure_future(g.acquire(RequestInfo(classify("POST", "/generate", raw), {}, None)))
+             for _ in range(3)]
+    await g.wait_until(lambda: g.coord.waiting == 3)
+    tasks[0].cancel()
+    await asyncio.gather(tasks[0], return_exceptions=True)
+    assert g.given_back == 0 and g._give_back is None  # still two waiting
+    for t in tasks[1:]:
+        t.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+    await g.wait_until(lambda: g.given_back == 1)
+    assert calls == [1] and g.stats()["memory_given_back"] == 1 and g.coord.waiting == 0
+    # a small queue that drains gives nothing back (the peak was reset)
+    t = asyncio.ensure_future(g.acquire(RequestInfo(classify("POST", "/generate", raw), {}, None)))
+    await g.wait_until(lambda: g.coord.waiting == 1)
+    t.cancel()
+    await asyncio.gather(t, return_exceptions=True)
+    assert g._give_back is None and calls == [1]
+
+
+def test_give_back_runs_and_reports_its_time():
+    from kvgate.common.memory import give_back
+
+    took = give_back()
+    assert 0.0 <= took < 5.0

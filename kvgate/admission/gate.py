@@ -32,6 +32,7 @@ from kvgate.admission.policy import ScopeRules, classify_scope
 from kvgate.admission.program import ProgramCoordinator
 from kvgate.admission.reservation import estimate_request, load_tokenizer_counter
 from kvgate.common.aio import cancel_tasks
+from kvgate.common.memory import give_back
 from kvgate.proxy.admit import RequestInfo, Ticket
 from kvgate.proxy.metrics import Metrics
 
@@ -39,6 +40,10 @@ log = logging.getLogger("kvgate.admission")
 
 HEADER_DECISION = "X-Kvgate-Admission"
 HEADER_QUEUE_MS = "X-Kvgate-Queue-Ms"
+#: A FIFO that held at least this many requests gives their memory back once it empties (kvgate.common.memory).
+GIVE_BACK_AFTER_WAITERS = 1000
+#: Seconds after the FIFO empties: the waiters' handlers and connections have unwound by then.
+GIVE_BACK_DELAY_S = 1.0
 OFF_HEADERS = [(HEADER_DECISION, ADMISSION_OFF), (HEADER_QUEUE_MS, "0")]
 
 
@@ -83,6 +88,9 @@ class AdmissionGate:
         self._kick = asyncio.Event()
         self._timer: asyncio.Task | None = None
         self._changed = asyncio.Event()
+        self._peak_waiting = 0  # most requests waiting at once since the FIFO last emptied
+        self._give_back: asyncio.TimerHandle | None = None
+        self.given_back = 0  # times memory was given back after a drain
         # Replicas sharing state (kvgate.shared.redis_state.SharedState): a lease the ledger granted here
         # is also granted against the shared ceilings before the request goes out.
         self.shared = None
@@ -93,6 +101,8 @@ class AdmissionGate:
         self._timer = asyncio.create_task(self._run_timer(), name="kvgate-admission-timer")
 
     async def stop(self) -> None:
+        if self._give_back is not None:
+            self._give_back.cancel()
         await cancel_tasks(self._timer)
 
     # --- the Gate protocol -------------------------------------------------------------------------
@@ -114,8 +124,13 @@ class AdmissionGate:
         self._run_actions()
         self._notify()
         if d.kind is Kind.WAIT:
+            # A waiter holds only its raw bytes and the coordinator's record, not its parsed body (parsed
+            # again if read after admission) nor its reservation (the record has the tokens and blocks).
+            c.release_body()
+            del res
             fut = asyncio.get_running_loop().create_future()
             self._futures[ticket] = fut
+            self._peak_waiting = max(self._peak_waiting, len(self._futures))
             self.dispatch(self.coord.pump(self.clock()))  # retry on enqueue
             self._kick.set()  # the head's aging deadline may have changed
             try:
@@ -127,6 +142,8 @@ class AdmissionGate:
                 raise
             finally:
                 self._futures.pop(ticket, None)
+                if not self._futures and self._peak_waiting >= GIVE_BACK_AFTER_WAITERS:
+                    self._drained()
             self.wait_hist.observe(d.waited_s)
         waited = d.waited_s
         if self.shared is not None and d.lease is not None and not d.kind.is_bypass:
@@ -172,6 +189,22 @@ class AdmissionGate:
             await asyncio.sleep(min(delay, max(0.0, deadline - loop.time())))
             delay = min(delay * 2, 0.2)
         return loop.time() - t0
+
+    def _drained(self) -> None:
+        """The FIFO emptied after holding at least GIVE_BACK_AFTER_WAITERS requests: once their handlers have
+        unwound (GIVE_BACK_DELAY_S later), give the memory they held back to the operating system."""
+        self._peak_waiting = 0
+        if self._give_back is None or self._give_back.cancelled():
+            self._give_back = asyncio.get_running_loop().call_later(GIVE_BACK_DELAY_S, self._run_give_back)
+
+    def _run_give_back(self) -> None:
+        self._give_back = None
+        if self._futures:  # a new burst: wait for it to drain too
+            return
+        took = give_back()
+        self.given_back += 1
+        self._notify()
+        log.info("admission queue drained: memory given back in %.1f ms", took * 1000)
 
     def _place(self, session_id: str | None) -> Any:
         """Where the session's requests go: (engine URL, dp_rank) from the injected lookup, else None."""
@@ -267,7 +300,8 @@ class AdmissionGate:
 
     def stats(self) -> dict[str, Any]:
         """GET /kvgate/stats: the coordinator's and ledger's figures (JSON)."""
-        out = {"admission": "on", "policy": self.policy, **self.coord.stats(self.clock())}
+        out = {"admission": "on", "policy": self.policy, **self.coord.stats(self.clock()),
+               "memory_given_back": self.given_back}
         if self.shared is not None:
             out["shared_leases"] = {**self.shared_counts, "held": len(self._shared_held)}
         return out

@@ -85,7 +85,7 @@ class _Program:
     scale: float = 1.0  # engine prompt_tokens / kvgate's estimate, from the last answered turn
 
 
-@dataclass
+@dataclass(slots=True)
 class _Waiter:
     ticket: Hashable
     sid: Hashable

@@ -385,9 +385,12 @@ def _run_waiters(args: argparse.Namespace) -> int:
     work = Path(tempfile.mkdtemp(prefix="kvgate-proxy-bench-"))
     started: list[procs.Proc] = []
 
+    def stats(url: str) -> dict:
+        with urllib.request.urlopen(url + "/kvgate/stats", timeout=30) as r:
+            return json.loads(r.read())
+
     def waiting(url: str) -> int:
-        with urllib.request.urlopen(url + "/kvgate/stats", timeout=10) as r:
-            return int(json.loads(r.read())["waiting"])
+        return int(stats(url)["waiting"])
 
     async def hold(port: int, url: str, pid: int) -> dict[str, float]:
         body = request_body("small")
@@ -409,7 +412,10 @@ def _run_waiters(args: argparse.Namespace) -> int:
             w.close()
         while waiting(url) > 0:
             await asyncio.sleep(0.2)
-        await asyncio.sleep(1.0)  # let the cancelled handlers finish
+        # kvgate gives the memory back once the handlers have unwound (memory_given_back counts it)
+        while stats(url).get("memory_given_back", 1) < 1 and time.monotonic() < deadline + 60:
+            await asyncio.sleep(0.2)
+        await asyncio.sleep(0.5)
         return {"waiters": n, "rss_before_mib": round(before, 1), "rss_waiting_mib": round(held, 1),
                 "rss_after_mib": round(rss_mb(pid), 1), "kib_per_waiter": round((held - before) * 1024 / n, 2)}
 

@@ -1,1 +1,2 @@
-"""Small helpers shared by kvgate's edges (asyncio task handling). Imports nothing else of kvgate."""
+"""Small helpers shared by kvgate's edges (asyncio task handling, giving memory back). Imports nothing else of
+kvgate."""

@@ -14,7 +14,7 @@ from typing import Any, Mapping, Protocol
 from kvgate.proxy.classify import Classified
 
 
-@dataclass
+@dataclass(slots=True)
 class RequestInfo:
     """What a gate may look at: the classified request, its headers and its session id (or None)."""
 
@@ -23,7 +23,7 @@ class RequestInfo:
     session_id: str | None
 
 
-@dataclass
+@dataclass(slots=True)
 class Ticket:
     """The gate's answer. decision: admit | bypass-protected | bypass-degraded | bypass-aged | off.
 

@@ -52,7 +52,7 @@ STEP_BODY_PARSE_LIMIT = 1 << 20
 SESSIONS_PAGE_MAX = 1000
 
 
-@dataclass
+@dataclass(slots=True)
 class SessionPlan:
     """How one generate call is tied to a session: the id and where it came from (body, header, field,
     inferred), the body and extra headers to forward, and whether prefix inference tracks it."""

@@ -6,7 +6,6 @@ release and record.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
 import orjson
@@ -29,7 +28,9 @@ KNOWN_ROUTES = GENERATE_ROUTES | STEP_BOUNDARY_ROUTES | frozenset({
 })
 
 
-@dataclass
+_RELEASED = object()  # Classified.body after release_body(): parsed again from the raw bytes on the next read
+
+
 class Classified:
     """A classified request.
 
@@ -37,13 +38,36 @@ class Classified:
     is_generate: a POST to one of GENERATE_ROUTES.
     body: the parsed JSON object when the request is a generate call with a JSON-object body, else None
       (a body that is not a JSON object is forwarded untouched and the upstream answers it).
+    raw: the body's bytes, kept so a released body can be parsed again (None: release_body keeps it).
     """
 
-    method: str
-    path: str
-    route: str
-    is_generate: bool
-    body: dict[str, Any] | None
+    __slots__ = ("method", "path", "route", "is_generate", "_body", "raw")
+
+    def __init__(self, method: str, path: str, route: str, is_generate: bool, body: dict[str, Any] | None,
+                 raw: bytes | None = None) -> None:
+        self.method, self.path, self.route, self.is_generate = method, path, route, is_generate
+        self._body = body
+        self.raw = raw
+
+    @property
+    def body(self) -> dict[str, Any] | None:
+        if self._body is _RELEASED:
+            self._body = parse_json_object(self.raw)
+        return self._body  # type: ignore[return-value]
+
+    @body.setter
+    def body(self, value: dict[str, Any] | None) -> None:
+        self._body = value
+
+    def release_body(self) -> None:
+        """Drop the parsed body while the request waits (a 64K-token prompt parsed is ~2.3 MB of int objects,
+        its raw bytes 0.4 MB); it is parsed again from ``raw`` when next read. No-op without raw bytes."""
+        if self._body is not None and self.raw is not None:
+            self._body = _RELEASED
+
+    def __repr__(self) -> str:
+        return (f"Classified(method={self.method!r}, path={self.path!r}, route={self.route!r}, "
+                f"is_generate={self.is_generate!r}, body={self.body!r})")
 
 
 def route_label(path: str) -> str:
@@ -69,7 +93,7 @@ def classify(method: str, path: str, raw_body: bytes, parse: bool = True) -> Cla
     """
     is_generate = method == "POST" and path in GENERATE_ROUTES
     body = parse_json_object(raw_body) if is_generate and parse else None
-    return Classified(method=method, path=path, route=route_label(path), is_generate=is_generate, body=body)
+    return Classified(method, path, route_label(path), is_generate, body, raw_body if is_generate else None)
 
 
 def inject_top_level(raw: bytes, key: str, value: str | int) -> bytes:
