@@ -203,6 +203,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--waiters", type=int, default=0, metavar="N",
                    help="instead of the table: hold N small requests in admission (the stand-in reports a full KV "
                         "pool) and report kvgate's RSS before, while they wait, and after they leave")
+    p.add_argument("--sessions", type=int, default=0, metavar="N",
+                   help="instead of the table: open N sessions through real /generate calls (lifecycle, admission "
+                        "and kvgate's session placement on; each session a distinct 128-token prompt) and report "
+                        "kvgate's RSS before and with N sessions tracked")
     p.add_argument("--baseline", metavar="DIR",
                    help="another kvgate source tree (e.g. a git worktree of main): its kvgate arms run in the "
                         "same rounds as 'ARM@base', for before/after figures from one run")
@@ -239,6 +243,8 @@ def run(args: argparse.Namespace) -> int:
         return 2
     if getattr(args, "waiters", 0):
         return _run_waiters(args)
+    if getattr(args, "sessions", 0):
+        return _run_sessions(args)
     arms = [a for a in ALL_ARMS if a in (DIRECT, SMG) or a in args.arms]
     if "placement" in arms and not _placement_available():
         print("kvgate bench-proxy: this kvgate has no session_placement key; the placement arm is left out",
@@ -441,6 +447,90 @@ def _run_waiters(args: argparse.Namespace) -> int:
                         lambda st, body: st == 200 and not json.loads(body)["ledger"]["degraded"])
         res = asyncio.run(hold(kport, kv.url, kv.popen.pid))
         (out / "proxy-bench-waiters.json").write_text(json.dumps(res, indent=1))
+        print(json.dumps(res))
+        return 0
+    finally:
+        procs.stop_all(started)
+        shutil.rmtree(work, ignore_errors=True)
+
+
+#: Prompt tokens of each session's request in ``--sessions`` (two 64-token blocks: placement indexes it).
+SESSION_PROMPT_TOKENS = 128
+
+
+def sessions_script(path: Path, n: int) -> None:
+    """A wrk Lua script whose k-th request (k <= ``n``) opens session bench-s<k> with a prompt starting with
+    token id k (distinct prompts); later requests go back to the first ``n`` sessions."""
+    rest = ",".join(str((i * 7919) % 150000 + 1) for i in range(1, SESSION_PROMPT_TOKENS))
+    path.write_text(f"""wrk.method = "POST"
+wrk.headers["Content-Type"] = "application/json"
+counter = 0
+request = function()
+  counter = counter + 1
+  local k = ((counter - 1) % {n}) + 1
+  local body = '{{"input_ids":[' .. k .. ',{rest}],"session_id":"bench-s' .. k .. '",' ..
+               '"sampling_params":{{"max_new_tokens":{COMPLETION_TOKENS},"temperature":0}}}}'
+  return wrk.format(nil, nil, nil, body)
+end
+""")
+
+
+def _run_sessions(args: argparse.Namespace) -> int:
+    """``--sessions N``: N sessions opened through real requests; kvgate's RSS before and with them tracked."""
+    import subprocess
+    import urllib.request
+    n = args.sessions
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix="kvgate-proxy-bench-"))
+    started: list[procs.Proc] = []
+
+    def tracked(url: str) -> dict:
+        with urllib.request.urlopen(url + "/kvgate/sessions?limit=0", timeout=60) as r:
+            return json.loads(r.read())
+
+    try:
+        nport = procs.free_port()
+        conf = work / "nginx.conf"
+        conf.write_text(nginx_config(nport, work))
+        ng = procs.start("nginx", [procs.find_executable("nginx") or "/usr/sbin/nginx", "-p", str(work), "-c",
+                                   str(conf)], work, url=f"http://127.0.0.1:{nport}")
+        started.append(ng)
+        procs.wait_http(ng.url + "/health", 30, ng)
+        kport = procs.free_port()
+        cmd = [sys.executable, "-m", "kvgate", "serve", "--upstream", ng.url, "--engines", ng.url,
+               "--no-compat-probe", "--port", str(kport), "--log-level", "warning",
+               "--agentic-session-lifecycle", "--agentic-program-admission", "--admission-poll-interval-s", "0.5",
+               "--session-placement", "kvgate", "--session-idle-close-s", "0", "--max-tracked-sessions", str(n)]
+        kv = procs.start("kvgate", cmd, work, url=f"http://127.0.0.1:{kport}")
+        started.append(kv)
+        procs.wait_http(kv.url + "/kvgate/stats", 30, kv,
+                        lambda st, body: st == 200 and not json.loads(body)["ledger"]["degraded"])
+        script = work / "sessions.lua"
+        sessions_script(script, n)
+        _wrk(kv.url, script, 1, 1)  # warm up: first-request costs are not the sessions'
+        before = rss_mb(kv.popen.pid)
+        base = tracked(kv.url)["tracked"]
+        wrk = subprocess.Popen(["wrk", "-t1", "-c32", "-d3600s", "--timeout", "10s", "-s", str(script),
+                                kv.url + "/generate"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                               start_new_session=True)
+        t0 = time.monotonic()
+        try:
+            while tracked(kv.url)["tracked"] < n:  # polling a process we started
+                if wrk.poll() is not None or time.monotonic() - t0 > 1800:
+                    raise RuntimeError("wrk stopped (or 30 min passed) before every session was opened")
+                time.sleep(1.0)
+        finally:
+            os.killpg(wrk.pid, 15)
+            wrk.wait()
+        took = time.monotonic() - t0
+        time.sleep(1.0)  # the last requests finish
+        state = tracked(kv.url)
+        held = rss_mb(kv.popen.pid)
+        res = {"sessions": state["tracked"], "sessions_before": base, "counts": state["counts"],
+               "open_s": round(took, 1), "rss_before_mib": round(before, 1), "rss_sessions_mib": round(held, 1),
+               "kib_per_session": round((held - before) * 1024 / max(1, state["tracked"] - base), 2)}
+        (out / "proxy-bench-sessions.json").write_text(json.dumps(res, indent=1))
         print(json.dumps(res))
         return 0
     finally:

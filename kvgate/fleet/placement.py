@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 from typing import Iterable, Mapping, Sequence
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Target:
     """Where one call goes: the engine base URL and the DP rank to pin (None: the engine has one rank)."""
 
@@ -45,7 +45,7 @@ class Target:
     dp_rank: int | None = None
 
 
-@dataclass
+@dataclass(slots=True)
 class _Session:
     target: Target
     last_used: float
@@ -112,6 +112,7 @@ class Placement:
         self.max_prefixes = max_prefixes
         self.reopen_hint_s = reopen_hint_s
         self._engines: dict[str, _Engine] = {}
+        self._targets: dict[tuple[str, int | None], Target] = {}
         self._sessions: OrderedDict[str, _Session] = OrderedDict()  # first = longest idle
         self._prefixes: OrderedDict[int, Target] = OrderedDict()    # prompt chain key -> where it went
         self._closed: OrderedDict[str, tuple[Target, float]] = OrderedDict()  # closed session -> (target, closed at)
@@ -177,7 +178,7 @@ class Placement:
                 rank = s.target.dp_rank
                 if (rank is None and e.dp_size > 1) or (rank is not None and rank >= e.dp_size):
                     # ranks became known after the first call (or the engine came back with fewer)
-                    self._set_target(session_id, s, Target(e.url, self._best_rank(e) if e.dp_size > 1 else None))
+                    self._set_target(session_id, s, self._target(e.url, self._best_rank(e) if e.dp_size > 1 else None))
                 self.counts["sticky"] += 1
                 self.last_reason = "sticky"
                 return s.target
@@ -237,6 +238,13 @@ class Placement:
             r = t.dp_rank or 0
             e.sessions[r] = max(0, e.sessions.get(r, 0) + delta)
 
+    def _target(self, url: str, rank: int | None) -> Target:
+        """The one Target for (url, rank): sessions and indexed prompts share it instead of holding a copy each."""
+        t = self._targets.get((url, rank))
+        if t is None:
+            t = self._targets[(url, rank)] = Target(url, rank)
+        return t
+
     def _choose(self, prefix_keys: Sequence[int], now: float, excluded: set) -> tuple[Target | None, str]:
         usable = [e for e in self._engines.values() if e.url not in excluded and self._usable(e, now)]
         if not usable:
@@ -250,10 +258,10 @@ class Placement:
                 rank = t.dp_rank if e.dp_size > 1 else None
                 if rank is not None and rank >= e.dp_size:
                     rank = self._best_rank(e)
-                return Target(e.url, rank), "prefix"
+                return self._target(e.url, rank), "prefix"
             break  # the longest known prefix sits on a busy or gone engine: place by free KV
         e = min(usable, key=lambda x: self._engine_key(x, usable))
-        return Target(e.url, self._best_rank(e) if e.dp_size > 1 else None), "free_kv"
+        return self._target(e.url, self._best_rank(e) if e.dp_size > 1 else None), "free_kv"
 
     def _tie_unit(self, engines: Sequence[_Engine]) -> int:
         largest = max((c for e in engines for c, _ in (e.pools or [])), default=0)

@@ -22,7 +22,8 @@ import heapq
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Any
+from types import MappingProxyType
+from typing import Any, Mapping
 
 ACTIVE, CLOSING, CLOSED = "active", "closing", "closed"
 SENDING, PENDING, OK, FAILED = "sending", "pending", "ok", "failed"
@@ -44,7 +45,7 @@ class CloseRetry:
         return min(self.max_backoff_s, self.backoff_s * (2 ** min(attempts - 1, 30)))
 
 
-@dataclass
+@dataclass(slots=True)
 class EngineClose:
     """One engine's part of a session's close: state (sending|pending|ok|failed), failed attempts,
     the last result text ("ok" or an error) and, when pending, when the next try is due (monotonic s)."""
@@ -55,9 +56,15 @@ class EngineClose:
     next_at: float = 0.0
 
 
-@dataclass
+#: A session's engine closes before its first close: one shared read-only empty mapping, not a dict per
+#: session (begin_close gives the session its own dict).
+_NO_CLOSES: Mapping[str, EngineClose] = MappingProxyType({})
+
+
+@dataclass(slots=True)
 class Session:
-    """One session's record. Times are monotonic seconds; wall times (for display) are epoch seconds."""
+    """One session's record. Times are monotonic seconds; wall times (for display) are epoch seconds.
+    Slotted (no per-record __dict__): kvgate tracks up to max_tracked_sessions of them."""
 
     session_id: str
     source: str | None
@@ -73,7 +80,7 @@ class Session:
     usage_source: str | None = None
     close_reason: str | None = None
     closed_at: float | None = None
-    engine_closes: dict[str, EngineClose] = field(default_factory=dict)
+    engine_closes: dict[str, EngineClose] = field(default_factory=lambda: _NO_CLOSES)  # type: ignore[arg-type]
     close_gen: int = 0
     closes: int = 0
     reopened: int = 0
@@ -177,7 +184,7 @@ class SessionRegistry:
         s.reopened += 1
         s.close_reason = None
         s.close_gen += 1  # results of calls still out are ignored
-        s.engine_closes = {}
+        s.engine_closes = _NO_CLOSES  # type: ignore[assignment]
         self._closing.pop(s.session_id, None)
 
     def request_finished(self, session_id: str, now: float, meta: dict[str, Any] | None = None,
