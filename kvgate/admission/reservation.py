@@ -18,6 +18,8 @@ import math
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
+from kvgate.common import prefix_hash
+
 from .working_set import DEFAULT_BLOCK_TOKENS
 
 __all__ = [
@@ -234,24 +236,27 @@ def prefix_blocks(key: list[int] | str | None, block_tokens: int, chars_per_toke
 
     ``key``: token ids (a block is ``block_tokens`` ids) or text (a block is round(block_tokens x
     chars_per_token) characters, the same rate the token estimate uses). At most ``max_blocks`` blocks.
-    In-process hashes only (Python's hash): they are never stored or sent anywhere.
+    One C hash per block (kvgate.common.prefix_hash.chain): a 64K-token prompt is 1,024 steps. In-process
+    keys (text uses Python's randomised str hash): they are never stored or sent anywhere.
     """
     if not key or block_tokens <= 0:
         return ()
-    step = block_tokens if not isinstance(key, str) else max(1, int(round(block_tokens * chars_per_token)))
+    text = isinstance(key, str)
+    step = block_tokens if not text else max(1, int(round(block_tokens * chars_per_token)))
     n = len(key) // step
     if max_blocks is not None:
         n = min(n, max_blocks)
-    out = []
-    h = 0
+    if n <= 0:
+        return ()
     try:
-        for i in range(n):
-            chunk = key[i * step:(i + 1) * step]
-            h = hash((h, chunk if isinstance(chunk, str) else tuple(chunk)))
-            out.append(h)
+        seq = key if text or isinstance(key, tuple) else tuple(key)
+        return tuple(prefix_hash.chain(seq, step, _BLOCK_SEED[text], 0, n)[1:])
     except TypeError:  # an unhashable item in an odd prompt: no blocks, the reservation stands as is
         return ()
-    return tuple(out)
+
+
+#: Chain start per kind of prompt: token ids never share keys with text.
+_BLOCK_SEED = {False: 0x6B76_6761_7465_0010, True: 0x6B76_6761_7465_0011}
 
 
 def estimate_reservation(

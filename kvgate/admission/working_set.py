@@ -12,7 +12,10 @@ prefix"; a running request's prompt is shareable once its prefill ends). So eigh
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass, field
+from itertools import compress, repeat
+from operator import add, itemgetter, sub
 from typing import Hashable, Iterable
 
 __all__ = ["DEFAULT_BLOCK_TOKENS", "FLEET", "Holdings"]
@@ -25,7 +28,7 @@ DEFAULT_BLOCK_TOKENS = 64
 FLEET: Hashable = None
 
 
-@dataclass
+@dataclass(slots=True)
 class _Place:
     refs: dict[int, int] = field(default_factory=dict)
     tail: int = 0
@@ -48,14 +51,8 @@ class Holdings:
     def cost(self, place: Hashable, blocks: Iterable[int], tail: int) -> int:
         """Tokens that adding (blocks, tail) on ``place`` would add: blocks not yet held there + tail."""
         p = self._places.get(place)
-        seen: set[int] = set()
-        new = 0
-        for b in blocks:
-            if b in seen:
-                continue
-            seen.add(b)
-            if p is None or b not in p.refs:
-                new += 1
+        distinct = set(blocks)  # set operations: C speed, not a Python step per block
+        new = len(distinct.difference(p.refs)) if p is not None else len(distinct)
         return new * self.block_tokens + max(0, int(tail))
 
     def add(self, holder: Hashable, place: Hashable, blocks: Iterable[int], tail: int) -> int:
@@ -65,8 +62,9 @@ class Holdings:
         bl = tuple(dict.fromkeys(blocks))  # distinct, order kept
         added = self.cost(place, bl, tail)
         p = self._places.setdefault(place, _Place())
-        for b in bl:
-            p.refs[b] = p.refs.get(b, 0) + 1
+        refs = p.refs
+        if bl:  # refs[b] += 1 for every block, in C (map/zip), not a Python step per block
+            refs.update(zip(bl, map(add, map(refs.get, bl, repeat(0)), repeat(1))))
         p.tail += max(0, int(tail))
         p.holders += 1
         self._holders[holder] = (place, bl, max(0, int(tail)))
@@ -79,14 +77,15 @@ class Holdings:
             return 0
         place, bl, tail = h
         p = self._places[place]
+        refs = p.refs
         freed = tail
-        for b in bl:
-            n = p.refs[b] - 1
-            if n:
-                p.refs[b] = n
-            else:
-                del p.refs[b]
-                freed += self.block_tokens
+        if bl:
+            counts = itemgetter(*bl)(refs) if len(bl) > 1 else (refs[bl[0]],)
+            last = counts.count(1)  # blocks no other holder holds: freed
+            refs.update(zip(bl, map(sub, counts, repeat(1))))
+            if last:
+                deque(map(refs.__delitem__, compress(bl, map((1).__eq__, counts))), maxlen=0)
+            freed += last * self.block_tokens
         p.tail -= tail
         p.holders -= 1
         if p.holders == 0:

@@ -1,2 +1,2 @@
-"""Small helpers shared by kvgate's edges (asyncio task handling, giving memory back). Imports nothing else of
-kvgate."""
+"""Small helpers shared by kvgate's edges and cores: asyncio task handling, giving memory back, chained
+prompt-block hashes. Imports nothing else of kvgate."""

@@ -53,6 +53,9 @@ from typing import Any, Iterable, Mapping, Sequence
 
 import orjson
 
+from kvgate.common import prefix_hash
+from kvgate.common.prefix_hash import is_token_ids
+
 TOKENS, TEXT = 0, 1
 _SEED = (0x6B76_6761_7465_0000, 0x6B76_6761_7465_0001)  # chain start per unit kind: tokens never match text
 
@@ -131,21 +134,14 @@ def _normalize(units: Sequence[int] | str) -> tuple[Any, int] | None:
         return (units, TEXT) if units else None
     if isinstance(units, (list, tuple)) and units:
         seq = units if isinstance(units, tuple) else tuple(units)
-        if all(type(x) is int for x in seq):  # O(len), cheaper than the hashing that follows
+        if is_token_ids(seq):  # every item, at C speed (kvgate.common.prefix_hash)
             return seq, TOKENS
     return None
 
 
-def _chain(seq: Any, block: int, start: int, n_from: int, n_to: int) -> list[int]:
-    """Chain hashes continuing from ``start`` over blocks n_from+1 .. n_to of ``seq`` (blocks are
-    counted from seq[0]); returns [start, h(n_from+1), ..., h(n_to)]."""
-    hashes = [hash(seq[i:i + block]) for i in range(n_from * block, n_to * block, block)]
-    out = [start]
-    h = start
-    for x in hashes:
-        h = hash((h, x))
-        out.append(h)
-    return out
+#: Chain hashes continuing from ``start`` over blocks n_from+1 .. n_to of ``seq`` (blocks counted from seq[0]):
+#: [start, h(n_from+1), ..., h(n_to)]. One C hash per block (kvgate.common.prefix_hash).
+_chain = prefix_hash.chain
 
 
 def _find(seq: Any, probe: Any, lo: int, hi: int) -> int:

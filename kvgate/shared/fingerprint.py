@@ -1,9 +1,10 @@
 """Stable fingerprints of a prompt and its output, equal on every replica (pure).
 
 Session inference indexes prompts by Python's ``hash``, which is randomised per process for text.
-Replicas that share an index need a hash every process agrees on: BLAKE2b over blocks of the same
+Replicas that share an index need a hash every process agrees on: chain keys over blocks of the same
 size session inference uses (``session_inference_block_tokens`` ids or ``_block_chars`` characters),
-chained so block k's key depends on blocks 1..k.
+chained so block k's key depends on blocks 1..k (kvgate.common.prefix_hash.stable_chain: one C hash per
+block, xxh3-128 along the chain).
 """
 
 from __future__ import annotations
@@ -11,6 +12,8 @@ from __future__ import annotations
 import hashlib
 from array import array
 from typing import Sequence
+
+from kvgate.common import prefix_hash
 
 _DIGEST = 12  # bytes: a collision among a deployment's live sessions is negligible
 
@@ -23,14 +26,8 @@ def _bytes(units: Sequence[int] | str) -> bytes:
 
 def chain(units: Sequence[int] | str, block: int) -> list[str]:
     """Hex chain keys of ``units`` (token ids or text) after 1, 2, ... full blocks of ``block`` units.
-    Raises TypeError/OverflowError for units that are neither text nor 64-bit integers."""
-    kind = b"t" if isinstance(units, str) else b"i"
-    prev = hashlib.blake2b(kind, digest_size=_DIGEST).digest()
-    out = []
-    for k in range(len(units) // block):
-        prev = hashlib.blake2b(prev + _bytes(units[k * block:(k + 1) * block]), digest_size=_DIGEST).digest()
-        out.append(prev.hex())
-    return out
+    Raises TypeError for units that are neither text nor 64-bit integers."""
+    return [k.hex() for k in prefix_hash.stable_chain(units, block)]
 
 
 def tail(units: Sequence[int] | str, start: int, end: int) -> str:

@@ -1,0 +1,75 @@
+"""Chained hashes of a prompt's leading blocks, with the per-unit work done in C (pure).
+
+A prompt (token ids or text) is cut into blocks of ``block`` units. Key k covers blocks 1..k:
+key_k = H(key_{k-1}, hash of block k), so two prompts share their first k keys exactly when they agree
+on their first k blocks (up to 64-bit collisions). Each block is hashed by one C call over a slice --
+Python's hash of a tuple of ints, or xxh3 of text's UTF-8 bytes -- and only the chain itself is a
+Python loop, one step per block (1,024 steps for a 64K-token prompt, not 65,536).
+
+Stability: the keys of token ids are the same in every process (Python does not randomise the hash of
+ints or of tuples of ints, unlike text: docs.python.org "object.__hash__"); :func:`stable_chain` also
+hashes text with xxh3, so replicas can compare its keys through Redis. They depend on CPython's tuple
+hash (unchanged since 3.8); tests/test_prefix_hash.py pins known values, so a change shows in CI.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import orjson
+import xxhash
+
+__all__ = ["is_token_ids", "chain", "stable_chain"]
+
+_ID_CHARS = b"0123456789,-"
+_X64 = xxhash.xxh3_64_intdigest
+_X128 = xxhash.xxh3_128_digest
+
+
+def is_token_ids(seq: Sequence[Any]) -> bool:
+    """True when every item of ``seq`` is an int (not a bool, a float, a list...) within 64 bits; checked
+    at C speed: orjson writes such a sequence with digits, commas and minus signs only. Empty: True."""
+    try:
+        text = orjson.dumps(seq)
+    except TypeError:  # orjson.JSONEncodeError (an int beyond 64 bits, an unserialisable object)
+        return False
+    return not text[1:-1].translate(None, _ID_CHARS)
+
+
+def _digests(seq: tuple[int, ...] | str, block: int, n_from: int, n_to: int, text_fast: bool) -> list[int]:
+    if isinstance(seq, str) and not text_fast:
+        return [_X64(seq[i:i + block].encode("utf-8", "surrogatepass"))
+                for i in range(n_from * block, n_to * block, block)]
+    return [hash(seq[i:i + block]) for i in range(n_from * block, n_to * block, block)]
+
+
+def chain(seq: tuple[int, ...] | str, block: int, start: int, n_from: int = 0, n_to: int | None = None) -> list[int]:
+    """In-process chain keys continuing from ``start`` over blocks n_from+1 .. n_to of ``seq`` (a tuple of
+    ints or a str; blocks are counted from seq[0]; n_to None = every full block). Returns [start,
+    key(n_from+1), ..., key(n_to)]. Text blocks use Python's str hash, randomised per process: for keys
+    shared between processes use :func:`stable_chain`. Raises TypeError for unhashable items."""
+    if n_to is None:
+        n_to = len(seq) // block
+    out = [start]
+    h = start
+    for d in _digests(seq, block, n_from, n_to, True):
+        h = hash((h, d))
+        out.append(h)
+    return out
+
+
+def stable_chain(units: Sequence[int] | str, block: int) -> list[bytes]:
+    """128-bit chain keys of ``units`` (token ids or text) after 1, 2, ... full blocks of ``block`` units,
+    the same in every process: key_k = xxh3-128(key_{k-1} + the block's 64-bit digest). Raises TypeError
+    for units that are neither text nor ints within 64 bits."""
+    is_text = isinstance(units, str)
+    if not is_text:
+        units = units if isinstance(units, tuple) else tuple(units)
+        if not is_token_ids(units):
+            raise TypeError("units must be text or integer token ids")
+    prev = _X128(b"t" if is_text else b"i")
+    out = []
+    for d in _digests(units, block, 0, len(units) // block, False):  # type: ignore[arg-type]
+        prev = _X128(prev + (d & 0xFFFF_FFFF_FFFF_FFFF).to_bytes(8, "little"))
+        out.append(prev)
+    return out
