@@ -249,8 +249,7 @@ def prefix_blocks(key: list[int] | str | None, block_tokens: int, chars_per_toke
     if n <= 0:
         return ()
     try:
-        seq = key if text or isinstance(key, tuple) else tuple(key)
-        return tuple(prefix_hash.chain(seq, step, _BLOCK_SEED[text], 0, n)[1:])
+        return tuple(prefix_hash.chain(key, step, _BLOCK_SEED[text], 0, n)[1:])
     except TypeError:  # an unhashable item in an odd prompt: no blocks, the reservation stands as is
         return ()
 

@@ -2,9 +2,10 @@
 
 A prompt (token ids or text) is cut into blocks of ``block`` units. Key k covers blocks 1..k:
 key_k = H(key_{k-1}, hash of block k), so two prompts share their first k keys exactly when they agree
-on their first k blocks (up to 64-bit collisions). Each block is hashed by one C call over a slice --
-Python's hash of a tuple of ints, or xxh3 of text's UTF-8 bytes -- and only the chain itself is a
-Python loop, one step per block (1,024 steps for a 64K-token prompt, not 65,536).
+on their first k blocks (up to 64-bit collisions). Each block is hashed by one C call -- Python's hash
+of a tuple of ints (grouped by zip, no slice per block), or of a text slice (xxh3 of its UTF-8 bytes
+for stable keys) -- and only the chain itself is a Python loop, one step per block (1,024 steps for a
+64K-token prompt, not 65,536).
 
 Stability: the keys of token ids are the same in every process (Python does not randomise the hash of
 ints or of tuples of ints, unlike text: docs.python.org "object.__hash__"); :func:`stable_chain` also
@@ -14,6 +15,7 @@ hash (unchanged since 3.8); tests/test_prefix_hash.py pins known values, so a ch
 
 from __future__ import annotations
 
+from itertools import islice
 from typing import Any, Sequence
 
 import orjson
@@ -36,16 +38,22 @@ def is_token_ids(seq: Sequence[Any]) -> bool:
     return not text[1:-1].translate(None, _ID_CHARS)
 
 
-def _digests(seq: tuple[int, ...] | str, block: int, n_from: int, n_to: int, text_fast: bool) -> list[int]:
-    if isinstance(seq, str) and not text_fast:
+def _digests(seq: Sequence[int] | str, block: int, n_from: int, n_to: int, text_fast: bool) -> list[int]:
+    """One hash per block n_from+1 .. n_to of ``seq``."""
+    if isinstance(seq, str):
+        if text_fast:
+            return [hash(seq[i:i + block]) for i in range(n_from * block, n_to * block, block)]
         return [_X64(seq[i:i + block].encode("utf-8", "surrogatepass"))
                 for i in range(n_from * block, n_to * block, block)]
-    return [hash(seq[i:i + block]) for i in range(n_from * block, n_to * block, block)]
+    # zip(*[it] * block) groups the ids into block-sized tuples in C (the zip documentation's idiom) and
+    # hands each to hash() without a slice per block: the same hash as hash(tuple(seq[i:i + block])).
+    it = iter(seq) if n_from == 0 else islice(seq, n_from * block, None)
+    return list(map(hash, islice(zip(*[it] * block), max(0, n_to - n_from))))
 
 
-def chain(seq: tuple[int, ...] | str, block: int, start: int, n_from: int = 0, n_to: int | None = None) -> list[int]:
-    """In-process chain keys continuing from ``start`` over blocks n_from+1 .. n_to of ``seq`` (a tuple of
-    ints or a str; blocks are counted from seq[0]; n_to None = every full block). Returns [start,
+def chain(seq: Sequence[int] | str, block: int, start: int, n_from: int = 0, n_to: int | None = None) -> list[int]:
+    """In-process chain keys continuing from ``start`` over blocks n_from+1 .. n_to of ``seq`` (token ids
+    or a str; blocks are counted from seq[0]; n_to None = every full block). Returns [start,
     key(n_from+1), ..., key(n_to)]. Text blocks use Python's str hash, randomised per process: for keys
     shared between processes use :func:`stable_chain`. Raises TypeError for unhashable items."""
     if n_to is None:
