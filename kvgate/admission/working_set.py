@@ -60,15 +60,18 @@ class Holdings:
         holding something is replaced (its old holding released first)."""
         self.remove(holder)
         bl = tuple(dict.fromkeys(blocks))  # distinct, order kept
-        added = self.cost(place, bl, tail)
+        t = max(0, int(tail))
         p = self._places.setdefault(place, _Place())
         refs = p.refs
+        new = 0
         if bl:  # refs[b] += 1 for every block, in C (map/zip), not a Python step per block
-            refs.update(zip(bl, map(add, map(refs.get, bl, repeat(0)), repeat(1))))
-        p.tail += max(0, int(tail))
+            old = list(map(refs.get, bl, repeat(0)))
+            new = old.count(0)
+            refs.update(zip(bl, map(add, old, repeat(1))))
+        p.tail += t
         p.holders += 1
-        self._holders[holder] = (place, bl, max(0, int(tail)))
-        return added
+        self._holders[holder] = (place, bl, t)
+        return new * self.block_tokens + t
 
     def remove(self, holder: Hashable) -> int:
         """Release ``holder``'s holding; returns the tokens freed (0 if it held none: idempotent)."""
@@ -77,6 +80,9 @@ class Holdings:
             return 0
         place, bl, tail = h
         p = self._places[place]
+        if p.holders == 1:  # the place's last holder: every block it holds is its alone
+            del self._places[place]
+            return len(bl) * self.block_tokens + tail
         refs = p.refs
         freed = tail
         if bl:
@@ -88,8 +94,6 @@ class Holdings:
             freed += last * self.block_tokens
         p.tail -= tail
         p.holders -= 1
-        if p.holders == 0:
-            del self._places[place]
         return freed
 
     def holds(self, holder: Hashable) -> bool:
