@@ -98,3 +98,39 @@ def test_a_tiny_run_writes_a_sane_table(tmp_path):
     assert md.count("\n| small /generate") == 5  # p50 and CPU rows for small and SSE, throughput row
     assert "| request | smg adds | kvgate-off adds | lifecycle+admission adds | kvgate-nosmg adds |" in md
     assert os.listdir(tmp_path) and sorted(os.listdir(tmp_path)) == ["proxy-bench.json", "proxy-bench.md"]
+
+
+def _args(*argv):
+    parser = argparse.ArgumentParser()
+    proxy_bench.add_arguments(parser)
+    return parser.parse_args(list(argv))
+
+
+@pytest.mark.skipif(proxy_bench.missing_tools() is not None, reason=str(proxy_bench.missing_tools()))
+def test_waiters_mode_holds_the_requests_and_gives_the_memory_back(tmp_path):
+    from kvgate.admission.gate import GIVE_BACK_AFTER_WAITERS
+    n = GIVE_BACK_AFTER_WAITERS  # the smallest burst whose memory is given back
+    assert proxy_bench.run(_args("--out", str(tmp_path), "--waiters", str(n))) == 0
+    res = json.loads((tmp_path / "proxy-bench-waiters.json").read_text())
+    assert res["waiters"] == n and res["memory_given_back"] == 1
+    # the connections held cost memory, and the process was measured (not another one)
+    assert 20 < res["rss_before_mib"] < res["rss_waiting_mib"] < 1000
+    assert 0 < res["kib_per_waiter"] < 100
+
+
+@pytest.mark.skipif(proxy_bench.missing_tools() is not None, reason=str(proxy_bench.missing_tools()))
+def test_sessions_mode_opens_that_many_sessions(tmp_path):
+    assert proxy_bench.run(_args("--out", str(tmp_path), "--sessions", "300")) == 0
+    res = json.loads((tmp_path / "proxy-bench-sessions.json").read_text())
+    assert res["sessions"] == 300 and res["sessions_before"] == 1
+    assert res["counts"]["active"] == 301 and res["counts"]["dropped"] == 0
+    assert 20 < res["rss_before_mib"] <= res["rss_sessions_mib"] < 1000
+
+
+def test_the_sessions_script_names_distinct_sessions_with_distinct_prompts(tmp_path):
+    script = tmp_path / "s.lua"
+    proxy_bench.sessions_script(script, 5)
+    text = script.read_text()
+    assert "((counter - 1) % 5) + 1" in text and '"session_id":"bench-s' in text
+    ids = text.split("'{\"input_ids\":[' .. k .. ',", 1)[1].split("]", 1)[0].split(",")
+    assert len(ids) == proxy_bench.SESSION_PROMPT_TOKENS - 1
