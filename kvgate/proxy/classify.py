@@ -93,7 +93,8 @@ def classify(method: str, path: str, raw_body: bytes, parse: bool = True) -> Cla
     """
     is_generate = method == "POST" and path in GENERATE_ROUTES
     body = parse_json_object(raw_body) if is_generate and parse else None
-    return Classified(method, path, route_label(path), is_generate, body, raw_body if is_generate else None)
+    keep = raw_body if is_generate and isinstance(raw_body, (bytes, bytearray)) else None  # for release_body
+    return Classified(method, path, route_label(path), is_generate, body, keep)
 
 
 def inject_top_level(raw: bytes, key: str, value: str | int) -> bytes:
