@@ -51,6 +51,9 @@ class ArmSpec:
     placement: bool = False
     # this arm's smg --policy (None: the scenario's router_policy)
     router_policy: str | None = None
+    # kvgate replicas (> 1: they share state through a redis-server of the arm's own, state_backend: redis,
+    # and the client's sessions are split between them, see replica_for)
+    replicas: int = 1
 
 
 def expand_arms(sc: Scenario) -> list[ArmSpec]:
@@ -74,6 +77,8 @@ def expand_arms(sc: Scenario) -> list[ArmSpec]:
             out.append(ArmSpec(a, kvgate=True, admission=True, pool_tokens=pool))
         elif a == "lifecycle+admission":
             out.append(ArmSpec(a, kvgate=True, lifecycle=True, admission=True, pool_tokens=pool))
+        elif a == "lifecycle+admission-2replicas":
+            out.append(ArmSpec(a, kvgate=True, lifecycle=True, admission=True, pool_tokens=pool, replicas=2))
         elif a == "admission-program":
             out.append(ArmSpec(a, kvgate=True, admission=True, admission_policy="program", pool_tokens=pool))
         elif a == "lifecycle+admission-program":
@@ -104,10 +109,17 @@ class Fleet:
         self.engine_urls: list[str] = []
         self.router_url = ""
         self.kvgate_url: str | None = None
+        self.kvgate_urls: list[str] = []
+        self.redis_url: str | None = None
 
     @property
     def base(self) -> str:
         return self.kvgate_url or self.router_url
+
+    @property
+    def bases(self) -> list[str]:
+        """Where the client sends requests: every kvgate replica, or the one base."""
+        return self.kvgate_urls or [self.base]
 
     def start(self) -> None:
         """Start everything and wait until it is ready. Raises RuntimeError/TimeoutError with a log tail."""
@@ -131,9 +143,22 @@ class Fleet:
         procs.wait_http(router.url + "/readiness", 60, router, procs.router_ready(len(self.engine_urls)))
         if not self.arm.kvgate:
             return
+        shared: list[str] = []
+        if self.arm.replicas > 1:
+            # the replicas' shared state: a redis-server of this arm's own, gone with the fleet
+            port = procs.free_port()
+            redis = procs.start("redis", procs.redis_command(port), self.log_dir)
+            self.procs.append(redis)
+            procs.wait_redis(port, 20, redis)
+            self.redis_url = f"redis://127.0.0.1:{port}/0"
+            shared = ["--state-backend", "redis", "--redis-url", self.redis_url]
+        for r in range(self.arm.replicas):
+            self._start_kvgate(router.url, r, shared)
+
+    def _start_kvgate(self, upstream: str, index: int, shared: list[str]) -> None:
         kport = procs.free_port()
-        cmd = [sys.executable, "-m", "kvgate", "serve", "--upstream", router.url, "--port", str(kport),
-               *kvgate_flags(self.scaled.kvgate_times)]
+        cmd = [sys.executable, "-m", "kvgate", "serve", "--upstream", upstream, "--port", str(kport),
+               *kvgate_flags(self.scaled.kvgate_times), *shared]
         if self.sc.kvgate_extra:  # as a config file: YAML keeps every type (booleans, lists, null) intact
             extra_yaml = self.log_dir / "kvgate-extra.yaml"
             extra_yaml.parent.mkdir(parents=True, exist_ok=True)
@@ -146,9 +171,13 @@ class Fleet:
             cmd.append("--agentic-session-lifecycle")
         if self.arm.admission:
             cmd += ["--agentic-program-admission", "--admission-policy", self.arm.admission_policy]
-        kv = procs.start("kvgate", cmd, self.log_dir, url=f"http://127.0.0.1:{kport}")
+        name = "kvgate" if self.arm.replicas == 1 else f"kvgate{index}"
+        kv = procs.start(name, cmd, self.log_dir, url=f"http://127.0.0.1:{kport}")
         self.procs.append(kv)
-        self.kvgate_url = kv.url
+        if self.kvgate_url is None:
+            self.kvgate_url = kv.url
+        if self.arm.replicas > 1:
+            self.kvgate_urls.append(kv.url)
         n = len(self.engine_urls)
         procs.wait_http(kv.url + "/kvgate/engines", 30, kv,
                         lambda st, body: st == 200 and len(json.loads(body)["engines"]) == n)
@@ -302,21 +331,41 @@ async def _close(http: aiohttp.ClientSession, base: str, rec: Recorder, sid: str
     rec.closes[key] = rec.closes.get(key, 0) + 1
 
 
-async def run_agentic(base: str, plans: list[SessionPlan], scaled: Scaled, rec: Recorder, explicit_close: bool,
-                      progress: Callable[[], None], named: bool = True, api: str = "generate") -> None:
+# In a several-replica arm, every ALTERNATE-th session sends its turns to the replicas in turn (turn k to replica
+# (i + k) mod n), so one agent's turns and its close cross replicas; the others stay on replica i mod n, as
+# clients split over replicas by a load balancer with session affinity would.
+ALTERNATE = 4
+
+
+def replica_for(index: int, turn: int, replicas: int) -> int:
+    """The replica (0-based) that session number ``index`` sends turn ``turn`` to (turn 0 = the first;
+    len(turns) = its close): session i goes to replica i mod n, except every ALTERNATE-th session (i mod
+    ALTERNATE == ALTERNATE - 1) whose turns go round the replicas."""
+    if replicas <= 1:
+        return 0
+    step = turn if index % ALTERNATE == ALTERNATE - 1 else 0
+    return (index + step) % replicas
+
+
+async def run_agentic(base: str | list[str], plans: list[SessionPlan], scaled: Scaled, rec: Recorder,
+                      explicit_close: bool, progress: Callable[[], None], named: bool = True,
+                      api: str = "generate") -> None:
     """Closed loop: each step starts all its sessions at once and ends when the last one ends.
-    named=False: no session ids and no closes from the client (kvgate infers and ends sessions)."""
+    named=False: no session ids and no closes from the client (kvgate infers and ends sessions).
+    ``base``: one URL, or several kvgate replicas' URLs that the sessions are split between (replica_for)."""
+    bases = [base] if isinstance(base, str) else list(base)
     conn = aiohttp.TCPConnector(limit=0)
     async with aiohttp.ClientSession(connector=conn, timeout=aiohttp.ClientTimeout(total=None)) as http:
 
-        async def session(p: SessionPlan) -> None:
+        async def session(i: int, p: SessionPlan) -> None:
             s = {"id": p.session_id, "step": p.step, "start": rec.now(), "end": None, "ok": False}
             rec.sessions.append(s)
             prompt = p.first_prompt
             msgs = [{"role": "user", "content": p.first_prompt}]
             ok = True
             for k, t in enumerate(p.turns):
-                ok, out = await send_turn(http, base, rec, p.session_id, k + 1, msgs if api == "chat" else prompt,
+                url = bases[replica_for(i, k, len(bases))]
+                ok, out = await send_turn(http, url, rec, p.session_id, k + 1, msgs if api == "chat" else prompt,
                                           t.max_tokens, scaled, named, api)
                 progress()
                 if not ok:
@@ -327,12 +376,12 @@ async def run_agentic(base: str, plans: list[SessionPlan], scaled: Scaled, rec: 
                     msgs = msgs + [{"role": "assistant", "content": out}, {"role": "user", "content": t.observation}]
             s["end"], s["ok"] = rec.now(), ok
             if explicit_close and named:
-                await _close(http, base, rec, p.session_id)
+                await _close(http, bases[replica_for(i, len(p.turns), len(bases))], rec, p.session_id)
 
         for step in sorted({p.step for p in plans}):
             st = {"step": step, "start": rec.now(), "end": None}
             rec.steps.append(st)
-            await asyncio.gather(*(session(p) for p in plans if p.step == step))
+            await asyncio.gather(*(session(i, p) for i, p in enumerate(plans) if p.step == step))
             st["end"] = rec.now()
 
 
@@ -398,7 +447,7 @@ async def run_arm_async(fleet: Fleet, workload, scaled: Scaled, sc: Scenario, pr
     timed_out = False
     try:
         if sc.workload["kind"] == "agentic":
-            coro = run_agentic(fleet.base, workload, scaled, rec, sc.explicit_close, progress,
+            coro = run_agentic(fleet.bases, workload, scaled, rec, sc.explicit_close, progress,
                                fleet.arm.named_sessions, sc.api)
         else:
             coro = run_trace(fleet.base, workload, scaled, rec, progress, fleet.arm.named_sessions, sc.api)
@@ -415,8 +464,12 @@ async def run_arm_async(fleet: Fleet, workload, scaled: Scaled, sc: Scenario, pr
         for k, v in s["totals"].items():
             totals[k] = totals.get(k, 0) + v
     kv_stats = None
+    replicas: list[dict] | None = None
     if fleet.arm.admission and fleet.kvgate_url:
-        kv_stats = await _get_json(fleet.kvgate_url + "/kvgate/stats")
+        every = [await _get_json(u + "/kvgate/stats") for u in (fleet.kvgate_urls or [fleet.kvgate_url])]
+        kv_stats = every[0] if len(every) == 1 else _sum_stats(every)
+        if len(every) > 1:
+            replicas = [{"counters": st["counters"], "shared_leases": st.get("shared_leases")} for st in every]
     kv_health = await _get_json(fleet.kvgate_url + "/kvgate/health") if fleet.kvgate_url else None
     return {"arm": fleet.arm.name, "wall_s": wall, "timed_out": timed_out, "requests": rec.requests,
             "sessions": rec.sessions, "steps": rec.steps, "samples": rec.samples, "closes": rec.closes,
@@ -424,7 +477,19 @@ async def run_arm_async(fleet: Fleet, workload, scaled: Scaled, sc: Scenario, pr
             "sim_engines_prompt_tokens": [s["totals"]["prompt_tokens"] for s in sims],
             "sim_engines_session_ids": [sorted(s["sessions"]) for s in sims],
             "kvgate_counters": kv_stats["counters"] if kv_stats else None,
-            "kvgate_ledger": kv_stats["ledger"] if kv_stats else None, "kvgate_health": kv_health}
+            "kvgate_ledger": kv_stats["ledger"] if kv_stats else None, "kvgate_health": kv_health,
+            "kvgate_replicas": replicas}
+
+
+def _sum_stats(every: list[dict]) -> dict:
+    """Several replicas' /kvgate/stats as one: their numeric counters summed (every request went through
+    exactly one replica); the ledger is the first replica's."""
+    counters: dict = {}
+    for st in every:
+        for k, v in st["counters"].items():
+            if isinstance(v, (int, float)) and not isinstance(v, bool):
+                counters[k] = counters.get(k, 0) + v
+    return {"counters": counters, "ledger": every[0]["ledger"]}
 
 
 def run_arm(sc: Scenario, arm: ArmSpec, scaled: Scaled, workload, log_dir: Path, progress,

@@ -15,6 +15,7 @@ from typing import Any
 import yaml
 
 ARMS = ("direct", "proxy-only", "lifecycle", "lifecycle-inferred", "admission", "lifecycle+admission",
+        "lifecycle+admission-2replicas",
         "admission-program", "lifecycle+admission-program", "router-limit", "unbounded-kv", "hicache",
         "hicache+lifecycle", "hicache+lifecycle+admission", "hicache+lifecycle+admission-program",
         "proxy-placement", "smg-manual")

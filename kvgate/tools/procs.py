@@ -207,3 +207,35 @@ def router_ready(healthy_workers: int):
         except (ValueError, AttributeError, TypeError):
             return True
     return ok
+
+
+def redis_command(port: int) -> list[str]:
+    """A throwaway redis-server on 127.0.0.1:``port``: no snapshots, no append-only file (state lives only as
+    long as the process). Raises FileNotFoundError when redis-server (Debian package redis-server) is missing."""
+    exe = find_executable("redis-server") or ("/usr/bin/redis-server" if os.path.exists("/usr/bin/redis-server")
+                                              else None)
+    if exe is None:
+        raise FileNotFoundError("redis-server is not installed (Debian package redis-server)")
+    return [exe, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"]
+
+
+def wait_redis(port: int, timeout_s: float, proc: Proc | None = None) -> None:
+    """Wait until the redis-server on 127.0.0.1:``port`` answers PING (plain RESP over a socket). Raises
+    RuntimeError with the log tail if ``proc`` exits, TimeoutError after ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    last = "no answer"
+    while time.monotonic() < deadline:
+        if proc is not None and not proc.alive():
+            raise RuntimeError(f"{proc.name} exited with {proc.popen.returncode}:\n{proc.log_tail()}")
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=2) as s:
+                s.sendall(b"PING\r\n")
+                reply = s.recv(64)
+                if reply.startswith(b"+PONG"):
+                    return
+                last = repr(reply[:64])
+        except OSError as exc:
+            last = str(exc)
+        time.sleep(0.05)  # readiness of a process we started (see wait_http)
+    tail = f"\n{proc.log_tail()}" if proc is not None else ""
+    raise TimeoutError(f"redis-server on port {port} not ready after {timeout_s}s (last: {last}){tail}")
