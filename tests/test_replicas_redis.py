@@ -370,3 +370,65 @@ async def test_a_client_close_on_one_replica_is_not_sent_again_by_another(redis_
     assert b.lifecycle.registry.get("c").state == "closed"
     assert e1.engine.closes_received == 1
     assert b.metrics.session_close_skipped.labels("elsewhere")._value.get() == 1
+
+
+async def test_admission_waiters_of_all_replicas_go_in_arrival_order(redis_server, sim_factory, kvgate_factory):
+    """One FIFO across replicas: a third party holds 1,500 of the shared 1,800 tokens. B's request (500)
+    waits for room; A's request (250) comes after it and would fit, but waits behind B's in the shared
+    queue. Once the room is freed, both go, B's first (the queue holds them in arrival order)."""
+    e = await sim_factory(max_total_num_tokens=2000, speed=1000)
+    reps = []
+    for _ in range(2):
+        gw, url = await kvgate_factory(upstream=e.url, engines=[e.url], agentic_program_admission=True,
+                                       admission_poll_interval_s=0.1, agentic_admission_max_wait_s=120.0,
+                                       state_backend="redis", redis_url=redis_server.url)
+        while gw.gate.ledger.snapshot is None or gw.gate.ledger.ceiling == 0:
+            await gw.poller.round_done.wait()
+        reps.append((gw, url))
+    (a, url_a), (b, url_b) = reps
+    assert a.gate.ledger.ceiling == 1800
+    from kvgate.proxy.metrics import Metrics
+    from kvgate.shared.redis_state import SharedState
+    other = SharedState(redis_server.url, "kvgate:", 3600, 1.0, Metrics(), replica_id="other")
+    other.register_scripts()
+    fleet = other.lease_keys(None)
+    assert await other.lease_grant(fleet, other.lease_member(1, 1500), 1500, [1800], 600) is True
+    queued = {"a": asyncio.Event(), "b": asyncio.Event()}
+    granted: list[str] = []
+    for name, gw in (("a", a), ("b", b)):
+        def wrap(real, name=name):
+            async def queue_grant(*args, **kw):
+                r = await real(*args, **kw)
+                if r is not None and not r[0] and r[1] > 0:
+                    queued[name].set()
+                if r is not None and r[0]:
+                    granted.append(name)
+                return r
+            return queue_grant
+        gw.shared.queue_grant = wrap(gw.shared.queue_grant)
+
+    async def send(http, url, n_prompt, n_out):
+        async with http.post(url + "/generate", data=orjson.dumps(
+                {"input_ids": list(range(1, n_prompt + 1)),
+                 "sampling_params": {"max_new_tokens": n_out, "ignore_eos": True}})) as r:
+            await r.read()
+            return r.status
+
+    async with aiohttp.ClientSession() as http:
+        tb = asyncio.create_task(send(http, url_b, 100, 400))
+        await asyncio.wait_for(queued["b"].wait(), 20)
+        ta = asyncio.create_task(send(http, url_a, 50, 200))
+        await asyncio.wait_for(queued["a"].wait(), 20)
+        waiting = await other.queue_waiting()
+        assert [m.split(":")[0] for m, _ in waiting] == [b.shared.replica, a.shared.replica]
+        assert [s for _, s in waiting] == [1, 2]
+        assert granted == []
+        other.lease_release(fleet, other.lease_member(1, 1500))
+        await other.drain()
+        assert await asyncio.gather(tb, ta) == [200, 200]
+    assert granted == ["b", "a"]
+    assert a.gate.shared_counts["waited"] == 1 and b.gate.shared_counts["waited"] == 1
+    for gw, _ in reps:
+        await gw.shared.drain()
+    assert await other.reserved(fleet[0]) == 0 and await other.queue_waiting() == []
+    await other.stop()

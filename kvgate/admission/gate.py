@@ -159,8 +159,10 @@ class AdmissionGate:
 
     async def _shared_grant(self, ticket: int, d: Decision) -> float:
         """Hold the lease ``d`` granted here against the ceilings shared by every replica too (fleet, and
-        its engine when known): a replica admits only within what the others left. Refused: asked again
-        with a short backoff until the rest of ``agentic_admission_max_wait_s``, then the request goes
+        its engine when known), in the one FIFO of every replica's waiters (kvgate.shared.redis_state,
+        queue_grant): a replica admits only within what the others left, and only when no waiter of any
+        replica arrived before. Refused: asked again with a short backoff (the answer keeps its place in
+        the shared queue) until the rest of ``agentic_admission_max_wait_s``, then the request goes
         (counted ``aged``, as the ledger's aged bypass). Redis unreachable: it goes at once (fail-open).
         Returns the seconds spent waiting."""
         lease = d.lease
@@ -170,24 +172,31 @@ class AdmissionGate:
         loop = asyncio.get_running_loop()
         t0 = loop.time()
         deadline = t0 + max(0.0, self.cfg.agentic_admission_max_wait_s - d.waited_s)
-        delay, refused = 0.005, False
-        while True:
-            r = await self.shared.lease_grant(keys, member, lease.charged, ceilings, self.cfg.admission_lease_ttl_s)
-            if r is None:
-                self.shared_counts["unreachable"] += 1
-                break
-            if r:
-                self._shared_held[ticket] = (keys, member)
-                self.shared_counts["granted"] += 1
-                self.shared_counts["waited"] += refused
-                break
-            if loop.time() >= deadline:
-                self.shared_counts["aged"] += 1
-                break
-            refused = True
-            # Other replicas hold the room: poll the shared ledger with a growing backoff (at most 0.2 s).
-            await asyncio.sleep(min(delay, max(0.0, deadline - loop.time())))
-            delay = min(delay * 2, 0.2)
+        delay, seq = 0.005, 0
+        try:
+            while True:
+                r = await self.shared.queue_grant(keys, member, lease.charged, ceilings,
+                                                  self.cfg.admission_lease_ttl_s, seq, self.cfg.admission_backfill)
+                if r is None:
+                    self.shared_counts["unreachable"] += 1
+                    break
+                granted, seq = r
+                if granted:
+                    self._shared_held[ticket] = (keys, member)
+                    self.shared_counts["granted"] += 1
+                    self.shared_counts["waited"] += seq > 0
+                    seq = 0
+                    break
+                if loop.time() >= deadline:
+                    self.shared_counts["aged"] += 1
+                    break
+                # Other replicas hold the room or wait before it: ask again with a growing backoff (at most
+                # 0.2 s, well within the shared queue's WAITER_TTL_S).
+                await asyncio.sleep(min(delay, max(0.0, deadline - loop.time())))
+                delay = min(delay * 2, 0.2)
+        finally:
+            if seq:  # aged or cancelled while waiting in the shared queue: leave it
+                self.shared.queue_leave(member)
         return loop.time() - t0
 
     def _drained(self) -> None:

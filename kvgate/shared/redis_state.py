@@ -12,6 +12,10 @@ Kept in Redis (every key starts with ``redis_key_prefix`` and expires):
   ``lease:fleet``, ``lease:<engine>[|<rank>]``  admission leases (sorted sets, score = expiry): granted
                   by one Lua script against the shared ceilings, released on the request's end, dropped by
                   TTL (``admission_lease_ttl_s``) when the replica holding them died.
+  ``queue``, ``queue:exp``, ``queue:seq``  the admission wait queue of every replica together: waiters
+                  (member "<replica>:<lease>|<tokens>") by global arrival number (``queue:seq``, INCR), and
+                  their expiry (each ask refreshes it; a dead replica's waiters leave after WAITER_TTL_S).
+                  The grant script gives room only to the oldest live waiter (one global FIFO).
   ``replica:<id>`` a replica's heartbeat (TTL 5 s): the turns in flight of a replica whose heartbeat
                   expired (it died) do not keep a session busy.
 
@@ -36,6 +40,12 @@ log = logging.getLogger("kvgate.shared.redis_state")
 
 HEARTBEAT_S = 1.0
 REPLICA_TTL_S = 5
+# A waiter in the shared queue that has not asked again for this long is gone (its replica died or lost
+# Redis): it leaves the queue and stops holding back the waiters after it. Waiters ask at least every 0.2 s.
+WAITER_TTL_S = 3.0
+# The shared queue's arrival counter outlives any wait (waits end by max_wait); it restarts only after a
+# day without waiters.
+QUEUE_SEQ_TTL_S = 86400
 
 # A turn starts (+1) or ends (-1) on replica ARGV[3]; last activity only moves forward; the session's
 # placement lives as long as its activity.
@@ -116,6 +126,69 @@ end
 return 1
 """
 
+# The same grant in one global FIFO of the waiters of every replica. A request is granted only when no
+# live waiter arrived before it (with backfill: or when the room left after it still holds every earlier
+# waiter on the fleet ceiling) and it fits every ceiling as above; otherwise it waits in the queue,
+# keeping its arrival number (ARGV[7]; 0 on the first ask: it takes the next one, after everyone waiting).
+# Waiters whose expiry passed (their replica stopped asking) are dropped first.
+# KEYS: queue (member -> arrival number), queue:exp (member -> expiry, epoch s), queue:seq, then the lease
+# sets (the fleet's first); ARGV: now, lease expiry, member, tokens, key ttl, waiter expiry, arrival number,
+# backfill (0 | 1), then one ceiling per lease set. Returns {granted 0 | 1, arrival number (0 if granted
+# without waiting)}.
+_QUEUE_GRANT = """
+local now = tonumber(ARGV[1])
+local member = ARGV[3]
+local tokens = tonumber(ARGV[4])
+local seq = tonumber(ARGV[7])
+for _, m in ipairs(redis.call('ZRANGEBYSCORE', KEYS[2], '-inf', now)) do
+  redis.call('ZREM', KEYS[1], m)
+  redis.call('ZREM', KEYS[2], m)
+end
+local fits, fleet = true, 0
+for i = 4, #KEYS do
+  redis.call('ZREMRANGEBYSCORE', KEYS[i], '-inf', now)
+  local sum = 0
+  for _, m in ipairs(redis.call('ZRANGE', KEYS[i], 0, -1)) do
+    sum = sum + tonumber(string.match(m, '|(%d+)$'))
+  end
+  if i == 4 then fleet = sum end
+  if sum > 0 and sum + tokens > tonumber(ARGV[5 + i]) then fits = false end
+end
+local ahead
+if seq > 0 then
+  ahead = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', '(' .. seq)
+else
+  ahead = redis.call('ZRANGE', KEYS[1], 0, -1)
+end
+local go = fits
+if fits and #ahead > 0 then
+  go = false
+  if ARGV[8] == '1' then
+    local waiting = 0
+    for _, m in ipairs(ahead) do
+      if m ~= member then waiting = waiting + tonumber(string.match(m, '|(%d+)$')) end
+    end
+    go = fleet + tokens + waiting <= tonumber(ARGV[9])
+  end
+end
+if go then
+  for i = 4, #KEYS do
+    redis.call('ZADD', KEYS[i], ARGV[2], member)
+    redis.call('EXPIRE', KEYS[i], ARGV[5])
+  end
+  redis.call('ZREM', KEYS[1], member)
+  redis.call('ZREM', KEYS[2], member)
+  return {1, seq}
+end
+if seq <= 0 then seq = redis.call('INCR', KEYS[3]) end
+redis.call('ZADD', KEYS[1], seq, member)
+redis.call('ZADD', KEYS[2], ARGV[6], member)
+redis.call('EXPIRE', KEYS[1], ARGV[5])
+redis.call('EXPIRE', KEYS[2], ARGV[5])
+redis.call('EXPIRE', KEYS[3], QUEUE_SEQ_TTL)
+return {0, seq}
+""".replace("QUEUE_SEQ_TTL", str(QUEUE_SEQ_TTL_S))
+
 # Live reservations (tokens) on one place. KEYS[1]: its sorted set; ARGV[1]: now.
 _LEASE_SUM = """
 local sum = 0
@@ -177,7 +250,7 @@ class SharedState:
         c = self.client
         self._scripts = {"turn": c.register_script(_TURN), "idle": c.register_script(_IDLE_CLAIM),
                          "grant": c.register_script(_LEASE_GRANT), "sum": c.register_script(_LEASE_SUM),
-                         "closed": c.register_script(_CLOSED)}
+                         "closed": c.register_script(_CLOSED), "queue": c.register_script(_QUEUE_GRANT)}
 
     async def stop(self) -> None:
         await self.drain(1.0)
@@ -376,6 +449,47 @@ class SharedState:
             keys=list(keys), args=[repr(now), repr(now + ttl_s), member, max(0, int(tokens)),
                                    max(1, int(ttl_s) + 1), *[int(c) for c in ceilings]]))
         return bool(r) if ok else None
+
+    def queue_keys(self) -> list[str]:
+        """The shared wait queue's keys (queue, expiries, arrival counter), for :meth:`queue_grant`."""
+        return [self.prefix + "queue", self.prefix + "queue:exp", self.prefix + "queue:seq"]
+
+    async def queue_grant(self, keys: Sequence[str], member: str, tokens: int, ceilings: Sequence[int],
+                          ttl_s: float, seq: int = 0, backfill: bool = False) -> tuple[bool, int] | None:
+        """:meth:`lease_grant` in one FIFO shared by every replica: ``member`` is granted ``tokens`` in every
+        set of ``keys`` only when no live waiter (of any replica) arrived before it and it fits each ceiling;
+        otherwise it waits in the shared queue. Ask again (every 0.2 s at most: a waiter that does not ask
+        for WAITER_TTL_S seconds leaves the queue) with the arrival number returned, which keeps its place.
+        ``backfill``: it may also pass the earlier waiters when the fleet's reservations, plus it, plus
+        every earlier waiter's tokens fit the fleet ceiling (so it takes no room they could use).
+        Returns (granted, arrival number; 0 when granted without waiting), or None when Redis is
+        unreachable. Call :meth:`queue_leave` when the waiter goes without a grant (aged, cancelled)."""
+        now = self.wall()
+        ok, r = await self._call("admission", lambda: self._scripts["queue"](
+            keys=[*self.queue_keys(), *keys],
+            args=[repr(now), repr(now + ttl_s), member, max(0, int(tokens)), max(1, int(ttl_s) + 1),
+                  repr(now + WAITER_TTL_S), int(seq), 1 if backfill else 0, *[int(c) for c in ceilings]]))
+        if not ok:
+            return None
+        return bool(int(r[0])), int(r[1])
+
+    def queue_leave(self, member: str) -> None:
+        """``member`` stops waiting in the shared queue without a grant (in the background)."""
+        q, exp, _ = self.queue_keys()
+
+        async def run():
+            async with self.client.pipeline(transaction=True) as p:
+                p.zrem(q, member)
+                p.zrem(exp, member)
+                await p.execute()
+        self._spawn("admission", run)
+
+    async def queue_waiting(self) -> list[tuple[str, int]]:
+        """The shared queue now, oldest first: (member, arrival number); [] when Redis is unreachable
+        (figures, tests)."""
+        ok, r = await self._call("admission", lambda: self.client.zrange(self.queue_keys()[0], 0, -1,
+                                                                         withscores=True))
+        return [(m, int(sc)) for m, sc in r] if ok else []
 
     def lease_release(self, keys: Sequence[str], member: str) -> None:
         """Release a lease granted by :meth:`lease_grant` (in the background)."""
