@@ -432,3 +432,65 @@ async def test_admission_waiters_of_all_replicas_go_in_arrival_order(redis_serve
         await gw.shared.drain()
     assert await other.reserved(fleet[0]) == 0 and await other.queue_waiting() == []
     await other.stop()
+
+
+async def test_capacity_is_polled_once_for_all_replicas(redis_server, sim_factory, kvgate_factory):
+    """Two replicas with admission on: one polls the engine under the lease and publishes its snapshot, the
+    other reads it, so the engine answers one poller's reads (each of its capacity reads is one round that
+    led or polled alone; rounds that read the shared snapshot cost it nothing). When the polling replica
+    stops, the other takes over the lease."""
+    e = await sim_factory(max_total_num_tokens=2000, speed=1000)
+    reps = []
+    for _ in range(2):
+        gw, url = await kvgate_factory(upstream=e.url, engines=[e.url], agentic_program_admission=True,
+                                       admission_poll_interval_s=0.2, state_backend="redis",
+                                       redis_url=redis_server.url)
+        reps.append(gw)
+
+    async def until(pred, timeout=30):
+        async def loop():
+            while not pred():
+                await asyncio.wait([asyncio.ensure_future(g.poller.round_done.wait()) for g in reps],
+                                   return_when=asyncio.FIRST_COMPLETED)
+        await asyncio.wait_for(loop(), timeout)
+
+    await until(lambda: sum(g.poller.shared_rounds["read"] for g in reps) >= 5)
+    for g in reps:
+        await g.poller.stop()
+    rounds = [dict(g.poller.shared_rounds) for g in reps]
+    assert e.engine.capacity_reads == sum(r["led"] + r["own"] for r in rounds), rounds
+    assert e.engine.capacity_reads <= sum(sum(r.values()) for r in rounds) - 5
+    leader = max(reps, key=lambda g: g.poller.shared_rounds["led"])
+    follower = reps[1] if leader is reps[0] else reps[0]
+    assert follower.poller.shared_rounds["read"] >= 1 and leader.poller.shared_rounds["led"] >= 1
+    assert not follower.gate.ledger.is_degraded(follower.gate.clock())
+    assert follower.gate.ledger.ceiling == leader.gate.ledger.ceiling == 1800
+    assert set(follower.poller.last_sources.values()) == {"shared"}
+    # The polling replica stops: its lease expires and the other one polls for all.
+    led = follower.poller.shared_rounds["led"]
+    await follower.poller.start()
+    reps = [follower]
+    await until(lambda: follower.poller.shared_rounds["led"] > led)
+    assert not follower.gate.ledger.is_degraded(follower.gate.clock())
+
+
+async def test_capacity_is_polled_by_each_replica_while_redis_is_down(redis_server, sim_factory, kvgate_factory):
+    """Redis unreachable: no shared snapshot, each replica polls the engines itself (fail-open), and
+    admission keeps its capacity signal."""
+    e = await sim_factory(max_total_num_tokens=2000, speed=1000)
+    reps = []
+    for _ in range(2):
+        gw, _url = await kvgate_factory(upstream=e.url, engines=[e.url], agentic_program_admission=True,
+                                        admission_poll_interval_s=0.2, state_backend="redis",
+                                        redis_url=redis_server.url)
+        reps.append(gw)
+    redis_server.stop()
+    before = [g.poller.shared_rounds["own"] for g in reps]
+    for g in reps:
+        async def two_rounds(g=g):
+            while g.poller.shared_rounds["own"] < before[reps.index(g)] + 2:
+                await g.poller.round_done.wait()
+        await asyncio.wait_for(two_rounds(), 30)
+        assert not g.gate.ledger.is_degraded(g.gate.clock())
+        assert set(g.poller.last_sources.values()) == {"/v1/loads"}
+        assert g.metrics.state_backend_up._value.get() == 0

@@ -275,6 +275,24 @@ class ClusterSnapshot:
             return 0.0
         return sum(e.usage * e.capacity for e in self.engines.values()) / cap
 
+    def to_wire(self) -> dict[str, Any]:
+        """Everything but the time, JSON-able, for replicas that share one poller's snapshot:
+        {"engines": {url: [[capacity, used, usage] per pool]}, "unhealthy": [url, ...]}."""
+        return {"engines": {url: [[p.capacity, p.used, p.usage] for p in e.pools] for url, e in self.engines.items()},
+                "unhealthy": sorted(self.unhealthy)}
+
+    @classmethod
+    def from_wire(cls, obj: Any, taken_at: float) -> "ClusterSnapshot | None":
+        """The snapshot :meth:`to_wire` wrote, taken at monotonic ``taken_at`` (seconds) on this process's
+        clock. None when ``obj`` is not such a mapping (the reader then polls the engines itself)."""
+        try:
+            engines = {str(url): EngineCapacity.from_pools((float(c), float(u), float(g)) for c, u, g in pools)
+                       for url, pools in obj["engines"].items()}
+            unhealthy = [str(u) for u in obj["unhealthy"]]
+        except (KeyError, TypeError, ValueError, AttributeError):
+            return None
+        return cls.build({**{u: None for u in unhealthy}, **engines}, taken_at)
+
     def to_dict(self) -> dict[str, Any]:
         """JSON-able summary (for /kvgate/stats)."""
         return {

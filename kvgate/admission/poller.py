@@ -6,6 +6,12 @@ TP/DP aggregation rules are pure (kvgate.admission.capacity). No engine known ->
 (degraded at once). An unreachable router or a round where every scrape fails brings no new snapshot:
 the last one goes stale after max(3 x interval, 5 s) and the ledger is degraded from then on (a busy
 engine that answers one poll late does not flip admission off).
+
+Replicas sharing state (``state_backend: redis``, ``shared``): one replica polls the engines for all of
+them, under a lease in Redis it renews every round, and publishes its snapshot; the others read it.
+A replica polls on its own when Redis is unreachable, when the published snapshot is older than two
+intervals (the polling replica died or stalls: its lease expires after three) or when it names other
+engines than this replica's directory lists.
 """
 
 from __future__ import annotations
@@ -20,7 +26,7 @@ import orjson
 
 from kvgate.common.aio import cancel_tasks
 from kvgate.admission.capacity import (METRIC_MAX_TOTAL, METRIC_NUM_USED, METRIC_TOKEN_USAGE, ClusterSnapshot,
-                                       EngineCapacity, parse_engine_loads, parse_engine_metrics)
+                                       EngineCapacity, parse_engine_loads, parse_engine_metrics, stale_after_s)
 from kvgate.admission.gate import AdmissionGate
 from kvgate.fleet.directory import EngineDirectory
 
@@ -87,6 +93,12 @@ class CapacityPoller:
         self._degraded: bool | None = None
         self._session: aiohttp.ClientSession | None = None
         self._task: asyncio.Task | None = None
+        # kvgate.shared.redis_state.SharedState when replicas share one poll (see the module doc)
+        self.shared = None
+        # rounds by how this replica got its snapshot: polled for every replica (led), read what another
+        # replica polled (read), polled for itself alone (own: no Redis, or no usable shared snapshot)
+        self.shared_rounds = {"led": 0, "read": 0, "own": 0}
+        self._leading = False
 
     async def start(self) -> None:
         # Per-scrape timeout below the interval so one slow engine never stalls a round.
@@ -145,11 +157,15 @@ class CapacityPoller:
             return None
         if self.directory.static is None and self.directory.last_error is not None:
             return None  # router unreachable: no fresh engine list, let the snapshot go stale
-        taken = self.clock()
-        caps = await asyncio.gather(*(self.scrape(u) for u in urls))
-        if all(c is None for c in caps):
-            return None
-        snapshot = ClusterSnapshot.build(dict(zip(urls, caps)), taken)
+        snapshot = await self._shared_snapshot(urls) if self.shared is not None else None
+        if snapshot is None:
+            taken = self.clock()
+            caps = await asyncio.gather(*(self.scrape(u) for u in urls))
+            if all(c is None for c in caps):
+                return None
+            snapshot = ClusterSnapshot.build(dict(zip(urls, caps)), taken)
+            if self._leading:
+                await self.shared.publish_capacity(snapshot.to_wire(), stale_after_s(self.interval_s))
         if self.gate is not None:
             self.gate.reconcile(snapshot)
         for cb in self.listeners:
@@ -157,6 +173,30 @@ class CapacityPoller:
                 cb(snapshot)
             except Exception:  # a consumer's fault must not stop polling
                 log.exception("capacity listener failed")
+        return snapshot
+
+    async def _shared_snapshot(self, urls: list[str]) -> ClusterSnapshot | None:
+        """The snapshot another replica polled for this round, or None when this replica polls itself
+        (it leads the poll: it then publishes what it gets; or no usable shared snapshot)."""
+        self._leading = False
+        lead = await self.shared.capacity_lead(3 * self.interval_s)
+        if lead:
+            self._leading = True
+            self.shared_rounds["led"] += 1
+            return None
+        got = await self.shared.read_capacity() if lead is not None else None
+        snapshot = None
+        if got is not None and got[1] <= 2 * self.interval_s:
+            wire, age, _ = got
+            snapshot = ClusterSnapshot.from_wire(wire, self.clock() - age)
+            if snapshot is not None and set(snapshot.engines) | snapshot.unhealthy != set(urls):
+                snapshot = None  # the polling replica knows other engines: this one asks its own
+        if snapshot is None:
+            self.shared_rounds["own"] += 1
+            return None
+        self.shared_rounds["read"] += 1
+        for u in urls:
+            self.last_sources[u] = "failed" if u in snapshot.unhealthy else "shared"
         return snapshot
 
     def _log_transition(self) -> None:

@@ -165,6 +165,7 @@ class Gateway:
                                          cfg.admission_capacity_source)
         if self.poller is not None:
             self.poller.listeners.append(self._capacity)
+            self.poller.shared = self.shared  # replicas sharing state poll the engines once for all
         self.gate: Gate = gate or OpenGate()
         if self.shared is not None and hasattr(self.gate, "shared"):
             self.gate.shared = self.shared  # admission leases held against the ceilings shared by replicas
@@ -266,6 +267,8 @@ class Gateway:
         out = stats() if stats is not None else {"admission": "off"}
         if self.poller is not None:
             out["capacity_sources"] = dict(self.poller.last_sources)
+            if self.shared is not None:
+                out["capacity_rounds"] = dict(self.poller.shared_rounds)
         return _json(out)
 
     async def handle_sessions(self, request: web.Request) -> web.Response:

@@ -16,6 +16,9 @@ Kept in Redis (every key starts with ``redis_key_prefix`` and expires):
                   (member "<replica>:<lease>|<tokens>") by global arrival number (``queue:seq``, INCR), and
                   their expiry (each ask refreshes it; a dead replica's waiters leave after WAITER_TTL_S).
                   The grant script gives room only to the oldest live waiter (one global FIFO).
+  ``capacity:lease``, ``capacity``  the capacity poll done once for all: the replica holding the lease
+                  (SET NX PX, renewed each round) polls the engines and publishes its snapshot; the others
+                  read it. Both expire (a dead poller's lease after a few intervals; a snapshot once stale).
   ``replica:<id>`` a replica's heartbeat (TTL 5 s): the turns in flight of a replica whose heartbeat
                   expired (it died) do not keep a session busy.
 
@@ -32,6 +35,8 @@ import logging
 import secrets
 import time
 from typing import Any, Awaitable, Callable, Sequence
+
+import orjson
 
 from kvgate.common.aio import cancel_tasks
 from kvgate.shared import fingerprint
@@ -189,6 +194,17 @@ redis.call('EXPIRE', KEYS[3], QUEUE_SEQ_TTL)
 return {0, seq}
 """.replace("QUEUE_SEQ_TTL", str(QUEUE_SEQ_TTL_S))
 
+# Lead the capacity poll: take the lease (KEYS[1]) when free, or renew it when this replica (ARGV[1])
+# holds it, for ARGV[2] ms. Returns 1 when this replica leads.
+_CAPACITY_LEAD = """
+local v = redis.call('GET', KEYS[1])
+if (not v) or v == ARGV[1] then
+  redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
+  return 1
+end
+return 0
+"""
+
 # Live reservations (tokens) on one place. KEYS[1]: its sorted set; ARGV[1]: now.
 _LEASE_SUM = """
 local sum = 0
@@ -250,7 +266,8 @@ class SharedState:
         c = self.client
         self._scripts = {"turn": c.register_script(_TURN), "idle": c.register_script(_IDLE_CLAIM),
                          "grant": c.register_script(_LEASE_GRANT), "sum": c.register_script(_LEASE_SUM),
-                         "closed": c.register_script(_CLOSED), "queue": c.register_script(_QUEUE_GRANT)}
+                         "closed": c.register_script(_CLOSED), "queue": c.register_script(_QUEUE_GRANT),
+                         "lead": c.register_script(_CAPACITY_LEAD)}
 
     async def stop(self) -> None:
         await self.drain(1.0)
@@ -423,6 +440,35 @@ class SharedState:
                     best, best_len = sid, int(length)
         return best
 
+
+    # --- the capacity snapshot, polled once for all -----------------------------------------------------
+
+    async def capacity_lead(self, ttl_s: float) -> bool | None:
+        """Whether this replica polls the engines for every replica this round: it takes the poll lease
+        when nobody holds it, or renews its own, for ``ttl_s`` seconds (another replica takes over once a
+        dead poller's lease expires). None when Redis is unreachable (poll on your own)."""
+        ok, r = await self._call("capacity", lambda: self._scripts["lead"](
+            keys=[self.prefix + "capacity:lease"], args=[self.replica, max(1, int(ttl_s * 1000))]))
+        return bool(r) if ok else None
+
+    async def publish_capacity(self, snapshot: dict, ttl_s: float) -> None:
+        """Publish the polling replica's snapshot (ClusterSnapshot.to_wire()); it stamps the wall time and
+        vanishes after ``ttl_s`` seconds (when it would be stale)."""
+        body = orjson.dumps({"at": self.wall(), "by": self.replica, "snapshot": snapshot})
+        await self._call("capacity", lambda: self.client.set(self.prefix + "capacity", body,
+                                                             px=max(1, int(ttl_s * 1000))))
+
+    async def read_capacity(self) -> tuple[dict, float, str] | None:
+        """The published snapshot: (ClusterSnapshot.to_wire() mapping, its age in seconds, the replica that
+        polled it); None when there is none (expired, never published, unreadable) or Redis is unreachable."""
+        ok, raw = await self._call("capacity", lambda: self.client.get(self.prefix + "capacity"))
+        if not ok or not raw:
+            return None
+        try:
+            obj = orjson.loads(raw)
+            return obj["snapshot"], max(0.0, self.wall() - float(obj["at"])), str(obj["by"])
+        except (orjson.JSONDecodeError, KeyError, TypeError, ValueError):
+            return None
 
     # --- admission leases ------------------------------------------------------------------------------
 

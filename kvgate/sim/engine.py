@@ -102,6 +102,8 @@ class SimEngine:
         self.handles: dict[str, RequestHandle] = {}
         self._rr = itertools.count()
         self.closes_received = 0
+        # GET /v1/loads and GET /metrics answered: how often pollers (kvgate's capacity poller) read it
+        self.capacity_reads = 0
         self.legacy_sessions: dict[str, dict] = {}
         self.weight_version = "default"
         self._stopped = False

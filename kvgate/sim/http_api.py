@@ -240,6 +240,7 @@ class SimServer:
             "max_model_len": self.opts.max_total_num_tokens}]})
 
     async def v1_loads(self, request):
+        self.engine.capacity_reads += 1
         loads = self.engine.loads()
         if request.query.get("format") == "prometheus":
             return web.Response(text=render_loads_prometheus(loads),
@@ -249,6 +250,7 @@ class SimServer:
     async def metrics(self, request):
         if self.opts.disable_metrics:
             raise web.HTTPNotFound()
+        self.engine.capacity_reads += 1
         return web.Response(body=self.engine.metrics_text().encode(),
                             headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"})
 
