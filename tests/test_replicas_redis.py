@@ -494,3 +494,49 @@ async def test_capacity_is_polled_by_each_replica_while_redis_is_down(redis_serv
         assert not g.gate.ledger.is_degraded(g.gate.clock())
         assert set(g.poller.last_sources.values()) == {"/v1/loads"}
         assert g.metrics.state_backend_up._value.get() == 0
+
+
+@pytest.mark.parametrize("comes_back", [True, False])
+async def test_a_close_still_queued_is_dropped_when_the_session_comes_back_elsewhere(comes_back, redis_server,
+                                                                                      sim_factory, kvgate_factory):
+    """Replica A closes a session (the client's close); one engine answers, the other is down, so A's call to
+    it waits for a retry. The session comes back through replica B (its turn re-opens it on the engine):
+    A's retry is dropped, not sent (a late close would drop the continued session's references). Without
+    the come-back, the retry goes."""
+    e1 = await sim_factory(max_total_num_tokens=50_000, speed=1000)
+    dead = f"http://127.0.0.1:{procs.free_port()}"
+    clock = Clock()
+    reps = await _replicas(kvgate_factory, clock, upstream=e1.url, engines=[e1.url, dead],
+                           agentic_session_lifecycle=True, session_inference=False, session_placement="router",
+                           session_idle_close_s=0, close_retry_backoff_s=5.0, state_backend="redis",
+                           redis_url=redis_server.url)
+    (a, url_a), (b, url_b) = reps
+    body = {"input_ids": list(range(1, 40)), "session_id": "s", "sampling_params": {"max_new_tokens": 2}}
+    async with aiohttp.ClientSession() as http:
+        await _generate(http, url_b, body)
+        await _drain(reps)
+        async with http.post(url_a + "/close_session", json={"session_id": "s"}) as r:
+            assert r.status == 200
+
+        def pending() -> bool:
+            s = a.lifecycle.registry.get("s")
+            return s is not None and s.engine_closes.get(dead) is not None and \
+                s.engine_closes[dead].state == "pending" and s.engine_closes[e1.url].state == "ok"
+        await a.lifecycle.wait_until(pending, 10)
+        await _drain(reps)
+        errors = a.metrics.close_calls.labels("error")._value.get()
+        assert errors == 1 and e1.engine.closes_received == 1
+        if comes_back:
+            await _generate(http, url_b, body)
+            await _drain(reps)
+        clock.t += 6  # the retry is due
+        a.lifecycle._retry_wake.set()
+        if comes_back:
+            await a.lifecycle.wait_until(lambda: a.lifecycle.registry.get("s").state == "closed", 10)
+            assert a.metrics.session_close_cancelled._value.get() == 1
+            assert a.metrics.close_calls.labels("error")._value.get() == errors  # not sent again
+            assert a.lifecycle.registry.get("s").close_results[dead].startswith("cancelled")
+            assert b.lifecycle.registry.get("s").state == "active"
+        else:
+            await a.lifecycle.wait_until(lambda: a.metrics.close_calls.labels("error")._value.get() > errors, 10)
+            assert a.metrics.session_close_cancelled._value.get() == 0

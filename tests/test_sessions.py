@@ -82,6 +82,25 @@ def test_reopen_cancels_pending_closes_and_stale_results_are_ignored():
     assert reg.close_counts() == {"sending": 0, "pending": 0}
 
 
+def test_cancel_close_when_the_session_came_back_through_another_replica():
+    reg = SessionRegistry()
+    reg.request_started("s", None, 0.0)
+    reg.request_finished("s", 0.1)
+    reg.begin_close("s", "client", 0.2)
+    gen = reg.get("s").close_gen
+    reg.to_send("s", [E1, E2], 0.2)
+    reg.close_result("s", gen, E1, "ok", 0.3)
+    reg.close_result("s", gen, E2, "connect error", 0.3)
+    assert reg.cancel_close("s", 0.4) == 1  # E2's pending retry
+    s = reg.get("s")
+    assert s.state == CLOSED and s.closes == 1 and reg.close_stats["cancelled"] == 1
+    assert s.close_results[E1] == "ok" and s.close_results[E2].startswith("cancelled")
+    assert reg.due_retries(100.0) == [] and reg.close_counts() == {"sending": 0, "pending": 0}
+    assert reg.close_result("s", gen, E2, "ok", 0.5) is None  # a call that was out: stale
+    assert reg.cancel_close("s", 0.6) == 0  # not closing: nothing to do
+    assert reg.request_started("s", None, 0.7).state == ACTIVE  # a turn here re-opens it as usual
+
+
 def test_engine_back_makes_its_pending_closes_due_now():
     reg = SessionRegistry(retry=CloseRetry(retries=5, backoff_s=30.0))
     for sid in ("x", "y"):

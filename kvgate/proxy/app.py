@@ -148,6 +148,7 @@ class Gateway:
                                       cfg.redis_timeout_s, self.metrics)
             self.lifecycle.idle_check = self.shared.idle_claim
             self.lifecycle.on_close.append(self.shared.session_closed)
+            self.lifecycle.close_check = self.shared.close_wanted
         self.poller = None
         # Where admission counts a session's request: the engine kvgate placed it on; a session kvgate did
         # not place (the router routes it, or its first turn) counts against the fleet-wide rule.

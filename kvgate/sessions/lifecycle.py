@@ -124,6 +124,9 @@ class SessionLifecycle:
         self.on_close: list[Callable[[str], None]] = []
         # Replicas sharing state: (session_id, threshold_s) -> (verdict, age_s), see sweep_idle.
         self.idle_check: Callable[[str, float], Awaitable[tuple[str, float]]] | None = None
+        # Replicas sharing state: session_id -> False when the session came back through another replica
+        # since this one began closing it (its calls not sent yet are then dropped), asked before each call.
+        self.close_check: Callable[[str], Awaitable[bool]] | None = None
         directory.on_change.append(self.engines_changed)
         self._publish()
 
@@ -321,6 +324,8 @@ class SessionLifecycle:
             session_id, gen, retry = q.items.popleft()
             if not self._wanted(session_id, gen, q.url):
                 continue  # the session came back while this call waited
+            if self.close_check is not None and not await self._still_wanted(session_id, gen, q.url):
+                continue
             if q.failing and q.active > 0:
                 # The engine is failing and another call probes it: wait for it to answer again
                 # (engine_back) rather than spend this close's attempts on it.
@@ -360,6 +365,24 @@ class SessionLifecycle:
             except Exception:
                 log.exception("close result handling failed")
                 self.metrics.faults.labels("registry").inc()
+
+    async def _still_wanted(self, session_id: str, gen: int, url: str) -> bool:
+        """Replicas sharing state: False when the session came back through another replica since this one
+        began closing it (its calls not sent yet are dropped here: a late close would drop the continued
+        session's references on the engine), or when it came back here while asking."""
+        try:
+            wanted = await self.close_check(session_id)
+        except Exception:  # fail-open: the close goes as without sharing
+            log.exception("shared close check failed")
+            wanted = True
+        if not self._wanted(session_id, gen, url):
+            return False
+        if not wanted:
+            n = self.registry.cancel_close(session_id, self.clock())
+            self.metrics.session_close_cancelled.inc(n)
+            self._started.pop(session_id, None)
+            self._notify()
+        return wanted
 
     def _wanted(self, session_id: str, gen: int, url: str) -> bool:
         s = self.registry.get(session_id)

@@ -345,6 +345,23 @@ class SessionRegistry:
         if s is not None and s.state == CLOSING:
             self._closed(s, now)
 
+    def cancel_close(self, session_id: str, now: float) -> int:
+        """The closing session came back through another replica (which re-opened it on the engine): drop
+        its unfinished engine closes (counted cancelled; results of calls still out are ignored) and mark it
+        closed here. Returns the engine closes dropped (0 when it was not closing)."""
+        s = self._sessions.get(session_id)
+        if s is None or s.state != CLOSING:
+            return 0
+        n = len(s.unfinished())
+        self.close_stats["cancelled"] += n
+        for e in s.engine_closes.values():
+            if e.state in (SENDING, PENDING):
+                e.last = "cancelled: the session came back through another replica"
+            self._move(e, OK if e.state == OK else FAILED)
+        s.close_gen += 1
+        self._closed(s, now)
+        return n
+
     def _closed(self, s: Session, now: float) -> None:
         s.state = CLOSED
         s.closes += 1

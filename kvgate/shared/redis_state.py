@@ -2,7 +2,8 @@
 
 Kept in Redis (every key starts with ``redis_key_prefix`` and expires):
   ``sess:<id>``   a hash: ``state`` (active | closing), ``last`` (last activity, epoch seconds),
-                  ``if:<replica>`` (that replica's turns in flight); TTL ``redis_session_ttl_s`` from its
+                  ``if:<replica>`` (that replica's turns in flight), ``epoch`` (+1 each time a turn re-opens
+                  it while closing: the closing replica then drops its calls not sent yet); TTL ``redis_session_ttl_s`` from its
                   last touch. Idle close is decided on it by one Lua script, atomically, so exactly one
                   replica closes a session and none closes one another replica just served.
   ``place:<id>``  the session's engine and DP rank (first writer wins, SET NX), TTL as above.
@@ -34,6 +35,7 @@ import asyncio
 import logging
 import secrets
 import time
+from collections import OrderedDict
 from typing import Any, Awaitable, Callable, Sequence
 
 import orjson
@@ -51,16 +53,22 @@ WAITER_TTL_S = 3.0
 # The shared queue's arrival counter outlives any wait (waits end by max_wait); it restarts only after a
 # day without waiters.
 QUEUE_SEQ_TTL_S = 86400
+# Sessions whose close start (epoch) this replica remembers for close_wanted, most recent kept.
+MARKS_MAX = 65536
 
 # A turn starts (+1) or ends (-1) on replica ARGV[3]; last activity only moves forward; the session's
-# placement lives as long as its activity.
+# placement lives as long as its activity. A turn that starts while the session is closing re-opens it
+# and bumps its epoch (the closing replica's calls not sent yet are then dropped).
 # KEYS[1] sess key, KEYS[2] place key; ARGV: now, ttl, replica, delta
 _TURN = """
 local k = KEYS[1]
 local f = 'if:' .. ARGV[3]
 local n = redis.call('HINCRBY', k, f, tonumber(ARGV[4]))
 if n <= 0 then redis.call('HDEL', k, f) end
-if tonumber(ARGV[4]) > 0 then redis.call('HSET', k, 'state', 'active') end
+if tonumber(ARGV[4]) > 0 then
+  if redis.call('HGET', k, 'state') == 'closing' then redis.call('HINCRBY', k, 'epoch', 1) end
+  redis.call('HSET', k, 'state', 'active')
+end
 local last = tonumber(redis.call('HGET', k, 'last') or '0')
 if tonumber(ARGV[1]) > last then redis.call('HSET', k, 'last', ARGV[1]) end
 if not redis.call('HGET', k, 'state') then redis.call('HSET', k, 'state', 'active') end
@@ -70,11 +78,12 @@ return n
 """
 
 # This replica closes the session (KEYS[1]; ARGV[1] replica) for any reason: mark it so, if known.
+# Returns the session's epoch as the close began (0 when unknown).
 _CLOSED = """
 if redis.call('EXISTS', KEYS[1]) == 1 then
   redis.call('HSET', KEYS[1], 'state', 'closing', 'closer', ARGV[1])
 end
-return 1
+return tonumber(redis.call('HGET', KEYS[1], 'epoch') or '0')
 """
 
 # Should this replica close the session as idle? Atomic: the first replica to find it idle marks it
@@ -236,6 +245,7 @@ class SharedState:
         self._scripts: dict[str, Any] = {}
         self._pending: set[asyncio.Task] = set()
         self._beat: asyncio.Task | None = None
+        self._marks: OrderedDict[str, asyncio.Task] = OrderedDict()  # session -> its close mark's task
         metrics.state_backend_up.set(1)
 
     # --- lifecycle --------------------------------------------------------------------------------
@@ -325,13 +335,16 @@ class SharedState:
             self._down(op, exc)
             return False, None
 
-    def _spawn(self, op: str, make: Callable[[], Awaitable[Any]]) -> None:
+    def _spawn(self, op: str, make: Callable[[], Awaitable[Any]]) -> asyncio.Task | None:
+        """Run one call in the background; returns its task (its result: _call's), or None when Redis is
+        known down (counted)."""
         if not self.up:
             self.metrics.state_backend_bypass.labels(op).inc()
-            return
+            return None
         t = asyncio.get_running_loop().create_task(self._call(op, make))
         self._pending.add(t)
         t.add_done_callback(self._pending.discard)
+        return t
 
     def _sess(self, sid: str) -> str:
         return self.prefix + "sess:" + sid
@@ -353,8 +366,34 @@ class SharedState:
 
     def session_closed(self, sid: str) -> None:
         """This replica closes ``sid`` (any reason): the other replicas' idle sweeps then mark it closed
-        without calls of their own (in the background; a session Redis does not know is left alone)."""
-        self._spawn("turn", lambda: self._scripts["closed"](keys=[self._sess(sid)], args=[self.replica]))
+        without calls of their own (in the background; a session Redis does not know is left alone). The
+        session's epoch as the close began is kept for :meth:`close_wanted`."""
+        async def run():
+            epoch = await self._scripts["closed"](keys=[self._sess(sid)], args=[self.replica])
+            return int(epoch)
+        t = self._spawn("turn", run)
+        self._marks.pop(sid, None)
+        if t is not None:  # close_wanted waits for its answer
+            self._marks[sid] = t
+            while len(self._marks) > MARKS_MAX:
+                self._marks.popitem(last=False)
+
+    async def close_wanted(self, sid: str) -> bool:
+        """Before this replica sends one of ``sid``'s close calls: False when the session came back
+        through another replica since this one began closing it (its epoch moved on: that replica's turn
+        re-opened it on the engine, and a late close would drop its references). True otherwise, also when
+        Redis is unreachable or the start of the close was not recorded (fail-open: the close goes)."""
+        mark = self._marks.get(sid)
+        if mark is None:
+            return True
+        try:
+            ok, epoch = await asyncio.wait_for(asyncio.shield(mark), self.timeout_s * 2)
+        except (asyncio.TimeoutError, Exception):
+            return True
+        if not ok:
+            return True
+        ok, now = await self._call("turn", lambda: self.client.hget(self._sess(sid), "epoch"))
+        return not (ok and int(now or 0) > epoch)
 
     async def idle_claim(self, sid: str, threshold_s: float) -> tuple[str, float]:
         """This replica finds ``sid`` idle for more than ``threshold_s`` seconds on its own. Returns
