@@ -205,6 +205,15 @@ async def test_placement_is_the_same_from_every_replica(redis_server, sim_factor
     # Both engines got sessions (the shared record did not pin everything to one engine).
     assert all(sum(1 for sid in sids if s.get(sid)) > 0 for s in seen)
     assert sum(g.placement.counts["adopted"] for g, _ in reps) >= len(sids)
+    # A close (through either replica) forgets the shared placement too, as one replica forgets a closed
+    # session: one that comes back is placed again by the rules, not pinned to its old engine.
+    assert len(await redis_server.keys("kvgate:place:*")) == len(sids)
+    async with aiohttp.ClientSession() as http:
+        for i, sid in enumerate(sids[:3]):
+            async with http.post(reps[i % 2][1] + "/close_session", json={"session_id": sid}) as r:
+                assert r.status == 200
+    await _drain(reps)
+    assert sorted(k.split(":")[-1] for k in await redis_server.keys("kvgate:place:*")) == sids[3:]
 
 
 async def test_unnamed_agent_alternating_between_replicas_is_one_session(redis_server, sim_factory, kvgate_factory):
@@ -370,6 +379,7 @@ async def test_a_client_close_on_one_replica_is_not_sent_again_by_another(redis_
     assert b.lifecycle.registry.get("c").state == "closed"
     assert e1.engine.closes_received == 1
     assert b.metrics.session_close_skipped.labels("elsewhere")._value.get() == 1
+
 
 
 async def test_admission_waiters_of_all_replicas_go_in_arrival_order(redis_server, sim_factory, kvgate_factory):

@@ -6,7 +6,8 @@ Kept in Redis (every key starts with ``redis_key_prefix`` and expires):
                   it while closing: the closing replica then drops its calls not sent yet); TTL ``redis_session_ttl_s`` from its
                   last touch. Idle close is decided on it by one Lua script, atomically, so exactly one
                   replica closes a session and none closes one another replica just served.
-  ``place:<id>``  the session's engine and DP rank (first writer wins, SET NX), TTL as above.
+  ``place:<id>``  the session's engine and DP rank (first writer wins, SET NX), TTL as above; deleted when
+                  the session closes (a session that comes back is placed again, as on one replica).
   ``link:<key>``  session inference: a hash per chain key of a completed turn's prompt + output (at its
                   last full block): "<length>|<fingerprint of the units after that block>" -> session id;
                   TTL as above.
@@ -77,12 +78,14 @@ redis.call('EXPIRE', KEYS[2], ARGV[2])
 return n
 """
 
-# This replica closes the session (KEYS[1]; ARGV[1] replica) for any reason: mark it so, if known.
+# This replica closes the session (KEYS[1]; ARGV[1] replica) for any reason: mark it so, if known, and
+# forget its placement (KEYS[2]): a session that comes back is placed again by the rules, as on one replica.
 # Returns the session's epoch as the close began (0 when unknown).
 _CLOSED = """
 if redis.call('EXISTS', KEYS[1]) == 1 then
   redis.call('HSET', KEYS[1], 'state', 'closing', 'closer', ARGV[1])
 end
+redis.call('DEL', KEYS[2])
 return tonumber(redis.call('HGET', KEYS[1], 'epoch') or '0')
 """
 
@@ -369,7 +372,8 @@ class SharedState:
         without calls of their own (in the background; a session Redis does not know is left alone). The
         session's epoch as the close began is kept for :meth:`close_wanted`."""
         async def run():
-            epoch = await self._scripts["closed"](keys=[self._sess(sid)], args=[self.replica])
+            epoch = await self._scripts["closed"](keys=[self._sess(sid), self.prefix + "place:" + sid],
+                                                  args=[self.replica])
             return int(epoch)
         t = self._spawn("turn", run)
         self._marks.pop(sid, None)
