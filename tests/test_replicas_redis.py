@@ -550,3 +550,44 @@ async def test_a_close_still_queued_is_dropped_when_the_session_comes_back_elsew
         else:
             await a.lifecycle.wait_until(lambda: a.metrics.close_calls.labels("error")._value.get() > errors, 10)
             assert a.metrics.session_close_cancelled._value.get() == 0
+
+
+async def test_a_client_gone_while_waiting_in_the_shared_queue_leaves_it(redis_server, sim_factory, kvgate_factory):
+    """A third party holds the shared room; a request through B waits in the shared queue; its client
+    disconnects: B takes it out of the queue, so it holds back no later waiter."""
+    e = await sim_factory(max_total_num_tokens=2000, speed=1000)
+    b, url_b = await kvgate_factory(upstream=e.url, engines=[e.url], agentic_program_admission=True,
+                                    admission_poll_interval_s=0.1, agentic_admission_max_wait_s=120.0,
+                                    state_backend="redis", redis_url=redis_server.url)
+    while b.gate.ledger.snapshot is None or b.gate.ledger.ceiling == 0:
+        await b.poller.round_done.wait()
+    from kvgate.proxy.metrics import Metrics
+    from kvgate.shared.redis_state import SharedState
+    other = SharedState(redis_server.url, "kvgate:", 3600, 1.0, Metrics(), replica_id="other")
+    other.register_scripts()
+    fleet = other.lease_keys(None)
+    assert await other.lease_grant(fleet, other.lease_member(1, 1500), 1500, [1800], 600) is True
+    queued, left = asyncio.Event(), asyncio.Event()
+    real_grant, real_leave = b.shared.queue_grant, b.shared.queue_leave
+
+    async def queue_grant(*args, **kw):
+        r = await real_grant(*args, **kw)
+        if r is not None and not r[0]:
+            queued.set()
+        return r
+
+    def queue_leave(member):
+        real_leave(member)
+        left.set()
+    b.shared.queue_grant, b.shared.queue_leave = queue_grant, queue_leave
+    async with aiohttp.ClientSession() as http:
+        t = asyncio.create_task(http.post(url_b + "/generate", data=orjson.dumps(
+            {"input_ids": list(range(1, 101)), "sampling_params": {"max_new_tokens": 400}})))
+        await asyncio.wait_for(queued.wait(), 20)
+        assert len(await other.queue_waiting()) == 1
+        t.cancel()
+        await asyncio.wait_for(left.wait(), 20)
+    await b.shared.drain()
+    assert await other.queue_waiting() == []
+    assert await other.reserved(fleet[0]) == 1500  # only the third party's lease
+    await other.stop()

@@ -15,4 +15,7 @@ the default, generates only printable-ASCII byte tokens), so "previous prompt + 
 radix cache exactly as "previous input_ids + output_ids + observation ids" would. The ``proxy-placement`` arm
 (kvgate placing sessions, both features off) and ``smg-manual`` (smg's routing-key policy) compare placement
 alone against the scenario's smg policy (cache_aware by default): prefix hit, makespan, per-engine load spread.
+``lifecycle+admission-2replicas`` runs ``lifecycle+admission`` on two kvgate replicas sharing state through a
+redis-server of the arm's own (``state_backend: redis``, docs/replicas.md); the client's sessions are split
+between them and every fourth one alternates its turns (runner.replica_for).
 """

@@ -136,7 +136,7 @@ class Metrics:
         # first event (a missing series and a zero rate are different things to Prometheus).
         for stage in ("session", "registry", "admission", "idle_sweep", "inference", "placement", "observer"):
             self.faults.labels(stage)
-        for op in ("heartbeat", "turn", "idle", "placement", "inference", "admission"):
+        for op in ("heartbeat", "turn", "idle", "placement", "inference", "admission", "capacity"):
             self.state_backend_bypass.labels(op)
         for reason in ("content_encoding", "size"):
             self.body_features_skipped.labels(reason)
