@@ -70,6 +70,7 @@ def test_two_replica_arm_end_to_end(tmp_path):
     assert c["admit"] + c["bypass_protected"] + c["bypass_degraded"] + c["bypass_aged"] == 24
     # leases were held against the shared ceiling (Redis answered every grant)
     assert sum(r["shared_leases"]["granted"] + r["shared_leases"]["aged"] for r in reps) == c["admit"]
+    assert sum(r["shared_leases"]["bypass"] for r in reps) == c["bypass_protected"] + c["bypass_aged"]
     assert all(r["shared_leases"]["unreachable"] == 0 for r in reps)
     # placement is shared: each session (also the alternating ones) lives on exactly one engine
     ids = raw["sim_engines_session_ids"]

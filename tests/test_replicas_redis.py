@@ -591,3 +591,39 @@ async def test_a_client_gone_while_waiting_in_the_shared_queue_leaves_it(redis_s
     assert await other.queue_waiting() == []
     assert await other.reserved(fleet[0]) == 1500  # only the third party's lease
     await other.stop()
+
+
+async def test_a_shared_waiter_that_ages_goes_still_reserving(redis_server, sim_factory, kvgate_factory):
+    """No room frees within max_wait: the request goes (aged) and, like the ledger's aged bypass, its lease
+    is held in Redis while it runs (the other replicas count it), then released."""
+    e = await sim_factory(max_total_num_tokens=2000, speed=1000)
+    b, url_b = await kvgate_factory(upstream=e.url, engines=[e.url], agentic_program_admission=True,
+                                    admission_poll_interval_s=0.1, agentic_admission_max_wait_s=0.3,
+                                    state_backend="redis", redis_url=redis_server.url)
+    while b.gate.ledger.snapshot is None or b.gate.ledger.ceiling == 0:
+        await b.poller.round_done.wait()
+    from kvgate.proxy.metrics import Metrics
+    from kvgate.shared.redis_state import SharedState
+    other = SharedState(redis_server.url, "kvgate:", 3600, 1.0, Metrics(), replica_id="other")
+    other.register_scripts()
+    fleet = other.lease_keys(None)
+    assert await other.lease_grant(fleet, other.lease_member(1, 1500), 1500, [1800], 600) is True
+    held = []
+    real = b.shared.queue_grant
+
+    async def queue_grant(*args, **kw):
+        r = await real(*args, **kw)
+        if r is not None and r[0]:
+            held.append(await other.reserved(fleet[0]))
+        return r
+    b.shared.queue_grant = queue_grant
+    async with aiohttp.ClientSession() as http:
+        async with http.post(url_b + "/generate", data=orjson.dumps(
+                {"input_ids": list(range(1, 101)), "sampling_params": {"max_new_tokens": 400}})) as r:
+            assert r.status == 200
+            await r.read()
+    assert b.gate.shared_counts["aged"] == 1 and b.gate.shared_counts["granted"] == 0
+    assert held == [1500 + 500]  # forced in over the ceiling of 1,800
+    await b.shared.drain()
+    assert await other.reserved(fleet[0]) == 1500 and await other.queue_waiting() == []
+    await other.stop()

@@ -275,3 +275,35 @@ def test_backfill_passes_earlier_waiters_only_with_room_for_them(redis_url):
             for r in (a, b):
                 await r.stop()
     asyncio.run(run())
+
+
+def test_a_forced_grant_reserves_past_the_queue_and_the_ceiling(redis_url):
+    """A bypass (protected, or aged out of the queue) still reserves: granted at once over the ceiling and
+    ahead of the waiters, and it leaves the queue if it waited there; the later waiters count its tokens."""
+    async def run():
+        clock = Clock()
+        a, b = (SharedState(redis_url, "f:", 3600, 1.0, Metrics(), wall=clock, replica_id=n) for n in "ab")
+        for r in (a, b):
+            r.register_scripts()
+        await a.client.flushdb()
+        try:
+            ks = a.lease_keys(None)
+            assert await a.queue_grant(ks, a.lease_member(1, 900), 900, [1000], TTL) == (True, 0)
+            ok, s1 = await b.queue_grant(ks, b.lease_member(1, 300), 300, [1000], TTL)
+            assert not ok
+            ok, s2 = await a.queue_grant(ks, a.lease_member(2, 50), 50, [1000], TTL)
+            assert not ok and s2 == s1 + 1
+            # B's waiter ages: forced in, out of the queue
+            assert await b.queue_grant(ks, b.lease_member(1, 300), 300, [1000], TTL, s1, force=True) == (True, s1)
+            # a protected request on B: forced in without queueing
+            assert await b.queue_grant(ks, b.lease_member(2, 100), 100, [1000], TTL, force=True) == (True, 0)
+            assert await a.reserved(ks[0]) == 1300
+            assert [m for m, _ in await a.queue_waiting()] == [a.lease_member(2, 50)]
+            a.lease_release(ks, a.lease_member(1, 900))
+            await a.drain()
+            # 300 + 100 + 50 fit: A's waiter, now the oldest, goes
+            assert await a.queue_grant(ks, a.lease_member(2, 50), 50, [1000], TTL, s2) == (True, s2)
+        finally:
+            for r in (a, b):
+                await r.stop()
+    asyncio.run(run())

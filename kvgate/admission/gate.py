@@ -95,7 +95,7 @@ class AdmissionGate:
         # is also granted against the shared ceilings before the request goes out.
         self.shared = None
         self._shared_held: dict[int, tuple[list[str], str]] = {}
-        self.shared_counts = {"granted": 0, "waited": 0, "aged": 0, "unreachable": 0}
+        self.shared_counts = {"granted": 0, "waited": 0, "aged": 0, "bypass": 0, "unreachable": 0}
 
     async def start(self) -> None:
         self._timer = asyncio.create_task(self._run_timer(), name="kvgate-admission-timer")
@@ -146,9 +146,9 @@ class AdmissionGate:
                     self._drained()
             self.wait_hist.observe(d.waited_s)
         waited = d.waited_s
-        if self.shared is not None and d.lease is not None and not d.kind.is_bypass:
+        if self.shared is not None and d.lease is not None:
             try:
-                waited += await self._shared_grant(ticket, d)
+                waited += await self._shared_grant(ticket, d, force=d.kind.is_bypass)
             except asyncio.CancelledError:  # client gone while waiting for the shared ceiling
                 self.dispatch(self.coord.release(ticket, self.clock()))
                 raise
@@ -157,13 +157,15 @@ class AdmissionGate:
         return Ticket(d.header, waited, handle=ticket if d.lease is not None else None,
                       headers=[(HEADER_DECISION, d.header), (HEADER_QUEUE_MS, str(int(round(waited * 1000))))])
 
-    async def _shared_grant(self, ticket: int, d: Decision) -> float:
+    async def _shared_grant(self, ticket: int, d: Decision, force: bool = False) -> float:
         """Hold the lease ``d`` granted here against the ceilings shared by every replica too (fleet, and
         its engine when known), in the one FIFO of every replica's waiters (kvgate.shared.redis_state,
         queue_grant): a replica admits only within what the others left, and only when no waiter of any
         replica arrived before. Refused: asked again with a short backoff (the answer keeps its place in
         the shared queue) until the rest of ``agentic_admission_max_wait_s``, then the request goes
-        (counted ``aged``, as the ledger's aged bypass). Redis unreachable: it goes at once (fail-open).
+        (counted ``aged``, as the ledger's aged bypass, and like it still reserving: its lease is forced
+        in). ``force`` (a bypass here, protected or aged): held at once without waiting, so the other
+        replicas count its tokens. Redis unreachable: it goes at once (fail-open).
         Returns the seconds spent waiting."""
         lease = d.lease
         keys = self.shared.lease_keys(lease.place)
@@ -172,24 +174,30 @@ class AdmissionGate:
         loop = asyncio.get_running_loop()
         t0 = loop.time()
         deadline = t0 + max(0.0, self.cfg.agentic_admission_max_wait_s - d.waited_s)
-        delay, seq = 0.005, 0
+        delay, seq, aged = 0.005, 0, False
         try:
             while True:
                 r = await self.shared.queue_grant(keys, member, lease.charged, ceilings,
-                                                  self.cfg.admission_lease_ttl_s, seq, self.cfg.admission_backfill)
+                                                  self.cfg.admission_lease_ttl_s, seq, self.cfg.admission_backfill,
+                                                  force=force or aged)
                 if r is None:
                     self.shared_counts["unreachable"] += 1
                     break
                 granted, seq = r
                 if granted:
                     self._shared_held[ticket] = (keys, member)
-                    self.shared_counts["granted"] += 1
-                    self.shared_counts["waited"] += seq > 0
+                    if aged:
+                        self.shared_counts["aged"] += 1
+                    elif force:
+                        self.shared_counts["bypass"] += 1
+                    else:
+                        self.shared_counts["granted"] += 1
+                        self.shared_counts["waited"] += seq > 0
                     seq = 0
                     break
                 if loop.time() >= deadline:
-                    self.shared_counts["aged"] += 1
-                    break
+                    aged = True  # it goes now, still reserving: asked once more, forced
+                    continue
                 # Other replicas hold the room or wait before it: ask again with a growing backoff (at most
                 # 0.2 s, well within the shared queue's WAITER_TTL_S).
                 await asyncio.sleep(min(delay, max(0.0, deadline - loop.time())))
@@ -340,8 +348,9 @@ class _AdmissionCollector:
         if g.shared is not None:
             m = CounterMetricFamily(p + "admission_shared_leases", "Leases held against the ceilings shared by "
                                     "replicas (state_backend: redis), by result: granted (waited: after other "
-                                    "replicas freed room), aged (went after max_wait), unreachable (Redis down: "
-                                    "went at once)", labels=["result"])
+                                    "replicas freed room or waited before it), aged (went after max_wait, still "
+                                    "reserving), bypass (a protected or aged bypass here, held at once), "
+                                    "unreachable (Redis down: went at once)", labels=["result"])
             for result, n in g.shared_counts.items():
                 m.add_metric([result], n)
             yield m

@@ -150,7 +150,7 @@ return 1
 # Waiters whose expiry passed (their replica stopped asking) are dropped first.
 # KEYS: queue (member -> arrival number), queue:exp (member -> expiry, epoch s), queue:seq, then the lease
 # sets (the fleet's first); ARGV: now, lease expiry, member, tokens, key ttl, waiter expiry, arrival number,
-# backfill (0 | 1), then one ceiling per lease set. Returns {granted 0 | 1, arrival number (0 if granted
+# backfill (0 | 1 | force: granted whatever it finds, as a bypass still reserves), then one ceiling per set. Returns {granted 0 | 1, arrival number (0 if granted
 # without waiting)}.
 _QUEUE_GRANT = """
 local now = tonumber(ARGV[1])
@@ -178,7 +178,9 @@ else
   ahead = redis.call('ZRANGE', KEYS[1], 0, -1)
 end
 local go = fits
-if fits and #ahead > 0 then
+if ARGV[8] == 'force' then
+  go = true
+elseif fits and #ahead > 0 then
   go = false
   if ARGV[8] == '1' then
     local waiting = 0
@@ -544,20 +546,24 @@ class SharedState:
         return [self.prefix + "queue", self.prefix + "queue:exp", self.prefix + "queue:seq"]
 
     async def queue_grant(self, keys: Sequence[str], member: str, tokens: int, ceilings: Sequence[int],
-                          ttl_s: float, seq: int = 0, backfill: bool = False) -> tuple[bool, int] | None:
+                          ttl_s: float, seq: int = 0, backfill: bool = False,
+                          force: bool = False) -> tuple[bool, int] | None:
         """:meth:`lease_grant` in one FIFO shared by every replica: ``member`` is granted ``tokens`` in every
         set of ``keys`` only when no live waiter (of any replica) arrived before it and it fits each ceiling;
         otherwise it waits in the shared queue. Ask again (every 0.2 s at most: a waiter that does not ask
         for WAITER_TTL_S seconds leaves the queue) with the arrival number returned, which keeps its place.
         ``backfill``: it may also pass the earlier waiters when the fleet's reservations, plus it, plus
         every earlier waiter's tokens fit the fleet ceiling (so it takes no room they could use).
+        ``force``: granted at once whatever the room and the queue (a bypass, protected or aged, still
+        reserves, so the other replicas see its tokens); it leaves the queue if it waited there.
         Returns (granted, arrival number; 0 when granted without waiting), or None when Redis is
         unreachable. Call :meth:`queue_leave` when the waiter goes without a grant (aged, cancelled)."""
         now = self.wall()
         ok, r = await self._call("admission", lambda: self._scripts["queue"](
             keys=[*self.queue_keys(), *keys],
             args=[repr(now), repr(now + ttl_s), member, max(0, int(tokens)), max(1, int(ttl_s) + 1),
-                  repr(now + WAITER_TTL_S), int(seq), 1 if backfill else 0, *[int(c) for c in ceilings]]))
+                  repr(now + WAITER_TTL_S), int(seq), "force" if force else (1 if backfill else 0),
+                  *[int(c) for c in ceilings]]))
         if not ok:
             return None
         return bool(int(r[0])), int(r[1])
