@@ -384,8 +384,8 @@ async def test_a_client_close_on_one_replica_is_not_sent_again_by_another(redis_
 
 async def test_admission_waiters_of_all_replicas_go_in_arrival_order(redis_server, sim_factory, kvgate_factory):
     """One FIFO across replicas: a third party holds 1,500 of the shared 1,800 tokens. B's request (500)
-    waits for room; A's request (250) comes after it and would fit, but waits behind B's in the shared
-    queue. Once the room is freed, both go, B's first (the queue holds them in arrival order)."""
+    waits for room; A's request (250) comes after it. The third party frees room for A's but not for B's:
+    A's still waits (B's is older), asking again and again. Once room for B's frees, both go."""
     e = await sim_factory(max_total_num_tokens=2000, speed=1000)
     reps = []
     for _ in range(2):
@@ -403,19 +403,28 @@ async def test_admission_waiters_of_all_replicas_go_in_arrival_order(redis_serve
     other.register_scripts()
     fleet = other.lease_keys(None)
     assert await other.lease_grant(fleet, other.lease_member(1, 1500), 1500, [1800], 600) is True
-    queued = {"a": asyncio.Event(), "b": asyncio.Event()}
-    granted: list[str] = []
+    asks = {"a": 0, "b": 0}
+    changed = asyncio.Event()
+    granted: list[tuple[str, int]] = []
     for name, gw in (("a", a), ("b", b)):
         def wrap(real, name=name):
             async def queue_grant(*args, **kw):
                 r = await real(*args, **kw)
                 if r is not None and not r[0] and r[1] > 0:
-                    queued[name].set()
+                    asks[name] += 1
                 if r is not None and r[0]:
-                    granted.append(name)
+                    granted.append((name, r[1]))
+                changed.set()
                 return r
             return queue_grant
         gw.shared.queue_grant = wrap(gw.shared.queue_grant)
+
+    async def until(pred):
+        async def loop():
+            while not pred():
+                changed.clear()
+                await changed.wait()
+        await asyncio.wait_for(loop(), 20)
 
     async def send(http, url, n_prompt, n_out):
         async with http.post(url + "/generate", data=orjson.dumps(
@@ -426,17 +435,24 @@ async def test_admission_waiters_of_all_replicas_go_in_arrival_order(redis_serve
 
     async with aiohttp.ClientSession() as http:
         tb = asyncio.create_task(send(http, url_b, 100, 400))
-        await asyncio.wait_for(queued["b"].wait(), 20)
+        await until(lambda: asks["b"] > 0)
         ta = asyncio.create_task(send(http, url_a, 50, 200))
-        await asyncio.wait_for(queued["a"].wait(), 20)
+        await until(lambda: asks["a"] > 0)
         waiting = await other.queue_waiting()
         assert [m.split(":")[0] for m, _ in waiting] == [b.shared.replica, a.shared.replica]
         assert [s for _, s in waiting] == [1, 2]
-        assert granted == []
+        # room for A's 250 but not for B's 500: A's fits, yet waits behind B's
+        ok, _ = await other.queue_grant(fleet, other.lease_member(2, 1400), 1400, [1800], 600, force=True)
+        assert ok
         other.lease_release(fleet, other.lease_member(1, 1500))
         await other.drain()
+        seen = asks["a"]
+        await until(lambda: asks["a"] >= seen + 3)  # A asked again (woken by the release, then backoff)
+        assert granted == [] and await other.reserved(fleet[0]) == 1400
+        other.lease_release(fleet, other.lease_member(2, 1400))
+        await other.drain()
         assert await asyncio.gather(tb, ta) == [200, 200]
-    assert granted == ["b", "a"]
+    assert sorted(granted) == [("a", 2), ("b", 1)]
     assert a.gate.shared_counts["waited"] == 1 and b.gate.shared_counts["waited"] == 1
     for gw, _ in reps:
         await gw.shared.drain()

@@ -307,3 +307,27 @@ def test_a_forced_grant_reserves_past_the_queue_and_the_ceiling(redis_url):
             for r in (a, b):
                 await r.stop()
     asyncio.run(run())
+
+
+def test_a_release_wakes_the_waiters_of_every_replica(redis_url):
+    """A lease released (or a waiter gone) on one replica is published: the other replicas' waiters ask
+    again at once instead of at their next backoff."""
+    async def run():
+        a, b = (SharedState(redis_url, "p:", 3600, 1.0, Metrics(), replica_id=n) for n in "ab")
+        for r in (a, b):
+            await r.start()
+        try:
+            await asyncio.wait_for(b.listening.wait(), 20)
+            ks = a.lease_keys(None)
+            assert await a.queue_grant(ks, a.lease_member(1, 10), 10, [1000], TTL) == (True, 0)
+            room = b.room_event()
+            assert not room.is_set()
+            a.lease_release(ks, a.lease_member(1, 10))
+            await asyncio.wait_for(room.wait(), 20)
+            room = b.room_event()
+            a.queue_leave(a.lease_member(2, 10))
+            await asyncio.wait_for(room.wait(), 20)
+        finally:
+            for r in (a, b):
+                await r.stop()
+    asyncio.run(run())

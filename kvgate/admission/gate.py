@@ -161,8 +161,8 @@ class AdmissionGate:
         """Hold the lease ``d`` granted here against the ceilings shared by every replica too (fleet, and
         its engine when known), in the one FIFO of every replica's waiters (kvgate.shared.redis_state,
         queue_grant): a replica admits only within what the others left, and only when no waiter of any
-        replica arrived before. Refused: asked again with a short backoff (the answer keeps its place in
-        the shared queue) until the rest of ``agentic_admission_max_wait_s``, then the request goes
+        replica arrived before. Refused: asked again as soon as any replica frees room, else after a short
+        backoff (the answer keeps its place in the shared queue) until the rest of ``agentic_admission_max_wait_s``, then the request goes
         (counted ``aged``, as the ledger's aged bypass, and like it still reserving: its lease is forced
         in). ``force`` (a bypass here, protected or aged): held at once without waiting, so the other
         replicas count its tokens. Redis unreachable: it goes at once (fail-open).
@@ -177,6 +177,7 @@ class AdmissionGate:
         delay, seq, aged = 0.005, 0, False
         try:
             while True:
+                room = self.shared.room_event()  # taken before asking: a release meanwhile wakes it
                 r = await self.shared.queue_grant(keys, member, lease.charged, ceilings,
                                                   self.cfg.admission_lease_ttl_s, seq, self.cfg.admission_backfill,
                                                   force=force or aged)
@@ -198,10 +199,13 @@ class AdmissionGate:
                 if loop.time() >= deadline:
                     aged = True  # it goes now, still reserving: asked once more, forced
                     continue
-                # Other replicas hold the room or wait before it: ask again with a growing backoff (at most
-                # 0.2 s, well within the shared queue's WAITER_TTL_S).
-                await asyncio.sleep(min(delay, max(0.0, deadline - loop.time())))
-                delay = min(delay * 2, 0.2)
+                # Other replicas hold the room or wait before it: ask again when any replica frees room
+                # (Redis pub/sub), else after a growing backoff (at most 0.2 s, well within the shared
+                # queue's WAITER_TTL_S: a room that frees by lease expiry publishes nothing).
+                try:
+                    await asyncio.wait_for(room.wait(), min(delay, max(0.0, deadline - loop.time())))
+                except asyncio.TimeoutError:
+                    delay = min(delay * 2, 0.2)
         finally:
             if seq:  # aged or cancelled while waiting in the shared queue: leave it
                 self.shared.queue_leave(member)

@@ -21,6 +21,8 @@ Kept in Redis (every key starts with ``redis_key_prefix`` and expires):
   ``capacity:lease``, ``capacity``  the capacity poll done once for all: the replica holding the lease
                   (SET NX PX, renewed each round) polls the engines and publishes its snapshot; the others
                   read it. Both expire (a dead poller's lease after a few intervals; a snapshot once stale).
+  ``room``        a pub/sub channel: a released lease or a waiter that left publishes on it, and every
+                  replica's waiters ask again at once instead of at their next backoff.
   ``replica:<id>`` a replica's heartbeat (TTL 5 s): the turns in flight of a replica whose heartbeat
                   expired (it died) do not keep a session busy.
 
@@ -251,6 +253,9 @@ class SharedState:
         self._pending: set[asyncio.Task] = set()
         self._beat: asyncio.Task | None = None
         self._marks: OrderedDict[str, asyncio.Task] = OrderedDict()  # session -> its close mark's task
+        self._room = asyncio.Event()       # set (then replaced) when a "room" message arrives
+        self._listener: asyncio.Task | None = None
+        self.listening = asyncio.Event()   # set while subscribed to the "room" channel
         metrics.state_backend_up.set(1)
 
     # --- lifecycle --------------------------------------------------------------------------------
@@ -275,6 +280,7 @@ class SharedState:
             log.warning("Redis at %s unreachable at startup; each replica uses its own state until it answers",
                         self.url)
         self._beat = asyncio.create_task(self._heartbeat(), name="kvgate-redis-heartbeat")
+        self._listener = asyncio.create_task(self._listen(), name="kvgate-redis-room")
 
     def register_scripts(self) -> None:
         """Load the Lua scripts (sent to Redis on first use; start() does this)."""
@@ -286,7 +292,7 @@ class SharedState:
 
     async def stop(self) -> None:
         await self.drain(1.0)
-        await cancel_tasks(self._beat, *self._pending)
+        await cancel_tasks(self._beat, self._listener, *self._pending)
         if self._client is not None:
             try:
                 await self._client.aclose()
@@ -311,6 +317,44 @@ class SharedState:
             self.up = True
             self.metrics.state_backend_up.set(1)
             log.warning("Redis at %s answers again; replicas share their state again", self.url)
+
+    def room_event(self) -> asyncio.Event:
+        """An event set when any replica frees shared room (a lease released, a waiter gone). Take it
+        before asking for a grant, then wait on it: a release during the ask is not missed."""
+        return self._room
+
+    def _room_freed(self) -> None:
+        self._room.set()
+        self._room = asyncio.Event()
+
+    async def _listen(self) -> None:
+        """Subscribe to the ``room`` channel on a connection of its own (a subscriber blocks on reads)
+        and wake the waiters on each message. Errors: resubscribe after a second; the waiters' backoff
+        covers the gap."""
+        import redis.asyncio as redis
+        channel = self.prefix + "room"
+        while True:
+            sub = None
+            try:
+                sub = redis.Redis.from_url(self.url, socket_connect_timeout=self.timeout_s, decode_responses=True)
+                ps = sub.pubsub(ignore_subscribe_messages=True)
+                await ps.subscribe(channel)
+                self.listening.set()
+                while True:
+                    msg = await ps.get_message(timeout=1.0)
+                    if msg is not None:
+                        self._room_freed()
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                self.listening.clear()
+                await asyncio.sleep(1.0)
+            finally:
+                if sub is not None:
+                    try:
+                        await sub.aclose()
+                    except Exception:
+                        pass
 
     async def _heartbeat(self) -> None:
         while True:
@@ -576,6 +620,7 @@ class SharedState:
             async with self.client.pipeline(transaction=True) as p:
                 p.zrem(q, member)
                 p.zrem(exp, member)
+                p.publish(self.prefix + "room", "1")
                 await p.execute()
         self._spawn("admission", run)
 
@@ -592,6 +637,7 @@ class SharedState:
             async with self.client.pipeline(transaction=True) as p:
                 for k in keys:
                     p.zrem(k, member)
+                p.publish(self.prefix + "room", "1")  # the waiters of every replica ask again now
                 await p.execute()
         self._spawn("admission", run)
 
