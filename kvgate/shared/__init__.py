@@ -2,6 +2,7 @@
 
 fingerprint: stable prompt fingerprints (the same on every replica, unlike Python's hash of text);
 redis_state: the Redis edge. It moves data in and out of the pure cores (the session registry,
-placement, session inference) and fails open: while Redis is unreachable each replica decides on
+placement, session inference, the admission ledger's leases and wait queue, the capacity snapshot) and
+fails open: while Redis is unreachable each replica decides on
 its own state, as with ``state_backend: memory``.
 """

@@ -3,9 +3,10 @@
 Kept in Redis (every key starts with ``redis_key_prefix`` and expires):
   ``sess:<id>``   a hash: ``state`` (active | closing), ``last`` (last activity, epoch seconds),
                   ``if:<replica>`` (that replica's turns in flight), ``epoch`` (+1 each time a turn re-opens
-                  it while closing: the closing replica then drops its calls not sent yet); TTL ``redis_session_ttl_s`` from its
-                  last touch. Idle close is decided on it by one Lua script, atomically, so exactly one
-                  replica closes a session and none closes one another replica just served.
+                  it while closing: the closing replica then drops its calls not sent yet); TTL
+                  ``redis_session_ttl_s`` from its last touch. Idle close is decided on it by one Lua
+                  script, atomically, so exactly one replica closes a session and none closes one another
+                  replica just served.
   ``place:<id>``  the session's engine and DP rank (first writer wins, SET NX), TTL as above; deleted when
                   the session closes (a session that comes back is placed again, as on one replica).
   ``link:<key>``  session inference: a hash per chain key of a completed turn's prompt + output (at its
