@@ -643,3 +643,37 @@ async def test_a_shared_waiter_that_ages_goes_still_reserving(redis_server, sim_
     await b.shared.drain()
     assert await other.reserved(fleet[0]) == 1500 and await other.queue_waiting() == []
     await other.stop()
+
+
+async def test_a_live_programs_next_turn_is_not_held_in_the_shared_queue(redis_server, sim_factory, kvgate_factory):
+    """Program policy: a live program's next turn is never held (its KV is resident). Across replicas it is
+    held on the shared ceilings at once, even when a third party holds all the room and waits before it."""
+    e = await sim_factory(max_total_num_tokens=2000, speed=1000)
+    b, url_b = await kvgate_factory(upstream=e.url, engines=[e.url], agentic_program_admission=True,
+                                    admission_policy="program", agentic_session_lifecycle=True,
+                                    session_inference=False, admission_poll_interval_s=0.1,
+                                    agentic_admission_max_wait_s=120.0, state_backend="redis",
+                                    redis_url=redis_server.url)
+    b.engine_of = lambda sid: (e.url, None)
+    while b.gate.ledger.snapshot is None or b.gate.ledger.ceiling == 0:
+        await b.poller.round_done.wait()
+    from kvgate.proxy.metrics import Metrics
+    from kvgate.shared.redis_state import SharedState
+    other = SharedState(redis_server.url, "kvgate:", 3600, 1.0, Metrics(), replica_id="other")
+    other.register_scripts()
+    fleet = other.lease_keys(None)
+    ids = list(range(1, 201))
+    async with aiohttp.ClientSession() as http:
+        out = await _generate(http, url_b, {"session_id": "p", "input_ids": ids,
+                                            "sampling_params": {"max_new_tokens": 20, "ignore_eos": True}})
+        assert b.gate.shared_counts["granted"] == 1
+        # a third party takes all the room and has a waiter queued: a new request would wait behind it
+        assert (await other.queue_grant(fleet, other.lease_member(1, 1800), 1800, [1800], 600, force=True))[0]
+        ok, _ = await other.queue_grant(fleet, other.lease_member(2, 100), 100, [1800], 600)
+        assert not ok
+        await _generate(http, url_b, {"session_id": "p", "input_ids": ids + out["output_ids"] + [7] * 20,
+                                      "sampling_params": {"max_new_tokens": 20, "ignore_eos": True}})
+    assert b.gate.shared_counts["bypass"] == 1 and b.gate.shared_counts["granted"] == 1
+    await b.shared.drain()
+    assert await other.reserved(fleet[0]) == 1800
+    await other.stop()

@@ -148,7 +148,9 @@ class AdmissionGate:
         waited = d.waited_s
         if self.shared is not None and d.lease is not None:
             try:
-                waited += await self._shared_grant(ticket, d, force=d.kind.is_bypass)
+                # bypasses, and turns the policy never holds (a live program's next turn: a forced lease),
+                # are held on the shared ceilings at once, without waiting
+                waited += await self._shared_grant(ticket, d, force=d.kind.is_bypass or d.lease.forced)
             except asyncio.CancelledError:  # client gone while waiting for the shared ceiling
                 self.dispatch(self.coord.release(ticket, self.clock()))
                 raise
@@ -164,8 +166,8 @@ class AdmissionGate:
         replica arrived before. Refused: asked again as soon as any replica frees room, else after a short
         backoff (the answer keeps its place in the shared queue) until the rest of ``agentic_admission_max_wait_s``, then the request goes
         (counted ``aged``, as the ledger's aged bypass, and like it still reserving: its lease is forced
-        in). ``force`` (a bypass here, protected or aged): held at once without waiting, so the other
-        replicas count its tokens. Redis unreachable: it goes at once (fail-open).
+        in). ``force`` (a bypass here, protected or aged, or a turn the policy never holds: the program
+        policy's continuing turns): held at once without waiting, so the other replicas count its tokens. Redis unreachable: it goes at once (fail-open).
         Returns the seconds spent waiting."""
         lease = d.lease
         keys = self.shared.lease_keys(lease.place)
@@ -353,7 +355,8 @@ class _AdmissionCollector:
             m = CounterMetricFamily(p + "admission_shared_leases", "Leases held against the ceilings shared by "
                                     "replicas (state_backend: redis), by result: granted (waited: after other "
                                     "replicas freed room or waited before it), aged (went after max_wait, still "
-                                    "reserving), bypass (a protected or aged bypass here, held at once), "
+                                    "reserving), bypass (held at once: a protected or aged bypass here, or a turn "
+                                    "the policy never holds), "
                                     "unreachable (Redis down: went at once)", labels=["result"])
             for result, n in g.shared_counts.items():
                 m.add_metric([result], n)
