@@ -129,6 +129,28 @@ def test_paused_program_waits_and_resumes_when_room_frees():
     assert out[0].waited_s == 2.0
 
 
+def test_a_program_paused_by_another_replica_resumes_here_by_the_resume_rules():
+    co, lg = make({E0: 10_000})  # ceiling 9,000
+    hog = Prog(co, "hog", 7000, max_new=500, seed=1)
+    assert hog.submit(0.0).kind is Kind.ADMIT  # 7,500 reserved
+    new = Prog(co, "new", 1000, max_new=500, seed=2)
+    assert new.submit(1.0).kind is Kind.ADMIT  # fits: 9,000
+    assert co.adopt_paused("away", E0, 2500, 2.0) is True
+    assert co.adopt_paused("away", E0, 2500, 2.0) is False  # known here now
+    assert co.adopt_paused("hog", E0, 10, 2.0) is False
+    assert co.state_of("away") is ProgramState.PAUSED and co.resident_of("away") == 2500
+    away = Prog(co, "away", 2000, max_new=500, seed=3)
+    assert away.submit(3.0).kind is Kind.WAIT  # its whole context must fit again
+    late = Prog(co, "late", 500, max_new=500, seed=4)
+    assert late.submit(4.0).kind is Kind.WAIT  # a new program waits behind the paused one
+    assert co.stats(4.0)["waiting_resume"] == 1
+    hog.answer(5.0)
+    co.forget("hog", 5.0)
+    out = co.pump(5.0)
+    assert [(d.ticket, d.kind) for d in out] == [("away-1", Kind.ADMIT), ("late-1", Kind.ADMIT)]
+    assert co.resumes == {E0: 1} and co.state_of("away") is ProgramState.LIVE
+
+
 def test_resume_order_smallest_packs_more_than_fifo():
     for order in ("smallest", "fifo"):
         co, lg, (small, mid, big) = _three_in_tool(resume=order)

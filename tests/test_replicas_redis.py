@@ -677,3 +677,49 @@ async def test_a_live_programs_next_turn_is_not_held_in_the_shared_queue(redis_s
     await b.shared.drain()
     assert await other.reserved(fleet[0]) == 1800
     await other.stop()
+
+
+async def test_a_program_paused_by_one_replica_resumes_through_another(redis_server, sim_factory, kvgate_factory):
+    """Program policy on two replicas: replica A pauses program B (in a tool call when A's program A
+    overflows the engine). B's next turn comes through replica B, which never saw it: it resumes there as
+    a paused program (counted a resume, its whole context reserved), and the pause mark is gone."""
+    from kvgate.admission.program import ProgramState
+    e = await sim_factory(max_total_num_tokens=2000, speed=1000)  # ceiling 2,000 x 0.9 = 1,800
+    reps = []
+    for _ in range(2):
+        gw, url = await kvgate_factory(upstream=e.url, engines=[e.url], agentic_program_admission=True,
+                                       admission_policy="program", agentic_session_lifecycle=True,
+                                       session_inference=False, admission_poll_interval_s=0.1,
+                                       agentic_admission_max_wait_s=60.0, state_backend="redis",
+                                       redis_url=redis_server.url)
+        gw.engine_of = lambda sid: (e.url, None)
+        while gw.gate.ledger.snapshot is None or gw.gate.ledger.ceiling == 0:
+            await gw.poller.round_done.wait()
+        reps.append((gw, url))
+    (a, url_a), (b, url_b) = reps
+
+    async def turn(http, url, sid, ids):
+        body = {"session_id": sid, "input_ids": ids, "sampling_params": {"max_new_tokens": 200, "ignore_eos": True}}
+        async with http.post(url + "/generate", data=orjson.dumps(body)) as r:
+            assert r.status == 200
+            return r.headers.get("X-Kvgate-Admission"), orjson.loads(await r.read())
+
+    a_ids, b_ids = list(range(10_000, 10_600)), list(range(20_000, 20_600))
+    async with aiohttp.ClientSession() as http:
+        _, a1 = await turn(http, url_a, "A", a_ids)
+        _, b1 = await turn(http, url_a, "B", b_ids)
+        # A continues on replica A: 800 resident (B) + 1,300 > 1,800: B, in its tool call, is paused
+        a_ids = a_ids + a1["output_ids"] + list(range(11_000, 11_300))
+        await turn(http, url_a, "A", a_ids)
+        assert a.gate.coord.state_of("B") is ProgramState.PAUSED
+        await a.shared.drain()
+        assert await redis_server.keys("kvgate:prog:*") == {"kvgate:prog:B": pytest.approx(600, abs=5)}
+        # B's next turn through replica B
+        b_ids = b_ids + b1["output_ids"] + list(range(21_000, 21_300))
+        dec, _ = await turn(http, url_b, "B", b_ids)
+    assert dec == "admit"
+    co = b.gate.coord
+    assert co.resumes == {e.url: 1} and co.counters["resume"] == 1
+    assert co.state_of("B") is ProgramState.IN_TOOL
+    await b.shared.drain()
+    assert await redis_server.keys("kvgate:prog:*") == {}

@@ -29,7 +29,7 @@ from kvgate.admission.capacity import ClusterSnapshot, stale_after_s
 from kvgate.admission.coordinator import ADMISSION_OFF, AdmissionCoordinator, Decision, Kind
 from kvgate.admission.ledger import Ledger
 from kvgate.admission.policy import ScopeRules, classify_scope
-from kvgate.admission.program import ProgramCoordinator
+from kvgate.admission.program import ProgramCoordinator, ProgramState
 from kvgate.admission.reservation import estimate_request, load_tokenizer_counter
 from kvgate.common.aio import cancel_tasks
 from kvgate.common.memory import give_back
@@ -119,6 +119,8 @@ class AdmissionGate:
                                context_length=self.cfg.admission_context_length,
                                block_tokens=self.cfg.admission_prefix_block_tokens)
         ticket = next(self._ids)
+        paused = (self.shared is not None and self.policy == "program" and info.session_id is not None
+                  and await self._shared_paused(info.session_id))
         d = self.coord.submit(ticket, res.tokens, protected, self.clock(), place=self._place(info.session_id),
                               blocks=res.blocks, session_id=info.session_id, prompt_tokens=res.prompt_tokens)
         self._run_actions()
@@ -146,6 +148,8 @@ class AdmissionGate:
                     self._drained()
             self.wait_hist.observe(d.waited_s)
         waited = d.waited_s
+        if paused:  # its program resumes (here): no replica holds it paused any more
+            self.shared.program_unpaused(info.session_id)
         if self.shared is not None and d.lease is not None:
             try:
                 # bypasses, and turns the policy never holds (a live program's next turn: a forced lease),
@@ -229,6 +233,17 @@ class AdmissionGate:
         self._notify()
         log.info("admission queue drained: memory given back in %.1f ms", took * 1000)
 
+    async def _shared_paused(self, session_id: str) -> bool:
+        """Program policy, replicas sharing state: whether ``session_id``'s program is paused, here or by
+        another replica (then adopted here as paused, so its turn resumes by the resume rules)."""
+        state = self.coord.state_of(session_id)
+        if state is None:
+            tokens = await self.shared.paused_program(session_id)
+            if tokens is not None:
+                self.coord.adopt_paused(session_id, self._place(session_id), tokens, self.clock())
+                state = self.coord.state_of(session_id)
+        return state is ProgramState.PAUSED
+
     def _place(self, session_id: str | None) -> Any:
         """Where the session's requests go: (engine URL, dp_rank) from the injected lookup, else None."""
         if session_id is None or self.engine_of is None:
@@ -255,6 +270,8 @@ class AdmissionGate:
 
     def forget(self, session_id: str) -> None:
         """The client ended ``session_id``: its program (and resident KV) ends."""
+        if self.shared is not None and self.policy == "program":
+            self.shared.program_unpaused(session_id)
         self.coord.forget(session_id, self.clock())
         self.dispatch(self.coord.pump(self.clock()))
 
@@ -262,6 +279,9 @@ class AdmissionGate:
         for a in self.coord.take_actions():
             if a.kind != "close" or self.pause_session is None:
                 continue
+            if self.shared is not None:  # its next turn through any replica resumes it
+                self.shared.program_paused(a.session_id, self.coord.resident_of(a.session_id),
+                                           self.cfg.admission_program_ttl_s)
             try:
                 self.pause_session(a.session_id)
             except Exception:  # a failed close only leaves the KV to the engine's LRU

@@ -327,6 +327,18 @@ class ProgramCoordinator:
         """The shell started forwarding ``ticket``'s granted request."""
         self._from_queue.discard(ticket)
 
+    def adopt_paused(self, session_id: Hashable, place: Any, resident: int, now: float) -> bool:
+        """Another kvgate replica paused ``session_id``'s program (closed its engine session) with ``resident``
+        tokens of context, and its next turn comes here: make it a paused program here too, so that turn
+        resumes by the resume rules (room for its whole context; ahead of new programs on its place) instead
+        of starting as a new program. Returns False (nothing changed) when this replica knows the program."""
+        if session_id in self._programs:
+            return False
+        p = _Program(session_id, self.ledger.resolve_place(place), ProgramState.PAUSED, float(now),
+                     resident=max(0, int(resident)))
+        self._programs[session_id] = p
+        return True
+
     def forget(self, session_id: Hashable, now: float) -> None:
         """The session ended (closed by the client or by kvgate's idle close): its program and resident KV go.
         A turn in flight keeps its lease until it ends."""

@@ -22,6 +22,9 @@ Kept in Redis (every key starts with ``redis_key_prefix`` and expires):
   ``capacity:lease``, ``capacity``  the capacity poll done once for all: the replica holding the lease
                   (SET NX PX, renewed each round) polls the engines and publishes its snapshot; the others
                   read it. Both expire (a dead poller's lease after a few intervals; a snapshot once stale).
+  ``prog:<id>``   a program the program policy paused (its context, tokens): its next turn through any
+                  replica resumes as a paused program; deleted when it resumes or ends, TTL
+                  ``admission_program_ttl_s``.
   ``room``        a pub/sub channel: a released lease or a waiter that left publishes on it, and every
                   replica's waiters ask again at once instead of at their next backoff.
   ``replica:<id>`` a replica's heartbeat (TTL 5 s): the turns in flight of a replica whose heartbeat
@@ -631,6 +634,27 @@ class SharedState:
         ok, r = await self._call("admission", lambda: self.client.zrange(self.queue_keys()[0], 0, -1,
                                                                          withscores=True))
         return [(m, int(sc)) for m, sc in r] if ok else []
+
+    # --- the program policy's paused programs ----------------------------------------------------------
+
+    def program_paused(self, sid: str, tokens: int, ttl_s: float) -> None:
+        """This replica paused ``sid``'s program with ``tokens`` of context (in the background); the mark
+        lives ``ttl_s`` seconds unless it resumes or ends first."""
+        self._spawn("admission", lambda: self.client.set(self.prefix + "prog:" + sid, str(max(0, int(tokens))),
+                                                         ex=max(1, int(ttl_s))))
+
+    def program_unpaused(self, sid: str) -> None:
+        """``sid``'s program resumed or ended (in the background)."""
+        self._spawn("admission", lambda: self.client.delete(self.prefix + "prog:" + sid))
+
+    async def paused_program(self, sid: str) -> int | None:
+        """The context (tokens) of ``sid``'s program if a replica paused it and it has not resumed; None
+        when it is not paused or Redis is unreachable (it then starts as a new program)."""
+        ok, v = await self._call("admission", lambda: self.client.get(self.prefix + "prog:" + sid))
+        try:
+            return int(v) if ok and v is not None else None
+        except ValueError:
+            return None
 
     def lease_release(self, keys: Sequence[str], member: str) -> None:
         """Release a lease granted by :meth:`lease_grant` (in the background)."""
