@@ -331,3 +331,30 @@ def test_a_release_wakes_the_waiters_of_every_replica(redis_url):
             for r in (a, b):
                 await r.stop()
     asyncio.run(run())
+
+
+def test_a_release_redis_did_not_confirm_is_sent_when_redis_answers_again(redis_url):
+    """A grant whose answer was lost (the call timed out after Redis ran it) may be held; its release, and any
+    release issued while Redis was unreachable, is kept and sent once Redis answers again, so the lease is
+    not held until its TTL (an hour by default)."""
+    async def run():
+        clock = Clock()
+        a = SharedState(redis_url, "u:", 3600, 1.0, Metrics(), wall=clock, replica_id="a")
+        a.register_scripts()
+        await a.client.flushdb()
+        try:
+            ks = a.lease_keys(None)
+            assert await a.queue_grant(ks, a.lease_member(1, 700), 700, [1000], TTL) == (True, 0)
+            a._down("admission", TimeoutError("the answer never came"))   # as a timed-out call marks it
+            a.lease_release(ks, a.lease_member(1, 700))                      # not sent: Redis is down
+            await a.drain()
+            a.up = True   # peek without the gate: the lease is still held
+            assert await a.reserved(ks[0]) == 700
+            a.up = False
+            await a._heartbeat_once()   # Redis answers again: the kept release goes out
+            await a.drain()
+            assert a.up and await a.reserved(ks[0]) == 0
+            assert a._unsent == {}
+        finally:
+            await a.stop()
+    asyncio.run(run())

@@ -184,11 +184,14 @@ class AdmissionGate:
         try:
             while True:
                 room = self.shared.room_event()  # taken before asking: a release meanwhile wakes it
+                asked = self.shared.up
                 r = await self.shared.queue_grant(keys, member, lease.charged, ceilings,
                                                   self.cfg.admission_lease_ttl_s, seq, self.cfg.admission_backfill,
                                                   force=force or aged)
                 if r is None:
                     self.shared_counts["unreachable"] += 1
+                    if asked:  # the call went out and failed: Redis may have granted it, so release it later
+                        self._shared_held[ticket] = (keys, member)
                     break
                 granted, seq = r
                 if granted:

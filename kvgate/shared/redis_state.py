@@ -62,6 +62,9 @@ WAITER_TTL_S = 3.0
 QUEUE_SEQ_TTL_S = 86400
 # Sessions whose close start (epoch) this replica remembers for close_wanted, most recent kept.
 MARKS_MAX = 65536
+# Lease releases Redis has not confirmed, kept to send again once it answers (the oldest dropped beyond this;
+# those then wait for their lease's TTL).
+UNSENT_RELEASES_MAX = 65536
 
 # A turn starts (+1) or ends (-1) on replica ARGV[3]; last activity only moves forward; the session's
 # placement lives as long as its activity. A turn that starts while the session is closing re-opens it
@@ -257,6 +260,7 @@ class SharedState:
         self._pending: set[asyncio.Task] = set()
         self._beat: asyncio.Task | None = None
         self._marks: OrderedDict[str, asyncio.Task] = OrderedDict()  # session -> its close mark's task
+        self._unsent: OrderedDict[str, list[str]] = OrderedDict()  # lease member -> its keys, release unconfirmed
         self._room = asyncio.Event()       # set (then replaced) when a "room" message arrives
         self._listener: asyncio.Task | None = None
         self.listening = asyncio.Event()   # set while subscribed to the "room" channel
@@ -321,6 +325,9 @@ class SharedState:
             self.up = True
             self.metrics.state_backend_up.set(1)
             log.warning("Redis at %s answers again; replicas share their state again", self.url)
+            unsent, self._unsent = self._unsent, OrderedDict()
+            for member, keys in unsent.items():
+                self.lease_release(keys, member)
 
     def room_event(self) -> asyncio.Event:
         """An event set when any replica frees shared room (a lease released, a waiter gone). Take it
@@ -657,14 +664,29 @@ class SharedState:
             return None
 
     def lease_release(self, keys: Sequence[str], member: str) -> None:
-        """Release a lease granted by :meth:`lease_grant` (in the background)."""
+        """Release a lease granted by :meth:`lease_grant` or :meth:`queue_grant` (in the background). Also
+        for a grant whose answer never came (a timeout: Redis may have held it). A release Redis does not
+        confirm (unreachable, or the call failed) is kept and sent again when Redis answers, so a lease is
+        never held longer than the request unless more than UNSENT_RELEASES_MAX releases wait."""
+        keys = list(keys)
+        self._unsent.pop(member, None)
+
         async def run():
             async with self.client.pipeline(transaction=True) as p:
                 for k in keys:
                     p.zrem(k, member)
                 p.publish(self.prefix + "room", "1")  # the waiters of every replica ask again now
                 await p.execute()
-        self._spawn("admission", run)
+        t = self._spawn("admission", run)
+        if t is None:
+            self._keep_unsent(keys, member)
+        else:
+            t.add_done_callback(lambda t: t.cancelled() or t.result()[0] or self._keep_unsent(keys, member))
+
+    def _keep_unsent(self, keys: list[str], member: str) -> None:
+        self._unsent[member] = keys
+        while len(self._unsent) > UNSENT_RELEASES_MAX:
+            self._unsent.popitem(last=False)
 
     async def reserved(self, key: str) -> int | None:
         """Live reserved tokens in one lease set (a key from :meth:`lease_keys`); None when unreachable."""
