@@ -10,9 +10,10 @@ from kvgate import __version__
 from kvgate.config import ConfigError, add_flags, from_args
 
 
-def _setup_logging(level: str) -> None:
+def _setup_logging(level: str, worker: int | None = None) -> None:
+    where = "" if worker is None else f"[worker {worker}]"
     logging.basicConfig(level=getattr(logging, level.upper(), logging.INFO),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+                        format=f"%(asctime)s %(levelname)s %(name)s{where}: %(message)s", stream=sys.stderr)
 
 
 def _load_config(args: argparse.Namespace):
@@ -28,9 +29,13 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     cfg = _load_config(args)
     if cfg is None:
         return 2
-    _setup_logging(cfg.log_level)
+    from kvgate.proxy.workers import WorkerRole, supervise
+    role = WorkerRole.from_env(cfg)
+    _setup_logging(cfg.log_level, None if role is None else role.index)
+    if role is None and cfg.workers > 1:
+        return supervise(cfg)  # starts cfg.workers worker processes on the port and supervises them
     from kvgate.proxy.app import serve
-    return serve(cfg)
+    return serve(cfg, role)
 
 
 def _cmd_check_config(args: argparse.Namespace) -> int:

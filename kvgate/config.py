@@ -65,6 +65,28 @@ def _port(x):
     return 0 <= x <= 65535
 
 
+def cpu_count() -> int:
+    """CPUs this process may run on (its affinity mask, which containers and taskset narrow), at least 1."""
+    import os
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except (AttributeError, OSError):
+        return max(1, os.cpu_count() or 1)
+
+
+def _workers(key: str, value: Any) -> int:
+    """``workers``: a positive integer, or ``auto`` (one per CPU this process may use)."""
+    if isinstance(value, str):
+        text = value.strip().lower()
+        if text == "auto":
+            return cpu_count()
+        if text.isdigit():
+            value = int(text)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ConfigError(f"{key}: must be a positive integer or auto, got {value!r}")
+    return value
+
+
 # Session placement modes and the routes the placement path serves (docs/placement.md).
 PLACEMENT_MODES = ("auto", "kvgate", "router")
 PLACEMENT_ROUTES = ("/generate", "/v1/chat/completions", "/v1/completions")
@@ -76,6 +98,9 @@ KEYS: list[Key] = [
     Key("host", str, "127.0.0.1", "Address kvgate listens on."),
     Key("port", int, 8080, "Port kvgate listens on (0 picks a free port).", _port, "0..65535"),
     Key("log_level", str, "info", "Log level.", choices=("debug", "info", "warning", "error")),
+    Key("workers", (int, str), 1,
+        "Worker processes serving the same host:port (SO_REUSEPORT), each a full kvgate, supervised by the "
+        "process you start; auto = one per CPU. More than 1 needs state_backend: redis.", convert=_workers),
     # --- forwarding ----------------------------------------------------------------------------
     Key("connect_timeout_s", float, 5.0, "Timeout for opening a connection to the upstream router, seconds.",
         _pos, "> 0"),
@@ -255,6 +280,8 @@ KEYS_BY_NAME = {k.name: k for k in KEYS}
 
 
 def _type_name(t) -> str:
+    if isinstance(t, tuple):
+        return " or ".join(_type_name(x) for x in t)
     return {bool: "a boolean", int: "an integer", float: "a number", str: "a string", list: "a list",
             dict: "a mapping"}[t]
 
@@ -337,6 +364,9 @@ def validate(raw: dict[str, Any]) -> Config:
     if values["session_idle_floor_s"] > values["session_idle_ceiling_s"]:
         raise ConfigError(f"session_idle_floor_s: must be <= session_idle_ceiling_s "
                           f"({values['session_idle_ceiling_s']}), got {values['session_idle_floor_s']}")
+    if values["workers"] > 1 and values["state_backend"] != "redis":
+        raise ConfigError(f"workers: {values['workers']} worker processes need state_backend: redis (with "
+                          f"{values['state_backend']}, each process would keep its own sessions and admission ledger)")
     values["engines"] = [_url("engines", u) for u in values["engines"]]
     from kvgate.admission.policy import MatchRule
     for name in ("admission_protected_rules", "admission_eval_rules"):

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import signal
 import time
 from dataclasses import dataclass, field
@@ -99,8 +100,10 @@ def _json(obj: Any, status: int = 200) -> web.Response:
 class Gateway:
     """Everything one running kvgate owns. Build with a validated Config; ``app`` is the aiohttp app."""
 
-    def __init__(self, cfg: Config, gate: Gate | None = None):
+    def __init__(self, cfg: Config, gate: Gate | None = None, worker=None):
         self.cfg = cfg
+        # One of several worker processes on one port (kvgate.proxy.workers.WorkerRole), or None.
+        self.worker = worker
         preserve_header_bytes()
         self.metrics = Metrics()
         self.upstream = Upstream(cfg.upstream, cfg.connect_timeout_s, cfg.read_timeout_s, cfg.upstream_pool_size)
@@ -193,6 +196,9 @@ class Gateway:
         r.add_get("/kvgate/sessions", self.handle_sessions)
         r.add_get("/kvgate/sessions/{sid}", self.handle_session)
         r.add_post("/kvgate/sessions/{sid}/close", self.handle_session_close)
+        if self.worker is not None:  # this worker's own figures, which its siblings merge
+            r.add_get("/kvgate/worker/metrics", self.handle_worker_metrics)
+            r.add_get("/kvgate/worker/health", self.handle_worker_health)
         if self.lifecycle_on:
             r.add_route("GET", "/close_session", self.handle_close_session)
             r.add_route("POST", "/close_session", self.handle_close_session)
@@ -211,6 +217,8 @@ class Gateway:
             log.warning(warning)
         if self.shared is not None:
             await self.shared.start()
+        if self.worker is not None:
+            await self.worker.start()
         await self.directory.start()
         await self.lifecycle.start()
         start = getattr(self.gate, "start", None)
@@ -228,6 +236,8 @@ class Gateway:
         await self.lifecycle.stop()
         if self.shared is not None:
             await self.shared.stop()
+        if self.worker is not None:
+            await self.worker.stop()
         await self.directory.stop()
         await self.upstream.close()
 
@@ -235,10 +245,23 @@ class Gateway:
 
     async def handle_metrics(self, request: web.Request) -> web.Response:
         body, ctype = self.metrics.render()
+        if self.worker is not None:  # the whole process set, whichever worker the kernel picked
+            try:
+                body = await self.worker.merged_metrics(body)
+            except Exception:  # a sibling's unparsable answer: this worker's own figures, said in the log
+                log.exception("merging the workers' metrics failed; answering this worker's own")
         return web.Response(body=body, headers={"Content-Type": ctype})
 
+    async def handle_worker_metrics(self, request: web.Request) -> web.Response:
+        body, ctype = self.metrics.render()
+        return web.Response(body=body, headers={"Content-Type": ctype})
+
+    async def handle_worker_health(self, request: web.Request) -> web.Response:
+        return _json({"status": "ok", "worker": self.worker.index, "pid": os.getpid()})
+
     async def handle_health(self, request: web.Request) -> web.Response:
-        return _json({"status": "ok", "version": __version__, "uptime_s": round(time.time() - self.started, 3),
+        workers = await self.worker.health() if self.worker is not None else None
+        return _json({"status": "ok", **({"workers": workers} if workers is not None else {}), "version": __version__, "uptime_s": round(time.time() - self.started, 3),
                       "upstream": self.cfg.upstream, "engines": len(self.directory.engines),
                       "session_lifecycle": self.lifecycle_on,
                       "program_admission": self.cfg.agentic_program_admission,
@@ -712,36 +735,54 @@ def _completed(outcome) -> bool:
             and outcome.status < 400)
 
 
-async def start_gateway(cfg: Config, gate: Gate | None = None) -> tuple[Gateway, web.AppRunner, int]:
+async def start_gateway(cfg: Config, gate: Gate | None = None, worker=None) -> tuple[Gateway, web.AppRunner, int]:
     """Start kvgate on cfg.host:cfg.port (port 0 = a free one). Returns (gateway, runner, bound port).
+
+    ``worker`` (kvgate.proxy.workers.WorkerRole): this process is one of several on the same port: it binds
+    with SO_REUSEPORT, also listens on a private 127.0.0.1 port and registers it for its siblings.
 
     handler_cancellation: a client that disconnects cancels its handler, which closes the upstream
     request. auto_decompress=False: request bodies are read and forwarded exactly as received.
     Header limits are the router's or higher (relay.MAX_LINE_BYTES, MAX_FIELD_BYTES).
     """
-    gw = Gateway(cfg, gate)
+    gw = Gateway(cfg, gate, worker)
     server_log = logging.getLogger("aiohttp.server")
     if not any(isinstance(f, _OneLineForBadRequests) for f in server_log.filters):
         server_log.addFilter(_OneLineForBadRequests())
     runner = web.AppRunner(gw.app, handler_cancellation=True, access_log=None, auto_decompress=False,
                            max_line_size=MAX_LINE_BYTES, max_field_size=MAX_FIELD_BYTES)
     await runner.setup()
-    site = web.TCPSite(runner, cfg.host, cfg.port, backlog=1024)
+    site = web.TCPSite(runner, cfg.host, cfg.port, backlog=1024, reuse_port=True if worker is not None else None)
     await site.start()
     port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    if worker is not None:
+        private = web.TCPSite(runner, "127.0.0.1", 0)
+        await private.start()
+        worker.register(private._server.sockets[0].getsockname()[1])  # type: ignore[union-attr]
     return gw, runner, port
 
 
-def serve(cfg: Config) -> int:
-    """Run kvgate until SIGINT/SIGTERM. Returns the exit status."""
+def serve(cfg: Config, worker=None) -> int:
+    """Run kvgate until SIGINT/SIGTERM (a worker also stops when its supervisor is gone). Returns the exit
+    status."""
     async def main() -> None:
-        gw, runner, port = await start_gateway(cfg)
-        log.info("kvgate listening on http://%s:%d", cfg.host, port)
+        gw, runner, port = await start_gateway(cfg, worker=worker)
+        if worker is None:
+            log.info("kvgate listening on http://%s:%d", cfg.host, port)
+        else:
+            log.info("worker %d of %d serving http://%s:%d (private port %d)", worker.index, worker.count,
+                     cfg.host, port, worker.private_port)
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, stop.set)
+        watch = None
+        if worker is not None:
+            from kvgate.proxy.workers import watch_supervisor
+            watch = asyncio.create_task(watch_supervisor(stop))
         await stop.wait()
+        if watch is not None:
+            watch.cancel()
         await runner.cleanup()
 
     run = asyncio.run
