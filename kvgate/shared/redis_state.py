@@ -68,13 +68,15 @@ UNSENT_RELEASES_MAX = 65536
 
 # A turn starts (+1) or ends (-1) on replica ARGV[3]; last activity only moves forward; the session's
 # placement lives as long as its activity. A turn that starts while the session is closing re-opens it
-# and bumps its epoch (the closing replica's calls not sent yet are then dropped).
+# and bumps its epoch (the closing replica's calls not sent yet are then dropped). The two writes of a short
+# turn can arrive in either order (background calls on pooled connections): an end seen first leaves -1,
+# which its start brings to 0.
 # KEYS[1] sess key, KEYS[2] place key; ARGV: now, ttl, replica, delta
 _TURN = """
 local k = KEYS[1]
 local f = 'if:' .. ARGV[3]
 local n = redis.call('HINCRBY', k, f, tonumber(ARGV[4]))
-if n <= 0 then redis.call('HDEL', k, f) end
+if n == 0 then redis.call('HDEL', k, f) end
 if tonumber(ARGV[4]) > 0 then
   if redis.call('HGET', k, 'state') == 'closing' then redis.call('HINCRBY', k, 'epoch', 1) end
   redis.call('HSET', k, 'state', 'active')
