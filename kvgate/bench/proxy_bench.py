@@ -174,9 +174,10 @@ def parse_wrk(text: str) -> dict[str, float]:
 
 
 def group_cpu_s(pgid: int) -> float:
-    """CPU seconds (user + system) used so far by every live process in process group ``pgid``."""
+    """CPU seconds (user + system) used so far by every live process in process group ``pgid`` and by every
+    descendant of its leader (``kvgate serve --workers N`` starts its workers in process groups of their own)."""
     tick = os.sysconf("SC_CLK_TCK")
-    total = 0
+    procs_: dict[int, tuple[int, int, int]] = {}  # pid -> (ppid, pgrp, cpu ticks)
     for entry in os.scandir("/proc"):
         if not entry.name.isdigit():
             continue
@@ -185,9 +186,18 @@ def group_cpu_s(pgid: int) -> float:
         except OSError:
             continue
         fields = stat[stat.rindex(")") + 2:].split()  # after "pid (comm) ": state ppid pgrp ...
-        if int(fields[2]) == pgid:
-            total += int(fields[11]) + int(fields[12])
-    return total / tick
+        procs_[int(entry.name)] = (int(fields[1]), int(fields[2]), int(fields[11]) + int(fields[12]))
+
+    def counted(pid: int) -> bool:
+        for _ in range(64):  # up the parent chain to the group's leader (or init)
+            info = procs_.get(pid)
+            if info is None:
+                return False
+            if info[1] == pgid or pid == pgid:
+                return True
+            pid = info[0]
+        return False
+    return sum(cpu for pid, (_, _, cpu) in procs_.items() if counted(pid)) / tick
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -210,6 +220,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--baseline", metavar="DIR",
                    help="another kvgate source tree (e.g. a git worktree of main): its kvgate arms run in the "
                         "same rounds as 'ARM@base', for before/after figures from one run")
+    p.add_argument("--workers", nargs="+", type=int, default=[], metavar="N",
+                   help="also run each kvgate arm as ARM-wN: `kvgate serve --workers N` with state_backend: redis "
+                        "(a redis-server is started; N = 1 gives the one-process figure on the same backend)")
     p.add_argument("--throughput-shapes", nargs="*", default=["small"], choices=list(SHAPE_TOKENS),
                    help="request shapes also measured at --connections connections")
 
@@ -256,6 +269,15 @@ def run(args: argparse.Namespace) -> int:
             print(f"kvgate bench-proxy: --baseline: {baseline} has no kvgate package", file=sys.stderr)
             return 2
         arms += [f"{a}@base" for a in arms if a not in (DIRECT, SMG, "placement", "kvgate-nosmg")]
+    workers = sorted(set(getattr(args, "workers", None) or []))
+    if any(n < 1 for n in workers):
+        print("kvgate bench-proxy: --workers must be >= 1", file=sys.stderr)
+        return 2
+    if workers and procs.find_executable("redis-server") is None and not Path("/usr/bin/redis-server").exists():
+        print("kvgate bench-proxy: skipped: --workers needs redis-server (Debian: apt-get install redis-server)",
+              file=sys.stderr)
+        return 3
+    arms += [f"{a}-w{n}" for a in list(arms) if a in KVGATE_FLAGS for n in workers]
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix="kvgate-proxy-bench-"))
@@ -335,11 +357,16 @@ def _start_chain(arms: list[str], work: Path, started: list[procs.Proc],
     procs.wait_http(router.url + "/readiness", 60, router, procs.router_ready(1))
     urls = {DIRECT: ng.url, SMG: router.url}
     pgids = {SMG: router.popen.pid}
+    redis_url = _start_redis(work, started) if any(WORKERS_ARM.search(a) for a in arms) else None
     for arm in arms:
         if arm in (DIRECT, SMG):
             continue
         kport = procs.free_port()
         name, _, tag = arm.partition("@")
+        m = WORKERS_ARM.search(name)
+        n_workers = int(m.group(1)) if m else None
+        if m:
+            name = name[:m.start()]
         # the baseline's package directory goes first on sys.path (ahead of the installed kvgate and the cwd)
         entry = (["-c", f"import sys; sys.path.insert(0, {str(Path(baseline).resolve())!r}); "
                         "from kvgate.cli import main; sys.exit(main())"] if tag else ["-m", "kvgate"])
@@ -348,9 +375,16 @@ def _start_chain(arms: list[str], work: Path, started: list[procs.Proc],
                "--log-level", "warning", *KVGATE_FLAGS[name]]
         if name == "kvgate-nosmg":
             cmd += ["--engines", ng.url]
+        if n_workers is not None:  # one redis key prefix per arm: the arms share one redis-server
+            cmd += ["--workers", str(n_workers), "--state-backend", "redis", "--redis-url", redis_url,
+                    "--redis-key-prefix", f"{arm}:"]
         kv = procs.start(f"kvgate-{arm.replace('+', '-')}", cmd, work, url=f"http://127.0.0.1:{kport}")
         started.append(kv)
-        if name == "kvgate-nosmg":  # no router to list engines: ready when it answers
+        if n_workers is not None and n_workers > 1:  # every worker up, with its engines and (admission) its ledger
+            procs.wait_http(kv.url + "/metrics", 60, kv,
+                            lambda st, body, n=n_workers, adm="--agentic-program-admission" in KVGATE_FLAGS[name]:
+                            st == 200 and workers_ready(body.decode(), n, adm))
+        elif name == "kvgate-nosmg":  # no router to list engines: ready when it answers
             procs.wait_http(kv.url + "/kvgate/health", 30, kv)
         else:
             procs.wait_http(kv.url + "/kvgate/engines", 30, kv,
@@ -361,6 +395,55 @@ def _start_chain(arms: list[str], work: Path, started: list[procs.Proc],
         urls[arm] = kv.url
         pgids[arm] = kv.popen.pid
     return urls, pgids
+
+
+#: An arm run as ``kvgate serve --workers N``: its name ends in -wN.
+WORKERS_ARM = re.compile(r"-w(\d+)$")
+
+
+def workers_ready(metrics_text: str, n: int, ledger: bool) -> bool:
+    """From the merged /metrics of ``kvgate serve --workers n``: every worker answered, knows an engine and
+    (``ledger``: admission on) has its capacity figures."""
+    from prometheus_client.parser import text_string_to_metric_families
+    up: dict[str, float] = {}
+    engines: dict[str, float] = {}
+    degraded: dict[str, float] = {}
+    for fam in text_string_to_metric_families(metrics_text):
+        for s in fam.samples:
+            w = s.labels.get("worker")
+            if s.name == "agentic_kv_worker_up":
+                up[w] = s.value
+            elif s.name == "agentic_kv_engines" and w is not None:
+                engines[w] = engines.get(w, 0) + s.value
+            elif s.name == "agentic_kv_budget_degraded" and w is not None:
+                degraded[w] = s.value
+    workers = [str(i) for i in range(n)]
+    return (all(up.get(w) == 1 for w in workers) and all(engines.get(w, 0) >= 1 for w in workers)
+            and (not ledger or all(degraded.get(w) == 0 for w in workers)))
+
+
+def _start_redis(work: Path, started: list[procs.Proc]) -> str:
+    """A redis-server on 127.0.0.1:<free port> (no persistence) for the -wN arms; returns its URL."""
+    import socket
+    exe = procs.find_executable("redis-server") or "/usr/bin/redis-server"
+    port = procs.free_port()
+    p = procs.start("redis", [exe, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"],
+                    work)
+    started.append(p)
+    deadline = time.monotonic() + 30
+    while True:  # readiness of a process we started: PING until PONG
+        if not p.alive():
+            raise RuntimeError(f"redis-server exited:\n{p.log_tail()}")
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=1) as s:
+                s.sendall(b"PING\r\n")
+                if s.recv(16).startswith(b"+PONG"):
+                    return f"redis://127.0.0.1:{port}/0"
+        except OSError:
+            pass
+        if time.monotonic() > deadline:
+            raise TimeoutError("redis-server did not answer PING in 30 s")
+        time.sleep(0.05)
 
 
 def _wrk(url: str, script: Path, connections: int, seconds: int) -> dict[str, float]:

@@ -11,6 +11,7 @@ relayed) is reported for the latency runs too: on a shared machine it is the ste
 
 from __future__ import annotations
 
+import re
 import statistics
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Mapping
@@ -63,11 +64,19 @@ class Summary:
                 "cpu_us_per_request_one_connection": self.latency_cpu}
 
 
+def base_arm(arm: str) -> str:
+    """The arm's name without its variant: "ARM@base" (a baseline tree) and "ARM-wN" (N worker processes)."""
+    name = arm.partition("@")[0]
+    m = re.search(r"-w\d+$", name)
+    return name[:m.start()] if m else name
+
+
 def front_of(arm: str) -> str | None:
-    """The arm whose p50 ``arm``'s hop adds to: direct for smg and kvgate-nosmg, smg for the other kvgate arms."""
+    """The arm whose p50 ``arm``'s hop adds to: direct for smg and kvgate-nosmg (and its variants), smg for the
+    other kvgate arms."""
     if arm == DIRECT:
         return None
-    return DIRECT if arm in (SMG, NOSMG) or arm.startswith(NOSMG + "@") else SMG
+    return DIRECT if arm == SMG or base_arm(arm) == NOSMG else SMG
 
 
 def _median(values: Iterable[float | None]) -> float | None:
@@ -125,9 +134,9 @@ def _us(v: float | None) -> str:
 def arm_order(arms: Iterable[str]) -> list[str]:
     """``arms`` in table order: ARM_ORDER first, then the others (baseline arms, "name@base") sorted after
     the arm they compare with."""
-    def key(a: str) -> tuple[int, int]:
-        name, _, tag = a.partition("@")
-        return (ARM_ORDER.index(name) if name in ARM_ORDER else len(ARM_ORDER), 1 if tag else 0)
+    def key(a: str) -> tuple[int, int, str]:
+        name = base_arm(a)
+        return (ARM_ORDER.index(name) if name in ARM_ORDER else len(ARM_ORDER), 1 if "@" in a else 0, a)
     return sorted(set(arms), key=key)
 
 

@@ -1,0 +1,61 @@
+"""kvgate bench-proxy --workers N: the ARM-wN arms (kvgate serve --workers N on Redis) and their readiness."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import pytest
+
+from kvgate.bench import proxy_bench
+from kvgate.bench.proxy_report import arm_order, base_arm, front_of
+from kvgate.proxy.metrics import Metrics
+from kvgate.proxy.worker_metrics import merge_expositions
+from kvgate.tools import procs
+
+
+def test_worker_arms_compare_with_the_hop_in_front_of_their_base_arm():
+    assert base_arm("kvgate-nosmg-w2") == "kvgate-nosmg" and base_arm("lifecycle+admission-w12") == "lifecycle+admission"
+    assert front_of("kvgate-nosmg-w2") == "direct" and front_of("lifecycle+admission-w2") == "smg"
+    assert arm_order(["kvgate-nosmg-w2", "kvgate-off-w2", "smg", "kvgate-nosmg", "kvgate-off", "kvgate-nosmg-w1"]) == [
+        "smg", "kvgate-off", "kvgate-off-w2", "kvgate-nosmg", "kvgate-nosmg-w1", "kvgate-nosmg-w2"]
+
+
+def _worker(engines: int, degraded: int | None) -> str:
+    m = Metrics()
+    m.engines.labels("regular").set(engines)
+    text = m.render()[0].decode()
+    if degraded is not None:
+        text += f"# HELP agentic_kv_budget_degraded d\n# TYPE agentic_kv_budget_degraded gauge\nagentic_kv_budget_degraded {degraded}\n"
+    return text
+
+
+def test_workers_ready_needs_every_worker_with_engines_and_a_ledger():
+    ok = merge_expositions([("0", _worker(1, 0)), ("1", _worker(1, 0))], 2).decode()
+    assert proxy_bench.workers_ready(ok, 2, ledger=True)
+    down = merge_expositions([("0", _worker(1, 0)), ("1", None)], 2).decode()
+    assert not proxy_bench.workers_ready(down, 2, ledger=False)
+    no_engine = merge_expositions([("0", _worker(1, 0)), ("1", _worker(0, 0))], 2).decode()
+    assert not proxy_bench.workers_ready(no_engine, 2, ledger=False)
+    degraded = merge_expositions([("0", _worker(1, 0)), ("1", _worker(1, 1))], 2).decode()
+    assert proxy_bench.workers_ready(degraded, 2, ledger=False) and not proxy_bench.workers_ready(degraded, 2, True)
+
+
+@pytest.mark.skipif(proxy_bench.missing_tools() is not None or procs.find_executable("redis-server") is None,
+                    reason=str(proxy_bench.missing_tools() or "redis-server not installed"))
+def test_a_tiny_run_with_two_workers(tmp_path):
+    parser = argparse.ArgumentParser()
+    proxy_bench.add_arguments(parser)
+    args = parser.parse_args(["--out", str(tmp_path), "--rounds", "1", "--latency-s", "1", "--throughput-s", "1",
+                              "--connections", "8", "--arms", "kvgate-nosmg", "--workers", "1", "2",
+                              "--shapes", "small", "--throughput-shapes", "small"])
+    assert proxy_bench.run(args) == 0
+    report = json.loads((tmp_path / "proxy-bench.json").read_text())
+    assert report["arms"] == ["direct", "smg", "kvgate-nosmg", "kvgate-nosmg-w1", "kvgate-nosmg-w2"]
+    s = report["summary"]
+    assert s["errors"] == 0
+    rps, cpu = s["max_rps"]["small"], s["cpu_us_per_request"]["small"]
+    assert all(rps[a] > 10 for a in report["arms"])
+    # the workers' CPU is counted (they run in process groups of their own, under the supervisor)
+    assert cpu["kvgate-nosmg-w2"] > 0.25 * cpu["kvgate-nosmg"] > 0
+    assert "kvgate-nosmg-w2 adds" in (tmp_path / "proxy-bench.md").read_text()
