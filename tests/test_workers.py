@@ -275,3 +275,18 @@ async def test_a_turns_end_written_before_its_start_leaves_no_turn_in_flight(red
         assert (await st.idle_claim("s", -1.0))[0] == "close"
     finally:
         await st.stop()
+
+
+def test_several_workers_on_a_port_in_use_is_one_line():
+    import socket
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        res = subprocess.run([sys.executable, "-m", "kvgate", "serve", "--workers", "2", "--port", str(port),
+                              "--state-backend", "redis"], capture_output=True, text=True, timeout=60,
+                             start_new_session=True)
+    assert res.returncode == 2
+    lines = res.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"kvgate: config error: port: cannot listen on 127.0.0.1:{port}"), \
+        res.stderr

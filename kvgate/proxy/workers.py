@@ -289,6 +289,8 @@ class Supervisor:
                 code = s.proc.popen.returncode
                 lived = now - s.started
                 s.proc.stop(1.0)  # whatever else is left in its process group
+                if s.proc.popen.stdin is not None:
+                    s.proc.popen.stdin.close()
                 s.proc = None
                 registration_path(self.run_dir, s.index).unlink(missing_ok=True)
                 s.delay_s = restart_delay(s.delay_s, lived)
