@@ -111,6 +111,17 @@ def _total(m: dict, name: str, **labels: str) -> float:
     return sum(v for (n, ls), v in m.items() if n == name and all(dict(ls).get(k) == x for k, x in labels.items()))
 
 
+async def _wait_reaped(pid: int, timeout_s: float = 30) -> None:
+    """Until process ``pid`` is gone from /proc: it exited and the supervisor reaped it. (Earlier signs are
+    not enough: a killed process's listening sockets are closed late in its exit, after its fd table looks
+    empty and after its main thread is a zombie.)"""
+    deadline = time.monotonic() + timeout_s
+    while os.path.exists(f"/proc/{pid}"):  # the state of a process we started, read from /proc
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"pid {pid} not reaped")
+        await asyncio.sleep(0.01)
+
+
 async def _generate(url: str, body: dict, http: aiohttp.ClientSession | None = None) -> dict:
     """One generate call on a new connection (the kernel picks the worker per connection)."""
     own = http is None
@@ -224,6 +235,9 @@ async def test_a_killed_worker_is_restarted_and_requests_keep_succeeding(redis_s
     w = await workers_factory(*_flags(redis_server.url, [e1.url]))
     before = w.registrations()
     os.kill(before[0]["pid"], signal.SIGKILL)
+    # Connections the kernel queued on the worker until its sockets closed are reset (SO_REUSEPORT: one accept
+    # queue per worker); the calls start once it is gone.
+    await _wait_reaped(before[0]["pid"])
     for i in range(10):
         await _generate(w.url, {"input_ids": [3] * 20, "sampling_params": {"max_new_tokens": 2}})
     after = await w.wait_registered(not_pid={0: before[0]["pid"]})
