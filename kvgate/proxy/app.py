@@ -261,7 +261,8 @@ class Gateway:
 
     async def handle_health(self, request: web.Request) -> web.Response:
         workers = await self.worker.health() if self.worker is not None else None
-        return _json({"status": "ok", **({"workers": workers} if workers is not None else {}), "version": __version__, "uptime_s": round(time.time() - self.started, 3),
+        return _json({"status": "ok", **({"workers": workers} if workers is not None else {}),
+                      "version": __version__, "uptime_s": round(time.time() - self.started, 3),
                       "upstream": self.cfg.upstream, "engines": len(self.directory.engines),
                       "session_lifecycle": self.lifecycle_on,
                       "program_admission": self.cfg.agentic_program_admission,
