@@ -304,3 +304,23 @@ def test_several_workers_on_a_port_in_use_is_one_line():
     lines = res.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith(f"kvgate: config error: port: cannot listen on 127.0.0.1:{port}"), \
         res.stderr
+
+
+async def test_many_calls_at_once_do_not_mark_redis_unreachable(redis_server):
+    """Hundreds of requests in flight make hundreds of Redis calls at once: they wait for a pooled connection
+    instead of failing (the default pool of 100 raised MaxConnectionsError, and Redis was taken for down)."""
+    from kvgate.proxy.metrics import Metrics
+    from kvgate.shared.redis_state import SharedState
+    m = Metrics()
+    st = SharedState(redis_server.url, "kvgate:", 600, 1.0, m)
+    await st.start()
+    try:
+        for i in range(300):
+            st.turn_started(f"s{i}")  # 300 background writes at once
+        await st.drain()
+        claims = await asyncio.gather(*(st.idle_claim(f"s{i}", 3600.0) for i in range(300)))  # 300 calls at once
+        assert st.up and m.state_backend_up._value.get() == 1
+        assert sum(m.state_backend_bypass.labels(op)._value.get() for op in ("turn", "idle")) == 0
+        assert {c[0] for c in claims} == {"busy"}
+    finally:
+        await st.stop()
