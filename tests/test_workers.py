@@ -307,8 +307,8 @@ def test_several_workers_on_a_port_in_use_is_one_line():
 
 
 async def test_many_calls_at_once_do_not_mark_redis_unreachable(redis_server):
-    """Hundreds of requests in flight make hundreds of Redis calls at once: they wait for a pooled connection
-    instead of failing (the default pool of 100 raised MaxConnectionsError, and Redis was taken for down)."""
+    """Hundreds of requests in flight make hundreds of Redis calls at once: each gets a connection (redis-py's
+    default pool of 100 raised MaxConnectionsError, and Redis was taken for down)."""
     from kvgate.proxy.metrics import Metrics
     from kvgate.shared.redis_state import SharedState
     m = Metrics()
