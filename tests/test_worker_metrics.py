@@ -21,8 +21,7 @@ def _worker(requests: int, inflight: int, active_sessions: int, latency_s: float
     for _ in range(requests):
         m.relayed("/generate", "200", latency_s)
     m.relayed("/health", "503", 0.001)
-    for _ in range(inflight):
-        m.inflight.inc()
+    m.inflight_now = inflight
     m.sessions.labels("active").set(active_sessions)
     m.session_close.labels("idle").inc()
     return m.render()[0].decode()
