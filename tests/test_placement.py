@@ -17,9 +17,9 @@ def test_new_sessions_go_to_most_free_kv_then_fewest_sessions_then_list_order():
     p.set_capacity({A: [(10_000, 6_000)], B: [(10_000, 1_000)], C: [(10_000, 1_000)]})
     assert p.place("s1", [], 0.0) == Target(B)        # B and C tie on free KV; B first in the list
     assert p.place("s2", [], 0.0) == Target(C)        # tie on free KV, C has fewer sessions
-    p.call_started(Target(B), 3_000)                  # kvgate's own in-flight prompt on B
+    call = p.call_started(Target(B), 3_000, 0.0)      # kvgate's own in-flight prompt on B
     assert p.place("s3", [], 0.0) == Target(C)
-    p.call_finished(Target(B), 3_000)
+    p.call_finished(Target(B), call)
     assert p.engine_of("s1") == (B, None) and p.engine_of("nope") is None
     assert p.counts["free_kv"] == 3 and p.placements == {B: 1, C: 2}
     assert (p.sessions_on(A), p.sessions_on(B), p.sessions_on(C)) == (0, 1, 2)
@@ -57,7 +57,7 @@ def test_grpo_siblings_share_the_prefix_engine_below_pressure_else_most_free():
     assert p.place("g-cont", prefix_keys(task + list(range(500, 600))), 0.0) == first
     # the group's engine at the pressure threshold: the next sibling goes by free KV
     p.set_capacity({B: [(10_000, 7_000)]})
-    p.call_started(first, 1_000)
+    p.call_started(first, 1_000, 0.0)
     assert p.place("g-late", keys, 0.0) == Target(C)
     # an unrelated prompt shares no key
     assert prefix_keys(list(range(7, 200)))[0] != keys[0]
@@ -190,10 +190,10 @@ def test_the_reopen_hint_yields_to_pressure_expires_and_is_bounded():
     # at or above the threshold (engine usage + kvgate's in-flight prompts): placed by the rules
     p.forget("s1", 1.0)
     p.set_capacity({A: [(10_000, 7_000)]})
-    p.call_started(Target(A), 1_000)
+    call = p.call_started(Target(A), 1_000, 1.5)
     assert p.place("s1", [], 2.0) == Target(B) and p.last_reason == "free_kv"
     assert p.counts["reopen_elsewhere"] == 1
-    p.call_finished(Target(A), 1_000)
+    p.call_finished(Target(A), call)
     # stale after reopen_hint_s
     p.forget("s2", 10.0)
     assert p.reopen_hints(110.0) == 1 and p.reopen_hints(110.5) == 0
@@ -221,3 +221,47 @@ def test_a_reopened_session_on_a_dp_engine_keeps_its_rank():
     p.place("s3", [], 1.0)                            # s3 takes s1's now-empty rank by the free-KV rule
     assert p.place("s1", [], 2.0) == t1 and p.last_reason == "reopened"
     assert p.forget("nope", 3.0) is False and p.reopen_hints(3.0) == 0
+
+
+def test_a_call_counts_until_figures_requested_after_it_arrive_not_on_top_of_them():
+    """SGLang's num_used_tokens includes a running call's KV: once figures requested after the call went out
+    arrive, its prompt no longer counts on top of them (it would count twice and a busy engine would look
+    full while its calls run); a call sent after the request still counts; call_finished balances either way."""
+    p = fleet(pressure_threshold=0.85)
+    p.set_capacity({A: [(10_000, 0)], B: [(10_000, 0)], C: [(10_000, 0)]}, taken_at=0.0)
+    assert p.place("s1", [], 0.0) == Target(A)
+    c1 = p.call_started(Target(A), 6_000, 1.0)
+    assert p.place("s2", [], 1.0) == Target(B)           # A counts s1's 6,000 in-flight tokens
+    c2 = p.call_started(Target(A), 500, 3.0)             # sent after the next scrape was requested (2.0)
+    p.set_capacity({A: [(10_000, 6_000)]}, taken_at=2.0)  # the engine now holds s1's prompt
+    assert p.as_json()[A]["in_flight_prompt_tokens"] == 500
+    assert p._engines[A].rank_usage(0) == (6_000 + 500) / 10_000   # counted once, plus the later call
+    p.call_finished(Target(A), c1)                       # already settled: nothing more to take off
+    p.call_finished(Target(A), c2)
+    assert p._engines[A].in_flight == {0: 0} and p._engines[A].fresh == {}
+    # figures with no time (unknown) settle nothing
+    c3 = p.call_started(Target(B), 1_000, 4.0)
+    p.set_capacity({B: [(10_000, 1_000)]})
+    assert p._engines[B].rank_usage(0) == 0.2
+    p.call_finished(Target(B), c3)
+    assert p._engines[B].rank_usage(0) == 0.1
+
+
+@given(st.lists(st.tuples(st.sampled_from(["start", "finish", "figures"]), st.integers(0, 5_000),
+                          st.floats(0, 100)), max_size=60))
+def test_in_flight_never_goes_negative_and_balances(ops):
+    p = fleet()
+    open_calls, t = [], 0.0
+    for op, tokens, dt in ops:
+        t += dt
+        if op == "start":
+            open_calls.append(p.call_started(Target(A), tokens, t))
+        elif op == "finish" and open_calls:
+            p.call_finished(Target(A), open_calls.pop(tokens % len(open_calls)))
+        elif op == "figures":
+            p.set_capacity({A: [(10_000, 100)]}, taken_at=t - dt / 2)
+        assert all(v >= 0 for v in p._engines[A].in_flight.values())
+        assert sum(p._engines[A].in_flight.values()) == sum(c[2] for c in p._engines[A].fresh.values())
+    for c in open_calls:
+        p.call_finished(Target(A), c)
+    assert sum(p._engines[A].in_flight.values()) == 0

@@ -11,8 +11,8 @@ Rules (docs/placement.md):
     sglang-engine-api.md "Data parallel inside one engine").
   - prefix: a new session whose prompt extends a prompt kvgate already placed (GRPO siblings share the
     task prompt; a session reopened after a close continues its old prompt) goes to that prompt's engine and
-    rank, while that rank is below ``pressure_threshold`` (engine-reported usage plus kvgate's in-flight
-    prompt tokens there). Prompts are matched by chain hashes over fixed blocks (kvgate.sessions.inference's
+    rank, while that rank is below ``pressure_threshold`` (engine-reported usage plus the prompt tokens of
+    kvgate's calls that the engine's figures cannot include yet: see "in flight" below). Prompts are matched by chain hashes over fixed blocks (kvgate.sessions.inference's
     fingerprint), at block granularity: the longest indexed prefix wins.
   - free KV: otherwise the usable engine (then rank) with the most free KV tokens (capacity - used - in-flight
     prompt tokens), free KV within ``tie_fraction`` of the largest pool counting as a tie; ties by fewest
@@ -28,6 +28,12 @@ Rules (docs/placement.md):
     prefix rule (whose index may point a shared prompt at a sibling's engine, or hold no key at all for a
     prompt that was rewritten or is under one block). At or above the threshold it is placed by the rules.
   - a closed session is otherwise forgotten; at most ``max_sessions`` are kept (the longest idle dropped first).
+  - in flight: a call's prompt counts on its engine from the moment kvgate sends it until the engine's next
+    KV figures that were requested after it went out (``set_capacity``'s ``taken_at``): SGLang's
+    num_used_tokens / token_usage include the KV of every running request (sglang-engine-api.md "metrics"),
+    so counting the prompt on top of those figures as well would count it twice, and a busy engine would
+    look full for as long as its calls run. A call still in the engine's waiting queue at the scrape is
+    in neither figure until its prefill runs (the engines do not report queued tokens).
 """
 
 from __future__ import annotations
@@ -59,7 +65,10 @@ class _Engine:
     healthy: bool = True
     # One (capacity, used) per DP rank, engine-reported tokens; None = no figures yet.
     pools: list[tuple[int, int]] | None = None
-    in_flight: dict[int, int] = field(default_factory=dict)  # rank (0 when single) -> prompt tokens
+    # rank (0 when single) -> prompt tokens of the calls in ``fresh``: those the figures cannot include yet
+    in_flight: dict[int, int] = field(default_factory=dict)
+    # call handle -> (sent at, rank, prompt tokens), oldest first; dropped once figures requested later arrive
+    fresh: dict[int, tuple[float, int, int]] = field(default_factory=dict)
     sessions: dict[int, int] = field(default_factory=dict)   # rank -> active sessions
     unreachable_until: float = float("-inf")
 
@@ -116,6 +125,7 @@ class Placement:
         self._sessions: OrderedDict[str, _Session] = OrderedDict()  # first = longest idle
         self._prefixes: OrderedDict[int, Target] = OrderedDict()    # prompt chain key -> where it went
         self._closed: OrderedDict[str, tuple[Target, float]] = OrderedDict()  # closed session -> (target, closed at)
+        self._calls = 0  # the last call handle given out
         self.placements: dict[str, int] = {}  # engine -> sessions placed there (new and re-placed)
         # why the last place() chose its target: sticky | reopened | prefix | free_kv
         self.last_reason: str | None = None
@@ -139,14 +149,23 @@ class Placement:
         for s in self._sessions.values():  # an engine that left and came back gets its sessions counted again
             self._count_session(s.target, +1)
 
-    def set_capacity(self, pools: Mapping[str, Sequence[tuple[int, int]]]) -> None:
-        """Engine-reported KV figures: engine URL -> one (max_total_num_tokens, num_used_tokens) per DP rank.
-        An engine missing here keeps its last figures (a failed scrape is not a dead engine: health comes from
-        the router's list and from refused connections)."""
+    def set_capacity(self, pools: Mapping[str, Sequence[tuple[int, int]]], taken_at: float | None = None) -> None:
+        """Engine-reported KV figures: engine URL -> one (max_total_num_tokens, num_used_tokens) per DP rank,
+        requested at ``taken_at`` (the clock of ``now``, seconds; None: unknown). Calls sent at or before
+        ``taken_at`` stop counting as in flight on those engines: the figures include their KV once the engine
+        runs them. An engine missing here keeps its last figures (a failed scrape is not a dead engine: health
+        comes from the router's list and from refused connections)."""
         for url, p in pools.items():
             e = self._engines.get(url)
             if e is not None and p:
                 e.pools = [(int(c), int(u)) for c, u in p]
+                if taken_at is not None:
+                    while e.fresh:
+                        handle, (sent, rank, tokens) = next(iter(e.fresh.items()))
+                        if sent > taken_at:
+                            break
+                        del e.fresh[handle]
+                        e.in_flight[rank] = e.in_flight.get(rank, 0) - tokens
 
     def mark_unreachable(self, engine: str, now: float) -> None:
         """A connection to ``engine`` was refused before any byte went out: keep it out for a while."""
@@ -290,19 +309,26 @@ class Placement:
         while len(self._prefixes) > self.max_prefixes:
             self._prefixes.popitem(last=False)
 
-    def call_started(self, target: Target, prompt_tokens: int) -> None:
-        """A call with ``prompt_tokens`` (an estimate, tokens) went to ``target``: count it until it ends."""
+    def call_started(self, target: Target, prompt_tokens: int, now: float) -> int:
+        """A call with ``prompt_tokens`` (an estimate, tokens) went to ``target`` at ``now``: it counts there until
+        it ends or the engine's figures include it (:meth:`set_capacity`). Returns the call's handle for
+        :meth:`call_finished`."""
+        self._calls += 1
         e = self._engines.get(target.engine)
         if e is not None:
             r = target.dp_rank or 0
-            e.in_flight[r] = e.in_flight.get(r, 0) + max(0, prompt_tokens)
+            tokens = max(0, int(prompt_tokens))
+            e.fresh[self._calls] = (now, r, tokens)
+            e.in_flight[r] = e.in_flight.get(r, 0) + tokens
+        return self._calls
 
-    def call_finished(self, target: Target, prompt_tokens: int) -> None:
-        """The call counted by :meth:`call_started` ended (any outcome)."""
+    def call_finished(self, target: Target, handle: int) -> None:
+        """The call :meth:`call_started` returned ``handle`` for ended (any outcome)."""
         e = self._engines.get(target.engine)
         if e is not None:
-            r = target.dp_rank or 0
-            e.in_flight[r] = max(0, e.in_flight.get(r, 0) - max(0, prompt_tokens))
+            call = e.fresh.pop(handle, None)
+            if call is not None:
+                e.in_flight[call[1]] = e.in_flight.get(call[1], 0) - call[2]
 
     def adopt(self, session_id: str, target: Target, now: float) -> bool:
         """Another kvgate replica placed ``session_id`` on ``target``: make it this session's sticky target

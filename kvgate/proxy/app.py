@@ -398,7 +398,7 @@ class Gateway:
 
     def _capacity(self, snapshot) -> None:
         self.placement.set_capacity({url: [(p.capacity, p.used) for p in cap.pools]
-                                     for url, cap in snapshot.engines.items()})
+                                     for url, cap in snapshot.engines.items()}, snapshot.taken_at)
 
     def _placement_forget(self, sid: str) -> None:
         try:
@@ -444,7 +444,7 @@ class Gateway:
                         await self._adopt_shared(plan.session_id, won)
                         target, body = self._pick(plan, c.body, keys, tried)
                 if target is not None:
-                    self.placement.call_started(target, tokens)
+                    call = self.placement.call_started(target, tokens, self.lifecycle.clock())
             except Exception:  # fail-open: nothing went out yet
                 log.exception("session placement failed; forwarding to the router")
                 self.metrics.faults.labels("placement").inc()
@@ -456,7 +456,7 @@ class Gateway:
                 resp, outcome = await self.upstream.relay(request, request.raw_path, headers, body, observe=observe,
                                                           add_headers=add, base=target.engine)
             finally:
-                self.placement.call_finished(target, tokens)
+                self.placement.call_finished(target, call)
             if outcome.ended == "unreachable" and not outcome.sent:
                 # Refused before any byte went out: safe to try the next engine (never after the body went out).
                 log.warning("engine %s refused a connection; session %s goes to the next engine",
