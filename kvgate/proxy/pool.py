@@ -331,11 +331,7 @@ class Pool:
         try:
             conn = await self._get(key, method == "HEAD")
             try:
-                await self._send(conn, head, body, size, piece_bytes)
-                while not conn.head_done and conn.exc is None:
-                    await conn._wait()
-                if conn.exc is not None and not conn.head_done:
-                    raise conn.exc
+                await self._send_and_wait_head(conn, head, body, size, piece_bytes)
             except Disconnected:
                 conn.close()
                 self._open.discard(conn)
@@ -343,11 +339,7 @@ class Pool:
                     raise
                 conn = await self._connect(key, method == "HEAD")
                 try:
-                    await self._send(conn, head, body, size, piece_bytes)
-                    while not conn.head_done and conn.exc is None:
-                        await conn._wait()
-                    if conn.exc is not None and not conn.head_done:
-                        raise conn.exc
+                    await self._send_and_wait_head(conn, head, body, size, piece_bytes)
                 except BaseException:
                     conn.close()
                     self._open.discard(conn)
@@ -361,6 +353,13 @@ class Pool:
                 self._limit.release()
             raise
         return Exchange(self, conn)
+
+    async def _send_and_wait_head(self, conn: _Conn, head: bytes, body, size: int, piece_bytes: int) -> None:
+        await self._send(conn, head, body, size, piece_bytes)
+        while not conn.head_done and conn.exc is None:
+            await conn._wait()
+        if conn.exc is not None and not conn.head_done:
+            raise conn.exc
 
     async def _send(self, conn: _Conn, head: bytes, body, size: int, piece_bytes: int) -> None:
         t = conn.transport

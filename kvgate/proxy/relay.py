@@ -364,10 +364,7 @@ class Upstream:
             chunk = await up.read()
             resp = _OneWriteResponse(status=status, reason=reason, headers=out_headers)
             if chunk and observer is not None:
-                try:
-                    observer.feed(chunk)
-                except Exception as exc:
-                    observer, fault = None, self._observer_fault(exc, path_qs)
+                observer, fault = self._feed(observer, fault, chunk, path_qs)
             try:
                 await resp.prepare(request)
                 await resp.write_eof(chunk)
@@ -387,10 +384,7 @@ class Upstream:
             if not chunk:
                 break
             if observer is not None:
-                try:
-                    observer.feed(chunk)
-                except Exception as exc:  # the relay never depends on what an observer makes of a chunk
-                    observer, fault = None, self._observer_fault(exc, path_qs)
+                observer, fault = self._feed(observer, fault, chunk, path_qs)
             try:
                 await resp.write(chunk)
             except (ConnectionResetError, aiohttp.ClientConnectionResetError):
@@ -454,10 +448,7 @@ class Upstream:
                         _abort_client(request)
                         return resp, RelayOutcome(up.status, observer, "upstream_error", observer_fault=fault)
                     if observer is not None:
-                        try:
-                            observer.feed(chunk)
-                        except Exception as exc:  # the relay never depends on what an observer makes of a chunk
-                            observer, fault = None, self._observer_fault(exc, path_qs)
+                        observer, fault = self._feed(observer, fault, chunk, path_qs)
                     try:
                         await resp.write(chunk)
                     except (ConnectionResetError, aiohttp.ClientConnectionResetError):
@@ -487,6 +478,15 @@ class Upstream:
         for k, v in add_headers:  # the admission decision is reported on kvgate's own errors too
             err.headers[k] = v
         return err, outcome
+
+    def _feed(self, observer: ResponseObserver, fault: bool, chunk: bytes, path_qs: str):
+        """Feed ``chunk`` to the response observer. Returns (observer, fault): the observer switched off
+        (None) and fault True when it raised; the relay never depends on what an observer makes of a chunk."""
+        try:
+            observer.feed(chunk)
+            return observer, fault
+        except Exception as exc:
+            return None, self._observer_fault(exc, path_qs)
 
     def _observer_fault(self, exc: Exception, path_qs: str) -> bool:
         """Note an observer's exception: logged with its traceback the first time only. Returns True."""
