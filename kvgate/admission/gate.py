@@ -88,6 +88,7 @@ class AdmissionGate:
         self._kick = asyncio.Event()
         self._timer: asyncio.Task | None = None
         self._changed = asyncio.Event()
+        self._watched = False  # a wait_until() caller holds self._changed: the next change must wake it
         self._peak_waiting = 0  # most requests waiting at once since the FIFO last emptied
         self._give_back: asyncio.TimerHandle | None = None
         self.given_back = 0  # times memory was given back after a drain
@@ -307,14 +308,18 @@ class AdmissionGate:
 
     def _notify(self) -> None:
         # Wakes wait_until() callers; a fresh Event each time so a late waiter never sees a stale set.
-        self._changed.set()
-        self._changed = asyncio.Event()
+        # Nobody watching (the usual case: every request calls this): nothing to wake, no Event to make.
+        if self._watched:
+            self._watched = False
+            self._changed.set()
+            self._changed = asyncio.Event()
 
     async def wait_until(self, predicate: Callable[[], bool], timeout_s: float = 10.0) -> None:
         """Wait until ``predicate()`` holds, re-checking whenever the queue or the ledger changes
         (submit, grant, release, cancel, reconcile). Raises asyncio.TimeoutError after ``timeout_s``."""
         async def _wait() -> None:
             while not predicate():
+                self._watched = True
                 await self._changed.wait()
         await asyncio.wait_for(_wait(), timeout_s)
 

@@ -127,6 +127,7 @@ class Ledger:
         self.lease_ttl_s = _check_positive("lease_ttl_s", lease_ttl_s)
         self.window_s = _check_positive("window_s", window_s)
         self._snapshot: ClusterSnapshot | None = None
+        self._fleet_max = 1
         self._healthy: frozenset[str] | None = None
         self._ceiling = 0
         self._epoch = 0
@@ -155,6 +156,8 @@ class Ledger:
             return False
         self._snapshot = snapshot
         self._ceiling = int(math.floor(snapshot.capacity * self.headroom))
+        # the largest engine's capacity, read by every fleet-wide reservation (max_tokens): once per snapshot
+        self._fleet_max = max((e.capacity for e in snapshot.engines.values()), default=0) or 1
         changed = snapshot.healthy != self._healthy
         if changed:
             self._epoch += 1
@@ -281,7 +284,7 @@ class Ledger:
         if s is None or not s.engines:
             return MAX_PLAUSIBLE_TOKENS  # no figures: nothing to clamp to (and nothing is checked)
         if place is FLEET:
-            return max(e.capacity for e in s.engines.values()) or 1
+            return self._fleet_max
         return max(1, self._capacity_of(place))
 
     def usage_of(self, place: Any) -> float:
