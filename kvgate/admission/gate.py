@@ -44,6 +44,7 @@ HEADER_QUEUE_MS = "X-Kvgate-Queue-Ms"
 GIVE_BACK_AFTER_WAITERS = 1000
 #: Seconds after the FIFO empties: the waiters' handlers and connections have unwound by then.
 GIVE_BACK_DELAY_S = 1.0
+_QUEUE_MS_ZERO = (HEADER_QUEUE_MS, "0")  # most requests never wait: their header is made once
 OFF_HEADERS = [(HEADER_DECISION, ADMISSION_OFF), (HEADER_QUEUE_MS, "0")]
 
 
@@ -162,7 +163,8 @@ class AdmissionGate:
         self.coord.consumed(ticket)
         # bypasses hold a lease too (they never wait, but they count): release it like an admit's
         return Ticket(d.header, waited, handle=ticket if d.lease is not None else None,
-                      headers=[(HEADER_DECISION, d.header), (HEADER_QUEUE_MS, str(int(round(waited * 1000))))])
+                      headers=[(HEADER_DECISION, d.header),
+                               _QUEUE_MS_ZERO if not waited else (HEADER_QUEUE_MS, str(int(round(waited * 1000))))])
 
     async def _shared_grant(self, ticket: int, d: Decision, force: bool = False) -> float:
         """Hold the lease ``d`` granted here against the ceilings shared by every replica too (fleet, and

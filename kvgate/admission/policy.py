@@ -11,6 +11,8 @@ import fnmatch
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Mapping
 
+from multidict import CIMultiDict, CIMultiDictProxy
+
 __all__ = [
     "HEADER_PROTECTED",
     "HEADER_SCOPE",
@@ -128,6 +130,9 @@ class ScopeRules:
 def _header(headers: Any, name: str) -> str | None:
     if headers is None:
         return None
+    if isinstance(headers, (CIMultiDictProxy, CIMultiDict)):  # aiohttp's: one hashed, case-insensitive lookup
+        v = headers.get(name)
+        return None if v is None else str(v).strip().lower()
     lname = name.lower()
     try:
         items = headers.items()
@@ -156,13 +161,13 @@ def classify_scope(path: str, headers: Any, body: Any, rules: ScopeRules | None 
     elif hp in _FALSE:
         protected = False
     else:
-        protected = any(r.matches(path, body) for r in rules.protected)
+        protected = bool(rules.protected) and any(r.matches(path, body) for r in rules.protected)
     hs = _header(headers, HEADER_SCOPE)
     if hs == "eval":
         is_eval = True
     elif hs == "train":
         is_eval = False
     else:
-        is_eval = any(r.matches(path, body) for r in rules.eval)
+        is_eval = bool(rules.eval) and any(r.matches(path, body) for r in rules.eval)
     in_scope = rules.scope == "all" or not is_eval
     return protected, in_scope
