@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import math
 import time
 from typing import Any, Callable
 
@@ -88,6 +89,7 @@ class AdmissionGate:
         self._futures: dict[int, asyncio.Future] = {}
         self._kick = asyncio.Event()
         self._timer: asyncio.Task | None = None
+        self._sleep_until = -math.inf  # the deadline the timer sleeps to (inf: none; -inf: not sleeping)
         self._changed = asyncio.Event()
         self._watched = False  # a wait_until() caller holds self._changed: the next change must wake it
         self._peak_waiting = 0  # most requests waiting at once since the FIFO last emptied
@@ -272,7 +274,12 @@ class AdmissionGate:
             held = self._shared_held.pop(ticket.handle, None)
             if held is not None:
                 self.shared.lease_release(*held)
-            self.dispatch(self.coord.release(ticket.handle, self.clock(), observed))
+            out = self.coord.release(ticket.handle, self.clock(), observed)
+            # fifo: a release that hands nothing out only removes leases, so no deadline comes sooner and the
+            # timer (which wakes at its own deadline anyway) need not be woken per request. It is still woken
+            # when it sleeps with no deadline, so a lease granted since gets its expiry watched. The program
+            # policy's release can start a program's idle deadline: always woken.
+            self.dispatch(out, kick=bool(out) or self.policy == "program" or self._sleep_until == math.inf)
 
     def forget(self, session_id: str) -> None:
         """The client ended ``session_id``: its program (and resident KV) ends."""
@@ -296,8 +303,9 @@ class AdmissionGate:
 
     # --- feeding the core --------------------------------------------------------------------------
 
-    def dispatch(self, decisions: list[Decision]) -> None:
-        """Deliver each decision to its waiter; a waiter that is gone gets its grant cancelled."""
+    def dispatch(self, decisions: list[Decision], kick: bool = True) -> None:
+        """Deliver each decision to its waiter; a waiter that is gone gets its grant cancelled. ``kick``:
+        wake the timer to recompute its deadline (False only when no deadline can have come sooner)."""
         for d in decisions:
             fut = self._futures.get(d.ticket)
             if fut is not None and not fut.done():
@@ -305,7 +313,8 @@ class AdmissionGate:
             elif self.coord.cancel(d.ticket, self.clock()):
                 self.dispatch(self.coord.pump(self.clock()))
         self._run_actions()
-        self._kick.set()
+        if kick:
+            self._kick.set()
         self._notify()
 
     def _notify(self) -> None:
@@ -340,10 +349,13 @@ class AdmissionGate:
             deadline = self.coord.next_deadline(now)
             self._kick.clear()
             timeout = None if deadline is None else max(0.0, deadline - now) + 1e-3
+            self._sleep_until = math.inf if deadline is None else deadline
             try:
                 await asyncio.wait_for(self._kick.wait(), timeout)
             except asyncio.TimeoutError:
                 pass
+            finally:
+                self._sleep_until = -math.inf
             try:
                 self.dispatch(self.coord.pump(self.clock()))
             except Exception:  # a core fault must not stop the timer; requests would wait to max_wait
