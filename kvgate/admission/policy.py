@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import fnmatch
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Mapping
+from collections.abc import Mapping
+from typing import Any, Iterable
 
 from multidict import CIMultiDict, CIMultiDictProxy
 

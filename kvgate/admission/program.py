@@ -40,7 +40,8 @@ from __future__ import annotations
 import enum
 import itertools
 from dataclasses import dataclass, field
-from typing import Any, Hashable, Mapping
+from collections.abc import Mapping
+from typing import Any, Hashable
 
 from .capacity import ClusterSnapshot
 from .coordinator import Decision, DecisionTally, Kind

@@ -23,7 +23,8 @@ from __future__ import annotations
 import math
 from array import array
 from collections import OrderedDict
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 from kvgate.proxy.classify import STEP_BOUNDARY_ROUTES
 

@@ -49,7 +49,8 @@ import secrets
 from array import array
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any, Iterable
 
 import orjson
 

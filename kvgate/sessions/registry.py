@@ -23,7 +23,8 @@ import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 ACTIVE, CLOSING, CLOSED = "active", "closing", "closed"
 SENDING, PENDING, OK, FAILED = "sending", "pending", "ok", "failed"
