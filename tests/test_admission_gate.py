@@ -126,3 +126,44 @@ def test_give_back_runs_and_reports_its_time():
 
     took = give_back()
     assert 0.0 <= took < 5.0
+
+
+async def _timer_asleep(g):
+    """Let the started gate's timer task run up to its wait (it records the deadline it sleeps to)."""
+    import asyncio
+    import math
+    while g._sleep_until == -math.inf:
+        await asyncio.sleep(0)
+
+
+async def test_a_fifo_release_that_hands_nothing_out_leaves_the_timer_asleep():
+    """The timer is woken by a release only when a deadline may have come sooner: fifo, it sleeps to the
+    earliest lease expiry and a plain release leaves it there; the program policy always wakes it."""
+    import math
+
+    import orjson
+
+    from kvgate.proxy.admit import RequestInfo
+    from kvgate.proxy.classify import classify
+
+    raw = orjson.dumps({"input_ids": [1] * 16, "sampling_params": {"max_new_tokens": 16}})
+    for policy, kicked in (("fifo", False), ("program", True)):
+        g = _gate(policy)
+        g.reconcile(ClusterSnapshot.build({"http://e0": EngineCapacity.from_pools([(1_000_000, 0, 0.0)])}, 0.0))
+        await g.start()
+        try:
+            await _timer_asleep(g)
+            assert g._sleep_until == math.inf  # nothing held: no deadline
+            t1 = await g.acquire(RequestInfo(classify("POST", "/generate", raw), {}, None))
+            t2 = await g.acquire(RequestInfo(classify("POST", "/generate", raw), {}, None))
+            assert t1.decision == t2.decision == "admit"
+            g.release(t1)
+            assert g._kick.is_set()  # it slept with no deadline: woken, so t2's expiry is watched
+            await g._kick.wait()
+            g._sleep_until = -math.inf
+            await _timer_asleep(g)
+            assert g._sleep_until == g.cfg.admission_lease_ttl_s  # t2's expiry (clock 0)
+            g.release(t2)
+            assert g._kick.is_set() is kicked
+        finally:
+            await g.stop()
