@@ -128,12 +128,17 @@ def test_give_back_runs_and_reports_its_time():
     assert 0.0 <= took < 5.0
 
 
-async def _timer_asleep(g):
-    """Let the started gate's timer task run up to its wait (it records the deadline it sleeps to)."""
+async def _timer_asleep(g, until=None):
+    """Let the started gate's timer task run up to its wait (it records the deadline it sleeps to), and, with
+    ``until``, until that deadline is ``until``. Yields to the loop only (no wall-clock wait); a timer that never
+    gets there fails the test instead of hanging it."""
     import asyncio
     import math
-    while g._sleep_until == -math.inf:
+    for _ in range(100_000):
+        if g._sleep_until != -math.inf and (until is None or g._sleep_until == until):
+            return
         await asyncio.sleep(0)
+    raise AssertionError(f"the admission timer never slept to {until}: {g._sleep_until}")
 
 
 async def test_a_fifo_release_that_hands_nothing_out_leaves_the_timer_asleep():
@@ -159,10 +164,7 @@ async def test_a_fifo_release_that_hands_nothing_out_leaves_the_timer_asleep():
             assert t1.decision == t2.decision == "admit"
             g.release(t1)
             assert g._kick.is_set()  # it slept with no deadline: woken, so t2's expiry is watched
-            await g._kick.wait()
-            g._sleep_until = -math.inf
-            await _timer_asleep(g)
-            assert g._sleep_until == g.cfg.admission_lease_ttl_s  # t2's expiry (clock 0)
+            await _timer_asleep(g, until=g.cfg.admission_lease_ttl_s)  # t2's expiry (clock 0)
             g.release(t2)
             assert g._kick.is_set() is kicked
         finally:

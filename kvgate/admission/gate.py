@@ -217,8 +217,9 @@ class AdmissionGate:
                 # (Redis pub/sub), else after a growing backoff (at most 0.2 s, well within the shared
                 # queue's WAITER_TTL_S: a room that frees by lease expiry publishes nothing).
                 try:
-                    await asyncio.wait_for(room.wait(), min(delay, max(0.0, deadline - loop.time())))
-                except asyncio.TimeoutError:
+                    async with asyncio.timeout(min(delay, max(0.0, deadline - loop.time()))):
+                        await room.wait()
+                except TimeoutError:
                     delay = min(delay * 2, 0.2)
         finally:
             if seq:  # aged or cancelled while waiting in the shared queue: leave it
@@ -351,8 +352,10 @@ class AdmissionGate:
             timeout = None if deadline is None else max(0.0, deadline - now) + 1e-3
             self._sleep_until = math.inf if deadline is None else deadline
             try:
-                await asyncio.wait_for(self._kick.wait(), timeout)
-            except asyncio.TimeoutError:
+                # not wait_for: see kvgate.common.aio
+                async with asyncio.timeout(timeout):
+                    await self._kick.wait()
+            except TimeoutError:
                 pass
             finally:
                 self._sleep_until = -math.inf

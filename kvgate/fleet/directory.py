@@ -272,8 +272,9 @@ class EngineDirectory:
                 await self.check_compat()
             self._changed.clear()
             try:
-                await asyncio.wait_for(self._changed.wait(), timeout=max(self.interval_s, 1.0))
-            except asyncio.TimeoutError:
+                async with asyncio.timeout(max(self.interval_s, 1.0)):  # not wait_for: see kvgate.common.aio
+                    await self._changed.wait()
+            except TimeoutError:
                 pass
 
     def as_json(self) -> dict[str, Any]:

@@ -247,8 +247,9 @@ class SessionLifecycle:
         s = self.registry.get(session_id)
         ev = self._drained.setdefault(session_id, asyncio.Event())
         try:
-            await asyncio.wait_for(ev.wait(), timeout=self.drain_s)
-        except asyncio.TimeoutError:
+            async with asyncio.timeout(self.drain_s):  # not wait_for: see kvgate.common.aio
+                await ev.wait()
+        except TimeoutError:
             log.info("session %s: closing with %d requests still in flight after %.1fs",
                      session_id, s.in_flight if s else 0, self.drain_s)
         finally:
@@ -443,8 +444,9 @@ class SessionLifecycle:
                 wait = None if nxt is None else max(0.0, nxt - self.clock())
                 if wait is None or wait > 0:
                     try:
-                        await asyncio.wait_for(self._retry_wake.wait(), wait)
-                    except asyncio.TimeoutError:
+                        async with asyncio.timeout(wait):  # not wait_for: see kvgate.common.aio
+                            await self._retry_wake.wait()
+                    except TimeoutError:
                         pass
                 self._retry_wake.clear()
                 for sid, gen, url in self.registry.due_retries(self.clock()):
