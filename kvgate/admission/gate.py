@@ -92,6 +92,11 @@ class AdmissionGate:
         self._sleep_until = -math.inf  # the deadline the timer sleeps to (inf: none; -inf: not sleeping)
         self._changed = asyncio.Event()
         self._watched = False  # a wait_until() caller holds self._changed: the next change must wake it
+        # Read on every request: looked up once (a Config attribute goes through __getattr__).
+        self._estimate_args = dict(expected_decode_cap=cfg.decode_cap,
+                                   chars_per_token=cfg.admission_chars_per_token,
+                                   context_length=cfg.admission_context_length,
+                                   block_tokens=cfg.admission_prefix_block_tokens)
         self._peak_waiting = 0  # most requests waiting at once since the FIFO last emptied
         self._give_back: asyncio.TimerHandle | None = None
         self.given_back = 0  # times memory was given back after a drain
@@ -118,10 +123,7 @@ class AdmissionGate:
         protected, in_scope = classify_scope(c.path, info.headers, c.body, self.rules)
         if not in_scope:
             return Ticket(ADMISSION_OFF, headers=list(OFF_HEADERS))
-        res = estimate_request(c.path, c.body, expected_decode_cap=self.cfg.decode_cap,
-                               chars_per_token=self.cfg.admission_chars_per_token, tokenizer=self.tokenizer,
-                               context_length=self.cfg.admission_context_length,
-                               block_tokens=self.cfg.admission_prefix_block_tokens)
+        res = estimate_request(c.path, c.body, tokenizer=self.tokenizer, **self._estimate_args)
         ticket = next(self._ids)
         paused = (self.shared is not None and self.policy == "program" and info.session_id is not None
                   and await self._shared_paused(info.session_id))

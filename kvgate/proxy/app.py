@@ -181,6 +181,8 @@ class Gateway:
         # Read on every request: looked up once (a Config attribute goes through __getattr__).
         self._max_body = cfg.max_body_bytes
         self._join_max = max(cfg.body_parse_max_bytes, STEP_BODY_PARSE_LIMIT)
+        self._parse_max = cfg.body_parse_max_bytes
+        self._routing_key = cfg.routing_key_header if cfg.set_routing_key else None
         self.app = self._build_app()
 
     # --- app -------------------------------------------------------------------------------------
@@ -554,7 +556,7 @@ class Gateway:
         if tracked is not None:
             def observe(is_sse: bool, route=c.path, text=plan.prompt_is_text) -> ResponseObserver:
                 return ResponseObserver(is_sse, route=route, prompt_is_text=text,
-                                        max_json_bytes=self.cfg.body_parse_max_bytes)
+                                        max_json_bytes=self._parse_max)
         self.metrics.inflight_now += 1
         t1 = time.perf_counter()
         outcome = None
@@ -593,10 +595,11 @@ class Gateway:
         """The generate body as a JSON object, or None when kvgate leaves it alone: not an object, sent
         compressed (kvgate forwards bodies exactly as received and never decompresses them), or larger than
         body_parse_max_bytes (parsing holds the event loop for every client). Skips are counted."""
-        if request.headers.get("Content-Encoding", "identity").strip().lower() not in ("", "identity"):
+        encoding = request.headers.get("Content-Encoding")
+        if encoding is not None and encoding.strip().lower() not in ("", "identity"):
             self.metrics.body_features_skipped.labels("content_encoding").inc()
             return None
-        if len(raw) > self.cfg.body_parse_max_bytes:
+        if len(raw) > self._parse_max:
             self.metrics.body_features_skipped.labels("size").inc()
             return None
         return parse_json_object(raw)
@@ -629,8 +632,8 @@ class Gateway:
             self.inference.on_request_start(sid, units, self.lifecycle.clock(), inferred.prepared)
         self.metrics.child(self.metrics.session_id_injected, source).inc()
         extra = {}
-        rk = self.cfg.routing_key_header
-        if self.cfg.set_routing_key and rk not in request.headers:
+        rk = self._routing_key
+        if rk is not None and rk not in request.headers:
             extra[rk] = header_safe(sid)
         return SessionPlan(sid, source, new_body if new_body is not None else raw, extra,
                            inferred=inferred is not None, prompt_is_text=isinstance(units, str),
