@@ -18,6 +18,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 from collections.abc import Mapping
+from functools import cached_property
 from typing import Any, Iterable
 
 from prometheus_client.parser import text_string_to_metric_families
@@ -87,7 +88,8 @@ class EngineCapacity:
         """Build from (capacity tokens, used tokens, usage) triples; applies the usage-0 fallback."""
         return cls(tuple(_make_pool(p.capacity, p.used, p.usage) if isinstance(p, Pool) else _make_pool(*p) for p in pools))
 
-    @property
+    # Figures of an immutable snapshot, read by the ledger on every admission: computed once.
+    @cached_property
     def capacity(self) -> int:
         return sum(p.capacity for p in self.pools)
 
@@ -95,7 +97,7 @@ class EngineCapacity:
     def used(self) -> int:
         return sum(p.used for p in self.pools)
 
-    @property
+    @cached_property
     def worst_usage(self) -> float:
         return max((p.usage for p in self.pools), default=0.0)
 
@@ -257,7 +259,7 @@ class ClusterSnapshot:
     def healthy(self) -> frozenset[str]:
         return frozenset(self.engines)
 
-    @property
+    @cached_property
     def capacity(self) -> int:
         return sum(e.capacity for e in self.engines.values())
 
@@ -265,7 +267,7 @@ class ClusterSnapshot:
     def used(self) -> int:
         return sum(e.used for e in self.engines.values())
 
-    @property
+    @cached_property
     def worst_usage(self) -> float:
         return max((e.worst_usage for e in self.engines.values()), default=0.0)
 
