@@ -164,7 +164,7 @@ class ResponseObserver:
             if self._overflow or not self._buf:
                 return Observed()
             try:
-                obj = orjson.loads(bytes(self._buf))
+                obj = orjson.loads(self._buf)  # orjson reads a bytearray as is: no copy
             except orjson.JSONDecodeError:
                 return Observed()
             out = _from_obj(obj)
