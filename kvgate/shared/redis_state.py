@@ -137,17 +137,27 @@ return {'close', tostring(age)}
 # known), atomically: leases whose expiry passed are dropped first (a dead replica's leases go by TTL), then
 # the lease is granted when each place's live reservations plus it fit that place's ceiling, or nothing is
 # reserved there (a request larger than the whole ceiling still runs alone, as in the ledger).
+# The tokens of lease (or waiter) members "<replica>:<lease>|<tokens>", and the live tokens of one lease set
+# (its expired members dropped first): shared by the scripts below.
+_LUA_TOKENS = """
+local function tokens_of(members)
+  local sum = 0
+  for _, m in ipairs(members) do sum = sum + tonumber(string.match(m, '|(%d+)$')) end
+  return sum
+end
+local function live_tokens(key, now)
+  redis.call('ZREMRANGEBYSCORE', key, '-inf', now)
+  return tokens_of(redis.call('ZRANGE', key, 0, -1))
+end
+"""
+
 # KEYS: one sorted set per place (member "<replica>:<lease>|<tokens>", score = expiry, epoch s);
 # ARGV: now, expiry, member, tokens, key ttl (s), then one ceiling per key.
-_LEASE_GRANT = """
+_LEASE_GRANT = _LUA_TOKENS + """
 local now = tonumber(ARGV[1])
 local tokens = tonumber(ARGV[4])
 for i = 1, #KEYS do
-  redis.call('ZREMRANGEBYSCORE', KEYS[i], '-inf', now)
-  local sum = 0
-  for _, m in ipairs(redis.call('ZRANGE', KEYS[i], 0, -1)) do
-    sum = sum + tonumber(string.match(m, '|(%d+)$'))
-  end
+  local sum = live_tokens(KEYS[i], now)
   if sum > 0 and sum + tokens > tonumber(ARGV[5 + i]) then return 0 end
 end
 for i = 1, #KEYS do
@@ -166,7 +176,7 @@ return 1
 # sets (the fleet's first); ARGV: now, lease expiry, member, tokens, key ttl, waiter expiry, arrival number,
 # backfill (0 | 1 | force: granted whatever it finds, as a bypass still reserves), then one ceiling per set. Returns {granted 0 | 1, arrival number (0 if granted
 # without waiting)}.
-_QUEUE_GRANT = """
+_QUEUE_GRANT = _LUA_TOKENS + """
 local now = tonumber(ARGV[1])
 local member = ARGV[3]
 local tokens = tonumber(ARGV[4])
@@ -177,11 +187,7 @@ for _, m in ipairs(redis.call('ZRANGEBYSCORE', KEYS[2], '-inf', now)) do
 end
 local fits, fleet = true, 0
 for i = 4, #KEYS do
-  redis.call('ZREMRANGEBYSCORE', KEYS[i], '-inf', now)
-  local sum = 0
-  for _, m in ipairs(redis.call('ZRANGE', KEYS[i], 0, -1)) do
-    sum = sum + tonumber(string.match(m, '|(%d+)$'))
-  end
+  local sum = live_tokens(KEYS[i], now)
   if i == 4 then fleet = sum end
   if sum > 0 and sum + tokens > tonumber(ARGV[5 + i]) then fits = false end
 end
@@ -234,12 +240,8 @@ return 0
 """
 
 # Live reservations (tokens) on one place. KEYS[1]: its sorted set; ARGV[1]: now.
-_LEASE_SUM = """
-local sum = 0
-for _, m in ipairs(redis.call('ZRANGEBYSCORE', KEYS[1], '(' .. ARGV[1], '+inf')) do
-  sum = sum + tonumber(string.match(m, '|(%d+)$'))
-end
-return sum
+_LEASE_SUM = _LUA_TOKENS + """
+return tokens_of(redis.call('ZRANGEBYSCORE', KEYS[1], '(' .. ARGV[1], '+inf'))
 """
 
 
