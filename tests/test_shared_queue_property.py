@@ -310,24 +310,39 @@ def test_a_forced_grant_reserves_past_the_queue_and_the_ceiling(redis_url):
 
 
 def test_a_release_wakes_the_waiters_of_every_replica(redis_url):
-    """A lease released (or a waiter gone) on one replica is published: the other replicas' waiters ask
-    again at once instead of at their next backoff."""
+    """A lease released (or a waiter gone) on one replica is published while waiters are left: the other
+    replicas' waiters ask again at once instead of at their next backoff. With nobody waiting nothing is
+    published (every replica would read it for nothing)."""
     async def run():
         a, b = (SharedState(redis_url, "p:", 3600, 1.0, Metrics(), replica_id=n) for n in "ab")
         for r in (a, b):
             await r.start()
+        raw = b.client.pubsub()
         try:
+            await raw.subscribe("p:room")
+            assert (await raw.get_message(timeout=20))["type"] == "subscribe"  # subscribed before any publish
             await asyncio.wait_for(b.listening.wait(), 20)
             ks = a.lease_keys(None)
             assert await a.queue_grant(ks, a.lease_member(1, 10), 10, [1000], TTL) == (True, 0)
+            a.lease_release(ks, a.lease_member(1, 10))  # nobody waits: no message
+            await a.drain()
+            assert await a.queue_grant(ks, a.lease_member(3, 900), 900, [1000], TTL) == (True, 0)
+            assert await b.queue_grant(ks, b.lease_member(1, 500), 500, [1000], TTL) == (False, 1)  # B waits
             room = b.room_event()
             assert not room.is_set()
-            a.lease_release(ks, a.lease_member(1, 10))
+            a.lease_release(ks, a.lease_member(3, 900))
+            await a.drain()
             await asyncio.wait_for(room.wait(), 20)
             room = b.room_event()
-            a.queue_leave(a.lease_member(2, 10))
+            assert await a.queue_grant(ks, a.lease_member(2, 10), 10, [1000], TTL) == (False, 2)  # A waits too
+            a.queue_leave(a.lease_member(2, 10))   # B still waits
             await asyncio.wait_for(room.wait(), 20)
+            msgs = []
+            while (m := await raw.get_message(ignore_subscribe_messages=True, timeout=0.5)) is not None:
+                msgs.append(m["data"])
+            assert len(msgs) == 2, msgs  # the release with B waiting and the leave; not the first release
         finally:
+            await raw.aclose()
             for r in (a, b):
                 await r.stop()
     asyncio.run(run())

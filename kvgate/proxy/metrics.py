@@ -46,6 +46,10 @@ class Metrics:
         self.state_backend_bypass = Counter(p + "state_backend_bypass", "Shared-state calls not made or "
                                             "failed because Redis was unreachable; the decision used this "
                                             "replica's own state (fail-open), by op", ["op"], registry=r)
+        self.state_backend_calls = Counter(p + "state_backend_calls", "Batched calls sent to the shared state "
+                                           "backend (Redis): each carries the writes queued meanwhile", registry=r)
+        self.state_backend_ops = Counter(p + "state_backend_ops", "Writes (and grants, idle claims) those calls "
+                                         "carried; ops / calls is the batching", registry=r)
         self.body_features_skipped = Counter(p + "body_features_skipped", "Generate calls relayed untouched "
                                              "without kvgate's body features (session id, inference, admission "
                                              "estimate), by why: content_encoding (sent compressed), size (over "

@@ -34,6 +34,12 @@ Fail-open: a failed or slow call (``redis_timeout_s``) marks Redis unreachable; 
 succeeds again, no call is made and every decision falls back to this replica's own state (counted in
 ``agentic_kv_state_backend_bypass_total{op}``, said once in the log, and once when Redis is back).
 Writes never delay a request: they run in the background (:meth:`drain` waits for them).
+
+Calls made while a request is served (turn starts and ends, idle claims, closes, the shared queue's grants,
+lease releases, inference links, pause marks) are queued and sent together as one script call per event-loop
+turn, one batch in flight at a time, in the order they were made (kvgate.shared.batch decides the merging
+and what falls back): redis-py's CPU per call is paid once per batch instead of once per write. Reads a
+request waits for (placement, inference lookups, paused programs) and the capacity poll go out on their own.
 """
 
 from __future__ import annotations
@@ -49,6 +55,7 @@ import orjson
 
 from kvgate.common.aio import cancel_tasks
 from kvgate.shared import fingerprint
+from kvgate.shared.batch import Op, WriteBatch, encode, fallbacks
 
 log = logging.getLogger("kvgate.shared.redis_state")
 
@@ -68,70 +75,6 @@ MARKS_MAX = 65536
 # Lease releases Redis has not confirmed, kept to send again once it answers (the oldest dropped beyond this;
 # those then wait for their lease's TTL).
 UNSENT_RELEASES_MAX = 65536
-
-# A turn starts (+1) or ends (-1) on replica ARGV[3]; last activity only moves forward; the session's
-# placement lives as long as its activity. A turn that starts while the session is closing re-opens it
-# and bumps its epoch (the closing replica's calls not sent yet are then dropped). The two writes of a short
-# turn can arrive in either order (background calls on pooled connections): an end seen first leaves -1,
-# which its start brings to 0.
-# KEYS[1] sess key, KEYS[2] place key; ARGV: now, ttl, replica, delta
-_TURN = """
-local k = KEYS[1]
-local f = 'if:' .. ARGV[3]
-local n = redis.call('HINCRBY', k, f, tonumber(ARGV[4]))
-if n == 0 then redis.call('HDEL', k, f) end
-if tonumber(ARGV[4]) > 0 then
-  if redis.call('HGET', k, 'state') == 'closing' then redis.call('HINCRBY', k, 'epoch', 1) end
-  redis.call('HSET', k, 'state', 'active')
-end
-local last = tonumber(redis.call('HGET', k, 'last') or '0')
-if tonumber(ARGV[1]) > last then redis.call('HSET', k, 'last', ARGV[1]) end
-if not redis.call('HGET', k, 'state') then redis.call('HSET', k, 'state', 'active') end
-redis.call('EXPIRE', k, ARGV[2])
-redis.call('EXPIRE', KEYS[2], ARGV[2])
-return n
-"""
-
-# This replica closes the session (KEYS[1]; ARGV[1] replica) for any reason: mark it so, if known, and
-# forget its placement (KEYS[2]): a session that comes back is placed again by the rules, as on one replica.
-# Returns the session's epoch as the close began (0 when unknown).
-_CLOSED = """
-if redis.call('EXISTS', KEYS[1]) == 1 then
-  redis.call('HSET', KEYS[1], 'state', 'closing', 'closer', ARGV[1])
-end
-redis.call('DEL', KEYS[2])
-return tonumber(redis.call('HGET', KEYS[1], 'epoch') or '0')
-"""
-
-# Should this replica close the session as idle? Atomic: the first replica to find it idle marks it
-# closing and gets 'close'; the others get 'elsewhere'. 'busy' with the seconds since its last activity.
-# KEYS[1] sess key; ARGV: now, threshold, replica, ttl, replica key prefix
-_IDLE_CLAIM = """
-local k = KEYS[1]
-local now = tonumber(ARGV[1])
-if redis.call('EXISTS', k) == 0 then
-  redis.call('HSET', k, 'state', 'closing', 'closer', ARGV[3], 'last', ARGV[1])
-  redis.call('EXPIRE', k, ARGV[4])
-  return {'close', '0'}
-end
-local h = redis.call('HGETALL', k)
-local state, last = 'active', 0
-for i = 1, #h, 2 do
-  local f, v = h[i], h[i + 1]
-  if f == 'state' then state = v
-  elseif f == 'last' then last = tonumber(v)
-  elseif string.sub(f, 1, 3) == 'if:' and tonumber(v) > 0 then
-    if redis.call('EXISTS', ARGV[5] .. string.sub(f, 4)) == 1 then return {'busy', '0'} end
-  end
-end
-if state ~= 'active' then return {'elsewhere', '0'} end
-local age = now - last
-if age <= tonumber(ARGV[2]) then return {'busy', tostring(age)} end
-redis.call('HSET', k, 'state', 'closing', 'closer', ARGV[3])
-redis.call('EXPIRE', k, ARGV[4])
-return {'close', tostring(age)}
-"""
-
 
 # Grant a lease against every ceiling it counts against (the fleet's, and its engine's or DP rank's when
 # known), atomically: leases whose expiry passed are dropped first (a dead replica's leases go by TTL), then
@@ -167,65 +110,207 @@ end
 return 1
 """
 
-# The same grant in one global FIFO of the waiters of every replica. A request is granted only when no
-# live waiter arrived before it (with backfill: or when the room left after it still holds every earlier
-# waiter on the fleet ceiling) and it fits every ceiling as above; otherwise it waits in the queue,
-# keeping its arrival number (ARGV[7]; 0 on the first ask: it takes the next one, after everyone waiting).
-# Waiters whose expiry passed (their replica stopped asking) are dropped first.
-# KEYS: queue (member -> arrival number), queue:exp (member -> expiry, epoch s), queue:seq, then the lease
-# sets (the fleet's first); ARGV: now, lease expiry, member, tokens, key ttl, waiter expiry, arrival number,
-# backfill (0 | 1 | force: granted whatever it finds, as a bypass still reserves), then one ceiling per set. Returns {granted 0 | 1, arrival number (0 if granted
-# without waiting)}.
-_QUEUE_GRANT = _LUA_TOKENS + """
-local now = tonumber(ARGV[1])
-local member = ARGV[3]
-local tokens = tonumber(ARGV[4])
-local seq = tonumber(ARGV[7])
-for _, m in ipairs(redis.call('ZRANGEBYSCORE', KEYS[2], '-inf', now)) do
-  redis.call('ZREM', KEYS[1], m)
-  redis.call('ZREM', KEYS[2], m)
+# The batch script: every write (and read-modify-write) a replica queued during one event-loop turn, applied
+# in the order they were made (kvgate.shared.batch), in ONE call: redis-py's per-call CPU (110 to 170 us
+# whatever the call carries) is paid once per batch, not once per write. Each op runs in its own pcall, so
+# one failing op (its answer: "!<error>") neither stops the others nor undoes those before it.
+# KEYS: queue (member -> arrival number), queue:exp (member -> expiry, epoch s), queue:seq, then every other
+# key the ops touch, once; ARGV: the ops as JSON ([kind, [their keys' KEYS indexes], arguments...]), the
+# session ttl (s), this replica's id, the replica heartbeat key prefix, the room channel.
+# Returns one answer per op, in order.
+#
+# The ops:
+#  turn {sess, place}, at, delta, started: a session's turns in flight on this replica move by delta (the
+#    net of the turn starts and ends merged into it); last activity only moves forward; the session's
+#    placement lives as long as its activity. When a start is among them (started = 1), a session that is
+#    closing re-opens and its epoch is bumped (the closing replica's calls not sent yet are then dropped).
+#    An end seen before its start (a batch that failed halfway) leaves -1, which the start brings to 0.
+#  closed {sess, place}: this replica closes the session, for any reason: mark it so, if known, and forget its
+#    placement (a session that comes back is placed again by the rules, as on one replica). Answers the
+#    session's epoch as the close began (0 when unknown).
+#  idle {sess}, now, threshold: should this replica close the session as idle? The first replica to find it
+#    idle marks it closing and gets 'close'; the others get 'elsewhere'; 'busy' with the seconds since its
+#    last activity while it is active, or while a live replica (heartbeat key there) has a turn in flight.
+#  grant {lease sets, the fleet's first}, now, lease expiry, member, tokens, key ttl, waiter expiry, arrival
+#    number, backfill (0 | 1 | force), {ceilings}: the lease grant in one global FIFO of the waiters of every
+#    replica. Granted only when no live waiter arrived before it (with backfill: or when the room left after
+#    it still holds every earlier waiter on the fleet ceiling) and each place's live reservations plus it fit
+#    that place's ceiling (or the place holds nothing: a request larger than the whole ceiling still runs
+#    alone, as in the ledger); otherwise it waits in the queue, keeping its arrival number (0 on the first
+#    ask: it takes the next one, after everyone waiting). 'force' is granted whatever it finds (a bypass
+#    still reserves). Leases and waiters whose expiry passed (their replica died or stopped asking) are
+#    dropped first. Answers {granted 0 | 1, arrival number (0 if granted without waiting)}.
+#  release {lease sets}, member: a lease's request ended.
+#  leave {}, member: a waiter goes without a grant (aged, cancelled).
+#  link {link key}, field, session: session inference (a completed turn's fingerprint -> its session).
+#  paused {prog key}, tokens, ttl / unpaused {prog key}: the program policy's pause marks.
+# A release or a leave publishes on the room channel once per batch, when waiters are left to wake.
+# A place's live tokens are summed once per batch and then kept up to date by the batch's own grants and
+# releases (the sum scans the set: with many leases live it is most of the script's work).
+_BATCH = _LUA_TOKENS + r"""
+local ttl, replica, beats = ARGV[2], ARGV[3], ARGV[4]
+local Q, QEXP, QSEQ = KEYS[1], KEYS[2], KEYS[3]
+local freed = false
+local sums = {}   -- lease set -> {now, live tokens at now}
+
+local function live(key, now)
+  local c = sums[key]
+  if c and c[1] == now then return c[2] end
+  local s = live_tokens(key, tonumber(now))
+  sums[key] = {now, s}
+  return s
 end
-local fits, fleet = true, 0
-for i = 4, #KEYS do
-  local sum = live_tokens(KEYS[i], now)
-  if i == 4 then fleet = sum end
-  if sum > 0 and sum + tokens > tonumber(ARGV[5 + i]) then fits = false end
+
+local function moved(key, by)
+  local c = sums[key]
+  if c then c[2] = c[2] + by end
 end
-local ahead
-if seq > 0 then
-  ahead = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', '(' .. seq)
-else
-  ahead = redis.call('ZRANGE', KEYS[1], 0, -1)
+
+local OPS = {}
+
+function OPS.turn(k, at, delta, started)
+  local sess, place = KEYS[k[1]], KEYS[k[2]]
+  local f = 'if:' .. replica
+  local n = redis.call('HINCRBY', sess, f, delta)
+  if n == 0 then redis.call('HDEL', sess, f) end
+  if started == 1 then
+    if redis.call('HGET', sess, 'state') == 'closing' then redis.call('HINCRBY', sess, 'epoch', 1) end
+    redis.call('HSET', sess, 'state', 'active')
+  end
+  local last = tonumber(redis.call('HGET', sess, 'last') or '0')
+  if tonumber(at) > last then redis.call('HSET', sess, 'last', at) end
+  if not redis.call('HGET', sess, 'state') then redis.call('HSET', sess, 'state', 'active') end
+  redis.call('EXPIRE', sess, ttl)
+  redis.call('EXPIRE', place, ttl)
+  return n
 end
-local go = fits
-if ARGV[8] == 'force' then
-  go = true
-elseif fits and #ahead > 0 then
-  go = false
-  if ARGV[8] == '1' then
-    local waiting = 0
-    for _, m in ipairs(ahead) do
-      if m ~= member then waiting = waiting + tonumber(string.match(m, '|(%d+)$')) end
+
+function OPS.closed(k)
+  local sess = KEYS[k[1]]
+  if redis.call('EXISTS', sess) == 1 then
+    redis.call('HSET', sess, 'state', 'closing', 'closer', replica)
+  end
+  redis.call('DEL', KEYS[k[2]])
+  return tonumber(redis.call('HGET', sess, 'epoch') or '0')
+end
+
+function OPS.idle(k, now, threshold)
+  local sess = KEYS[k[1]]
+  if redis.call('EXISTS', sess) == 0 then
+    redis.call('HSET', sess, 'state', 'closing', 'closer', replica, 'last', now)
+    redis.call('EXPIRE', sess, ttl)
+    return {'close', '0'}
+  end
+  local h = redis.call('HGETALL', sess)
+  local state, last = 'active', 0
+  for i = 1, #h, 2 do
+    local f, v = h[i], h[i + 1]
+    if f == 'state' then state = v
+    elseif f == 'last' then last = tonumber(v)
+    elseif string.sub(f, 1, 3) == 'if:' and tonumber(v) > 0 then
+      if redis.call('EXISTS', beats .. string.sub(f, 4)) == 1 then return {'busy', '0'} end
     end
-    go = fleet + tokens + waiting <= tonumber(ARGV[9])
+  end
+  if state ~= 'active' then return {'elsewhere', '0'} end
+  local age = tonumber(now) - last
+  if age <= tonumber(threshold) then return {'busy', tostring(age)} end
+  redis.call('HSET', sess, 'state', 'closing', 'closer', replica)
+  redis.call('EXPIRE', sess, ttl)
+  return {'close', tostring(age)}
+end
+
+function OPS.grant(k, now, expiry, member, tokens, keyttl, wexpiry, seq, backfill, ceilings)
+  local tnow = tonumber(now)
+  for _, m in ipairs(redis.call('ZRANGEBYSCORE', QEXP, '-inf', tnow)) do
+    redis.call('ZREM', Q, m)
+    redis.call('ZREM', QEXP, m)
+  end
+  local fits, fleet = true, 0
+  for i = 1, #k do
+    local sum = live(KEYS[k[i]], now)
+    if i == 1 then fleet = sum end
+    if sum > 0 and sum + tokens > ceilings[i] then fits = false end
+  end
+  local ahead
+  if seq > 0 then
+    ahead = redis.call('ZRANGEBYSCORE', Q, '-inf', '(' .. seq)
+  else
+    ahead = redis.call('ZRANGE', Q, 0, -1)
+  end
+  local go = fits
+  if backfill == 'force' then
+    go = true
+  elseif fits and #ahead > 0 then
+    go = false
+    if backfill == '1' then
+      local waiting = 0
+      for _, m in ipairs(ahead) do
+        if m ~= member then waiting = waiting + tonumber(string.match(m, '|(%d+)$')) end
+      end
+      go = fleet + tokens + waiting <= ceilings[1]
+    end
+  end
+  if go then
+    for i = 1, #k do
+      if redis.call('ZADD', KEYS[k[i]], expiry, member) == 1 then moved(KEYS[k[i]], tokens) end
+      redis.call('EXPIRE', KEYS[k[i]], keyttl)
+    end
+    redis.call('ZREM', Q, member)
+    redis.call('ZREM', QEXP, member)
+    return {1, seq}
+  end
+  if seq <= 0 then seq = redis.call('INCR', QSEQ) end
+  redis.call('ZADD', Q, seq, member)
+  redis.call('ZADD', QEXP, wexpiry, member)
+  redis.call('EXPIRE', Q, keyttl)
+  redis.call('EXPIRE', QEXP, keyttl)
+  redis.call('EXPIRE', QSEQ, QUEUE_SEQ_TTL)
+  return {0, seq}
+end
+
+function OPS.release(k, member)
+  local tokens = tonumber(string.match(member, '|(%d+)$')) or 0
+  for i = 1, #k do
+    if redis.call('ZREM', KEYS[k[i]], member) == 1 then moved(KEYS[k[i]], -tokens) end
+  end
+  freed = true
+  return 1
+end
+
+function OPS.leave(k, member)
+  redis.call('ZREM', Q, member)
+  redis.call('ZREM', QEXP, member)
+  freed = true
+  return 1
+end
+
+function OPS.link(k, field, sid)
+  redis.call('HSET', KEYS[k[1]], field, sid)
+  redis.call('EXPIRE', KEYS[k[1]], ttl)
+  return 1
+end
+
+function OPS.paused(k, tokens, pttl)
+  redis.call('SET', KEYS[k[1]], tokens, 'EX', pttl)
+  return 1
+end
+
+function OPS.unpaused(k)
+  redis.call('DEL', KEYS[k[1]])
+  return 1
+end
+
+local out = {}
+for i, op in ipairs(cjson.decode(ARGV[1])) do
+  local ok, r = pcall(OPS[op[1]], unpack(op, 2))
+  if ok then
+    out[i] = r
+  else
+    out[i] = '!' .. (type(r) == 'table' and tostring(r.err) or tostring(r))
   end
 end
-if go then
-  for i = 4, #KEYS do
-    redis.call('ZADD', KEYS[i], ARGV[2], member)
-    redis.call('EXPIRE', KEYS[i], ARGV[5])
-  end
-  redis.call('ZREM', KEYS[1], member)
-  redis.call('ZREM', KEYS[2], member)
-  return {1, seq}
-end
-if seq <= 0 then seq = redis.call('INCR', KEYS[3]) end
-redis.call('ZADD', KEYS[1], seq, member)
-redis.call('ZADD', KEYS[2], ARGV[6], member)
-redis.call('EXPIRE', KEYS[1], ARGV[5])
-redis.call('EXPIRE', KEYS[2], ARGV[5])
-redis.call('EXPIRE', KEYS[3], QUEUE_SEQ_TTL)
-return {0, seq}
+if freed and redis.call('ZCARD', Q) > 0 then redis.call('PUBLISH', ARGV[5], '1') end
+return out
 """.replace("QUEUE_SEQ_TTL", str(QUEUE_SEQ_TTL_S))
 
 # Lead the capacity poll: take the lease (KEYS[1]) when free, or renew it when this replica (ARGV[1])
@@ -264,7 +349,8 @@ class SharedState:
         self.up = True
         self._client = client
         self._scripts: dict[str, Any] = {}
-        self._pending: set[asyncio.Task] = set()
+        self._batch = WriteBatch()
+        self._flusher: asyncio.Task | None = None   # sends the queued ops, one batch in flight at a time
         self._beat: asyncio.Task | None = None
         self._marks: OrderedDict[str, asyncio.Task] = OrderedDict()  # session -> its close mark's task
         self._unsent: OrderedDict[str, list[str]] = OrderedDict()  # lease member -> its keys, release unconfirmed
@@ -303,14 +389,14 @@ class SharedState:
     def register_scripts(self) -> None:
         """Load the Lua scripts (sent to Redis on first use; start() does this)."""
         c = self.client
-        self._scripts = {"turn": c.register_script(_TURN), "idle": c.register_script(_IDLE_CLAIM),
-                         "grant": c.register_script(_LEASE_GRANT), "sum": c.register_script(_LEASE_SUM),
-                         "closed": c.register_script(_CLOSED), "queue": c.register_script(_QUEUE_GRANT),
-                         "lead": c.register_script(_CAPACITY_LEAD)}
+        self._scripts = {"batch": c.register_script(_BATCH), "grant": c.register_script(_LEASE_GRANT),
+                         "sum": c.register_script(_LEASE_SUM), "lead": c.register_script(_CAPACITY_LEAD)}
+        self._fixed_keys = self.queue_keys()
+        self._batch_args = [self.ttl, self.replica, self.prefix + "replica:", self.prefix + "room"]
 
     async def stop(self) -> None:
         await self.drain(1.0)
-        await cancel_tasks(self._beat, self._listener, *self._pending)
+        await cancel_tasks(self._beat, self._listener, self._flusher)
         if self._client is not None:
             try:
                 await self._client.aclose()
@@ -318,14 +404,14 @@ class SharedState:
                 pass
 
     async def drain(self, timeout_s: float = 5.0) -> None:
-        """Wait until the background writes issued so far are done (tests; shutdown)."""
-        if self._pending:
-            await asyncio.wait(list(self._pending), timeout=timeout_s)
+        """Wait until the writes queued so far are sent and answered (tests; shutdown)."""
+        if self._flusher is not None:
+            await asyncio.wait([self._flusher], timeout=timeout_s)
 
     async def _heartbeat_once(self) -> None:
         try:
-            await asyncio.wait_for(self.client.set(self.prefix + "replica:" + self.replica, "1", ex=REPLICA_TTL_S),
-                                   self.timeout_s * 2)
+            async with asyncio.timeout(self.timeout_s * 2):
+                await self.client.set(self.prefix + "replica:" + self.replica, "1", ex=REPLICA_TTL_S)
         except asyncio.CancelledError:
             raise
         except Exception as exc:
@@ -382,8 +468,9 @@ class SharedState:
             await asyncio.sleep(HEARTBEAT_S)
             await self._heartbeat_once()
 
-    def _down(self, op: str, exc: BaseException) -> None:
-        self.metrics.state_backend_bypass.labels(op).inc()
+    def _down(self, op: str, exc: BaseException, count: int = 1) -> None:
+        if count:
+            self.metrics.state_backend_bypass.labels(op).inc(count)
         if self.up:
             self.up = False
             self.metrics.state_backend_up.set(0)
@@ -398,23 +485,102 @@ class SharedState:
             self.metrics.state_backend_bypass.labels(op).inc()
             return False, None
         try:
-            return True, await asyncio.wait_for(make(), self.timeout_s * 2)
+            async with asyncio.timeout(self.timeout_s * 2):  # no task per call, unlike wait_for
+                return True, await make()
         except asyncio.CancelledError:
             raise
         except Exception as exc:
             self._down(op, exc)
             return False, None
 
-    def _spawn(self, op: str, make: Callable[[], Awaitable[Any]]) -> asyncio.Task | None:
-        """Run one call in the background; returns its task (its result: _call's), or None when Redis is
-        known down (counted)."""
+    # --- the write batch: every request's calls in one script call per event-loop turn ---------------
+
+    def _queue(self, op: Op) -> None:
+        """Queue ``op`` for the next batch (kvgate.shared.batch); while Redis is known down it falls back at
+        once (counted; a release is kept to send again)."""
         if not self.up:
-            self.metrics.state_backend_bypass.labels(op).inc()
-            return None
-        t = asyncio.get_running_loop().create_task(self._call(op, make))
-        self._pending.add(t)
-        t.add_done_callback(self._pending.discard)
-        return t
+            self._fell_back([op])
+            return
+        self._batch.add(op)
+        if self._flusher is None:
+            self._flusher = asyncio.get_running_loop().create_task(self._flush(), name="kvgate-redis-batch")
+
+    async def _ask(self, op: Op) -> tuple[bool, Any]:
+        """Queue ``op`` and wait for its answer: (True, answer) or (False, None) when Redis did not answer
+        (counted). Cancelled: the op still goes (a grant Redis gives a gone asker is released)."""
+        if not self.up:
+            self._fell_back([op])
+            return False, None
+        op.waiter = asyncio.get_running_loop().create_future()
+        self._queue(op)
+        return await op.waiter
+
+    async def _flush(self) -> None:
+        try:
+            while True:
+                ops = self._batch.take()
+                if not ops:
+                    return
+                try:
+                    await self._send(ops)
+                finally:
+                    self._batch.done()
+        except asyncio.CancelledError:  # stopping: what is still queued falls back
+            self._fell_back(self._batch.drop_queued())
+            raise
+        finally:
+            self._flusher = None
+
+    async def _send(self, ops: list[Op]) -> None:
+        """Send one batch and deliver each op's answer; a batch Redis did not answer (or one sent after
+        Redis was found down) falls back whole, and what is still queued with it (no call while down)."""
+        if not self.up:
+            self._fell_back(ops)
+            self._fell_back(self._batch.drop_queued())
+            return
+        keys, rows = encode(ops, self._fixed_keys)
+        self.metrics.state_backend_calls.inc()
+        self.metrics.state_backend_ops.inc(len(ops))
+        try:
+            async with asyncio.timeout(self.timeout_s * 2):
+                answers = await self._scripts["batch"](keys=keys, args=[orjson.dumps(rows), *self._batch_args])
+        except asyncio.CancelledError:
+            self._fell_back(ops)
+            raise
+        except Exception as exc:
+            self._fell_back(ops)
+            self._down(ops[0].label, exc, count=0)
+            self._fell_back(self._batch.drop_queued())
+            return
+        failed: list[Op] = []
+        for op, r in zip(ops, answers):
+            if isinstance(r, str) and r.startswith("!"):
+                failed.append(op)
+                continue
+            if op.waiter is not None and not op.waiter.done():
+                op.waiter.set_result((True, r))
+            elif op.lease is not None and int(r[0]):  # granted to an asker that is gone: give it back
+                self.lease_release(*op.lease)
+        if failed:
+            self._fell_back(failed)
+            self._down(failed[0].label, RuntimeError(str(answers[ops.index(failed[0])])), count=0)
+            self._fell_back(self._batch.drop_queued())
+
+    def _fell_back(self, ops: list[Op]) -> None:
+        """Ops Redis did not confirm: counted by op, releases kept to send again, askers answered (False,
+        None); a grant whose asker is gone is kept as a release too (Redis may have held it)."""
+        if not ops:
+            return
+        by_label, releases = fallbacks(ops)
+        for label, n in by_label.items():
+            self.metrics.state_backend_bypass.labels(label).inc(n)
+        for keys, member in releases:
+            self._keep_unsent(keys, member)
+        for op in ops:
+            if op.waiter is not None and not op.waiter.done():
+                op.waiter.set_result((False, None))
+            elif op.lease is not None and op.waiter is not None and op.waiter.cancelled():
+                self._keep_unsent(*op.lease)
 
     def _sess(self, sid: str) -> str:
         return self.prefix + "sess:" + sid
@@ -430,24 +596,24 @@ class SharedState:
         self._turn(sid, -1)
 
     def _turn(self, sid: str, delta: int) -> None:
-        now = self.wall()
-        self._spawn("turn", lambda: self._scripts["turn"](keys=[self._sess(sid), self.prefix + "place:" + sid],
-                                                         args=[repr(now), self.ttl, self.replica, delta]))
+        # merged with the session's turn write still queued, if any (kvgate.shared.batch)
+        self._queue(Op("turn", "turn", (self._sess(sid), self.prefix + "place:" + sid), session=sid, delta=delta,
+                       started=delta > 0, at=repr(self.wall())))
 
     def session_closed(self, sid: str) -> None:
         """This replica closes ``sid`` (any reason): the other replicas' idle sweeps then mark it closed
         without calls of their own (in the background; a session Redis does not know is left alone). The
         session's epoch as the close began is kept for :meth:`close_wanted`."""
-        async def run():
-            epoch = await self._scripts["closed"](keys=[self._sess(sid), self.prefix + "place:" + sid],
-                                                  args=[self.replica])
-            return int(epoch)
-        t = self._spawn("turn", run)
+        op = Op("closed", "turn", (self._sess(sid), self.prefix + "place:" + sid), session=sid)
         self._marks.pop(sid, None)
-        if t is not None:  # close_wanted waits for its answer
-            self._marks[sid] = t
-            while len(self._marks) > MARKS_MAX:
-                self._marks.popitem(last=False)
+        if not self.up:
+            self._fell_back([op])
+            return
+        op.waiter = asyncio.get_running_loop().create_future()
+        self._queue(op)
+        self._marks[sid] = op.waiter  # close_wanted waits for its answer
+        while len(self._marks) > MARKS_MAX:
+            self._marks.popitem(last=False)
 
     async def close_wanted(self, sid: str) -> bool:
         """Before this replica sends one of ``sid``'s close calls: False when the session came back
@@ -471,9 +637,9 @@ class SharedState:
         ("close", 0) when it is idle on every replica and this one won the close, ("busy", age_s) when a
         turn is in flight on a live replica or the last activity anywhere is ``age_s`` seconds ago,
         ("elsewhere", 0) when another replica closes it, ("unknown", 0) when Redis is unreachable."""
-        ok, r = await self._call("idle", lambda: self._scripts["idle"](
-            keys=[self._sess(sid)],
-            args=[repr(self.wall()), repr(threshold_s), self.replica, self.ttl, self.prefix + "replica:"]))
+        # through the batch: it reaches Redis after this replica's turn writes made before it
+        ok, r = await self._ask(Op("idle", "idle", (self._sess(sid),), [repr(self.wall()), repr(threshold_s)],
+                                   session=sid))
         if not ok:
             return "unknown", 0.0
         return str(r[0]), float(r[1])
@@ -517,13 +683,8 @@ class SharedState:
         key, length, tail_fp = link
         k = self.prefix + "link:" + key
 
-        async def run():
-            # One hash per block key: GRPO siblings share their first blocks and differ after them.
-            async with self.client.pipeline(transaction=False) as p:
-                p.hset(k, f"{length}|{tail_fp}", sid)
-                p.expire(k, self.ttl)
-                await p.execute()
-        self._spawn("inference", run)
+        # One hash per block key: GRPO siblings share their first blocks and differ after them.
+        self._queue(Op("link", "inference", (k,), [f"{length}|{tail_fp}", sid]))
 
     async def continued_session(self, units: Sequence[int] | str, block: int) -> str | None:
         """The session whose completed turn (prompt + output) ``units`` extends, as recorded by any
@@ -624,26 +785,19 @@ class SharedState:
         Returns (granted, arrival number; 0 when granted without waiting), or None when Redis is
         unreachable. Call :meth:`queue_leave` when the waiter goes without a grant (aged, cancelled)."""
         now = self.wall()
-        ok, r = await self._call("admission", lambda: self._scripts["queue"](
-            keys=[*self.queue_keys(), *keys],
-            args=[repr(now), repr(now + ttl_s), member, max(0, int(tokens)), max(1, int(ttl_s) + 1),
-                  repr(now + WAITER_TTL_S), int(seq), "force" if force else (1 if backfill else 0),
-                  *[int(c) for c in ceilings]]))
+        keys = list(keys)
+        op = Op("grant", "admission", keys,
+                [repr(now), repr(now + ttl_s), member, max(0, int(tokens)), max(1, int(ttl_s) + 1),
+                 repr(now + WAITER_TTL_S), int(seq), "force" if force else ("1" if backfill else "0"),
+                 [int(c) for c in ceilings]], lease=(keys, member))
+        ok, r = await self._ask(op)
         if not ok:
             return None
         return bool(int(r[0])), int(r[1])
 
     def queue_leave(self, member: str) -> None:
         """``member`` stops waiting in the shared queue without a grant (in the background)."""
-        q, exp, _ = self.queue_keys()
-
-        async def run():
-            async with self.client.pipeline(transaction=True) as p:
-                p.zrem(q, member)
-                p.zrem(exp, member)
-                p.publish(self.prefix + "room", "1")
-                await p.execute()
-        self._spawn("admission", run)
+        self._queue(Op("leave", "admission", (), [member]))
 
     async def queue_waiting(self) -> list[tuple[str, int]]:
         """The shared queue now, oldest first: (member, arrival number); [] when Redis is unreachable
@@ -657,12 +811,12 @@ class SharedState:
     def program_paused(self, sid: str, tokens: int, ttl_s: float) -> None:
         """This replica paused ``sid``'s program with ``tokens`` of context (in the background); the mark
         lives ``ttl_s`` seconds unless it resumes or ends first."""
-        self._spawn("admission", lambda: self.client.set(self.prefix + "prog:" + sid, str(max(0, int(tokens))),
-                                                         ex=max(1, int(ttl_s))))
+        self._queue(Op("paused", "admission", (self.prefix + "prog:" + sid,),
+                       [str(max(0, int(tokens))), max(1, int(ttl_s))]))
 
     def program_unpaused(self, sid: str) -> None:
         """``sid``'s program resumed or ended (in the background)."""
-        self._spawn("admission", lambda: self.client.delete(self.prefix + "prog:" + sid))
+        self._queue(Op("unpaused", "admission", (self.prefix + "prog:" + sid,)))
 
     async def paused_program(self, sid: str) -> int | None:
         """The context (tokens) of ``sid``'s program if a replica paused it and it has not resumed; None
@@ -680,18 +834,8 @@ class SharedState:
         never held longer than the request unless more than UNSENT_RELEASES_MAX releases wait."""
         keys = list(keys)
         self._unsent.pop(member, None)
-
-        async def run():
-            async with self.client.pipeline(transaction=True) as p:
-                for k in keys:
-                    p.zrem(k, member)
-                p.publish(self.prefix + "room", "1")  # the waiters of every replica ask again now
-                await p.execute()
-        t = self._spawn("admission", run)
-        if t is None:
-            self._keep_unsent(keys, member)
-        else:
-            t.add_done_callback(lambda t: t.cancelled() or t.result()[0] or self._keep_unsent(keys, member))
+        # the script publishes on the room channel when waiters are left to wake (of every replica)
+        self._queue(Op("release", "admission", keys, [member], release=(keys, member)))
 
     def _keep_unsent(self, keys: list[str], member: str) -> None:
         self._unsent[member] = keys
