@@ -41,6 +41,24 @@ def test_workers_ready_needs_every_worker_with_engines_and_a_ledger():
     assert proxy_bench.workers_ready(degraded, 2, ledger=False) and not proxy_bench.workers_ready(degraded, 2, True)
 
 
+def test_baseline_arms_get_worker_variants_and_the_scaling_is_per_round():
+    arms = proxy_bench.with_worker_arms(["direct", "smg", "lifecycle", "lifecycle@base"], [1, 2])
+    assert arms == ["direct", "smg", "lifecycle", "lifecycle@base", "lifecycle-w1", "lifecycle-w2",
+                    "lifecycle-w1@base", "lifecycle-w2@base"]
+    from kvgate.bench.proxy_report import Sample, markdown, summarise
+    rps = {0: {"lifecycle-w1": 100, "lifecycle-w2": 180, "lifecycle-w1@base": 50, "lifecycle-w2@base": 60},
+           1: {"lifecycle-w1": 80, "lifecycle-w2": 160, "lifecycle-w1@base": 40, "lifecycle-w2@base": 50},
+           2: {"lifecycle-w1": 90, "lifecycle-w2": 153}}
+    samples = [Sample(r, a, "small", "throughput", rps=v) for r, by in rps.items() for a, v in by.items()]
+    samples += [Sample(r, a, "small", "latency", p50_us=100.0) for r in rps for a in ["direct", "smg", *rps[0]]]
+    s = summarise(samples)
+    assert s.scaling["small"]["lifecycle-w2"] == (1.8, 1.7, 2.0)   # per round: 1.8, 2.0, 1.7
+    assert s.scaling["small"]["lifecycle-w2@base"] == (1.225, 1.2, 1.25)
+    assert "lifecycle-w1" not in s.scaling["small"]
+    assert "| small /generate, req/s of N workers / 1 worker, per round |" in markdown(s)
+    assert "1.80x (1.70-2.00)" in markdown(s)
+
+
 @pytest.mark.skipif(proxy_bench.missing_tools() is not None or procs.find_executable("redis-server") is None,
                     reason=str(proxy_bench.missing_tools() or "redis-server not installed"))
 def test_a_tiny_run_with_two_workers(tmp_path):

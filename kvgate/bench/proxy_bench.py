@@ -219,7 +219,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "kvgate's RSS before and with N sessions tracked")
     p.add_argument("--baseline", metavar="DIR",
                    help="another kvgate source tree (e.g. a git worktree of main): its kvgate arms run in the "
-                        "same rounds as 'ARM@base', for before/after figures from one run")
+                        "same rounds as 'ARM@base' (with --workers, also as 'ARM-wN@base'), for before/after "
+                        "figures from one run")
     p.add_argument("--workers", nargs="+", type=int, default=[], metavar="N",
                    help="also run each kvgate arm as ARM-wN: `kvgate serve --workers N` with state_backend: redis "
                         "(a redis-server is started; N = 1 gives the one-process figure on the same backend)")
@@ -277,7 +278,7 @@ def run(args: argparse.Namespace) -> int:
         print("kvgate bench-proxy: skipped: --workers needs redis-server (Debian: apt-get install redis-server)",
               file=sys.stderr)
         return 3
-    arms += [f"{a}-w{n}" for a in list(arms) if a in KVGATE_FLAGS for n in workers]
+    arms = with_worker_arms(arms, workers)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix="kvgate-proxy-bench-"))
@@ -329,6 +330,13 @@ def run(args: argparse.Namespace) -> int:
     finally:
         procs.stop_all(started)
         shutil.rmtree(work, ignore_errors=True)
+
+
+def with_worker_arms(arms: list[str], workers: list[int]) -> list[str]:
+    """``arms`` followed by "ARM-wN" for each kvgate arm and each N in ``workers``; a baseline arm ("ARM@base")
+    gets "ARM-wN@base", so the baseline's scaling is measured in the same rounds as this tree's."""
+    return arms + [f"{name}-w{n}{at}{tag}" for name, at, tag in (a.partition("@") for a in arms)
+                   if name in KVGATE_FLAGS for n in workers]
 
 
 def _smg_version() -> str:

@@ -55,13 +55,16 @@ class Summary:
     ratio: dict[str, dict[str, float | None]] = field(default_factory=dict)
     rps: dict[str, dict[str, float]] = field(default_factory=dict)
     cpu: dict[str, dict[str, float]] = field(default_factory=dict)
+    # shape -> "ARM-wN[@base]" -> (median, min, max) over rounds of its req/s / ARM-w1[@base]'s in the same round
+    scaling: dict[str, dict[str, tuple[float, float, float]]] = field(default_factory=dict)
     errors: int = 0
     rounds: int = 0
 
     def to_json(self) -> dict[str, Any]:
         return {"rounds": self.rounds, "errors": self.errors, "p50_us": self.latency, "added_us": self.added,
                 "ratio_to_smg": self.ratio, "max_rps": self.rps, "cpu_us_per_request": self.cpu,
-                "cpu_us_per_request_one_connection": self.latency_cpu}
+                "cpu_us_per_request_one_connection": self.latency_cpu,
+                "workers_scaling": {s: {a: list(v) for a, v in d.items()} for s, d in self.scaling.items()}}
 
 
 def base_arm(arm: str) -> str:
@@ -106,6 +109,7 @@ def summarise(samples: Iterable[Sample]) -> Summary:
             cpu = _median(s.cpu_us_per_req for s in group)
             if cpu is not None:
                 out.cpu.setdefault(shape, {})[arm] = cpu
+    out.scaling = worker_scaling(samples)
     per_round: dict[tuple[str, int], dict[str, float]] = {}
     for s in samples:
         if s.mode == "latency" and s.p50_us is not None:
@@ -123,6 +127,28 @@ def summarise(samples: Iterable[Sample]) -> Summary:
         out.ratio[shape] = {arm: (a / smg_added if smg_added and smg_added > 0 else None)
                             for arm, a in added.items() if arm != SMG}
     return out
+
+
+def worker_scaling(samples: Iterable[Sample]) -> dict[str, dict[str, tuple[float, float, float]]]:
+    """For each throughput arm run with N > 1 workers ("ARM-wN", "ARM-wN@base"): its req/s divided by the
+    one-worker arm's ("ARM-w1", same tree) in the same round, as (median, min, max) over the rounds. Per
+    round, because the load on a shared machine moves between rounds more than between two arms of one."""
+    per_round: dict[tuple[str, int], dict[str, float]] = {}
+    for s in samples:
+        if s.mode == "throughput" and s.rps:
+            per_round.setdefault((s.shape, s.round), {})[s.arm] = s.rps
+    ratios: dict[str, dict[str, list[float]]] = {}
+    for (shape, _), rps in per_round.items():
+        for arm, v in rps.items():
+            name, at, tag = arm.partition("@")
+            m = re.search(r"-w(\d+)$", name)
+            if not m or m.group(1) == "1":
+                continue
+            one = f"{name[:m.start()]}-w1{at}{tag}"
+            if rps.get(one):
+                ratios.setdefault(shape, {}).setdefault(arm, []).append(v / rps[one])
+    return {shape: {arm: (statistics.median(v), min(v), max(v)) for arm, v in by.items()}
+            for shape, by in ratios.items()}
 
 
 def _us(v: float | None) -> str:
@@ -181,6 +207,14 @@ def markdown(summary: Summary, meta: Mapping[str, Any] | None = None) -> str:
             v = cpu.get(a)
             ratio = f" ({v / cpu[SMG]:.2f}x)" if v is not None and a != SMG and cpu.get(SMG) else ""
             row.append("-" if v is None else f"{_us(v)}{ratio}")
+        lines.append("| " + " | ".join(row) + " |")
+    for shape in SHAPE_ORDER:
+        if shape not in summary.scaling:
+            continue
+        row = [f"{SHAPE_TITLES.get(shape, shape)}, req/s of N workers / 1 worker, per round"]
+        for a in arms:
+            v = summary.scaling[shape].get(a)
+            row.append("-" if v is None else f"{v[0]:.2f}x ({v[1]:.2f}-{v[2]:.2f})")
         lines.append("| " + " | ".join(row) + " |")
     lines.append("")
     direct = {s: summary.latency[s].get(DIRECT) for s in SHAPE_ORDER if s in summary.latency}
