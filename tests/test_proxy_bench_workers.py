@@ -59,6 +59,18 @@ def test_baseline_arms_get_worker_variants_and_the_scaling_is_per_round():
     assert "1.80x (1.70-2.00)" in markdown(s)
 
 
+def test_backend_figures_sum_every_workers_fallbacks_and_batches():
+    text = merge_expositions([("0", _worker(1, 0)), ("1", _worker(1, 0))], 2).decode()
+    assert proxy_bench.backend_figures(text) == {"bypass": 0.0, "calls": 0.0, "ops": 0.0}
+    m = Metrics()
+    m.state_backend_bypass.labels("turn").inc(3)
+    m.state_backend_bypass.labels("admission").inc(2)
+    m.state_backend_calls.inc(10)
+    m.state_backend_ops.inc(70)
+    text = merge_expositions([("0", m.render()[0].decode()), ("1", m.render()[0].decode())], 2).decode()
+    assert proxy_bench.backend_figures(text) == {"bypass": 10.0, "calls": 20.0, "ops": 140.0}
+
+
 @pytest.mark.skipif(proxy_bench.missing_tools() is not None or procs.find_executable("redis-server") is None,
                     reason=str(proxy_bench.missing_tools() or "redis-server not installed"))
 def test_a_tiny_run_with_two_workers(tmp_path):

@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from kvgate.shared.batch import Op, WriteBatch, encode, fallbacks
+from kvgate.shared.batch import LINGER_S, Op, WriteBatch, encode, fallbacks
 
 
 def turn(sid: str, delta: int, at: float) -> Op:
@@ -49,9 +49,9 @@ class Model:
 
 def test_a_turns_start_and_end_queued_together_are_one_write():
     b = WriteBatch()
-    assert b.add(turn("s", 1, 1.0)) is True   # the first op queued: start a flush
-    assert b.add(turn("s", -1, 2.0)) is False
-    assert b.add(turn("t", 1, 1.5)) is False
+    b.add(turn("s", 1, 1.0), 0.0)
+    b.add(turn("s", -1, 2.0), 0.0)
+    b.add(turn("t", 1, 1.5), 0.0)
     assert len(b) == 2 and b.merged == 1
     s = b.queued[0]
     assert (s.delta, s.started, s.at) == (0, True, "2.0")
@@ -59,30 +59,53 @@ def test_a_turns_start_and_end_queued_together_are_one_write():
 
 def test_merging_stops_at_a_close_or_an_idle_claim_and_at_the_batch_in_flight():
     b = WriteBatch()
-    b.add(turn("s", 1, 1.0))
-    b.add(other("closed", "s"))
-    b.add(turn("s", 1, 2.0))          # after the close: its own write (it re-opens the session)
+    b.add(turn("s", 1, 1.0), 0.0)
+    b.add(other("closed", "s"), 0.0)
+    b.add(turn("s", 1, 2.0), 0.0)          # after the close: its own write (it re-opens the session)
     assert [o.kind for o in b.queued] == ["turn", "closed", "turn"]
-    sent = b.take()
-    assert len(sent) == 3 and b.in_flight and b.take() == []   # one batch in flight at a time
-    assert b.add(turn("s", -1, 3.0)) is False                  # in flight: no new flush, and not merged
+    sent = b.take(0.0)
+    assert len(sent) == 3 and b.in_flight and b.take(0.0) == []   # one batch in flight at a time
+    b.add(turn("s", -1, 3.0), 0.0)                                # not merged into the one in flight
     assert sent[2].delta == 1 and len(b) == 1
-    assert b.done() is True                                    # more queued: flush again
-    assert b.take()[0].delta == -1 and b.done() is False
+    assert b.due_in(1.0) is None                                  # in flight: its answer flushes again
+    b.done()
+    assert b.due_in(1.0) == 0.0 and b.take(1.0)[0].delta == -1
 
 
 def test_a_batch_is_at_most_max_ops_oldest_first():
     b = WriteBatch(max_ops=3)
     ops = [turn(f"s{i}", 1, float(i)) for i in range(7)]
     for o in ops:
-        b.add(o)
+        b.add(o, 0.0)
+    assert b.due_in(0.0) == 0.0   # max_ops queued: no lingering
     got = []
-    while batch := b.take():
+    while batch := b.take(0.0):
         got.append(batch)
         b.done()
     assert [len(x) for x in got] == [3, 3, 1] and sum(got, []) == ops
     with pytest.raises(ValueError):
         WriteBatch(max_ops=0)
+    with pytest.raises(ValueError):
+        WriteBatch(linger_s=-1)
+
+
+def test_writes_linger_for_company_and_an_asker_takes_them_along_at_once():
+    b = WriteBatch(linger_s=0.005)
+    assert b.due_in(0.0) is None
+    b.add(turn("s", 1, 1.0), 10.0)
+    assert b.due_in(10.0) == pytest.approx(0.005)
+    b.add(turn("t", 1, 1.0), 10.003)
+    assert b.due_in(10.003) == pytest.approx(0.002)   # the oldest write sets the deadline
+    assert b.due_in(10.006) == 0.0
+    grant = Op("grant", "admission", ["lease:fleet"], ["1.0"], waiter=object())
+    b.add(grant, 10.004)
+    assert b.due_in(10.004) == 0.0                    # someone waits: now, with the writes before it
+    assert [o.kind for o in b.take(10.004)] == ["turn", "turn", "grant"]
+    b.done()
+    assert b.due_in(10.004) is None
+    b.add(turn("s", -1, 2.0), 20.0)                   # a fresh deadline after the queue emptied
+    assert b.due_in(20.001) == pytest.approx(0.004)
+    assert LINGER_S <= 0.01   # other replicas see a write this late at most: far under any idle threshold
 
 
 def test_what_a_failed_batch_falls_back_as():
@@ -120,7 +143,7 @@ def test_batched_and_merged_writes_leave_what_one_by_one_writes_leave(steps, max
         t += 1.0
         if kind == "flush":
             if not flight:
-                flight = b.take()
+                flight = b.take(t)
             continue
         if kind == "answer":
             for op in flight:
@@ -132,13 +155,13 @@ def test_batched_and_merged_writes_leave_what_one_by_one_writes_leave(steps, max
         op = turn(sid, 1 if kind == "turn+" else -1, t) if kind.startswith("turn") else other(kind, sid)
         one_by_one.apply(Op(op.kind, op.label, op.keys, session=op.session, delta=op.delta, started=op.started,
                             at=op.at))
-        b.add(op)
+        b.add(op, t)
         added += 1
     for op in flight:
         batched.apply(op)
     sent += flight
     b.done()
-    while batch := b.take():
+    while batch := b.take(t):
         for op in batch:
             batched.apply(op)
         sent += batch

@@ -316,13 +316,23 @@ def run(args: argparse.Namespace) -> int:
             print(f"kvgate bench-proxy: round {rnd + 1}/{args.rounds} done ({time.monotonic() - t_start:.0f} s)",
                   file=sys.stderr, flush=True)
         summary = summarise(samples)
+        backend = {}
+        for arm in arms:
+            if WORKERS_ARM.search(arm.partition("@")[0]):
+                backend[arm] = backend_figures(procs.wait_http(urls[arm] + "/metrics", 30).decode())
         meta = {"rounds": args.rounds, "latency run": f"{args.latency_s} s at 1 connection",
                 "throughput run": f"{args.throughput_s} s at {args.connections} connections",
                 "upstream": "nginx with fixed answers", "smg": _smg_version(), "cpus": os.cpu_count()}
         md = markdown(summary, meta)
+        if backend:
+            md += "\nShared state (Redis) of the worker arms over the run: " + "; ".join(
+                f"{arm} {b['bypass']:.0f} calls fell back"
+                + (f", {b['ops']:.0f} ops in {b['calls']:.0f} batched calls" if "calls" in b else "")
+                for arm, b in backend.items()) + ".\n"
         (out / "proxy-bench.md").write_text(md)
         (out / "proxy-bench.json").write_text(json.dumps(
-            {"meta": meta, "arms": arms, "summary": summary.to_json(), "samples": [asdict(s) for s in samples]},
+            {"meta": meta, "arms": arms, "summary": summary.to_json(), "backend": backend,
+             "samples": [asdict(s) for s in samples]},
             indent=1))
         print(md)
         print(f"kvgate bench-proxy: wrote {out / 'proxy-bench.md'} and {out / 'proxy-bench.json'}", file=sys.stderr)
@@ -428,6 +438,23 @@ def workers_ready(metrics_text: str, n: int, ledger: bool) -> bool:
     workers = [str(i) for i in range(n)]
     return (all(up.get(w) == 1 for w in workers) and all(engines.get(w, 0) >= 1 for w in workers)
             and (not ledger or all(degraded.get(w) == 0 for w in workers)))
+
+
+def backend_figures(metrics_text: str) -> dict[str, float]:
+    """From the merged /metrics of a -wN arm after the run: shared-state calls that fell back (``bypass``:
+    Redis unreachable or slower than redis_timeout_s; the requests then went on this worker's own state, so
+    the arm's figures would not be those of the shared state), and where the tree counts them, the batched
+    Redis ``calls`` and the ``ops`` they carried."""
+    from prometheus_client.parser import text_string_to_metric_families
+    out = {"bypass": 0.0}
+    names = {"agentic_kv_state_backend_bypass_total": "bypass", "agentic_kv_state_backend_calls_total": "calls",
+             "agentic_kv_state_backend_ops_total": "ops"}
+    for fam in text_string_to_metric_families(metrics_text):
+        for s in fam.samples:
+            key = names.get(s.name)
+            if key is not None:
+                out[key] = out.get(key, 0.0) + s.value
+    return out
 
 
 def _start_redis(work: Path, started: list[procs.Proc]) -> str:

@@ -1,13 +1,18 @@
-"""Coalescing a replica's Redis calls: the pure core of the shared state's write batch (no I/O, no clock).
+"""Coalescing a replica's Redis calls: the pure core of the shared state's write batch (no I/O; the clock is
+passed in, monotonic seconds).
 
 Every request made two to four Redis calls (its turn's start and end, with admission the shared queue's grant
 and its release), and redis-py's asyncio client costs 110 to 170 us of CPU per call whatever it carries
 (scripts/redis_call_cost.py). The shell (kvgate.shared.redis_state) therefore queues the calls of every
-request here and sends what is queued as ONE script call once per event-loop turn; calls queued while one is
-on the wire go out together when it answers. One call in flight at a time keeps the order calls were made
-in, so a turn's end never reaches Redis before its start, and a release never before its grant.
+request here and sends what is queued as ONE script call; calls queued while one is on the wire go out
+together when it answers. One call in flight at a time keeps the order calls were made in, so a turn's end
+never reaches Redis before its start, and a release never before its grant.
 
 What this module decides:
+  - when: a call someone waits for (a grant, an idle claim, a close's epoch) goes at once, with everything
+    queued before it; writes nobody waits for (turn starts and ends, releases, links, pause marks) wait up to
+    ``linger_s`` for company (so at low concurrency, too, a request's writes share calls), or until
+    ``max_ops`` are queued.
   - merging: a turn's start or end for a session whose previous turn write is still queued (not sent) joins
     it: the deltas add up, "a turn started" is kept (it re-opens a closing session), and the last activity
     is the latest of the two. A write of another kind on the session (its close, an idle claim) stops the
@@ -26,6 +31,9 @@ from typing import Any, Sequence
 
 #: Ops a batch carries at most: the script applies them while Redis serves nobody else (a few us each).
 MAX_OPS = 256
+#: Seconds a write nobody waits for may wait for others to share its call. Other replicas see a turn's
+#: activity, a release's room or an inference link this much later at most (idle thresholds are seconds).
+LINGER_S = 0.005
 
 
 @dataclass(eq=False, slots=True)
@@ -56,18 +64,22 @@ class Op:
 class WriteBatch:
     """The queue of ops not sent yet and the one batch in flight (see the module docstring)."""
 
-    def __init__(self, max_ops: int = MAX_OPS):
-        if max_ops < 1:
-            raise ValueError("max_ops must be >= 1")
+    def __init__(self, max_ops: int = MAX_OPS, linger_s: float = LINGER_S):
+        if max_ops < 1 or linger_s < 0:
+            raise ValueError("max_ops must be >= 1 and linger_s >= 0")
         self.max_ops = max_ops
+        self.linger_s = linger_s
         self.queued: list[Op] = []
+        self._since: float | None = None  # when the oldest queued op was queued
+        self._urgent = 0                  # queued ops someone waits for
         self.in_flight = False
         self._last: dict[str, Op] = {}   # session -> its last queued op (merging stops at any other kind)
         self.merged = 0                  # turn writes that joined a queued one (not sent on their own)
 
-    def add(self, op: Op) -> bool:
-        """Queue ``op`` (merged into its session's queued turn write when it can be). Returns True when
-        the shell should start a flush (nothing in flight and this is the first op queued)."""
+    def add(self, op: Op, now: float) -> None:
+        """Queue ``op`` at ``now`` (merged into its session's queued turn write when it can be)."""
+        if not self.queued:
+            self._since = now
         sid = op.session
         if sid is not None:
             last = self._last.get(sid)
@@ -77,33 +89,45 @@ class WriteBatch:
                 if float(op.at) > float(last.at):
                     last.at = op.at
                 self.merged += 1
-                return False
+                return
             self._last[sid] = op
         self.queued.append(op)
-        return not self.in_flight and len(self.queued) == 1
+        self._urgent += op.waiter is not None
 
-    def take(self) -> list[Op]:
-        """The next batch (oldest first, at most max_ops), now in flight; [] when one is already in flight or
-        nothing is queued."""
+    def due_in(self, now: float) -> float | None:
+        """Seconds until the queued ops should go (0: now); None when nothing is queued or a batch is in
+        flight (its answer calls this again)."""
+        if self.in_flight or not self.queued:
+            return None
+        if self._urgent or len(self.queued) >= self.max_ops:
+            return 0.0
+        return max(0.0, self._since + self.linger_s - now)
+
+    def take(self, now: float) -> list[Op]:
+        """The next batch (oldest first, at most max_ops), now in flight, whether due or not; [] when one is
+        already in flight or nothing is queued."""
         if self.in_flight or not self.queued:
             return []
         batch, self.queued = self.queued[:self.max_ops], self.queued[self.max_ops:]
+        if not self.queued:
+            self._since = None
         for op in batch:
             op.taken = True
+            self._urgent -= op.waiter is not None
             if op.session is not None and self._last.get(op.session) is op:
                 del self._last[op.session]
         self.in_flight = True
         return batch
 
-    def done(self) -> bool:
-        """The batch in flight was answered (or failed). Returns True when more is queued (flush again)."""
+    def done(self) -> None:
+        """The batch in flight was answered (or failed)."""
         self.in_flight = False
-        return bool(self.queued)
 
     def drop_queued(self) -> list[Op]:
         """Everything queued, removed (Redis became unreachable: nothing more is sent until it answers)."""
         out, self.queued = self.queued, []
         self._last.clear()
+        self._since, self._urgent = None, 0
         return out
 
     def __len__(self) -> int:

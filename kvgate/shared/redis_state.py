@@ -25,8 +25,9 @@ Kept in Redis (every key starts with ``redis_key_prefix`` and expires):
   ``prog:<id>``   a program the program policy paused (its context, tokens): its next turn through any
                   replica resumes as a paused program; deleted when it resumes or ends, TTL
                   ``admission_program_ttl_s``.
-  ``room``        a pub/sub channel: a released lease or a waiter that left publishes on it, and every
-                  replica's waiters ask again at once instead of at their next backoff.
+  ``room``        a pub/sub channel: a released lease or a waiter that left publishes on it while waiters
+                  are left in ``queue``, and every replica's waiters ask again at once instead of at their
+                  next backoff.
   ``replica:<id>`` a replica's heartbeat (TTL 5 s): the turns in flight of a replica whose heartbeat
                   expired (it died) do not keep a session busy.
 
@@ -351,6 +352,7 @@ class SharedState:
         self._scripts: dict[str, Any] = {}
         self._batch = WriteBatch()
         self._flusher: asyncio.Task | None = None   # sends the queued ops, one batch in flight at a time
+        self._wake = asyncio.Event()                 # an op someone waits for was queued: stop lingering
         self._beat: asyncio.Task | None = None
         self._marks: OrderedDict[str, asyncio.Task] = OrderedDict()  # session -> its close mark's task
         self._unsent: OrderedDict[str, list[str]] = OrderedDict()  # lease member -> its keys, release unconfirmed
@@ -371,6 +373,7 @@ class SharedState:
             # One pooled connection per call in flight, up to POOL_CONNECTIONS: redis-py's default pool refuses
             # the 101st call in flight (MaxConnectionsError), which marked Redis unreachable under load. (Its
             # BlockingConnectionPool queues unfairly: measured, calls waited over 0.5 s with 150 in flight.)
+            # The request path's calls go out as one batch at a time; the reads a request waits for do not.
             self._client = redis.Redis.from_url(self.url, socket_timeout=self.timeout_s,
                                                 socket_connect_timeout=self.timeout_s, max_connections=POOL_CONNECTIONS,
                                                 retry=Retry(NoBackoff(), 0), decode_responses=True)
@@ -501,9 +504,12 @@ class SharedState:
         if not self.up:
             self._fell_back([op])
             return
-        self._batch.add(op)
+        loop = asyncio.get_running_loop()
+        self._batch.add(op, loop.time())
         if self._flusher is None:
-            self._flusher = asyncio.get_running_loop().create_task(self._flush(), name="kvgate-redis-batch")
+            self._flusher = loop.create_task(self._flush(), name="kvgate-redis-batch")
+        elif op.waiter is not None:
+            self._wake.set()
 
     async def _ask(self, op: Op) -> tuple[bool, Any]:
         """Queue ``op`` and wait for its answer: (True, answer) or (False, None) when Redis did not answer
@@ -516,11 +522,21 @@ class SharedState:
         return await op.waiter
 
     async def _flush(self) -> None:
+        loop = asyncio.get_running_loop()
         try:
             while True:
-                ops = self._batch.take()
-                if not ops:
+                wait = self._batch.due_in(loop.time())
+                if wait is None:
                     return
+                if wait > 0:  # writes nobody waits for: let others join them, unless an asker comes
+                    self._wake.clear()
+                    try:
+                        async with asyncio.timeout(wait):
+                            await self._wake.wait()
+                    except TimeoutError:
+                        pass
+                    continue
+                ops = self._batch.take(loop.time())
                 try:
                     await self._send(ops)
                 finally:
