@@ -89,12 +89,12 @@ def test_a_batch_is_at_most_max_ops_oldest_first():
         WriteBatch(linger_s=-1)
 
 
-def test_writes_linger_for_company_and_an_asker_takes_them_along_at_once():
+def test_writes_linger_for_company_and_an_asker_or_a_start_takes_them_along_at_once():
     b = WriteBatch(linger_s=0.005)
     assert b.due_in(0.0) is None
-    b.add(turn("s", 1, 1.0), 10.0)
+    b.add(turn("s", -1, 1.0), 10.0)
     assert b.due_in(10.0) == pytest.approx(0.005)
-    b.add(turn("t", 1, 1.0), 10.003)
+    b.add(turn("t", -1, 1.0), 10.003)
     assert b.due_in(10.003) == pytest.approx(0.002)   # the oldest write sets the deadline
     assert b.due_in(10.006) == 0.0
     grant = Op("grant", "admission", ["lease:fleet"], ["1.0"], waiter=object())
@@ -105,6 +105,16 @@ def test_writes_linger_for_company_and_an_asker_takes_them_along_at_once():
     assert b.due_in(10.004) is None
     b.add(turn("s", -1, 2.0), 20.0)                   # a fresh deadline after the queue emptied
     assert b.due_in(20.001) == pytest.approx(0.004)
+    b.add(turn("s", 1, 3.0), 20.002)                  # a start merged into it: the write goes now
+    assert len(b) == 1 and b.due_in(20.002) == 0.0
+    b.take(20.002)
+    b.done()
+    b.add(turn("u", 1, 4.0), 30.0)                    # a start alone: now too
+    assert b.due_in(30.0) == 0.0
+    b.take(30.0)
+    b.add(Op("release", "admission", ["lease:fleet"], ["m"]), 30.001)   # queued while the start is in flight
+    b.done()
+    assert b.due_in(30.002) == pytest.approx(0.004)   # a release lingers
     assert LINGER_S <= 0.01   # other replicas see a write this late at most: far under any idle threshold
 
 

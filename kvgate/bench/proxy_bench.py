@@ -396,7 +396,12 @@ def _start_chain(arms: list[str], work: Path, started: list[procs.Proc],
         if n_workers is not None:  # one redis key prefix per arm: the arms share one redis-server
             cmd += ["--workers", str(n_workers), "--state-backend", "redis", "--redis-url", redis_url,
                     "--redis-key-prefix", f"{arm}:"]
-        kv = procs.start(f"kvgate-{arm.replace('+', '-')}", cmd, work, url=f"http://127.0.0.1:{kport}")
+        # The tree's package also for the processes it starts (the workers of --workers run `python -m kvgate`):
+        # on PYTHONPATH, run from the work directory (`-m` puts the current directory first on sys.path).
+        tree = Path(baseline).resolve() if tag else Path(__file__).resolve().parents[2]
+        kv = procs.start(f"kvgate-{arm.replace('+', '-')}", cmd, work, url=f"http://127.0.0.1:{kport}",
+                         env={"PYTHONPATH": os.pathsep.join(filter(None, [str(tree), os.environ.get("PYTHONPATH")]))},
+                         cwd=work)
         started.append(kv)
         if n_workers is not None and n_workers > 1:  # every worker up, with its engines and (admission) its ledger
             procs.wait_http(kv.url + "/metrics", 60, kv,

@@ -9,10 +9,12 @@ together when it answers. One call in flight at a time keeps the order calls wer
 never reaches Redis before its start, and a release never before its grant.
 
 What this module decides:
-  - when: a call someone waits for (a grant, an idle claim, a close's epoch) goes at once, with everything
-    queued before it; writes nobody waits for (turn starts and ends, releases, links, pause marks) wait up to
-    ``linger_s`` for company (so at low concurrency, too, a request's writes share calls), or until
-    ``max_ops`` are queued.
+  - when: a call someone waits for (a grant, an idle claim, a close's epoch) and a turn's start go at once,
+    with everything queued before them; the other writes, which nobody waits for (turn ends, releases,
+    links, pause marks), wait up to ``linger_s`` for company (so at low concurrency, too, a request's writes
+    share calls), or until ``max_ops`` are queued. A start does not linger: it re-opens a session that is
+    closing, and a start that reached Redis late, after another replica began closing the session once the
+    turn was over, would re-open it wrongly.
   - merging: a turn's start or end for a session whose previous turn write is still queued (not sent) joins
     it: the deltas add up, "a turn started" is kept (it re-opens a closing session), and the last activity
     is the latest of the two. A write of another kind on the session (its close, an idle claim) stops the
@@ -31,8 +33,8 @@ from typing import Any, Sequence
 
 #: Ops a batch carries at most: the script applies them while Redis serves nobody else (a few us each).
 MAX_OPS = 256
-#: Seconds a write nobody waits for may wait for others to share its call. Other replicas see a turn's
-#: activity, a release's room or an inference link this much later at most (idle thresholds are seconds).
+#: Seconds a write nobody waits for may wait for others to share its call. Other replicas see a turn's end,
+#: a release's room or an inference link this much later at most (idle thresholds are seconds).
 LINGER_S = 0.005
 
 
@@ -85,14 +87,16 @@ class WriteBatch:
             last = self._last.get(sid)
             if op.kind == "turn" and last is not None and last.kind == "turn" and not last.taken:
                 last.delta += op.delta
-                last.started = last.started or op.started
+                if op.started and not last.started:
+                    last.started = True
+                    self._urgent += 1
                 if float(op.at) > float(last.at):
                     last.at = op.at
                 self.merged += 1
                 return
             self._last[sid] = op
         self.queued.append(op)
-        self._urgent += op.waiter is not None
+        self._urgent += _urgent(op)
 
     def due_in(self, now: float) -> float | None:
         """Seconds until the queued ops should go (0: now); None when nothing is queued or a batch is in
@@ -113,7 +117,7 @@ class WriteBatch:
             self._since = None
         for op in batch:
             op.taken = True
-            self._urgent -= op.waiter is not None
+            self._urgent -= _urgent(op)
             if op.session is not None and self._last.get(op.session) is op:
                 del self._last[op.session]
         self.in_flight = True
@@ -132,6 +136,11 @@ class WriteBatch:
 
     def __len__(self) -> int:
         return len(self.queued)
+
+
+def _urgent(op: Op) -> bool:
+    """Sent without lingering: someone waits for its answer, or a turn starts in it."""
+    return op.waiter is not None or op.started
 
 
 def fallbacks(ops: Sequence[Op]) -> tuple[Counter, list[tuple[list[str], str]]]:

@@ -136,13 +136,15 @@ class Proc:
         return self.popen.returncode
 
 
-def start(name: str, cmd: list[str], log_dir: Path, env: dict | None = None, url: str | None = None) -> Proc:
-    """Start ``cmd`` in a new session (process group); output goes to log_dir/name.log."""
+def start(name: str, cmd: list[str], log_dir: Path, env: dict | None = None, url: str | None = None,
+          cwd: Path | None = None) -> Proc:
+    """Start ``cmd`` in a new session (process group), in ``cwd`` (default: ours); output goes to
+    log_dir/name.log."""
     log_dir.mkdir(parents=True, exist_ok=True)
     log_path = log_dir / f"{name}.log"
     fh = open(log_path, "wb")
     popen = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                             start_new_session=True, env={**os.environ, **(env or {})})
+                             start_new_session=True, env={**os.environ, **(env or {})}, cwd=cwd)
     return Proc(name, popen, log_path, url, fh)
 
 
