@@ -16,7 +16,7 @@ from kvgate.shared.batch import LINGER_S, Op, WriteBatch, encode, fallbacks
 
 def turn(sid: str, delta: int, at: float) -> Op:
     return Op("turn", "turn", (f"sess:{sid}", f"place:{sid}"), session=sid, delta=delta, started=delta > 0,
-              at=repr(at))
+              at=at)
 
 
 def other(kind: str, sid: str) -> Op:
@@ -37,7 +37,7 @@ class Model:
                 if h["state"] == "closing":
                     h["epoch"] += 1
                 h["state"] = "active"
-            h["last"] = max(h["last"], float(op.at))
+            h["last"] = max(h["last"], op.at)
             h["state"] = h["state"] or "active"
         elif op.kind == "closed":
             if h["state"] is not None:
@@ -54,7 +54,7 @@ def test_a_turns_start_and_end_queued_together_are_one_write():
     b.add(turn("t", 1, 1.5), 0.0)
     assert len(b) == 2 and b.merged == 1
     s = b.queued[0]
-    assert (s.delta, s.started, s.at) == (0, True, "2.0")
+    assert (s.delta, s.started, s.at) == (0, True, 2.0)
 
 
 def test_merging_stops_at_a_close_or_an_idle_claim_and_at_the_batch_in_flight():

@@ -45,7 +45,7 @@ class Op:
     ``keys``: the Redis keys it touches, in the order the script reads them; ``args``: its other arguments
     (JSON-able); ``session``: the session a turn write merges on (None: never merged); ``delta``,
     ``started``, ``at``: a turn write's net in-flight change, whether a start is among its turns, and its
-    latest activity (epoch seconds, as a string: Redis compares it exactly); ``waiter``: the shell's
+    latest activity (epoch seconds; sent as repr(), which Redis reads back exactly); ``waiter``: the shell's
     handle for the answer (a future), or None; ``release``: (keys, member) of a lease release, kept when the
     batch fails; ``lease``: (keys, member) a grant would hold (released if its asker is gone)."""
 
@@ -56,7 +56,7 @@ class Op:
     session: str | None = None
     delta: int = 0
     started: bool = False
-    at: str = ""
+    at: float = 0.0
     waiter: Any = None
     release: tuple[list[str], str] | None = None
     lease: tuple[list[str], str] | None = None
@@ -90,7 +90,7 @@ class WriteBatch:
                 if op.started and not last.started:
                     last.started = True
                     self._urgent += 1
-                if float(op.at) > float(last.at):
+                if op.at > last.at:
                     last.at = op.at
                 self.merged += 1
                 return
@@ -167,7 +167,7 @@ def encode(ops: Sequence[Op], fixed_keys: Sequence[str]) -> tuple[list[str], lis
                 i = index[k] = len(keys)
             idx.append(i)
         if op.kind == "turn":
-            out.append([op.kind, idx, op.at, op.delta, 1 if op.started else 0])
+            out.append([op.kind, idx, repr(op.at), op.delta, 1 if op.started else 0])
         else:
             out.append([op.kind, idx, *op.args])
     return keys, out

@@ -614,7 +614,7 @@ class SharedState:
     def _turn(self, sid: str, delta: int) -> None:
         # merged with the session's turn write still queued, if any (kvgate.shared.batch)
         self._queue(Op("turn", "turn", (self._sess(sid), self.prefix + "place:" + sid), session=sid, delta=delta,
-                       started=delta > 0, at=repr(self.wall())))
+                       started=delta > 0, at=self.wall()))
 
     def session_closed(self, sid: str) -> None:
         """This replica closes ``sid`` (any reason): the other replicas' idle sweeps then mark it closed
