@@ -139,6 +139,25 @@ async def test_a_grant_and_its_release_in_one_batch_free_the_room_for_the_next(r
         await raw.aclose()
 
 
+async def test_a_turns_end_lingers_and_a_start_takes_it_along_at_once(redis_url):
+    """Writes nobody waits for wait for company (here: for ever), but a turn's start goes at once, with them:
+    the other replicas' idle sweeps must see the session busy while its turn runs."""
+    st, m, raw = await _state(redis_url, "l:", wall=Clock(), replica_id="r")
+    try:
+        st._batch.linger_s = 3600.0
+        st.turn_finished("a")
+        for _ in range(50):
+            await asyncio.sleep(0)
+        assert len(st._batch) == 1 and not st._batch.in_flight and m.state_backend_calls._value.get() == 0
+        st.turn_started("b")
+        await asyncio.wait_for(st.drain(30.0), 20)
+        assert m.state_backend_calls._value.get() == 1 and m.state_backend_ops._value.get() == 2
+        assert await raw.hget("l:sess:b", "if:r") == "1" and await raw.hget("l:sess:a", "if:r") == "-1"
+    finally:
+        await st.stop()
+        await raw.aclose()
+
+
 async def test_one_failing_op_falls_back_alone_and_is_counted(redis_url):
     """A session key someone overwrote with a string: its turn write fails in the script (WRONGTYPE); the
     release in the same batch is applied all the same, the failed write is counted, and the replica takes

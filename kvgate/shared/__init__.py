@@ -1,6 +1,8 @@
 """State shared by kvgate replicas (``state_backend: redis``).
 
 fingerprint: stable prompt fingerprints (the same on every replica, unlike Python's hash of text);
+batch: the pure core of the Redis write batch (which calls go together, merged, in what order; what falls
+back when Redis fails a batch);
 redis_state: the Redis edge. It moves data in and out of the pure cores (the session registry,
 placement, session inference, the admission ledger's leases and wait queue, the capacity snapshot) and
 fails open: while Redis is unreachable each replica decides on

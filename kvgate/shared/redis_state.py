@@ -505,10 +505,11 @@ class SharedState:
             self._fell_back([op])
             return
         loop = asyncio.get_running_loop()
-        self._batch.add(op, loop.time())
+        now = loop.time()
+        self._batch.add(op, now)
         if self._flusher is None:
             self._flusher = loop.create_task(self._flush(), name="kvgate-redis-batch")
-        elif op.waiter is not None:
+        elif self._batch.due_in(now) == 0.0:  # an asker or a turn's start: a lingering flusher sends now
             self._wake.set()
 
     async def _ask(self, op: Op) -> tuple[bool, Any]:
