@@ -117,6 +117,9 @@ KEYS: list[Key] = [
     Key("event_loop", str, "uvloop", "The event loop kvgate serves on: uvloop (libuv, faster) or asyncio (the "
         "standard library's). uvloop falls back to asyncio, with one log line, where it is not installed.",
         choices=("uvloop", "asyncio")),
+    Key("http_server", str, "kvgate", "The HTTP server kvgate answers its clients with: kvgate (its own, on "
+        "httptools; leaner per request and per waiting connection) or aiohttp (aiohttp's web server, as before).",
+        choices=("kvgate", "aiohttp")),
     # --- session identity ------------------------------------------------------------------------
     Key("agentic_session_lifecycle", bool, False,
         "Inject a top-level session_id into generate calls and close finished sessions on every engine."),

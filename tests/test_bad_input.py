@@ -186,12 +186,13 @@ async def test_an_observer_that_raises_never_stops_the_bytes(kvgate_factory, scr
     assert s.turns == 5 and s.in_flight == 0
 
 
-async def test_a_malformed_request_is_answered_400_in_one_log_line(kvgate_factory, scripted, caplog):
+@pytest.mark.parametrize("server, logger", [("kvgate", "kvgate.proxy.server"), ("aiohttp", "aiohttp.server")])
+async def test_a_malformed_request_is_answered_400_in_one_log_line(kvgate_factory, scripted, caplog, server, logger):
     up = await scripted()
-    gw, url = await kvgate_factory(upstream=up.url)
-    with caplog.at_level(logging.INFO, logger="aiohttp.server"):
+    gw, url = await kvgate_factory(upstream=up.url, http_server=server)
+    with caplog.at_level(logging.INFO, logger=logger):
         out = await send_raw(_port(url), b"GET /x?q=\xe9 HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
     assert parse_answer(out, b"GET").status == 400 and up.received == []
-    lines = [r for r in caplog.records if r.name == "aiohttp.server"]
+    lines = [r for r in caplog.records if r.name == logger]
     assert len(lines) == 1 and lines[0].levelno == logging.INFO and lines[0].exc_info is None
-    assert "InvalidURLError, answered 400" in lines[0].getMessage()
+    assert "InvalidURLError" in lines[0].getMessage() and "answered 400" in lines[0].getMessage()

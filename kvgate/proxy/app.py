@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import re
 import signal
 import time
 from dataclasses import dataclass, field
@@ -33,6 +34,7 @@ from kvgate.fleet.directory import EngineDirectory
 from kvgate.proxy.relay import MAX_FIELD_BYTES, MAX_LINE_BYTES, Upstream, forward_head, header_safe, \
     BodyParts, preserve_header_bytes, read_body
 from kvgate.proxy.admit import Gate, OpenGate, RequestInfo, Ticket
+from kvgate.proxy.server import HttpServer
 from kvgate.sessions.idle_policy import IdlePolicy, StepTracker
 from kvgate.sessions.inference import SessionInference, prefix_keys, request_units
 from kvgate.sessions.lifecycle import SessionLifecycle
@@ -48,6 +50,8 @@ GATEWAY_KEY = web.AppKey("gateway", object)
 SESSION_HEADER = "X-Kvgate-Session-Id"
 # Step-boundary bodies larger than this (tensor payloads) are not parsed: they take SGLang's defaults.
 STEP_BODY_PARSE_LIMIT = 1 << 20
+# /kvgate/sessions/{sid} and /kvgate/sessions/{sid}/close on kvgate's own server (aiohttp's {sid} pattern).
+_SESSION_ROUTE = re.compile(r"/kvgate/sessions/([^{}/]+)(/close)?")
 # GET /kvgate/sessions lists at most this many sessions per page (?limit, ?offset page through the rest):
 # building the page runs on the event loop every client shares.
 SESSIONS_PAGE_MAX = 1000
@@ -184,6 +188,7 @@ class Gateway:
         self._parse_max = cfg.body_parse_max_bytes
         self._routing_key = cfg.routing_key_header if cfg.set_routing_key else None
         self.app = self._build_app()
+        self._routes = self._build_routes()
 
     # --- app -------------------------------------------------------------------------------------
 
@@ -211,7 +216,40 @@ class Gateway:
         app.on_cleanup.append(self._on_cleanup)
         return app
 
-    async def _on_startup(self, app: web.Application) -> None:
+    def _build_routes(self) -> dict[str, dict[str, Any]]:
+        """The exact-path routes for kvgate's own server: path -> method -> handler (GET routes answer HEAD
+        too, as aiohttp's add_get does). What matches none of them goes to the router (see route())."""
+        def get(handler):
+            return {"GET": handler, "HEAD": handler}
+        routes = {"/metrics": get(self.handle_metrics), "/kvgate/health": get(self.handle_health),
+                  "/kvgate/engines": get(self.handle_engines), "/kvgate/stats": get(self.handle_stats),
+                  "/kvgate/sessions": get(self.handle_sessions)}
+        if self.worker is not None:
+            routes["/kvgate/worker/metrics"] = get(self.handle_worker_metrics)
+            routes["/kvgate/worker/health"] = get(self.handle_worker_health)
+        if self.lifecycle_on:
+            routes["/close_session"] = {"GET": self.handle_close_session, "POST": self.handle_close_session}
+        return routes
+
+    def route(self, request):
+        """The handler for a request on kvgate's own server: an exact path, then the /kvgate/sessions/{sid}
+        routes (match_info set), else the router (handle_proxy), as the aiohttp app routes them."""
+        path = request.path
+        methods = self._routes.get(path)
+        if methods is not None:
+            handler = methods.get(request.method)
+            if handler is not None:
+                return handler
+        elif path.startswith("/kvgate/sessions/"):
+            m = _SESSION_ROUTE.fullmatch(request.raw_path.partition("?")[0])
+            if m is not None:
+                close = m.group(2) is not None
+                if (request.method == "POST") if close else (request.method in ("GET", "HEAD")):
+                    request.match_info = {"sid": _unquote(m.group(1))}
+                    return self.handle_session_close if close else self.handle_session
+        return self.handle_proxy
+
+    async def _on_startup(self, app: web.Application | None) -> None:
         log.info("kvgate %s: upstream %s, session lifecycle %s, admission %s", __version__, self.cfg.upstream,
                  "on" if self.lifecycle_on else "off", "on" if self.cfg.agentic_program_admission else "off")
         warning = self._routing_key_warning()
@@ -229,7 +267,7 @@ class Gateway:
         if self.poller is not None:
             await self.poller.start()
 
-    async def _on_cleanup(self, app: web.Application) -> None:
+    async def _on_cleanup(self, app: web.Application | None = None) -> None:
         if self.poller is not None:
             await self.poller.stop()
         stop = getattr(self.gate, "stop", None)
@@ -527,7 +565,10 @@ class Gateway:
         tracked = plan.session_id if self.lifecycle_on else None
         session_id = tracked
         try:
-            ticket = await self.gate.acquire(RequestInfo(c, request.headers, session_id))
+            gate = self.gate
+            # Admission off: no headers are built for a gate that reads none.
+            ticket = OpenGate.OFF if type(gate) is OpenGate else await gate.acquire(
+                RequestInfo(c, request.headers, session_id))
         except asyncio.CancelledError:  # client gone while waiting for admission: it never went out
             self.metrics.client_disconnects.inc()
             if plan.inferred:
@@ -733,23 +774,42 @@ class Gateway:
             self.metrics.faults.labels("registry").inc()
 
 
+def _unquote(s: str) -> str:
+    from urllib.parse import unquote
+    return unquote(s, errors="surrogateescape") if "%" in s else s
+
+
 def _completed(outcome) -> bool:
     """The upstream answered the turn in full with a success status (not cut, not abandoned)."""
     return (outcome is not None and outcome.ended == "complete" and outcome.status is not None
             and outcome.status < 400)
 
 
-async def start_gateway(cfg: Config, gate: Gate | None = None, worker=None) -> tuple[Gateway, web.AppRunner, int]:
-    """Start kvgate on cfg.host:cfg.port (port 0 = a free one). Returns (gateway, runner, bound port).
+async def start_gateway(cfg: Config, gate: Gate | None = None, worker=None) -> tuple[Gateway, Any, int]:
+    """Start kvgate on cfg.host:cfg.port (port 0 = a free one). Returns (gateway, runner, bound port);
+    ``await runner.cleanup()`` stops it.
 
     ``worker`` (kvgate.proxy.workers.WorkerRole): this process is one of several on the same port: it binds
     with SO_REUSEPORT, also listens on a private 127.0.0.1 port and registers it for its siblings.
 
+    ``http_server: kvgate`` (the default) serves through kvgate.proxy.server, with the same guarantees as
+    aiohttp's server below (see that module). ``http_server: aiohttp``: aiohttp's web server;
     handler_cancellation: a client that disconnects cancels its handler, which closes the upstream
     request. auto_decompress=False: request bodies are read and forwarded exactly as received.
     Header limits are the router's or higher (relay.MAX_LINE_BYTES, MAX_FIELD_BYTES).
     """
     gw = Gateway(cfg, gate, worker)
+    if cfg.http_server == "kvgate":
+        await gw._on_startup(None)
+        srv = HttpServer(gw.route, cfg.max_body_bytes, on_cleanup=gw._on_cleanup)
+        try:
+            port = await srv.listen(cfg.host, cfg.port, backlog=1024, reuse_port=True if worker is not None else None)
+            if worker is not None:
+                worker.register(await srv.listen("127.0.0.1", 0))
+        except BaseException:
+            await srv.cleanup()
+            raise
+        return gw, srv, port
     server_log = logging.getLogger("aiohttp.server")
     if not any(isinstance(f, _OneLineForBadRequests) for f in server_log.filters):
         server_log.addFilter(_OneLineForBadRequests())

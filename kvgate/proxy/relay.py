@@ -27,6 +27,7 @@ from aiohttp.http_exceptions import HttpProcessingError
 from multidict import CIMultiDict
 from yarl import URL
 
+from kvgate.proxy import server
 from kvgate.proxy.pool import ConnectFailed, Disconnected, Exchange, Pool, ResponseError
 from kvgate.sessions.observe import ResponseObserver
 
@@ -41,10 +42,8 @@ HOP_BY_HOP = frozenset({
 # 100 Continue the upstream need not send.
 _RECOMPUTED_REQUEST = frozenset({"host", "content-length", "expect"})
 
-# Header limits no lower than the router's. Measured on smg 1.13 (hyper): a 400 KB header and a 9 KB URL
-# pass, a 1 MB header is 431 and a 64 KiB URL is 414. aiohttp's defaults (8190 bytes) were lower.
-MAX_LINE_BYTES = 128 * 1024   # request or status line, so the router answers an over-long URL itself
-MAX_FIELD_BYTES = 512 * 1024  # one header line
+# Header limits no lower than the router's (kvgate.proxy.server says where they come from).
+from kvgate.proxy.server import MAX_FIELD_BYTES, MAX_LINE_BYTES  # noqa: E402
 
 # A body larger than this goes to the upstream in pieces of this size, so the event loop serves other
 # clients between pieces (one write of 66 MB held it for a third of a second).
@@ -159,6 +158,44 @@ def _response_fields(raw: list[tuple[bytes, bytes]]) -> tuple[CIMultiDict, bytes
             encoded = True
         keep.append((k.decode("latin-1"), v.decode("utf-8", "surrogateescape")))
     return CIMultiDict(keep), ctype, encoded
+
+
+def _response_lines(raw: list[tuple[bytes, bytes]], add_headers) -> tuple[bytes, bool, bytes, bool]:
+    """For kvgate's own server: the upstream's response header lines to relay, as bytes (hop-by-hop and
+    those ``add_headers`` replace removed; the rest byte for byte, in the upstream's order), then
+    ``add_headers``. Returns (lines, whether a Content-Length is among them, the Content-Type bytes,
+    whether Content-Encoding is set)."""
+    replaced = _HOP_BY_HOP_BYTES
+    extra = b""
+    if add_headers:
+        replaced = replaced | {k.lower().encode("latin-1") for k, _ in add_headers}
+        extra = server.header_lines(add_headers)
+    ctype = b""
+    encoded = has_length = False
+    out = []
+    named = None
+    for k, v in raw:
+        lk = k.lower()
+        if lk in replaced:
+            if lk == b"connection":
+                named = _connection_named(raw)
+            continue
+        if lk == b"content-type":
+            if not ctype:
+                ctype = v
+        elif lk == b"content-length":
+            has_length = True
+        elif lk == b"content-encoding":
+            encoded = True
+        out += (k, b": ", v, b"\r\n")
+    if named:  # rare: the headers a Connection header names are hop-by-hop too; filter again
+        out = []
+        for k, v in raw:
+            if k.lower() not in named and k.lower() not in replaced:
+                out += (k, b": ", v, b"\r\n")
+        has_length = has_length and b"content-length" not in named
+    out.append(extra)
+    return b"".join(out), has_length, ctype, encoded
 
 
 class _OneWriteResponse(web.StreamResponse):
@@ -348,6 +385,8 @@ class Upstream:
                                add_headers)
         if on_headers is not None:
             on_headers(status)
+        if type(request) is server.Request:
+            return await self._stream_own(request, path_qs, up, observe, add_headers, base)
         out_headers, ctype, encoded = _response_fields(up.headers)
         for k, v in add_headers:
             out_headers[k] = v
@@ -395,6 +434,55 @@ class Upstream:
             return resp, RelayOutcome(status, observer, "client_gone", observer_fault=fault)
         return resp, RelayOutcome(status, observer, "complete", observer_fault=fault)
 
+    async def _stream_own(self, request: server.Request, path_qs: str, up: Exchange, observe, add_headers,
+                          base: str) -> tuple[None, RelayOutcome]:
+        """_stream() for kvgate's own server: the head is written from the upstream's header bytes, with no
+        header objects. Returns (None: answered on the connection, outcome)."""
+        status = up.status
+        lines, has_length, ctype, encoded = _response_lines(up.headers, add_headers)
+        observer = None
+        fault = False
+        if observe is not None and not encoded:
+            try:
+                observer = observe(ctype.startswith(b"text/event-stream"))
+            except Exception as exc:
+                fault = self._observer_fault(exc, path_qs)
+        if up.complete:
+            # The whole body is here: head and body go to the client in one write.
+            chunk = await up.read()
+            if chunk and observer is not None:
+                observer, fault = self._feed(observer, fault, chunk, path_qs)
+            try:
+                request.answer(status, up.reason, lines, chunk, has_length)
+            except ConnectionResetError:
+                return None, RelayOutcome(status, observer, "client_gone", observer_fault=fault)
+            return None, RelayOutcome(status, observer, "complete", observer_fault=fault)
+        try:
+            request.start(status, up.reason, lines, has_length)
+        except ConnectionResetError:
+            return None, RelayOutcome(status, observer, "client_gone", observer_fault=fault)
+        while True:
+            try:
+                chunk = await up.read()
+            except (ResponseError, asyncio.TimeoutError) as exc:
+                # Upstream cut or broke the body mid-way: the client sees the cut too (no fake completion).
+                log.warning("upstream %s cut the response to %s mid-way: %s", base, path_qs, exc)
+                _abort_client(request)
+                return None, RelayOutcome(status, observer, "upstream_error", observer_fault=fault)
+            if not chunk:
+                break
+            if observer is not None:
+                observer, fault = self._feed(observer, fault, chunk, path_qs)
+            try:
+                await request.write(chunk)
+            except ConnectionResetError:
+                return None, RelayOutcome(status, observer, "client_gone", observer_fault=fault)
+        try:
+            await request.write_eof()
+        except ConnectionResetError:
+            return None, RelayOutcome(status, observer, "client_gone", observer_fault=fault)
+        return None, RelayOutcome(status, observer, "complete", observer_fault=fault)
+
     @staticmethod
     def _error(status: int, message: str, kind: str, base: str, outcome: RelayOutcome,
                add_headers: Iterable[tuple[str, str]]) -> tuple[web.Response, RelayOutcome]:
@@ -434,7 +522,8 @@ class Upstream:
                         observer = observe(ctype.startswith("text/event-stream"))
                     except Exception as exc:
                         fault = self._observer_fault(exc, path_qs)
-                resp = web.StreamResponse(status=up.status, reason=up.reason, headers=out_headers)
+                make = server.StreamResponse if type(request) is server.Request else web.StreamResponse
+                resp = make(status=up.status, reason=up.reason, headers=out_headers)
                 await resp.prepare(request)
                 chunks = up.content.iter_any()
                 while True:
@@ -515,6 +604,11 @@ async def read_body(request: web.Request, max_bytes: int, join_max: int) -> byte
     bytes, else BodyParts. Unlike ``request.read()`` it gives the event loop back every SEND_PIECE_BYTES
     and never copies a large body whole. Raises HTTPRequestEntityTooLarge (413) past ``max_bytes``, as
     aiohttp's client_max_size does."""
+    if type(request) is server.Request:
+        got = await request.read_body(max_bytes, join_max, SEND_PIECE_BYTES)
+        if type(got) is tuple:
+            return BodyParts(tuple(got[0]), got[1])
+        return got
     parts: list[bytes] = []
     size = since_yield = 0
     while chunk := await request.content.readany():

@@ -1,0 +1,768 @@
+"""kvgate's HTTP/1.1 server for its clients, on an asyncio Protocol and httptools (I/O edge).
+
+The client side's counterpart of kvgate.proxy.pool: one small Protocol object per connection, the request
+parsed by httptools (llhttp) as it arrives, one task per request (cancelled when the client goes away,
+which closes the upstream call), and the answer written as bytes the relay built (no header objects on the
+hot path). kvgate's own endpoints still return aiohttp ``web.Response`` objects; they are serialised here.
+
+What it guarantees (aiohttp's server gave the same):
+- Header limits: a request line over MAX_LINE_BYTES is answered 400, a header line over
+  MAX_FIELD_BYTES or a head over MAX_HEAD_BYTES 431; a malformed request 400. Each is one INFO log line
+  (logger ``kvgate.proxy.server``) and the connection is closed after the answer.
+- Request bodies: Content-Length or chunked, read as they arrive (the handler reads them), never
+  decompressed; ``Expect: 100-continue`` answered ``100 Continue`` when the handler starts (417 for
+  other expectations). Reading is paused while BODY_HIGH_WATER bytes wait for the handler.
+- Keep-alive (HTTP/1.1 by default, HTTP/1.0 with ``Connection: keep-alive``), pipelined requests answered
+  in order, HEAD answered without a body, a streamed answer of unknown length chunked (HTTP/1.1) or
+  ended by closing the connection (HTTP/1.0).
+- A connection idle for KEEPALIVE_S is closed (one loop-wide sweep, no timer per connection).
+- ``cleanup()``: stop listening, close idle connections, let requests in flight finish for up to
+  SHUTDOWN_TIMEOUT_S, then cancel them and close every connection.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import socket
+import time
+from email.utils import formatdate
+from http import HTTPStatus
+from typing import Any, Awaitable, Callable, Iterable
+from urllib.parse import unquote
+
+import aiohttp.http_writer
+import httptools
+from aiohttp import web
+from multidict import CIMultiDict, CIMultiDictProxy, MultiDictProxy
+
+log = logging.getLogger("kvgate.proxy.server")
+
+# Header limits no lower than the router's. Measured on smg 1.13 (hyper): a 400 KB header and a 9 KB URL
+# pass, a 1 MB header is 431 and a 64 KiB URL is 414. aiohttp's defaults (8190 bytes) were lower.
+MAX_LINE_BYTES = 128 * 1024   # request or status line, so the router answers an over-long URL itself
+MAX_FIELD_BYTES = 512 * 1024  # one header line
+
+# aiohttp's keepalive_timeout: an idle keep-alive connection is closed after this many seconds.
+KEEPALIVE_S = 75.0
+# aiohttp's shutdown_timeout: how long cleanup() lets requests in flight finish before cancelling them.
+SHUTDOWN_TIMEOUT_S = 60.0
+# The request line and headers together; a larger head is answered 431 (the parser would hold it all).
+MAX_HEAD_BYTES = 2 << 20
+# Body bytes buffered before reading from the client pauses until the handler takes them.
+BODY_HIGH_WATER = 1 << 18
+# How often the loop-wide sweep looks for idle connections (and refreshes the Date header), seconds.
+SWEEP_S = 1.0
+
+_NO_BODY_STATUS = frozenset({204, 304})
+_STATUS_LINES: dict[int, bytes] = {}
+
+
+def status_line(status: int, reason: bytes = b"") -> bytes:
+    """``HTTP/1.1 <status> <reason>\\r\\n``; an empty reason is the standard phrase (cached)."""
+    if reason:
+        return b"HTTP/1.1 %d %s\r\n" % (status, reason)
+    line = _STATUS_LINES.get(status)
+    if line is None:
+        try:
+            phrase = HTTPStatus(status).phrase.encode("ascii")
+        except ValueError:
+            phrase = b""
+        line = _STATUS_LINES[status] = b"HTTP/1.1 %d %s\r\n" % (status, phrase)
+    return line
+
+
+def header_lines(headers: Iterable[tuple[str, str]]) -> bytes:
+    """``Name: value\\r\\n`` lines for str headers; bytes that came in as surrogate escapes go out as they
+    came. Raises ValueError for a CR, LF or NUL in a name or value (header injection; aiohttp's check)."""
+    items = list(headers)
+    text = "".join([f"{k}: {v}\r\n" for k, v in items])
+    if text.count("\r") != len(items) or text.count("\n") != len(items) or "\x00" in text:
+        check = aiohttp.http_writer._safe_header
+        for k, v in items:
+            check(k)
+            check(v)
+    try:
+        return text.encode("utf-8", "surrogateescape")
+    except UnicodeEncodeError:  # a lone surrogate that did not come from the wire: aiohttp drops it too
+        return text.encode("utf-8", "ignore")
+
+
+def chunk_frame(data: bytes) -> bytes:
+    """``data`` as one chunk of a chunked body (RFC 9112 section 7.1)."""
+    return b"%x\r\n%s\r\n" % (len(data), data)
+
+
+class BadRequest(Exception):
+    """A request kvgate answers itself and then closes the connection: ``status`` and a short reason."""
+
+    def __init__(self, status: int, message: str):
+        super().__init__(message)
+        self.status = status
+
+
+class Request:
+    """One request on a connection: what the gateway and the relay read, and the answer's writer.
+
+    method, raw_path (path and query as sent, str; bytes that are not UTF-8 as surrogate escapes),
+    raw_headers ((name, value) byte pairs in the client's order), version ((1, 1) or (1, 0)), match_info
+    (the route's variables). ``headers`` and ``query`` are built on first read. The body is read with
+    ``read_body`` / ``read``. The answer: ``answer`` (a whole one, one write) or ``start`` + ``write`` +
+    ``write_eof`` (streamed); each raises ConnectionResetError once the client is gone.
+    """
+
+    __slots__ = ("method", "raw_path", "raw_headers", "version", "keep_alive", "match_info", "_conn", "_headers",
+                 "_query", "_chunks", "_buffered", "_body_done", "_waiter", "_expect", "_length", "sent",
+                 "_chunked", "_head_only", "_error", "__weakref__")
+
+    def __init__(self, conn: "_Conn", method: str, raw_path: str, raw_headers: tuple, version: tuple[int, int],
+                 keep_alive: bool, expect: bytes | None, length: int | None):
+        self._conn = conn
+        self.method = method
+        self.raw_path = raw_path
+        self.raw_headers = raw_headers
+        self.version = version
+        self.keep_alive = keep_alive
+        self.match_info: dict[str, str] = _NO_MATCH
+        self._headers: CIMultiDictProxy | None = None
+        self._query: MultiDictProxy | None = None
+        self._chunks: list[bytes] = []
+        self._buffered = 0
+        self._body_done = False
+        self._waiter: asyncio.Future | None = None
+        self._expect = expect
+        self._length = length
+        self.sent = 0  # 0: nothing written, 1: head written (streaming), 2: answered in full
+        self._chunked = False
+        self._head_only = method == "HEAD"
+        self._error: BadRequest | None = None  # the body's framing broke: reading it raises this
+
+    # --- what the handler reads ---
+
+    @property
+    def path(self) -> str:
+        """The path without the query, percent-decoded (aiohttp's ``request.path``)."""
+        p = self.raw_path.partition("?")[0]
+        return unquote(p, errors="surrogateescape") if "%" in p else p
+
+    @property
+    def query_string(self) -> str:
+        return self.raw_path.partition("?")[2]
+
+    @property
+    def query(self) -> MultiDictProxy:
+        if self._query is None:
+            from yarl import URL
+            self._query = URL.build(query_string=self.query_string, encoded=True).query
+        return self._query
+
+    @property
+    def headers(self) -> CIMultiDictProxy:
+        """The headers as str (values decoded as UTF-8 with surrogate escapes, as aiohttp does)."""
+        h = self._headers
+        if h is None:
+            h = self._headers = CIMultiDictProxy(CIMultiDict(
+                [(k.decode("utf-8", "surrogateescape"), v.decode("utf-8", "surrogateescape"))
+                 for k, v in self.raw_headers]))
+        return h
+
+    @property
+    def transport(self) -> asyncio.Transport | None:
+        return self._conn.transport
+
+    @property
+    def content_length(self) -> int | None:
+        return self._length
+
+    async def read_body(self, max_bytes: int, join_max: int, yield_every: int):
+        """The body exactly as received: bytes up to ``join_max`` bytes, else the list of its pieces and
+        its size as (parts, size). The event loop is given back every ``yield_every`` bytes. Raises
+        HTTPRequestEntityTooLarge (413) past ``max_bytes``."""
+        parts: list[bytes] = []
+        size = since_yield = 0
+        while True:
+            chunks = self._chunks
+            if chunks:
+                self._chunks = []
+                self._taken()
+                for chunk in chunks:
+                    parts.append(chunk)
+                    size += len(chunk)
+                    since_yield += len(chunk)
+                if size > max_bytes:
+                    self._conn.refuse_body()
+                    raise web.HTTPRequestEntityTooLarge(max_size=max_bytes, actual_size=size)
+                if since_yield >= yield_every:
+                    since_yield = 0
+                    await asyncio.sleep(0)
+                continue
+            if self._body_done and self._error is None:
+                break
+            await self._wait_body()
+        if size > join_max:
+            return parts, size
+        if not parts:
+            return b""
+        return parts[0] if len(parts) == 1 else b"".join(parts)
+
+    async def read(self) -> bytes:
+        """The whole body (no size limit: for kvgate's own small endpoints)."""
+        parts = []
+        while True:
+            if self._chunks:
+                parts += self._chunks
+                self._chunks = []
+                self._taken()
+            elif self._body_done and self._error is None:
+                return b"".join(parts)
+            else:
+                await self._wait_body()
+
+    def _taken(self) -> None:
+        self._buffered = 0
+        conn = self._conn
+        if conn.paused_for_body:
+            conn.paused_for_body = False
+            conn.resume()
+
+    async def _wait_body(self) -> None:
+        if self._error is not None:
+            raise self._error
+        if self._conn.lost:
+            raise ConnectionResetError("the client closed the connection")
+        self._waiter = w = self._conn.loop.create_future()
+        try:
+            await w
+        finally:
+            self._waiter = None
+
+    def _wake(self) -> None:
+        w = self._waiter
+        if w is not None and not w.done():
+            w.set_result(None)
+
+    # --- the answer ---
+
+    def _head(self, status: int, reason: bytes, lines: bytes, length: int | None, stream: bool) -> bytes:
+        """The response head. length: the Content-Length to add (None: the lines carry the framing or
+        there is no body); stream: the body follows in pieces of unknown total length."""
+        conn = self._conn
+        keep = self.keep_alive and not conn.closing
+        extra = b""
+        if length is not None:
+            extra = b"Content-Length: %d\r\n" % length
+        elif stream and not self._head_only:
+            if self.version >= (1, 1):
+                self._chunked = True
+                extra = b"Transfer-Encoding: chunked\r\n"
+            else:
+                keep = False  # HTTP/1.0: the body ends when the connection does
+        if not keep:
+            self.keep_alive = False
+            extra += b"Connection: close\r\n"
+        elif self.version < (1, 1):
+            extra += b"Connection: keep-alive\r\n"
+        return b"".join((status_line(status, reason), lines, extra, b"\r\n"))
+
+    def answer(self, status: int, reason: bytes, lines: bytes, body: bytes, has_length: bool) -> None:
+        """Write a whole answer in one write: status line, ``lines`` (header lines as bytes), framing and
+        connection headers, ``body``. has_length: ``lines`` already carry a Content-Length."""
+        conn = self._conn
+        if conn.lost:
+            raise ConnectionResetError("the client closed the connection")
+        no_body = status in _NO_BODY_STATUS or status < 200
+        length = None if has_length or no_body or (self._head_only and not body) else len(body)
+        head = self._head(status, reason, lines, length, False)
+        self.sent = 2
+        if body and not self._head_only and not no_body:
+            conn.transport.write(head + body)
+        else:
+            conn.transport.write(head)
+
+    def start(self, status: int, reason: bytes, lines: bytes, has_length: bool) -> None:
+        """Write the head of a streamed answer; the body follows with ``write`` and ``write_eof``."""
+        conn = self._conn
+        if conn.lost:
+            raise ConnectionResetError("the client closed the connection")
+        no_body = status in _NO_BODY_STATUS or status < 200
+        conn.transport.write(self._head(status, reason, lines, None, not (has_length or no_body)))
+        self.sent = 1
+
+    async def write(self, data: bytes) -> None:
+        """Send part of a streamed body; waits while the client's socket is full."""
+        conn = self._conn
+        if conn.lost:
+            raise ConnectionResetError("the client closed the connection")
+        if not data or self._head_only:
+            return
+        conn.transport.write(chunk_frame(data) if self._chunked else data)
+        if conn.write_paused:
+            await conn.drain()
+
+    async def write_eof(self) -> None:
+        """End a streamed body."""
+        conn = self._conn
+        if conn.lost:
+            raise ConnectionResetError("the client closed the connection")
+        if self._chunked:
+            conn.transport.write(b"0\r\n\r\n")
+        self.sent = 2
+        if conn.write_paused:
+            await conn.drain()
+
+
+_NO_MATCH: dict[str, str] = {}
+
+
+class StreamResponse:
+    """aiohttp's StreamResponse interface on a kvgate Request, for code written against it (the relay's
+    aiohttp-client path): status, reason and a multidict of str headers; ``prepare``, ``write``,
+    ``write_eof``."""
+
+    __slots__ = ("status", "reason", "headers", "_request")
+
+    def __init__(self, status: int = 200, reason: str | None = None, headers=None):
+        self.status = status
+        self.reason = reason
+        self.headers = CIMultiDict(headers or {})
+        self._request: Request | None = None
+
+    @property
+    def prepared(self) -> bool:
+        return self._request is not None
+
+    async def prepare(self, request: Request) -> None:
+        self._request = request
+        has_length = "Content-Length" in self.headers
+        reason = (self.reason or "").encode("utf-8", "surrogateescape")
+        request.start(self.status, reason, header_lines(self.headers.items()), has_length)
+
+    async def write(self, data: bytes) -> None:
+        await self._request.write(data)
+
+    async def write_eof(self, data: bytes = b"") -> None:
+        if data:
+            await self._request.write(data)
+        await self._request.write_eof()
+
+
+Handler = Callable[[Request], Awaitable[Any]]
+
+
+class _Conn(asyncio.Protocol):
+    """One client connection: the httptools parser's callbacks, the request being read, the one being
+    answered and any pipelined behind it."""
+
+    __slots__ = ("server", "loop", "transport", "parser", "_url", "_fields", "_expect", "_length", "_in_head",
+                 "_head_bytes", "_reading", "current", "_queue", "task", "lost", "closing", "write_paused",
+                 "_drain_waiter", "paused_for_body", "_paused", "_refused", "_limit_error", "__weakref__")
+
+    def __init__(self, server: "HttpServer"):
+        self.server = server
+        self.loop = server.loop
+        self.transport: asyncio.Transport | None = None
+        self.parser = httptools.HttpRequestParser(self)
+        self._url = b""
+        self._fields: list[tuple[bytes, bytes]] = []
+        self._expect: bytes | None = None
+        self._length: int | None = None
+        self._in_head = False
+        self._head_bytes = 0
+        self._reading: Request | None = None  # the request whose body is arriving
+        self.current: Request | None = None  # the request being answered
+        self._queue: list[Request] | None = None  # pipelined requests waiting their turn
+        self.task: asyncio.Task | None = None
+        self.lost = False
+        self.closing = False  # no further request on this connection
+        self.write_paused = False
+        self._drain_waiter: asyncio.Future | None = None
+        self.paused_for_body = False
+        self._paused = False
+        self._refused = False  # a body the handler refused (413): further bytes are dropped
+        self._limit_error: BadRequest | None = None
+
+    # --- asyncio.Protocol ---
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]
+        sock = transport.get_extra_info("socket")
+        if sock is not None:
+            try:
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            except (OSError, AttributeError):
+                pass
+        self.server._opened(self)
+
+    def data_received(self, data: bytes) -> None:
+        if self.closing and self.current is None and not self._queue and self._reading is None:
+            return
+        if self._in_head or self._reading is None:
+            self._head_bytes += len(data)
+            if self._head_bytes > MAX_HEAD_BYTES:
+                self._bad(BadRequest(431, f"request head over {MAX_HEAD_BYTES} bytes"))
+                return
+        try:
+            self.parser.feed_data(data)
+        except httptools.HttpParserUpgrade:
+            # Upgrade (or CONNECT): kvgate relays no other protocol; the request is answered as a plain
+            # one and the connection closes after it.
+            req = self._reading
+            if req is not None:
+                req._body_done = True
+                req._wake()
+                self._reading = None
+            self.closing = True
+            self.pause()
+        except httptools.HttpParserCallbackError as exc:
+            err = self._limit_error
+            if err is None:
+                raise RuntimeError("an HTTP parser callback failed") from exc.__context__
+            self._bad(err)
+        except httptools.HttpParserError as exc:
+            self._bad(BadRequest(400, f"{type(exc).__name__}: {exc}"))
+
+    def eof_received(self) -> bool:
+        return False  # the client half-closed: close, which cancels a handler still running
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.lost = True
+        self.closing = True
+        self.server._closed(self)
+        req = self._reading
+        if req is not None:
+            req._wake()
+        task = self.task
+        if task is not None and not task.done():
+            task.cancel()  # the client left: its handler ends, which closes the upstream call
+        w = self._drain_waiter
+        if w is not None and not w.done():
+            w.set_exception(ConnectionResetError("the client closed the connection"))
+            w.exception()  # retrieved: nobody may be waiting
+        self._queue = None
+
+    def pause_writing(self) -> None:
+        self.write_paused = True
+
+    def resume_writing(self) -> None:
+        self.write_paused = False
+        w = self._drain_waiter
+        if w is not None and not w.done():
+            w.set_result(None)
+
+    async def drain(self) -> None:
+        if self.lost:
+            raise ConnectionResetError("the client closed the connection")
+        if not self.write_paused:
+            return
+        w = self._drain_waiter
+        if w is None or w.done():
+            w = self._drain_waiter = self.loop.create_future()
+        await w
+
+    def pause(self) -> None:
+        if not self._paused and not self.lost:
+            self._paused = True
+            self.transport.pause_reading()
+
+    def resume(self) -> None:
+        if self._paused and not self.lost and not self.closing:
+            self._paused = False
+            self.transport.resume_reading()
+
+    # --- httptools callbacks ---
+
+    def on_message_begin(self) -> None:
+        self._in_head = True
+        self._url = b""
+        self._fields = []
+        self._expect = None
+        self._length = None
+
+    def on_url(self, url: bytes) -> None:
+        self._url += url
+        if len(self._url) > MAX_LINE_BYTES:
+            self._limit_error = BadRequest(400, f"request line over {MAX_LINE_BYTES} bytes")
+            raise self._limit_error
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        if len(name) + len(value) > MAX_FIELD_BYTES:
+            self._limit_error = BadRequest(431, f"a header line over {MAX_FIELD_BYTES} bytes")
+            raise self._limit_error
+        n = len(name)
+        if n == 6 or n == 14:
+            lname = name.lower()
+            if lname == b"expect":
+                self._expect = value.strip().lower()
+            elif lname == b"content-length":
+                try:
+                    self._length = int(value)
+                except ValueError:
+                    pass  # llhttp refuses the request
+        self._fields.append((name, value.rstrip(b" \t")))
+
+    def on_headers_complete(self) -> None:
+        p = self.parser
+        self._in_head = False
+        self._head_bytes = 0
+        url = self._url
+        if not url.isascii():
+            self._limit_error = BadRequest(400, "a byte that is not ASCII in the URL")
+            raise self._limit_error
+        version = (1, 1) if p.get_http_version() == "1.1" else (1, 0)
+        req = Request(self, p.get_method().decode("ascii"), url.decode("ascii"), tuple(self._fields), version,
+                      p.should_keep_alive(), self._expect, self._length)
+        self._fields = []
+        self._reading = req
+        if self.current is None:
+            self._dispatch(req)
+        else:  # pipelined behind the request being answered: read no more until its turn
+            if self._queue is None:
+                self._queue = []
+            self._queue.append(req)
+            self.pause()
+
+    def on_body(self, body: bytes) -> None:
+        req = self._reading
+        if req is None or self._refused:
+            return
+        req._chunks.append(body)
+        req._buffered += len(body)
+        if req._buffered > BODY_HIGH_WATER and not self.paused_for_body:
+            self.paused_for_body = True
+            self.pause()
+        if req._waiter is not None:
+            req._wake()
+
+    def on_message_complete(self) -> None:
+        req = self._reading
+        if req is not None:
+            req._body_done = True
+            self._reading = None
+            if req._waiter is not None:
+                req._wake()
+
+    # --- requests ---
+
+    def refuse_body(self) -> None:
+        """The handler refused the body being read (413): drop what else arrives, close after the answer."""
+        self._refused = True
+        self.closing = True
+        req = self._reading
+        if req is not None:
+            req._chunks = []
+
+    def _dispatch(self, req: Request) -> None:
+        self.current = req
+        self.server._busy(self)
+        self.task = self.loop.create_task(self._run(req))
+
+    async def _run(self, req: Request) -> None:
+        server = self.server
+        resp = None
+        try:
+            expect = req._expect
+            if expect is not None and req.version >= (1, 1):
+                if expect != b"100-continue":
+                    resp = web.HTTPExpectationFailed(text=f"Unknown Expect: {expect.decode('latin-1')}")
+                elif not req._body_done:
+                    if req._length is not None and req._length > server.client_max_size:
+                        resp = web.HTTPRequestEntityTooLarge(max_size=server.client_max_size,
+                                                             actual_size=req._length)
+                    else:
+                        self.transport.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+            if resp is None:
+                resp = await server.route(req)(req)
+        except asyncio.CancelledError:
+            if not self.lost:
+                self.closing = True
+                self.transport.close()  # cancelled by shutdown: the connection goes too
+            raise
+        except web.HTTPException as exc:
+            resp = exc
+        except BadRequest as err:  # the body's framing broke while the handler read it (logged once)
+            resp = web.Response(status=err.status, text=f"{err.status} {HTTPStatus(err.status).phrase}: {err}\n")
+        except Exception:
+            log.exception("error handling %s %s", req.method, req.raw_path)
+            resp = None if req.sent else web.Response(status=500, text="500 Internal Server Error")
+            if req.sent:
+                self.closing = True
+        if not self.lost:
+            try:
+                if req.sent == 0 and resp is not None:
+                    self._write_response(req, resp)
+                elif req.sent == 1:  # a streamed answer the handler did not end: the client sees it cut
+                    self.closing = True
+            except Exception:
+                log.exception("error writing the answer to %s %s", req.method, req.raw_path)
+                self.closing = True
+        self._finished(req)
+
+    def _write_response(self, req: Request, resp) -> None:
+        """Serialise an aiohttp Response (kvgate's own endpoints, kvgate-made errors, HTTP exceptions)."""
+        body = getattr(resp, "body", None)
+        if body is None:
+            body = b""
+        elif not isinstance(body, (bytes, bytearray)):
+            body = bytes(body._value) if hasattr(body, "_value") else bytes(body)
+        headers = resp.headers
+        items = [(k, v) for k, v in headers.items() if k.lower() not in _SERIALISED]
+        if "Content-Type" not in headers and body:
+            items.append(("Content-Type", "application/octet-stream"))
+        if "Date" not in headers:
+            items.append(("Date", self.server.date))
+        reason = resp.reason.encode("utf-8", "surrogateescape") if resp.reason else b""
+        if not req._body_done:
+            self.closing = True  # the body was not read: the connection cannot carry another request
+        req.answer(resp.status, reason, header_lines(items), bytes(body), False)
+
+    def _finished(self, req: Request) -> None:
+        self.task = None
+        self.current = None
+        if self.lost:
+            return
+        if self.closing or not req.keep_alive or not req._body_done or self.server.closing:
+            self.closing = True
+            self.transport.close()
+            return
+        queue = self._queue
+        if queue:
+            nxt = queue.pop(0)
+            if not queue:
+                self._queue = None
+                if not self.paused_for_body:
+                    self.resume()
+            self._dispatch(nxt)
+            return
+        self.server._idle_since(self)
+
+    def _bad(self, err: BadRequest) -> None:
+        """Answer a request kvgate cannot read (after the ones before it), log one line, close."""
+        peer = self.transport.get_extra_info("peername")
+        log.info("bad request from %s: %s, answered %d", peer[0] if peer else "?", err, err.status)
+        self._limit_error = None
+        self.closing = True
+        self.pause()
+        req, self._reading = self._reading, None
+        if req is not None and req is self.current:  # its body broke mid-way: the handler's read raises
+            req._error = err
+            req.keep_alive = False
+            req._wake()
+            return
+        if self.current is not None:  # the requests before it are answered, then the connection closes
+            self._queue = None
+            return
+        body = f"{err.status} {HTTPStatus(err.status).phrase}: {err}\n".encode("utf-8", "replace")
+        self.transport.write(b"".join((status_line(err.status), b"Content-Type: text/plain; charset=utf-8\r\n",
+                                       b"Content-Length: %d\r\nConnection: close\r\n\r\n" % len(body), body)))
+        self.transport.close()
+
+    def close(self) -> None:
+        self.closing = True
+        if self.transport is not None and not self.lost:
+            self.transport.close()
+
+
+# Framing and connection headers: the server sets them itself.
+_SERIALISED = frozenset({"content-length", "transfer-encoding", "connection", "keep-alive"})
+
+
+class HttpServer:
+    """kvgate's HTTP/1.1 server: ``route(request)`` picks the handler (it may set ``request.match_info``);
+    ``await handler(request)`` answers on the Request, or returns an aiohttp Response to serialise.
+    ``listen()`` adds a listening socket; ``cleanup()`` stops.
+
+    client_max_size: the largest request body in bytes (a larger ``Expect: 100-continue`` request is
+    answered 413 at once); keepalive_s, shutdown_timeout_s in seconds. on_cleanup: awaited last by cleanup().
+    """
+
+    def __init__(self, route: Callable[[Request], Handler], client_max_size: int, keepalive_s: float = KEEPALIVE_S,
+                 shutdown_timeout_s: float = SHUTDOWN_TIMEOUT_S,
+                 on_cleanup: Callable[[], Awaitable[None]] | None = None):
+        self.route = route
+        self.client_max_size = client_max_size
+        self.keepalive_s = keepalive_s
+        self.shutdown_timeout_s = shutdown_timeout_s
+        self.on_cleanup = on_cleanup
+        self.loop = asyncio.get_running_loop()
+        self.closing = False
+        self._servers: list[asyncio.AbstractServer] = []
+        self._conns: dict[_Conn, None] = {}
+        self._idle: dict[_Conn, float] = {}  # idle connections, oldest first (insertion order)
+        self._sweeper: asyncio.TimerHandle | None = None
+        self.date = formatdate(usegmt=True)
+
+    async def listen(self, host: str | None, port: int, backlog: int = 1024, reuse_port: bool | None = None) -> int:
+        """Listen on host:port (port 0: a free one). Returns the bound port."""
+        srv = await self.loop.create_server(lambda: _Conn(self), host, port, backlog=backlog,
+                                            reuse_port=reuse_port)
+        self._servers.append(srv)
+        if self._sweeper is None:
+            self._sweeper = self.loop.call_later(SWEEP_S, self._sweep)
+        return srv.sockets[0].getsockname()[1]
+
+    @property
+    def connections(self) -> int:
+        return len(self._conns)
+
+    # --- connection bookkeeping (called by _Conn) ---
+
+    def _opened(self, conn: _Conn) -> None:
+        if self.closing:
+            conn.close()
+            return
+        self._conns[conn] = None
+        self._idle[conn] = self.loop.time()
+
+    def _closed(self, conn: _Conn) -> None:
+        self._conns.pop(conn, None)
+        self._idle.pop(conn, None)
+
+    def _busy(self, conn: _Conn) -> None:
+        self._idle.pop(conn, None)
+
+    def _idle_since(self, conn: _Conn) -> None:
+        self._idle[conn] = self.loop.time()
+
+    def _sweep(self) -> None:
+        """Close connections idle longer than keepalive_s (the oldest are first); refresh the Date value."""
+        self.date = formatdate(usegmt=True)
+        deadline = self.loop.time() - self.keepalive_s
+        idle = self._idle
+        while idle:
+            conn = next(iter(idle))
+            if idle[conn] > deadline:
+                break
+            del idle[conn]
+            conn.close()
+        self._sweeper = self.loop.call_later(SWEEP_S, self._sweep)
+
+    async def cleanup(self) -> None:
+        """Stop listening; close idle connections; wait up to shutdown_timeout_s for requests in flight,
+        then cancel them; close every connection; then ``on_cleanup``."""
+        self.closing = True
+        for srv in self._servers:
+            srv.close()
+        await asyncio.sleep(0)  # connections accepted just before the close are made
+        for conn in list(self._idle):
+            conn.close()
+        self._idle.clear()
+        tasks = [c.task for c in self._conns if c.task is not None and not c.task.done()]
+        for c in self._conns:
+            c.closing = True
+        if tasks:
+            _, pending = await asyncio.wait(tasks, timeout=self.shutdown_timeout_s)
+            for t in pending:
+                t.cancel()
+            if pending:
+                await asyncio.wait(pending)
+        for conn in list(self._conns):
+            conn.close()
+        self._conns.clear()
+        if self._sweeper is not None:
+            self._sweeper.cancel()
+            self._sweeper = None
+        for srv in self._servers:
+            await srv.wait_closed()
+        self._servers.clear()
+        if self.on_cleanup is not None:
+            await self.on_cleanup()
