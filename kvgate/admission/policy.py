@@ -131,7 +131,8 @@ class ScopeRules:
 def _header(headers: Any, name: str) -> str | None:
     if headers is None:
         return None
-    if isinstance(headers, (CIMultiDictProxy, CIMultiDict)):  # aiohttp's: one hashed, case-insensitive lookup
+    if isinstance(headers, (CIMultiDictProxy, CIMultiDict)) or getattr(headers, "case_insensitive", False):
+        # aiohttp's multidicts, kvgate's server's Headers: one case-insensitive lookup
         v = headers.get(name)
         return None if v is None else str(v).strip().lower()
     lname = name.lower()

@@ -24,17 +24,17 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import socket
 import time
 from email.utils import formatdate
 from http import HTTPStatus
+from collections.abc import Mapping
 from typing import Any, Awaitable, Callable, Iterable
 from urllib.parse import unquote
 
 import aiohttp.http_writer
 import httptools
 from aiohttp import web
-from multidict import CIMultiDict, CIMultiDictProxy, MultiDictProxy
+from multidict import CIMultiDict, MultiDictProxy
 
 log = logging.getLogger("kvgate.proxy.server")
 
@@ -93,6 +93,51 @@ def chunk_frame(data: bytes) -> bytes:
     return b"%x\r\n%s\r\n" % (len(data), data)
 
 
+class Headers(Mapping):
+    """A request's headers as str, read-only and case-insensitive, looked up in its raw (name, value) byte
+    pairs (a request has few headers: a scan allocates nothing kept, where a multidict per request would
+    stay with every waiting request). Values are decoded as UTF-8 with surrogate escapes, as aiohttp does;
+    ``get`` and ``[]`` give the first of several."""
+
+    __slots__ = ("_raw",)
+    case_insensitive = True
+
+    def __init__(self, raw: tuple):
+        self._raw = raw
+
+    def get(self, name: str, default=None):
+        lname = name.lower().encode("latin-1")
+        for k, v in self._raw:
+            if k.lower() == lname:
+                return v.decode("utf-8", "surrogateescape")
+        return default
+
+    def __getitem__(self, name: str) -> str:
+        v = self.get(name)
+        if v is None:
+            raise KeyError(name)
+        return v
+
+    def __contains__(self, name: object) -> bool:
+        return isinstance(name, str) and self.get(name) is not None
+
+    def getall(self, name: str, default=None) -> list[str]:
+        lname = name.lower().encode("latin-1")
+        out = [v.decode("utf-8", "surrogateescape") for k, v in self._raw if k.lower() == lname]
+        if not out and default is None:
+            raise KeyError(name)
+        return out or default
+
+    def __iter__(self):
+        return (k.decode("utf-8", "surrogateescape") for k, _ in self._raw)
+
+    def __len__(self) -> int:
+        return len(self._raw)
+
+    def items(self):
+        return [(k.decode("utf-8", "surrogateescape"), v.decode("utf-8", "surrogateescape")) for k, v in self._raw]
+
+
 class BadRequest(Exception):
     """A request kvgate answers itself and then closes the connection: ``status`` and a short reason."""
 
@@ -111,7 +156,7 @@ class Request:
     ``write_eof`` (streamed); each raises ConnectionResetError once the client is gone.
     """
 
-    __slots__ = ("method", "raw_path", "raw_headers", "version", "keep_alive", "match_info", "_conn", "_headers",
+    __slots__ = ("method", "raw_path", "raw_headers", "version", "keep_alive", "match_info", "_conn",
                  "_query", "_chunks", "_buffered", "_body_done", "_waiter", "_expect", "_length", "sent",
                  "_chunked", "_head_only", "_error", "__weakref__")
 
@@ -124,9 +169,8 @@ class Request:
         self.version = version
         self.keep_alive = keep_alive
         self.match_info: dict[str, str] = _NO_MATCH
-        self._headers: CIMultiDictProxy | None = None
         self._query: MultiDictProxy | None = None
-        self._chunks: list[bytes] = []
+        self._chunks: list[bytes] | tuple = ()  # a list once body bytes arrive
         self._buffered = 0
         self._body_done = False
         self._waiter: asyncio.Future | None = None
@@ -157,14 +201,9 @@ class Request:
         return self._query
 
     @property
-    def headers(self) -> CIMultiDictProxy:
-        """The headers as str (values decoded as UTF-8 with surrogate escapes, as aiohttp does)."""
-        h = self._headers
-        if h is None:
-            h = self._headers = CIMultiDictProxy(CIMultiDict(
-                [(k.decode("utf-8", "surrogateescape"), v.decode("utf-8", "surrogateescape"))
-                 for k, v in self.raw_headers]))
-        return h
+    def headers(self) -> Headers:
+        """The headers as str, case-insensitive (see Headers)."""
+        return Headers(self.raw_headers)
 
     @property
     def transport(self) -> asyncio.Transport | None:
@@ -183,7 +222,7 @@ class Request:
         while True:
             chunks = self._chunks
             if chunks:
-                self._chunks = []
+                self._chunks = ()
                 self._taken()
                 for chunk in chunks:
                     parts.append(chunk)
@@ -206,17 +245,10 @@ class Request:
         return parts[0] if len(parts) == 1 else b"".join(parts)
 
     async def read(self) -> bytes:
-        """The whole body (no size limit: for kvgate's own small endpoints)."""
-        parts = []
-        while True:
-            if self._chunks:
-                parts += self._chunks
-                self._chunks = []
-                self._taken()
-            elif self._body_done and self._error is None:
-                return b"".join(parts)
-            else:
-                await self._wait_body()
+        """The whole body as bytes (kvgate's own endpoints). Raises HTTPRequestEntityTooLarge (413) past the
+        server's client_max_size, as aiohttp's ``request.read()`` does."""
+        limit = self._conn.server.client_max_size
+        return await self.read_body(limit, limit, limit)
 
     def _taken(self) -> None:
         self._buffered = 0
@@ -312,6 +344,13 @@ class Request:
 
 
 _NO_MATCH: dict[str, str] = {}
+# Common header names and values: one bytes object each, shared by every request that waits, not one per request.
+_COMMON = {b: b for n in ("Host", "Content-Type", "Content-Length", "User-Agent", "Accept", "Accept-Encoding",
+                          "Connection", "Authorization", "X-Session-ID", "X-Request-Id", "keep-alive", "close",
+                          "application/json", "*/*", "gzip, deflate", "gzip, deflate, br", "chunked",
+                          "text/event-stream") for b in (n.encode(), n.lower().encode())}
+# One str per common method, not one per request.
+_METHODS = {m.encode(): m for m in ("GET", "POST", "HEAD", "PUT", "DELETE", "OPTIONS", "PATCH")}
 
 
 class StreamResponse:
@@ -361,7 +400,7 @@ class _Conn(asyncio.Protocol):
         self.server = server
         self.loop = server.loop
         self.transport: asyncio.Transport | None = None
-        self.parser = httptools.HttpRequestParser(self)
+        self.parser: httptools.HttpRequestParser | None = None  # made when bytes come, dropped between requests
         self._url = b""
         self._fields: list[tuple[bytes, bytes]] = []
         self._expect: bytes | None = None
@@ -384,13 +423,7 @@ class _Conn(asyncio.Protocol):
     # --- asyncio.Protocol ---
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self.transport = transport  # type: ignore[assignment]
-        sock = transport.get_extra_info("socket")
-        if sock is not None:
-            try:
-                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            except (OSError, AttributeError):
-                pass
+        self.transport = transport  # type: ignore[assignment]  (asyncio and uvloop set TCP_NODELAY)
         self.server._opened(self)
 
     def data_received(self, data: bytes) -> None:
@@ -401,8 +434,14 @@ class _Conn(asyncio.Protocol):
             if self._head_bytes > MAX_HEAD_BYTES:
                 self._bad(BadRequest(431, f"request head over {MAX_HEAD_BYTES} bytes"))
                 return
+        parser = self.parser
+        if parser is None:
+            parser = self.parser = httptools.HttpRequestParser(self)
         try:
-            self.parser.feed_data(data)
+            parser.feed_data(data)
+            if self._reading is None and not self._in_head:
+                # Between messages: a request waiting for its answer (admission) keeps no parser.
+                self.parser = None
         except httptools.HttpParserUpgrade:
             # Upgrade (or CONNECT): kvgate relays no other protocol; the request is answered as a plain
             # one and the connection closes after it.
@@ -498,7 +537,8 @@ class _Conn(asyncio.Protocol):
                     self._length = int(value)
                 except ValueError:
                     pass  # llhttp refuses the request
-        self._fields.append((name, value.rstrip(b" \t")))
+        value = value.rstrip(b" \t")
+        self._fields.append((_COMMON.get(name, name), _COMMON.get(value, value)))
 
     def on_headers_complete(self) -> None:
         p = self.parser
@@ -509,7 +549,8 @@ class _Conn(asyncio.Protocol):
             self._limit_error = BadRequest(400, "a byte that is not ASCII in the URL")
             raise self._limit_error
         version = (1, 1) if p.get_http_version() == "1.1" else (1, 0)
-        req = Request(self, p.get_method().decode("ascii"), url.decode("ascii"), tuple(self._fields), version,
+        method = p.get_method()
+        req = Request(self, _METHODS.get(method) or method.decode("ascii"), url.decode("ascii"), tuple(self._fields), version,
                       p.should_keep_alive(), self._expect, self._length)
         self._fields = []
         self._reading = req
@@ -525,7 +566,10 @@ class _Conn(asyncio.Protocol):
         req = self._reading
         if req is None or self._refused:
             return
-        req._chunks.append(body)
+        if req._chunks:
+            req._chunks.append(body)
+        else:
+            req._chunks = [body]
         req._buffered += len(body)
         if req._buffered > BODY_HIGH_WATER and not self.paused_for_body:
             self.paused_for_body = True
@@ -549,48 +593,73 @@ class _Conn(asyncio.Protocol):
         self.closing = True
         req = self._reading
         if req is not None:
-            req._chunks = []
+            req._chunks = ()
 
     def _dispatch(self, req: Request) -> None:
+        """Start answering ``req``: its handler runs in a task of its own (cancelled when the client goes),
+        and _done writes what it returned. No wrapper coroutine: a waiting request keeps only the
+        handler's own."""
         self.current = req
         self.server._busy(self)
-        self.task = self.loop.create_task(self._run(req))
-
-    async def _run(self, req: Request) -> None:
         server = self.server
-        resp = None
+        early = None
+        expect = req._expect
+        if expect is not None and req.version >= (1, 1):
+            if expect != b"100-continue":
+                early = web.HTTPExpectationFailed(text=f"Unknown Expect: {expect.decode('latin-1')}")
+            elif not req._body_done:
+                if req._length is not None and req._length > server.client_max_size:
+                    early = web.HTTPRequestEntityTooLarge(max_size=server.client_max_size, actual_size=req._length)
+                else:
+                    self.transport.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+        if early is not None:
+            self._answer(req, early)
+            return
         try:
-            expect = req._expect
-            if expect is not None and req.version >= (1, 1):
-                if expect != b"100-continue":
-                    resp = web.HTTPExpectationFailed(text=f"Unknown Expect: {expect.decode('latin-1')}")
-                elif not req._body_done:
-                    if req._length is not None and req._length > server.client_max_size:
-                        resp = web.HTTPRequestEntityTooLarge(max_size=server.client_max_size,
-                                                             actual_size=req._length)
-                    else:
-                        self.transport.write(b"HTTP/1.1 100 Continue\r\n\r\n")
-            if resp is None:
-                resp = await server.route(req)(req)
-        except asyncio.CancelledError:
+            coro = server.route(req)(req)
+        except Exception:
+            log.exception("error routing %s %s", req.method, req.raw_path)
+            self._answer(req, web.Response(status=500, text="500 Internal Server Error"))
+            return
+        task = self.task = self.loop.create_task(coro)
+        task.add_done_callback(self._done)
+
+    def _done(self, task: asyncio.Task) -> None:
+        req = self.current
+        if task is not self.task or req is None:
+            return
+        if task.cancelled():  # the client left, or shutdown cancelled it
             if not self.lost:
                 self.closing = True
                 self.transport.close()  # cancelled by shutdown: the connection goes too
-            raise
-        except web.HTTPException as exc:
+            self._finished(req)
+            return
+        exc = task.exception()
+        if exc is None:
+            resp = task.result()
+        elif isinstance(exc, web.HTTPException):
             resp = exc
-        except BadRequest as err:  # the body's framing broke while the handler read it (logged once)
-            resp = web.Response(status=err.status, text=f"{err.status} {HTTPStatus(err.status).phrase}: {err}\n")
-        except Exception:
-            log.exception("error handling %s %s", req.method, req.raw_path)
+        elif isinstance(exc, BadRequest):  # the body's framing broke while the handler read it (logged once)
+            resp = web.Response(status=exc.status, text=f"{exc.status} {HTTPStatus(exc.status).phrase}: {exc}\n")
+        elif isinstance(exc, Exception):
+            log.error("error handling %s %s", req.method, req.raw_path, exc_info=exc)
             resp = None if req.sent else web.Response(status=500, text="500 Internal Server Error")
             if req.sent:
                 self.closing = True
+        else:  # KeyboardInterrupt, SystemExit: not ours to answer
+            self.closing = True
+            resp = None
+        self._answer(req, resp)
+
+    def _answer(self, req: Request, resp) -> None:
+        """Write ``resp`` unless the handler answered on the request itself; then the next request."""
         if not self.lost:
             try:
                 if req.sent == 0 and resp is not None:
                     self._write_response(req, resp)
                 elif req.sent == 1:  # a streamed answer the handler did not end: the client sees it cut
+                    self.closing = True
+                elif req.sent == 0:
                     self.closing = True
             except Exception:
                 log.exception("error writing the answer to %s %s", req.method, req.raw_path)
