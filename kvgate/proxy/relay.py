@@ -112,8 +112,9 @@ def forward_head(raw_headers: Iterable[tuple[bytes, bytes]], extra: Mapping[str,
             connection = connection or lk == b"connection"
             continue
         out += (k, b": ", v, b"\r\n")
-    if connection:  # rare: the headers a Connection header names are hop-by-hop too; filter again
-        drop = drop | _connection_named(raw_headers)
+    named = _connection_named(raw_headers) - drop if connection else None
+    if named:  # rare: the headers a Connection header names are hop-by-hop too; filter again
+        drop = drop | named
         out = []
         for k, v in raw_headers:
             if k.lower() not in drop:
@@ -178,7 +179,8 @@ def _response_lines(raw: list[tuple[bytes, bytes]], add_headers) -> tuple[bytes,
         lk = k.lower()
         if lk in replaced:
             if lk == b"connection":
-                named = _connection_named(raw)
+                # Only names not dropped anyway matter (a "Connection: keep-alive" names none).
+                named = (named or set()) | ({t.strip().lower() for t in v.split(b",")} - replaced - {b""})
             continue
         if lk == b"content-type":
             if not ctype:
