@@ -149,7 +149,8 @@ def parse_answer(raw: bytes, method: bytes = b"POST") -> Answer | None:
         return None
     lines = head.split(b"\r\n")
     parts = lines[0].split(b" ", 2)
-    if len(parts) < 2 or not parts[0].startswith(b"HTTP/1.") or not parts[1].isdigit() or len(parts[1]) != 3:
+    if len(parts) < 2 or parts[0] not in (b"HTTP/1.0", b"HTTP/1.1") or not parts[1].isdigit() or len(parts[1]) != 3 \
+            or not 200 <= int(parts[1]) <= 599:  # RFC 9112 2.3 and 4; a 1xx alone is no final answer (RFC 9110 15.2)
         return None
     ans = Answer(int(parts[1]))
     for line in lines[1:]:
