@@ -102,14 +102,15 @@ class Headers(Mapping):
     __slots__ = ("_raw",)
     case_insensitive = True
 
-    def __init__(self, raw: tuple):
-        self._raw = raw
+    def __init__(self, flat: tuple):
+        self._raw = flat  # name, value, name, value ...
 
     def get(self, name: str, default=None):
         lname = name.lower().encode("latin-1")
-        for k, v in self._raw:
-            if k.lower() == lname:
-                return v.decode("utf-8", "surrogateescape")
+        raw = self._raw
+        for i in range(0, len(raw), 2):
+            if raw[i].lower() == lname:
+                return raw[i + 1].decode("utf-8", "surrogateescape")
         return default
 
     def __getitem__(self, name: str) -> str:
@@ -123,19 +124,24 @@ class Headers(Mapping):
 
     def getall(self, name: str, default=None) -> list[str]:
         lname = name.lower().encode("latin-1")
-        out = [v.decode("utf-8", "surrogateescape") for k, v in self._raw if k.lower() == lname]
+        out = [v.decode("utf-8", "surrogateescape") for k, v in _pairs(self._raw) if k.lower() == lname]
         if not out and default is None:
             raise KeyError(name)
         return out or default
 
     def __iter__(self):
-        return (k.decode("utf-8", "surrogateescape") for k, _ in self._raw)
+        return (k.decode("utf-8", "surrogateescape") for k in self._raw[::2])
 
     def __len__(self) -> int:
-        return len(self._raw)
+        return len(self._raw) // 2
 
     def items(self):
-        return [(k.decode("utf-8", "surrogateescape"), v.decode("utf-8", "surrogateescape")) for k, v in self._raw]
+        return [(k.decode("utf-8", "surrogateescape"), v.decode("utf-8", "surrogateescape"))
+                for k, v in _pairs(self._raw)]
+
+
+def _pairs(flat: tuple) -> tuple:
+    return tuple(zip(flat[::2], flat[1::2]))
 
 
 class BadRequest(Exception):
@@ -156,16 +162,16 @@ class Request:
     ``write_eof`` (streamed); each raises ConnectionResetError once the client is gone.
     """
 
-    __slots__ = ("method", "raw_path", "raw_headers", "version", "keep_alive", "match_info", "_conn",
+    __slots__ = ("method", "raw_path", "_fields", "version", "keep_alive", "match_info", "_conn",
                  "_query", "_chunks", "_buffered", "_body_done", "_waiter", "_expect", "_length", "sent",
                  "_chunked", "_head_only", "_error", "__weakref__")
 
-    def __init__(self, conn: "_Conn", method: str, raw_path: str, raw_headers: tuple, version: tuple[int, int],
+    def __init__(self, conn: "_Conn", method: str, raw_path: str, fields: tuple, version: tuple[int, int],
                  keep_alive: bool, expect: bytes | None, length: int | None):
         self._conn = conn
         self.method = method
         self.raw_path = raw_path
-        self.raw_headers = raw_headers
+        self._fields = fields  # name, value, name, value ... (flat: one tuple, not one per header)
         self.version = version
         self.keep_alive = keep_alive
         self.match_info: dict[str, str] = _NO_MATCH
@@ -203,7 +209,12 @@ class Request:
     @property
     def headers(self) -> Headers:
         """The headers as str, case-insensitive (see Headers)."""
-        return Headers(self.raw_headers)
+        return Headers(self._fields)
+
+    @property
+    def raw_headers(self) -> tuple:
+        """((name, value) byte pairs) in the client's order, values without trailing whitespace."""
+        return _pairs(self._fields)
 
     @property
     def transport(self) -> asyncio.Transport | None:
@@ -402,7 +413,7 @@ class _Conn(asyncio.Protocol):
         self.transport: asyncio.Transport | None = None
         self.parser: httptools.HttpRequestParser | None = None  # made when bytes come, dropped between requests
         self._url = b""
-        self._fields: list[tuple[bytes, bytes]] = []
+        self._fields: list[bytes] = []  # name, value, name, value ...
         self._expect: bytes | None = None
         self._length: int | None = None
         self._in_head = False
@@ -538,7 +549,7 @@ class _Conn(asyncio.Protocol):
                 except ValueError:
                     pass  # llhttp refuses the request
         value = value.rstrip(b" \t")
-        self._fields.append((_COMMON.get(name, name), _COMMON.get(value, value)))
+        self._fields += (_COMMON.get(name, name), _COMMON.get(value, value))
 
     def on_headers_complete(self) -> None:
         p = self.parser
