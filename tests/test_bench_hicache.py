@@ -17,7 +17,8 @@ replicates: 1
 speed: 4
 engines: 1
 max_total_num_tokens: 4000
-arms: [hicache, hicache+lifecycle, hicache+lifecycle+admission, hicache+lifecycle+admission-program]
+arms: [hicache, hicache+lifecycle, hicache+lifecycle+admission, hicache+lifecycle+admission-program,
+       hicache+lifecycle+admission-program-device]
 kvgate_extra: {admission_chars_per_token: 1.0, max_response_length: 512}
 workload:
   kind: agentic
@@ -35,16 +36,20 @@ def test_hicache_arms_expand_to_engines_with_the_host_tier(tmp_path):
     sc = tmp_path / "tiny.yaml"
     sc.write_text(TINY)
     arms = {a.name: a for a in expand_arms(load_scenario(sc))}
-    assert [(a.hicache, a.kvgate, a.lifecycle, a.admission, a.admission_policy) for a in arms.values()] == [
-        (True, False, False, False, "fifo"), (True, True, True, False, "fifo"), (True, True, True, True, "fifo"),
-        (True, True, True, True, "program")]
+    assert [(a.hicache, a.kvgate, a.lifecycle, a.admission, a.admission_policy, a.host_cache)
+            for a in arms.values()] == [
+        (True, False, False, False, "fifo", True), (True, True, True, False, "fifo", True),
+        (True, True, True, True, "fifo", True), (True, True, True, True, "program", True),
+        (True, True, True, True, "program", False)]
 
 
 @pytest.mark.skipif(procs.find_executable("smg") is None, reason="smg router not installed")
 def test_hicache_arm_runs_and_its_engines_hold_a_host_tier(tmp_path):
     sc = tmp_path / "tiny.yaml"
-    sc.write_text(TINY.replace("arms: [hicache, hicache+lifecycle, hicache+lifecycle+admission, hicache+lifecycle+admission-program]",
-                              "arms: [hicache]"))
+    text = TINY.replace("arms: [hicache, hicache+lifecycle, hicache+lifecycle+admission, hicache+lifecycle+admission-program,\n"
+                        "       hicache+lifecycle+admission-program-device]", "arms: [hicache]")
+    assert "arms: [hicache]\n" in text
+    sc.write_text(text)
     out = tmp_path / "out"
     p = argparse.ArgumentParser()
     cli.add_arguments(p)

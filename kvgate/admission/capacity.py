@@ -34,6 +34,7 @@ __all__ = [
     "ClusterSnapshot",
     "parse_engine_metrics",
     "parse_engine_loads",
+    "host_pool_tokens",
     "stale_after_s",
 ]
 
@@ -64,12 +65,14 @@ class Pool:
     """One KV pool (one data-parallel rank of an engine).
 
     capacity: max_total_num_tokens (tokens); used: num_used_tokens (tokens); usage: token_usage in [0, 1+]
-    after the "0 while used > 0" fallback.
+    after the "0 while used > 0" fallback; host: the rank's HiCache host pool (tokens, 0 without HiCache;
+    :func:`host_pool_tokens`).
     """
 
     capacity: int
     used: int
     usage: float
+    host: int = 0
 
 
 @dataclass(frozen=True)
@@ -96,6 +99,19 @@ class EngineCapacity:
     @property
     def used(self) -> int:
         return sum(p.used for p in self.pools)
+
+    @cached_property
+    def host(self) -> int:
+        """HiCache host pool tokens summed over pools (0 without HiCache)."""
+        return sum(p.host for p in self.pools)
+
+    def with_host(self, host_per_pool: int | None) -> "EngineCapacity":
+        """The same figures with every pool's HiCache host pool set to ``host_per_pool`` tokens (SGLang sizes
+        the host pool per DP rank); None or <= 0: no host pool."""
+        h = max(0, int(host_per_pool or 0))
+        if all(p.host == h for p in self.pools):
+            return self
+        return EngineCapacity(tuple(Pool(p.capacity, p.used, p.usage, h) for p in self.pools))
 
     @cached_property
     def worst_usage(self) -> float:
@@ -233,6 +249,49 @@ def parse_engine_loads(obj: Any) -> EngineCapacity | None:
     return _pools_from_ranks(ranks)
 
 
+#: SGLang's KV memory figures: memory_usage["kvcache"] is in GiB (mem_usage / 1024^3,
+#: srt/mem_cache/memory_pool.py); --hicache-size is in GB of 10^9 bytes (srt/mem_cache/memory_pool_host.py).
+_GIB = 1024 ** 3
+
+
+def host_pool_tokens(server_info: Any) -> int | None:
+    """The HiCache host pool of one DP rank, in tokens, from an engine's GET /server_info; 0 when the engine
+    runs without HiCache; None when the answer does not say (not a mapping, or figures missing).
+
+    SGLang (srt/mem_cache/memory_pool_host.py, HostKVCache): with ``--hicache-size`` S > 0 the host pool holds
+    S x 10^9 // (KV bytes per token) tokens, else ``--hicache-ratio`` (default 2.0) x the device pool
+    (max_total_num_tokens). KV bytes per token come from ``internal_states[].memory_usage``: kvcache GiB /
+    token_capacity. Never raises.
+    """
+    if not isinstance(server_info, Mapping):
+        return None
+    enabled = server_info.get("enable_hierarchical_cache")
+    if enabled is None:
+        return None
+    if enabled is not True:
+        return 0
+    device = _num(server_info.get("max_total_num_tokens"))
+    states = server_info.get("internal_states")
+    usage = states[0].get("memory_usage") if isinstance(states, list) and states and isinstance(states[0], Mapping) \
+        else None
+    if isinstance(usage, Mapping):
+        device = _num(usage.get("token_capacity")) or device
+    size_gb = _num(server_info.get("hicache_size")) or 0.0
+    if size_gb > 0:
+        kv_gib = _num(usage.get("kvcache")) if isinstance(usage, Mapping) else None
+        if not kv_gib or not device or kv_gib <= 0 or device <= 0:
+            return None  # the host pool is set in GB, and the KV bytes per token are not reported
+        tokens = size_gb * 1e9 / (kv_gib * _GIB / device)
+    else:
+        ratio = _num(server_info.get("hicache_ratio"))
+        if not device or device <= 0:
+            return None
+        tokens = (2.0 if ratio is None else ratio) * device
+    if not 0 <= tokens <= MAX_PLAUSIBLE_TOKENS:
+        return None
+    return int(tokens)
+
+
 @dataclass(frozen=True)
 class ClusterSnapshot:
     """Capacity of the whole fleet at monotonic time ``taken_at`` (seconds).
@@ -271,6 +330,11 @@ class ClusterSnapshot:
     def worst_usage(self) -> float:
         return max((e.worst_usage for e in self.engines.values()), default=0.0)
 
+    @cached_property
+    def host(self) -> int:
+        """HiCache host pool tokens of the healthy engines (0 without HiCache)."""
+        return sum(e.host for e in self.engines.values())
+
     @property
     def mean_usage(self) -> float:
         cap = self.capacity
@@ -280,8 +344,9 @@ class ClusterSnapshot:
 
     def to_wire(self) -> dict[str, Any]:
         """Everything but the time, JSON-able, for replicas that share one poller's snapshot:
-        {"engines": {url: [[capacity, used, usage] per pool]}, "unhealthy": [url, ...]}."""
-        return {"engines": {url: [[p.capacity, p.used, p.usage] for p in e.pools] for url, e in self.engines.items()},
+        {"engines": {url: [[capacity, used, usage, host] per pool]}, "unhealthy": [url, ...]}."""
+        return {"engines": {url: [[p.capacity, p.used, p.usage, p.host] for p in e.pools]
+                            for url, e in self.engines.items()},
                 "unhealthy": sorted(self.unhealthy)}
 
     @classmethod
@@ -289,7 +354,7 @@ class ClusterSnapshot:
         """The snapshot :meth:`to_wire` wrote, taken at monotonic ``taken_at`` (seconds) on this process's
         clock. None when ``obj`` is not such a mapping (the reader then polls the engines itself)."""
         try:
-            engines = {str(url): EngineCapacity.from_pools((float(c), float(u), float(g)) for c, u, g in pools)
+            engines = {str(url): EngineCapacity(tuple(_wire_pool(*p) for p in pools))
                        for url, pools in obj["engines"].items()}
             unhealthy = [str(u) for u in obj["unhealthy"]]
         except (KeyError, TypeError, ValueError, AttributeError):
@@ -302,6 +367,7 @@ class ClusterSnapshot:
             "taken_at": self.taken_at,
             "capacity_tokens": self.capacity,
             "used_tokens": self.used,
+            "host_cache_tokens": self.host,
             "worst_usage": round(self.worst_usage, 4),
             "mean_usage": round(self.mean_usage, 4),
             "healthy_engines": sorted(self.engines),
@@ -310,9 +376,16 @@ class ClusterSnapshot:
                 url: {
                     "capacity_tokens": e.capacity,
                     "used_tokens": e.used,
+                    "host_cache_tokens": e.host,
                     "worst_usage": round(e.worst_usage, 4),
                     "pools": [[p.capacity, p.used, round(p.usage, 4)] for p in e.pools],
                 }
                 for url, e in sorted(self.engines.items())
             },
         }
+
+
+def _wire_pool(capacity: Any, used: Any, usage: Any, host: Any = 0) -> Pool:
+    # A replica of an earlier version writes three figures per pool (no host pool).
+    p = _make_pool(float(capacity), float(used), float(usage))
+    return Pool(p.capacity, p.used, p.usage, max(0, int(host)))

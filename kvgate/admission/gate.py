@@ -69,7 +69,10 @@ class AdmissionGate:
                              pressure_threshold=cfg.agentic_admission_pressure_threshold,
                              stale_after_s=stale_after_s(cfg.admission_poll_interval_s),
                              lease_ttl_s=cfg.admission_lease_ttl_s, window_s=cfg.admission_window_s,
-                             block_tokens=cfg.admission_prefix_block_tokens)
+                             block_tokens=cfg.admission_prefix_block_tokens,
+                             # A program between turns may sit in HiCache's host pool: SGLang loads it back
+                             # instead of recomputing it. A request in flight needs the device pool: fifo.
+                             count_host=self.policy == "program" and cfg.admission_host_cache)
         if self.policy == "program":
             self.coord = ProgramCoordinator(self.ledger, cfg.agentic_admission_max_wait_s,
                                             window_s=cfg.admission_window_s, victim=cfg.admission_pause_victim,

@@ -107,6 +107,9 @@ class Ledger:
         capacity.stale_after_s(poll_interval_s) = max(3 x interval, 5 s) (default 6.0 for a 2 s poll).
       lease_ttl_s: a lease not released within this many seconds is reclaimed by expire() (default 900).
       window_s: length of the usage window for usage_window() (default 60).
+      count_host: the ceilings also count each engine's HiCache host pool (the program policy: a program
+        between turns may sit in host memory, which SGLang loads back instead of recomputing). A single
+        reservation is still clamped to the device pool (max_tokens) and the pressure guard reads device usage.
 
     Read-only figures: ceiling, reserved, available_tokens, reserved_utilization, lease_count,
     lease_expired_total, epoch, snapshot; is_degraded(now); usage_window(now); stats(now).
@@ -120,7 +123,9 @@ class Ledger:
         lease_ttl_s: float = 900.0,
         window_s: float = 60.0,
         block_tokens: int = DEFAULT_BLOCK_TOKENS,
+        count_host: bool = False,
     ) -> None:
+        self.count_host = bool(count_host)
         self.headroom = _check_fraction("headroom", headroom)
         self.pressure_threshold = _check_fraction("pressure_threshold", pressure_threshold)
         self.stale_after_s = _check_positive("stale_after_s", stale_after_s)
@@ -147,7 +152,8 @@ class Ledger:
     def reconcile(self, snapshot: ClusterSnapshot, now: float) -> bool:
         """Install a new capacity snapshot; returns True if the epoch changed.
 
-        Sets ceiling = floor(sum of healthy engines' max_total_num_tokens x headroom) (tokens), increments
+        Sets ceiling = floor(sum of healthy engines' max_total_num_tokens (plus their HiCache host pools when
+        ``count_host``) x headroom) (tokens), increments
         the epoch when the healthy engine set differs from the previous snapshot's, and records
         (mean_usage, worst_usage) into the usage window at ``snapshot.taken_at``. A snapshot older than the
         installed one is ignored (returns False). Leases are kept across epochs.
@@ -155,7 +161,8 @@ class Ledger:
         if self._snapshot is not None and snapshot.taken_at < self._snapshot.taken_at:
             return False
         self._snapshot = snapshot
-        self._ceiling = int(math.floor(snapshot.capacity * self.headroom))
+        room = snapshot.capacity + snapshot.host if self.count_host else snapshot.capacity
+        self._ceiling = int(math.floor(room * self.headroom))
         # the largest engine's capacity, read by every fleet-wide reservation (max_tokens): once per snapshot
         self._fleet_max = max((e.capacity for e in snapshot.engines.values()), default=0) or 1
         changed = snapshot.healthy != self._healthy
@@ -271,10 +278,23 @@ class Ledger:
             return 0
         return eng.pools[rank].capacity if rank is not None else eng.capacity
 
+    def _host_of(self, place: Any) -> int:
+        s = self._snapshot
+        if not self.count_host or s is None or place is FLEET:
+            return s.host if self.count_host and s is not None else 0
+        url, rank = (place if isinstance(place, tuple) else (place, None))
+        eng = s.engines.get(url)
+        if eng is None:
+            return 0
+        return eng.pools[rank].host if rank is not None else eng.host
+
     def ceiling_of(self, place: Any) -> int:
-        """floor(max_total_num_tokens x headroom) of ``place`` (the fleet's ceiling for FLEET / unknown)."""
+        """floor(max_total_num_tokens (+ the HiCache host pool when ``count_host``) x headroom) of ``place``
+        (the fleet's ceiling for FLEET / unknown)."""
         place = self.resolve_place(place)
-        return self._ceiling if place is FLEET else int(math.floor(self._capacity_of(place) * self.headroom))
+        if place is FLEET:
+            return self._ceiling
+        return int(math.floor((self._capacity_of(place) + self._host_of(place)) * self.headroom))
 
     def max_tokens(self, place: Any) -> int:
         """The most one reservation can count on ``place``: that engine's (or pool's) max_total_num_tokens;
@@ -430,8 +450,11 @@ class Ledger:
             "granted": self._granted_total,
             "oversized_granted": self._oversized_total,
             "forced_granted": self._forced_total,
-            "engines": {str(url): {"ceiling": self.ceiling_of(url), "reserved": self.reserved_on(url)}
+            "engines": {str(url): {"ceiling": self.ceiling_of(url), "reserved": self.reserved_on(url),
+                                   "host_cache_tokens": self._host_of(url)}
                         for url in sorted(s.engines)} if s is not None else {},
+            # the HiCache host pools the ceilings count (0 unless count_host)
+            "host_cache_tokens": self._host_of(FLEET),
             "reserved_unplaced": self._hold.total(FLEET),
             "refused": dict(self._refused_total),
             "epoch": self._epoch,

@@ -12,6 +12,11 @@ them, under a lease in Redis it renews every round, and publishes its snapshot; 
 A replica polls on its own when Redis is unreachable, when the published snapshot is older than two
 intervals (the polling replica died or stalls: its lease expires after three) or when it names other
 engines than this replica's directory lists.
+
+HiCache host pools: when the gate counts them (the program policy, ``admission_host_cache``), each engine's
+GET /server_info (fallback /get_server_info) is read once, when the engine first appears, and its host pool
+(kvgate.admission.capacity.host_pool_tokens) is attached to that engine's figures in every snapshot. An
+engine whose answer does not say is asked again next round; until then it counts without a host pool.
 """
 
 from __future__ import annotations
@@ -26,7 +31,8 @@ import orjson
 
 from kvgate.common.aio import cancel_tasks
 from kvgate.admission.capacity import (METRIC_MAX_TOTAL, METRIC_NUM_USED, METRIC_TOKEN_USAGE, ClusterSnapshot,
-                                       EngineCapacity, parse_engine_loads, parse_engine_metrics, stale_after_s)
+                                       EngineCapacity, host_pool_tokens, parse_engine_loads, parse_engine_metrics,
+                                       stale_after_s)
 from kvgate.admission.gate import AdmissionGate
 from kvgate.fleet.directory import EngineDirectory
 
@@ -99,6 +105,9 @@ class CapacityPoller:
         # replica polled (read), polled for itself alone (own: no Redis, or no usable shared snapshot)
         self.shared_rounds = {"led": 0, "read": 0, "own": 0}
         self._leading = False
+        # engine URL -> its HiCache host pool per DP rank (tokens; 0 = none), read once per engine
+        self.host_tokens: dict[str, int] = {}
+        self.count_host = gate is not None and getattr(gate.ledger, "count_host", False)
 
     async def start(self) -> None:
         # Per-scrape timeout below the interval so one slow engine never stalls a round.
@@ -163,6 +172,9 @@ class CapacityPoller:
             caps = await asyncio.gather(*(self.scrape(u) for u in urls))
             if all(c is None for c in caps):
                 return None
+            if self.count_host:
+                await self._read_host_pools(urls)
+                caps = [c.with_host(self.host_tokens.get(u)) if c is not None else None for u, c in zip(urls, caps)]
             snapshot = ClusterSnapshot.build(dict(zip(urls, caps)), taken)
             if self._leading:
                 await self.shared.publish_capacity(snapshot.to_wire(), stale_after_s(self.interval_s))
@@ -174,6 +186,29 @@ class CapacityPoller:
             except Exception:  # a consumer's fault must not stop polling
                 log.exception("capacity listener failed")
         return snapshot
+
+    async def _read_host_pools(self, urls: list[str]) -> None:
+        """Read the HiCache host pool of every engine not read yet; forget engines that left the list."""
+        for gone in set(self.host_tokens) - set(urls):
+            del self.host_tokens[gone]
+        new = [u for u in urls if u not in self.host_tokens]
+        for url, tokens in zip(new, await asyncio.gather(*(self._host_pool(u) for u in new))):
+            if tokens is not None:
+                self.host_tokens[url] = tokens
+                if tokens:
+                    log.info("engine %s: HiCache host pool of %d tokens per rank counts for the program policy",
+                             url, tokens)
+
+    async def _host_pool(self, url: str) -> int | None:
+        assert self._session is not None
+        for path in ("/server_info", "/get_server_info"):
+            try:
+                async with self._session.get(url + path) as resp:
+                    if resp.status == 200:
+                        return host_pool_tokens(orjson.loads(await resp.read()))
+            except (aiohttp.ClientError, asyncio.TimeoutError, orjson.JSONDecodeError, OSError):
+                continue
+        return None
 
     async def _shared_snapshot(self, urls: list[str]) -> ClusterSnapshot | None:
         """The snapshot another replica polled for this round, or None when this replica polls itself

@@ -54,6 +54,8 @@ class ArmSpec:
     # kvgate replicas (> 1: they share state through a redis-server of the arm's own, state_backend: redis,
     # and the client's sessions are split between them, see replica_for)
     replicas: int = 1
+    # the program policy counts the engines' HiCache host pools (admission_host_cache); False: the device only
+    host_cache: bool = True
 
 
 def expand_arms(sc: Scenario) -> list[ArmSpec]:
@@ -97,6 +99,9 @@ def expand_arms(sc: Scenario) -> list[ArmSpec]:
         elif a == "hicache+lifecycle+admission-program":
             out.append(ArmSpec(a, kvgate=True, lifecycle=True, admission=True, admission_policy="program",
                                pool_tokens=pool, hicache=True))
+        elif a == "hicache+lifecycle+admission-program-device":  # the policy sees the device pools only
+            out.append(ArmSpec(a, kvgate=True, lifecycle=True, admission=True, admission_policy="program",
+                               pool_tokens=pool, hicache=True, host_cache=False))
     return out
 
 
@@ -171,6 +176,8 @@ class Fleet:
             cmd.append("--agentic-session-lifecycle")
         if self.arm.admission:
             cmd += ["--agentic-program-admission", "--admission-policy", self.arm.admission_policy]
+            if not self.arm.host_cache:
+                cmd.append("--no-admission-host-cache")
         name = "kvgate" if self.arm.replicas == 1 else f"kvgate{index}"
         kv = procs.start(name, cmd, self.log_dir, url=f"http://127.0.0.1:{kport}")
         self.procs.append(kv)

@@ -18,7 +18,7 @@ ARMS = ("direct", "proxy-only", "lifecycle", "lifecycle-inferred", "admission", 
         "lifecycle+admission-2replicas",
         "admission-program", "lifecycle+admission-program", "router-limit", "unbounded-kv", "hicache",
         "hicache+lifecycle", "hicache+lifecycle+admission", "hicache+lifecycle+admission-program",
-        "proxy-placement", "smg-manual")
+        "hicache+lifecycle+admission-program-device", "proxy-placement", "smg-manual")
 # How the client sends its turns (the route): token ids to /generate, chat messages, or completions text.
 APIS = ("generate", "chat", "completions")
 

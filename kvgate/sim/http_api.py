@@ -221,7 +221,10 @@ class SimServer:
         info = self._server_args()
         info["internal_states"] = [
             {"dp_rank": ld["dp_rank"], "last_gen_throughput": 0.0,
-             "memory_usage": {"token_capacity": ld["max_total_num_tokens"]},
+             # SGLang's get_internal_state: kvcache in GiB (the KV pool's bytes / 1024^3, 2 decimals)
+             "memory_usage": {"token_capacity": ld["max_total_num_tokens"],
+                              "kvcache": round(ld["max_total_num_tokens"] * self.opts.scheduler.kv_bytes_per_token
+                                               / 1024 ** 3, 2)},
              "load": ld["num_used_tokens"], **ld}
             for ld in self.engine.loads()]
         return _json(info)
