@@ -265,3 +265,42 @@ def test_in_flight_never_goes_negative_and_balances(ops):
     for c in open_calls:
         p.call_finished(Target(A), c)
     assert sum(p._engines[A].in_flight.values()) == 0
+
+
+def test_when_every_rank_is_at_the_threshold_a_session_stays_where_its_prefix_is():
+    """Pressure moves a reopened session (or a sibling of an indexed prompt) only to a rank below the threshold:
+    when every usable rank is at it, moving would re-prefill the prefix on an engine as full and gain nothing."""
+    p = fleet(pressure_threshold=0.8, reopen_hint_s=100.0)
+    p.set_capacity({A: [(10_000, 0)], B: [(10_000, 0)], C: [(10_000, 0)]})
+    keys = prefix_keys(list(range(1, 200)))
+    assert p.place("s1", keys, 0.0) == Target(A)
+    p.remember_prefix(keys, Target(A))
+    assert p.forget("s1", 1.0)
+    # every engine at or above 0.8; A, the session's own, is the fullest
+    p.set_capacity({A: [(10_000, 9_500)], B: [(10_000, 8_000)], C: [(10_000, 8_200)]})
+    assert p.place("s1", keys, 2.0) == Target(A) and p.last_reason == "reopened"
+    assert p.counts["pressed_stay"] == 1 and p.counts["reopen_elsewhere"] == 0
+    # a sibling over the same prompt: the prefix's engine too
+    assert p.place("g1", keys, 3.0) == Target(A) and p.last_reason == "prefix" and p.counts["pressed_stay"] == 2
+    # once one rank has room below the threshold, pressure moves them again
+    p.forget("s1", 4.0)
+    p.set_capacity({C: [(10_000, 7_000)]})
+    assert p.place("s1", keys, 5.0) == Target(C) and p.last_reason == "free_kv"
+    assert p.place("g2", keys, 6.0) == Target(C) and p.last_reason == "free_kv"
+    assert p.counts["reopen_elsewhere"] == 1 and p.counts["pressed_stay"] == 2
+
+
+def test_reopen_elsewhere_counts_only_sessions_that_really_moved():
+    p = fleet(pressure_threshold=0.8, reopen_hint_s=100.0)
+    p.set_capacity({A: [(100_000, 0)], B: [(10_000, 0)], C: [(10_000, 0)]})
+    assert p.place("s1", [], 0.0) == Target(A)
+    p.forget("s1", 1.0)
+    # A is at the threshold and B below it, so the hint yields; but A still has the most free KV (20,000 vs
+    # 5,000), so the free-KV rule picks A again: not a move
+    p.set_capacity({A: [(100_000, 80_000)], B: [(10_000, 5_000)], C: [(10_000, 9_000)]})
+    assert p.place("s1", [], 2.0) == Target(A) and p.last_reason == "free_kv"
+    assert p.counts["reopen_elsewhere"] == 0
+    # an engine that left: the session moves, counted once
+    p.forget("s1", 3.0)
+    p.set_engines([(B, True), (C, True)])
+    assert p.place("s1", [], 4.0) == Target(B) and p.counts["reopen_elsewhere"] == 1

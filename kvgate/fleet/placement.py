@@ -12,7 +12,9 @@ Rules (docs/placement.md):
   - prefix: a new session whose prompt extends a prompt kvgate already placed (GRPO siblings share the
     task prompt; a session reopened after a close continues its old prompt) goes to that prompt's engine and
     rank, while that rank is below ``pressure_threshold`` (engine-reported usage plus the prompt tokens of
-    kvgate's calls that the engine's figures cannot include yet: see "in flight" below). Prompts are matched by chain hashes over fixed blocks (kvgate.sessions.inference's
+    kvgate's calls that the engine's figures cannot include yet: see "in flight" below), or while no other
+    usable rank is below it (every rank is under pressure: moving would re-prefill the prefix on an engine
+    as pressed, and gain no room). Prompts are matched by chain hashes over fixed blocks (kvgate.sessions.inference's
     fingerprint), at block granularity: the longest indexed prefix wins.
   - free KV: otherwise the usable engine (then rank) with the most free KV tokens (capacity - used - in-flight
     prompt tokens), free KV within ``tie_fraction`` of the largest pool counting as a tie; ties by fewest
@@ -26,7 +28,8 @@ Rules (docs/placement.md):
     prefix may still sit in that engine's radix cache (a closed session's KV is evictable, not gone), so the
     re-opened session goes back there while that rank is usable and below ``pressure_threshold``, before the
     prefix rule (whose index may point a shared prompt at a sibling's engine, or hold no key at all for a
-    prompt that was rewritten or is under one block). At or above the threshold it is placed by the rules.
+    prompt that was rewritten or is under one block). At or above the threshold it is placed by the rules,
+    unless no other usable rank is below the threshold either: then it goes back all the same (as for prefix).
   - a closed session is otherwise forgotten; at most ``max_sessions`` are kept (the longest idle dropped first).
   - in flight: a call's prompt counts on its engine from the moment kvgate sends it until the engine's next
     KV figures that were requested after it went out (``set_capacity``'s ``taken_at``): SGLang's
@@ -130,8 +133,10 @@ class Placement:
         # why the last place() chose its target: sticky | reopened | prefix | free_kv
         self.last_reason: str | None = None
         self.last_replaced = False           # the last place() moved a session off an engine it cannot use
+        # reopen_elsewhere: a fresh reopen hint whose session went to another engine; pressed_stay: a reopened
+        # or prefix placement kept on a rank at the threshold because every usable rank was
         self.counts = {"sticky": 0, "reopened": 0, "prefix": 0, "free_kv": 0, "replaced": 0, "no_engine": 0,
-                       "unreachable": 0, "dropped": 0, "adopted": 0, "reopen_elsewhere": 0}
+                       "unreachable": 0, "dropped": 0, "adopted": 0, "reopen_elsewhere": 0, "pressed_stay": 0}
 
     # --- the fleet ---------------------------------------------------------------------------------
 
@@ -203,12 +208,14 @@ class Placement:
                 return s.target
             self.counts["replaced"] += 1
             self.last_replaced = True
-        target, reason = None, None
+        target, reason, hint = None, None, None
         if s is None:
-            target = self._reopen_target(session_id, now, excluded)
+            target, hint = self._reopen_target(session_id, now, excluded)
             reason = "reopened" if target is not None else None
         if target is None:
             target, reason = self._choose(prefix_keys, now, excluded)
+        if hint is not None and (target is None or target.engine != hint):
+            self.counts["reopen_elsewhere"] += 1
         if target is None:
             self.counts["no_engine"] += 1
             return None
@@ -226,25 +233,38 @@ class Placement:
             self._set_target(session_id, s, target)
         return target
 
-    def _reopen_target(self, session_id: str, now: float, excluded: set) -> Target | None:
-        """The engine (rank) a closed ``session_id`` was on, if its hint is fresh and that rank is usable and
-        below the pressure threshold; None otherwise (counted in ``reopen_elsewhere`` when a hint was there).
-        The hint is used up either way."""
+    def _reopen_target(self, session_id: str, now: float, excluded: set) -> tuple[Target | None, str | None]:
+        """(target, hinted engine): the engine (rank) a closed ``session_id`` was on, if its hint is fresh and
+        that rank is usable and below the pressure threshold (or every usable rank is at it); else (None, the
+        hinted engine, or None without a fresh hint). The hint is used up either way."""
         hint = self._closed.pop(session_id, None)
         if hint is None:
-            return None
+            return None, None
         t, closed_at = hint
         if now - closed_at > self.reopen_hint_s:
-            return None  # stale: its prefix is likely evicted by now
+            return None, None  # stale: its prefix is likely evicted by now
         e = self._engines.get(t.engine)
-        if e is None or e.url in excluded or not self._usable(e, now) \
-                or e.rank_usage(t.dp_rank or 0) >= self.pressure_threshold:
-            self.counts["reopen_elsewhere"] += 1
-            return None
+        if e is None or e.url in excluded or not self._usable(e, now):
+            return None, t.engine
         rank = t.dp_rank if e.dp_size > 1 else None
         if rank is not None and rank >= e.dp_size or rank is None and e.dp_size > 1:
             rank = self._best_rank(e)  # the engine came back with fewer ranks, or its ranks became known
-        return Target(e.url, rank)
+        if e.rank_usage(rank or 0) >= self.pressure_threshold:
+            if self._room_elsewhere(e, rank or 0, now, excluded):
+                return None, t.engine
+            self.counts["pressed_stay"] += 1
+        return Target(e.url, rank), t.engine
+
+    def _room_elsewhere(self, home: _Engine, home_rank: int, now: float, excluded: set,
+                        usable: Sequence[_Engine] | None = None) -> bool:
+        """Whether a usable rank other than ``home``'s ``home_rank`` is below the pressure threshold: only
+        then does pressure move a session off the rank that holds its prefix (an engine with no figures yet
+        counts as free)."""
+        if usable is None:
+            usable = [e for e in self._engines.values() if e.url not in excluded and self._usable(e, now)]
+        th = self.pressure_threshold
+        return any(o.rank_usage(r) < th for o in usable for r in range(o.dp_size)
+                   if not (o is home and r == home_rank))
 
     def _set_target(self, session_id: str, s: _Session, target: Target) -> None:
         self._count_session(s.target, -1)
@@ -273,11 +293,15 @@ class Placement:
             if t is None:
                 continue
             e = self._engines.get(t.engine)
-            if e is not None and e in usable and e.rank_usage(t.dp_rank or 0) < self.pressure_threshold:
+            if e is not None and e in usable:
                 rank = t.dp_rank if e.dp_size > 1 else None
                 if rank is not None and rank >= e.dp_size:
                     rank = self._best_rank(e)
-                return self._target(e.url, rank), "prefix"
+                if e.rank_usage(rank or 0) < self.pressure_threshold:
+                    return self._target(e.url, rank), "prefix"
+                if not self._room_elsewhere(e, rank or 0, now, excluded, usable):
+                    self.counts["pressed_stay"] += 1
+                    return self._target(e.url, rank), "prefix"
             break  # the longest known prefix sits on a busy or gone engine: place by free KV
         e = min(usable, key=lambda x: self._engine_key(x, usable))
         return self._target(e.url, self._best_rank(e) if e.dp_size > 1 else None), "free_kv"
