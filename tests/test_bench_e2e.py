@@ -49,7 +49,9 @@ def test_tiny_scenario_end_to_end(tmp_path):
             "proxy-placement", "smg-manual"]
     assert list(res["metrics"]) == arms and res["seeds"] == [1, 2]
     for arm, m in res["metrics"].items():
-        assert m["errors"] == 0 and m["requests"] == 12 and m["replicates"] == 2, arm
+        failed = [(r["session"], r["turn"], r["status"], r["error"]) for a in res["arms"][arm] for r in a["requests"]
+                  if not r["ok"]]
+        assert m["errors"] == 0 and m["requests"] == 12 and m["replicates"] == 2, (arm, failed)
         assert [r["seed"] for r in res["arms"][arm]] == [1, 2]
         assert m["makespan_s_reps"] == [s["makespan_s"] for s in res["metrics_by_seed"][arm]]
         assert m["makespan_s"] == pytest.approx(sum(m["makespan_s_reps"]) / 2)
