@@ -20,14 +20,22 @@ def _info(**kw):
     return base
 
 
-def test_host_pool_follows_sglangs_sizing_rule():
-    # --hicache-ratio x the device pool (SGLang's default ratio is 2.0)
-    assert host_pool_tokens(_info()) == 200_000
-    assert host_pool_tokens(_info(hicache_ratio=3.5)) == 350_000
-    assert host_pool_tokens(_info(hicache_ratio=None)) == 200_000
+def test_host_pool_follows_sglangs_sizing_rule_and_adds_what_the_device_does_not_hold():
+    # write_through (SGLang's default): the host pool keeps a copy of the device's KV, so it adds host - device;
+    # host = --hicache-ratio x the device pool (SGLang's default ratio is 2.0)
+    assert host_pool_tokens(_info()) == 100_000
+    assert host_pool_tokens(_info(hicache_ratio=3.5)) == 250_000
+    assert host_pool_tokens(_info(hicache_ratio=None)) == 100_000
+    assert host_pool_tokens(_info(hicache_ratio=0.5)) == 0  # smaller than the device: a subset of its KV
+    assert host_pool_tokens(_info(hicache_write_policy="write_through_selective")) == 100_000
+    # write_back: the host holds only what the device evicted, so the whole pool adds
+    assert host_pool_tokens(_info(hicache_write_policy="write_back")) == 200_000
+    assert host_pool_tokens(_info(hicache_write_policy="write_back", hicache_ratio=0.5)) == 50_000
     # --hicache-size GB (10^9 bytes) over the KV bytes per token (kvcache GiB / token_capacity)
     per_token = 12.21 * 1024 ** 3 / 100_000
-    assert host_pool_tokens(_info(hicache_size=50)) == int(50e9 / per_token) == 381_376
+    assert int(50e9 / per_token) == 381_376
+    assert host_pool_tokens(_info(hicache_size=50)) == 281_376
+    assert host_pool_tokens(_info(hicache_size=50, hicache_write_policy="write_back")) == 381_376
     # no HiCache: no host pool; an answer that does not say: unknown
     assert host_pool_tokens(_info(enable_hierarchical_cache=False)) == 0
     assert host_pool_tokens({"max_total_num_tokens": 100_000}) is None
@@ -101,15 +109,16 @@ async def _fleet(sim_factory, router_factory, kvgate_factory, policy="program", 
 async def test_program_policy_starts_a_program_the_host_pool_can_hold(sim_factory, router_factory, kvgate_factory,
                                                                       host_cache):
     """Two programs in a tool call hold 1,600 of the device ceiling (2,000 x 0.9); a third program's first turn
-    (800) fits only when the engine's HiCache host pool (2 x 2,000, SGLang's default ratio) counts."""
+    (800) fits only when the engine's HiCache host pool counts (2 x 2,000 at SGLang's default ratio, written
+    through: it adds 2,000 beyond the device's own)."""
     e, gw, kv = await _fleet(sim_factory, router_factory, kvgate_factory, admission_host_cache=host_cache)
     co = gw.gate.coord
     async with aiohttp.ClientSession() as http:
         async with http.get(e.url + "/sim/stats") as r:
             host = (await r.json())["totals"]["hicache_host_total_tokens"]
         assert host == 4000
-        assert gw.gate.ledger.ceiling == (int((2000 + 4000) * 0.9) if host_cache else 1800)
-        assert gw.poller.host_tokens == ({e.url: 4000} if host_cache else {})
+        assert gw.gate.ledger.ceiling == (int((2000 + 2000) * 0.9) if host_cache else 1800)
+        assert gw.poller.host_tokens == ({e.url: 2000} if host_cache else {})
         for sid, base in (("A", 10_000), ("B", 20_000)):
             st, dec, _ = await _turn(http, kv, sid, list(range(base, base + 600)))
             assert (st, dec) == (200, "admit") and co.state_of(sid) is ProgramState.IN_TOOL
@@ -142,8 +151,9 @@ async def test_host_pool_set_in_gb_is_read_through_the_kv_bytes_per_token(sim_fa
     async with aiohttp.ClientSession() as http:
         async with http.get(e.url + "/sim/stats") as r:
             actual = (await r.json())["totals"]["hicache_host_total_tokens"]
-    # kvcache is reported in GiB to 2 decimals: the bytes per token, hence the pool, within 0.1%
-    assert actual == 40e9 // (131072) and abs(gw.poller.host_tokens[e.url] - actual) <= actual * 0.001
+    # kvcache is reported in GiB to 2 decimals: the bytes per token, hence the pool, within 0.1%; written
+    # through, it adds what is beyond the device's 200,000
+    assert actual == 40e9 // (131072) and abs(gw.poller.host_tokens[e.url] - (actual - 200_000)) <= actual * 0.001
     async with aiohttp.ClientSession() as http:
         async with http.get(kv + "/kvgate/stats") as r:
             stats = await r.json()

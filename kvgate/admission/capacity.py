@@ -65,8 +65,8 @@ class Pool:
     """One KV pool (one data-parallel rank of an engine).
 
     capacity: max_total_num_tokens (tokens); used: num_used_tokens (tokens); usage: token_usage in [0, 1+]
-    after the "0 while used > 0" fallback; host: the rank's HiCache host pool (tokens, 0 without HiCache;
-    :func:`host_pool_tokens`).
+    after the "0 while used > 0" fallback; host: the KV room the rank's HiCache host pool adds beyond the
+    device pool (tokens, 0 without HiCache; :func:`host_pool_tokens`).
     """
 
     capacity: int
@@ -102,12 +102,12 @@ class EngineCapacity:
 
     @cached_property
     def host(self) -> int:
-        """HiCache host pool tokens summed over pools (0 without HiCache)."""
+        """HiCache host room (tokens beyond the device pools) summed over pools (0 without HiCache)."""
         return sum(p.host for p in self.pools)
 
     def with_host(self, host_per_pool: int | None) -> "EngineCapacity":
-        """The same figures with every pool's HiCache host pool set to ``host_per_pool`` tokens (SGLang sizes
-        the host pool per DP rank); None or <= 0: no host pool."""
+        """The same figures with every pool's HiCache host room set to ``host_per_pool`` tokens (SGLang sizes
+        the host pool per DP rank); None or <= 0: no host room."""
         h = max(0, int(host_per_pool or 0))
         if all(p.host == h for p in self.pools):
             return self
@@ -254,14 +254,23 @@ def parse_engine_loads(obj: Any) -> EngineCapacity | None:
 _GIB = 1024 ** 3
 
 
-def host_pool_tokens(server_info: Any) -> int | None:
-    """The HiCache host pool of one DP rank, in tokens, from an engine's GET /server_info; 0 when the engine
-    runs without HiCache; None when the answer does not say (not a mapping, or figures missing).
+#: HiCache write policies whose host pool keeps a copy of what the device pool holds (srt/mem_cache/
+#: hiradix_cache.py: write_through backs every inserted node up at once, write_through_selective the nodes hit
+#: often enough); write_back writes a node to host only when the device evicts it.
+INCLUSIVE_WRITE_POLICIES = ("write_through", "write_through_selective")
 
-    SGLang (srt/mem_cache/memory_pool_host.py, HostKVCache): with ``--hicache-size`` S > 0 the host pool holds
-    S x 10^9 // (KV bytes per token) tokens, else ``--hicache-ratio`` (default 2.0) x the device pool
+
+def host_pool_tokens(server_info: Any) -> int | None:
+    """The KV room one DP rank's HiCache host pool adds beyond its device pool, in tokens, from an engine's
+    GET /server_info; 0 when the engine runs without HiCache; None when the answer does not say (not a
+    mapping, or figures missing).
+
+    Host pool size, SGLang's rule (srt/mem_cache/memory_pool_host.py, HostKVCache): with ``--hicache-size``
+    S > 0, S x 10^9 // (KV bytes per token) tokens, else ``--hicache-ratio`` (default 2.0) x the device pool
     (max_total_num_tokens). KV bytes per token come from ``internal_states[].memory_usage``: kvcache GiB /
-    token_capacity. Never raises.
+    token_capacity. Room it adds: under write_through (the default, and write_through_selective) the host
+    pool holds a copy of the device's KV, so it adds host - device (nothing when it is the smaller); under
+    write_back it holds only what the device evicted, so it adds the whole host pool. Never raises.
     """
     if not isinstance(server_info, Mapping):
         return None
@@ -289,6 +298,8 @@ def host_pool_tokens(server_info: Any) -> int | None:
         tokens = (2.0 if ratio is None else ratio) * device
     if not 0 <= tokens <= MAX_PLAUSIBLE_TOKENS:
         return None
+    if server_info.get("hicache_write_policy", "write_through") in INCLUSIVE_WRITE_POLICIES:
+        return max(0, int(tokens) - int(device or 0))
     return int(tokens)
 
 
@@ -332,7 +343,7 @@ class ClusterSnapshot:
 
     @cached_property
     def host(self) -> int:
-        """HiCache host pool tokens of the healthy engines (0 without HiCache)."""
+        """HiCache host room (tokens beyond the device pools) of the healthy engines (0 without HiCache)."""
         return sum(e.host for e in self.engines.values())
 
     @property
