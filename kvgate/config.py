@@ -269,8 +269,8 @@ KEYS: list[Key] = [
     Key("admission_resume_order", str, "smallest",
         "program policy: which paused program resumes first as room frees.", choices=("smallest", "fifo")),
     Key("admission_host_cache", bool, True,
-        "program policy: count each engine's HiCache host pool (from its /server_info) as room for programs "
-        "between turns; the fifo policy never counts it."),
+        "program policy: count the KV room each engine's HiCache host pool adds (from its /server_info) for "
+        "programs between turns; the fifo policy never counts it."),
     Key("admission_program_ttl_s", float, 600.0,
         "program policy: a program idle this long between turns counts as ended, seconds.", _pos, "> 0",
         only_when="agentic_program_admission"),

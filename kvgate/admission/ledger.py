@@ -107,8 +107,8 @@ class Ledger:
         capacity.stale_after_s(poll_interval_s) = max(3 x interval, 5 s) (default 6.0 for a 2 s poll).
       lease_ttl_s: a lease not released within this many seconds is reclaimed by expire() (default 900).
       window_s: length of the usage window for usage_window() (default 60).
-      count_host: the ceilings also count each engine's HiCache host pool (the program policy: a program
-        between turns may sit in host memory, which SGLang loads back instead of recomputing). A single
+      count_host: the ceilings also count the room each engine's HiCache host pool adds (the program policy:
+        a program between turns may sit in host memory, which SGLang loads back instead of recomputing). A single
         reservation is still clamped to the device pool (max_tokens) and the pressure guard reads device usage.
 
     Read-only figures: ceiling, reserved, available_tokens, reserved_utilization, lease_count,
@@ -152,7 +152,7 @@ class Ledger:
     def reconcile(self, snapshot: ClusterSnapshot, now: float) -> bool:
         """Install a new capacity snapshot; returns True if the epoch changed.
 
-        Sets ceiling = floor(sum of healthy engines' max_total_num_tokens (plus their HiCache host pools when
+        Sets ceiling = floor(sum of healthy engines' max_total_num_tokens (plus their HiCache host room when
         ``count_host``) x headroom) (tokens), increments
         the epoch when the healthy engine set differs from the previous snapshot's, and records
         (mean_usage, worst_usage) into the usage window at ``snapshot.taken_at``. A snapshot older than the
@@ -289,7 +289,7 @@ class Ledger:
         return eng.pools[rank].host if rank is not None else eng.host
 
     def ceiling_of(self, place: Any) -> int:
-        """floor(max_total_num_tokens (+ the HiCache host pool when ``count_host``) x headroom) of ``place``
+        """floor(max_total_num_tokens (+ the HiCache host room when ``count_host``) x headroom) of ``place``
         (the fleet's ceiling for FLEET / unknown)."""
         place = self.resolve_place(place)
         if place is FLEET:
@@ -453,7 +453,7 @@ class Ledger:
             "engines": {str(url): {"ceiling": self.ceiling_of(url), "reserved": self.reserved_on(url),
                                    "host_cache_tokens": self._host_of(url)}
                         for url in sorted(s.engines)} if s is not None else {},
-            # the HiCache host pools the ceilings count (0 unless count_host)
+            # the HiCache host room the ceilings count (0 unless count_host)
             "host_cache_tokens": self._host_of(FLEET),
             "reserved_unplaced": self._hold.total(FLEET),
             "refused": dict(self._refused_total),

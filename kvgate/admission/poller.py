@@ -14,8 +14,9 @@ intervals (the polling replica died or stalls: its lease expires after three) or
 engines than this replica's directory lists.
 
 HiCache host pools: when the gate counts them (the program policy, ``admission_host_cache``), each engine's
-GET /server_info (fallback /get_server_info) is read once, when the engine first appears, and its host pool
-(kvgate.admission.capacity.host_pool_tokens) is attached to that engine's figures in every snapshot. An
+GET /server_info (fallback /get_server_info) is read once, when the engine first appears, and the room its
+host pool adds (kvgate.admission.capacity.host_pool_tokens) is attached to that engine's figures in every
+snapshot. An
 engine whose answer does not say is asked again next round; until then it counts without a host pool.
 """
 
@@ -105,7 +106,7 @@ class CapacityPoller:
         # replica polled (read), polled for itself alone (own: no Redis, or no usable shared snapshot)
         self.shared_rounds = {"led": 0, "read": 0, "own": 0}
         self._leading = False
-        # engine URL -> its HiCache host pool per DP rank (tokens; 0 = none), read once per engine
+        # engine URL -> the room its HiCache host pool adds per DP rank (tokens; 0 = none), read once per engine
         self.host_tokens: dict[str, int] = {}
         self.count_host = gate is not None and getattr(gate.ledger, "count_host", False)
 
@@ -196,8 +197,8 @@ class CapacityPoller:
             if tokens is not None:
                 self.host_tokens[url] = tokens
                 if tokens:
-                    log.info("engine %s: HiCache host pool of %d tokens per rank counts for the program policy",
-                             url, tokens)
+                    log.info("engine %s: its HiCache host pool adds %d tokens of room per rank for the program "
+                             "policy", url, tokens)
 
     async def _host_pool(self, url: str) -> int | None:
         assert self._session is not None
