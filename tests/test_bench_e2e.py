@@ -53,6 +53,10 @@ def test_tiny_scenario_end_to_end(tmp_path):
                   if not r["ok"]]
         assert m["errors"] == 0 and m["requests"] == 12 and m["replicates"] == 2, (arm, failed)
         assert [r["seed"] for r in res["arms"][arm]] == [1, 2]
+        # kvgate's placement counters are kept for every kvgate arm: a number of re-openings, none without kvgate
+        reopened = [s["reopened_home"] for s in res["metrics_by_seed"][arm]]
+        assert all(isinstance(x, int) for x in reopened) if arm not in ("direct", "router-limit-2", "unbounded-kv",
+                                                                         "smg-manual") else reopened == [None, None]
         assert m["makespan_s_reps"] == [s["makespan_s"] for s in res["metrics_by_seed"][arm]]
         assert m["makespan_s"] == pytest.approx(sum(m["makespan_s_reps"]) / 2)
     assert sorted(a for t in res["tiers"] for a in t) == sorted(arms)

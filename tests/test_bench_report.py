@@ -139,3 +139,13 @@ def test_pauses_and_resumes_survive_the_mean_over_seeds():
     assert m["pause_resume"] == "500/500" and m["pauses"] == 500.0
     fifo = aggregate([summarize(RAW, 1.0, 0), summarize(RAW, 1.0, 0)])   # fifo counters have no "pause"
     assert fifo["pause_resume"] == "-" and fifo["pauses"] is None
+
+
+def test_reopened_sessions_home_or_elsewhere_from_kvgates_placement_counters():
+    from kvgate.bench.report import aggregate
+    a = summarize({**RAW, "kvgate_placement": {"reopened": 11, "reopen_elsewhere": 33, "sticky": 400}}, 1.0, 0)
+    b = summarize({**RAW, "kvgate_placement": {"reopened": 13, "reopen_elsewhere": 1, "sticky": 380}}, 1.0, 0)
+    assert a["reopen_home_elsewhere"] == "11/33" and (a["reopened_home"], a["reopened_elsewhere"]) == (11, 33)
+    assert aggregate([a, b])["reopen_home_elsewhere"] == "12/17"
+    none = summarize({**RAW, "kvgate_placement": {"reopened": 0, "reopen_elsewhere": 0}}, 1.0, 0)
+    assert none["reopen_home_elsewhere"] == "-" and summarize(RAW, 1.0, 0)["reopened_home"] is None

@@ -39,6 +39,7 @@ COLUMNS = [
     ("session_precision", "session precision", "{:.3f}"),
     ("session_recall", "session recall", "{:.3f}"),
     ("engine_sessions_seen", "session ids seen by engines", "{:.0f}"),
+    ("reopen_home_elsewhere", "re-opened home/elsewhere", "{}"),
     ("load_spread", "engine load max/mean", "{:.2f}"),
 ]
 # The placement view: where sessions went, kvgate's rules against smg's policies (both kvgate features off).
@@ -116,7 +117,16 @@ def summarize(raw: dict, speed: float, ideal_prefill_tokens: int) -> dict:
     seen = raw.get("sim_engines_sessions_seen")
     m["engine_sessions_seen"] = sum(seen) if seen is not None else None
     m["load_spread"] = load_spread(raw.get("sim_engines_prompt_tokens"))
+    # kvgate's placement: closed sessions that came back, to their engine or (moved) to another
+    placed = raw.get("kvgate_placement") or {}
+    m["reopened_home"] = placed.get("reopened")
+    m["reopened_elsewhere"] = placed.get("reopen_elsewhere")
+    m["reopen_home_elsewhere"] = _pair(m["reopened_home"], m["reopened_elsewhere"])
     return m
+
+
+def _pair(a: float | None, b: float | None) -> str:
+    return f"{a:.0f}/{b:.0f}" if a is not None and b is not None and (a or b) else "-"
 
 
 def load_spread(per_engine: list[float] | None) -> float | None:
@@ -173,6 +183,7 @@ def aggregate(reps: list[dict]) -> dict:
         out["admit_wait_bypass"] = "-"
     # a string per replicate cannot be averaged: rebuild it from the mean counts
     out["pause_resume"] = (f"{out['pauses']:.0f}/{out['resumes']:.0f}" if out.get("pauses") is not None else "-")
+    out["reopen_home_elsewhere"] = _pair(out.get("reopened_home"), out.get("reopened_elsewhere"))
     out["replicates"] = len(reps)
     out["makespan_s_reps"] = [r.get(HEADLINE) for r in reps]
     return out

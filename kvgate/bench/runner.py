@@ -478,6 +478,12 @@ async def run_arm_async(fleet: Fleet, workload, scaled: Scaled, sc: Scenario, pr
         if len(every) > 1:
             replicas = [{"counters": st["counters"], "shared_leases": st.get("shared_leases")} for st in every]
     kv_health = await _get_json(fleet.kvgate_url + "/kvgate/health") if fleet.kvgate_url else None
+    placement = None
+    if fleet.kvgate_url:  # kvgate's placement counters (sticky, reopened, ...), summed over its replicas
+        placement = {}
+        for u in fleet.kvgate_urls or [fleet.kvgate_url]:
+            for k, v in ((await _get_json(u + "/kvgate/engines")).get("placement") or {}).get("counts", {}).items():
+                placement[k] = placement.get(k, 0) + v
     return {"arm": fleet.arm.name, "wall_s": wall, "timed_out": timed_out, "requests": rec.requests,
             "sessions": rec.sessions, "steps": rec.steps, "samples": rec.samples, "closes": rec.closes,
             "sim_totals": totals, "sim_engines_sessions_seen": [len(s["sessions"]) for s in sims],
@@ -485,7 +491,7 @@ async def run_arm_async(fleet: Fleet, workload, scaled: Scaled, sc: Scenario, pr
             "sim_engines_session_ids": [sorted(s["sessions"]) for s in sims],
             "kvgate_counters": kv_stats["counters"] if kv_stats else None,
             "kvgate_ledger": kv_stats["ledger"] if kv_stats else None, "kvgate_health": kv_health,
-            "kvgate_replicas": replicas}
+            "kvgate_replicas": replicas, "kvgate_placement": placement}
 
 
 def _sum_stats(every: list[dict]) -> dict:
