@@ -168,3 +168,20 @@ async def sim_factory():
     yield make
     for h in handles:
         await h.close()
+
+
+@pytest.fixture
+async def scripted():
+    """``await make(answer)`` -> a started fake_upstream.ScriptedUpstream (a raw-socket upstream answering
+    ``answer``); all closed after the test."""
+    from fake_upstream import ScriptedUpstream
+    ups = []
+
+    async def make(answer=None):
+        up = await ScriptedUpstream(answer).start()
+        ups.append(up)
+        return up
+
+    yield make
+    for up in ups:
+        await up.close()

@@ -12,24 +12,10 @@ import aiohttp
 import orjson
 import pytest
 
-from fake_upstream import ScriptedUpstream, parse_answer, request, response, send_raw
+from fake_upstream import parse_answer, request, response, send_raw
 from kvgate.proxy.relay import header_safe
 
 ODD_IDS = ["line\nbreak", "carriage\rreturn", "ctl\x01\x7fchars", "tab\tand space ", "ünïcödé", "x" * 9000]
-
-
-@pytest.fixture
-async def scripted():
-    ups = []
-
-    async def make(answer=None):
-        up = await ScriptedUpstream(answer).start()
-        ups.append(up)
-        return up
-
-    yield make
-    for up in ups:
-        await up.close()
 
 
 def _port(url: str) -> int:

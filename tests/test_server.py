@@ -9,7 +9,7 @@ import logging
 import orjson
 import pytest
 
-from fake_upstream import ScriptedUpstream, parse_answer, request, response, send_raw
+from fake_upstream import parse_answer, request, response, send_raw
 from kvgate.config import validate
 from kvgate.proxy import server
 from kvgate.proxy.app import start_gateway
@@ -18,20 +18,6 @@ from kvgate.proxy.relay import MAX_FIELD_BYTES, MAX_LINE_BYTES, _response_lines
 
 def _port(url: str) -> int:
     return int(url.rsplit(":", 1)[1])
-
-
-@pytest.fixture
-async def scripted():
-    ups = []
-
-    async def make(answer=None):
-        up = await ScriptedUpstream(answer).start()
-        ups.append(up)
-        return up
-
-    yield make
-    for up in ups:
-        await up.close()
 
 
 async def read_response(reader: asyncio.StreamReader, method: bytes = b"GET") -> tuple[bytes, bytes]:
@@ -357,3 +343,11 @@ async def test_aiohttp_server_is_still_selectable(kvgate_factory, echo_upstream)
     out = parse_answer(await send_raw(_port(url), request(body=b'{"input_ids":[1]}')))
     assert out.status == 200 and orjson.loads(out.body)["len"] == 17
     assert _port(url) not in _SERVERS
+    # a streamed answer through aiohttp's server: every event, in order, and the upstream's own header
+    echo_upstream.release.set()
+    raw = await send_raw(_port(url), request(target=b"/sse", headers=[(b"X-Odd", b"s\xe9ss")]))
+    head, _, body = raw.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 200") and b"\r\nX-Up: 1\r\n" in head
+    assert [b'data: {"i":%d}' % i in body for i in range(3)] == [True] * 3 and body.index(b"[DONE]") > body.index(b'"i":2')
+    # header bytes that are not UTF-8 reached the upstream as sent
+    assert echo_upstream.received[-1]["headers"]["X-Odd"].encode("utf-8", "surrogateescape") == b"s\xe9ss"

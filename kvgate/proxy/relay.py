@@ -227,22 +227,11 @@ def _serialize_headers_preserving_bytes(status_line: str, headers: Mapping[str, 
     """aiohttp's header serialiser, but bytes that were not UTF-8 go out as they came in.
 
     aiohttp decodes incoming header bytes as UTF-8 with surrogateescape; its C serialiser then drops the
-    surrogates (``s\\xe9ss`` went out as ``sss``). Encoding with surrogateescape restores the original
-    bytes. The control-character check (header injection) is aiohttp's own, run only when the head has a
-    CR or LF more than its line ends (one check of the whole head instead of one call per name and value).
+    surrogates (``s\\xe9ss`` went out as ``sss``). kvgate's own server's :func:`server.header_lines` encodes
+    with surrogateescape, which restores the original bytes, and runs aiohttp's control-character check
+    (header injection) only when the head has a CR or LF more than its line ends.
     """
-    text = "".join((status_line, "\r\n", *[f"{k}: {v}\r\n" for k, v in headers.items()], "\r\n"))
-    lines = len(headers) + 2
-    if text.count("\r") != lines or text.count("\n") != lines:
-        check = aiohttp.http_writer._safe_header
-        check(status_line)
-        for k, v in headers.items():
-            check(k)
-            check(v)
-    try:
-        return text.encode("utf-8", "surrogateescape")
-    except UnicodeEncodeError:  # a lone surrogate that did not come from the wire: aiohttp drops it too
-        return text.encode("utf-8", "ignore")
+    return server.header_lines(headers.items(), first=status_line) + b"\r\n"
 
 
 def preserve_header_bytes() -> None:
@@ -392,13 +381,7 @@ class Upstream:
         out_headers, ctype, encoded = _response_fields(up.headers)
         for k, v in add_headers:
             out_headers[k] = v
-        observer = None
-        fault = False
-        if observe is not None and not encoded:
-            try:
-                observer = observe(ctype.startswith(b"text/event-stream"))
-            except Exception as exc:
-                fault = self._observer_fault(exc, path_qs)
+        observer, fault = self._observer(observe, ctype, encoded, path_qs)
         reason = up.reason.decode("utf-8", "surrogateescape") or None
         if up.complete:
             # The whole body is here: head and body go to the client in one write.
@@ -414,27 +397,8 @@ class Upstream:
             return resp, RelayOutcome(status, observer, "complete", observer_fault=fault)
         resp = web.StreamResponse(status=status, reason=reason, headers=out_headers)
         await resp.prepare(request)
-        while True:
-            try:
-                chunk = await up.read()
-            except (ResponseError, asyncio.TimeoutError) as exc:
-                # Upstream cut or broke the body mid-way: the client sees the cut too (no fake completion).
-                log.warning("upstream %s cut the response to %s mid-way: %s", base, path_qs, exc)
-                _abort_client(request)
-                return resp, RelayOutcome(status, observer, "upstream_error", observer_fault=fault)
-            if not chunk:
-                break
-            if observer is not None:
-                observer, fault = self._feed(observer, fault, chunk, path_qs)
-            try:
-                await resp.write(chunk)
-            except (ConnectionResetError, aiohttp.ClientConnectionResetError):
-                return resp, RelayOutcome(status, observer, "client_gone", observer_fault=fault)
-        try:
-            await resp.write_eof()
-        except (ConnectionResetError, aiohttp.ClientConnectionResetError):
-            return resp, RelayOutcome(status, observer, "client_gone", observer_fault=fault)
-        return resp, RelayOutcome(status, observer, "complete", observer_fault=fault)
+        return resp, await self._relay_rest(up, observer, fault, status, base, path_qs, resp.write, resp.write_eof,
+                                            request, (ConnectionResetError, aiohttp.ClientConnectionResetError))
 
     async def _stream_own(self, request: server.Request, path_qs: str, up: Exchange, observe, add_headers,
                           base: str) -> tuple[None, RelayOutcome]:
@@ -442,13 +406,7 @@ class Upstream:
         header objects. Returns (None: answered on the connection, outcome)."""
         status = up.status
         lines, has_length, ctype, encoded = _response_lines(up.headers, add_headers)
-        observer = None
-        fault = False
-        if observe is not None and not encoded:
-            try:
-                observer = observe(ctype.startswith(b"text/event-stream"))
-            except Exception as exc:
-                fault = self._observer_fault(exc, path_qs)
+        observer, fault = self._observer(observe, ctype, encoded, path_qs)
         if up.complete:
             # The whole body is here: head and body go to the client in one write.
             chunk = await up.read()
@@ -463,6 +421,24 @@ class Upstream:
             request.start(status, up.reason, lines, has_length)
         except ConnectionResetError:
             return None, RelayOutcome(status, observer, "client_gone", observer_fault=fault)
+        return None, await self._relay_rest(up, observer, fault, status, base, path_qs, request.write,
+                                            request.write_eof, request, ConnectionResetError)
+
+    def _observer(self, observe, ctype: bytes, encoded: bool, path_qs: str) -> tuple[ResponseObserver | None, bool]:
+        """(the response's observer or None, whether making it failed): none for an encoded body (kvgate
+        never decompresses), and a failing factory never touches the response."""
+        if observe is None or encoded:
+            return None, False
+        try:
+            return observe(ctype.startswith(b"text/event-stream")), False
+        except Exception as exc:
+            return None, self._observer_fault(exc, path_qs)
+
+    async def _relay_rest(self, up: Exchange, observer, fault: bool, status: int, base: str, path_qs: str,
+                          write, write_eof, request, gone) -> RelayOutcome:
+        """Stream the rest of ``up``'s body to the client whose head went out already: ``write(chunk)`` and
+        ``write_eof()`` (coroutines) on either server's response; ``gone``: the exceptions that mean the
+        client left; ``request``: whose connection is cut when the upstream cuts the body."""
         while True:
             try:
                 chunk = await up.read()
@@ -470,20 +446,20 @@ class Upstream:
                 # Upstream cut or broke the body mid-way: the client sees the cut too (no fake completion).
                 log.warning("upstream %s cut the response to %s mid-way: %s", base, path_qs, exc)
                 _abort_client(request)
-                return None, RelayOutcome(status, observer, "upstream_error", observer_fault=fault)
+                return RelayOutcome(status, observer, "upstream_error", observer_fault=fault)
             if not chunk:
                 break
             if observer is not None:
                 observer, fault = self._feed(observer, fault, chunk, path_qs)
             try:
-                await request.write(chunk)
-            except ConnectionResetError:
-                return None, RelayOutcome(status, observer, "client_gone", observer_fault=fault)
+                await write(chunk)
+            except gone:
+                return RelayOutcome(status, observer, "client_gone", observer_fault=fault)
         try:
-            await request.write_eof()
-        except ConnectionResetError:
-            return None, RelayOutcome(status, observer, "client_gone", observer_fault=fault)
-        return None, RelayOutcome(status, observer, "complete", observer_fault=fault)
+            await write_eof()
+        except gone:
+            return RelayOutcome(status, observer, "client_gone", observer_fault=fault)
+        return RelayOutcome(status, observer, "complete", observer_fault=fault)
 
     @staticmethod
     def _error(status: int, message: str, kind: str, base: str, outcome: RelayOutcome,

@@ -72,13 +72,19 @@ def status_line(status: int, reason: bytes = b"") -> bytes:
     return line
 
 
-def header_lines(headers: Iterable[tuple[str, str]]) -> bytes:
-    """``Name: value\\r\\n`` lines for str headers; bytes that came in as surrogate escapes go out as they
-    came. Raises ValueError for a CR, LF or NUL in a name or value (header injection; aiohttp's check)."""
+def header_lines(headers: Iterable[tuple[str, str]], first: str | None = None) -> bytes:
+    """``Name: value\\r\\n`` lines for str headers, after a ``first`` line (a status line) when given; bytes
+    that came in as surrogate escapes go out as they came. Raises ValueError for a CR or LF in a line
+    (header injection; aiohttp's check, run only when the text has more of them than line ends, or a NUL)."""
     items = list(headers)
-    text = "".join([f"{k}: {v}\r\n" for k, v in items])
-    if text.count("\r") != len(items) or text.count("\n") != len(items) or "\x00" in text:
+    lines = [f"{k}: {v}\r\n" for k, v in items]
+    if first is not None:
+        lines.insert(0, first + "\r\n")
+    text = "".join(lines)
+    if text.count("\r") != len(lines) or text.count("\n") != len(lines) or "\x00" in text:
         check = aiohttp.http_writer._safe_header
+        if first is not None:
+            check(first)
         for k, v in items:
             check(k)
             check(v)
