@@ -185,3 +185,26 @@ async def scripted():
     yield make
     for up in ups:
         await up.close()
+
+
+@pytest.fixture(scope="module")
+def redis_url(tmp_path_factory):
+    """A real redis-server of the test module's own on a random 127.0.0.1 port (its own process group):
+    its URL. Tests that use it skip themselves when redis-server is not installed."""
+    port = procs.free_port()
+    proc = procs.start(f"redis-{port}", procs.redis_command(port), tmp_path_factory.mktemp("redis"))
+    try:
+        procs.wait_redis(port, 20, proc)
+        yield f"redis://127.0.0.1:{port}/0"
+    finally:
+        proc.stop(5.0)
+
+
+class ManualClock:
+    """An injected clock (seconds) that moves only when a test sets ``t``."""
+
+    def __init__(self, t: float = 1_000_000.0):
+        self.t = t
+
+    def __call__(self) -> float:
+        return self.t

@@ -14,7 +14,6 @@ import time
 
 import aiohttp
 import orjson
-import pytest
 
 from conftest import CloseWatcher
 from netgate import NetGate

@@ -12,6 +12,7 @@ import os
 
 import pytest
 
+from conftest import ManualClock
 from kvgate.proxy.metrics import Metrics
 from kvgate.shared.redis_state import SharedState
 from kvgate.tools import procs
@@ -19,25 +20,6 @@ from kvgate.tools import procs
 REDIS = procs.find_executable("redis-server") or ("/usr/bin/redis-server" if os.path.exists("/usr/bin/redis-server")
                                                    else None)
 pytestmark = pytest.mark.skipif(REDIS is None, reason="redis-server not installed (Debian package redis-server)")
-
-
-@pytest.fixture(scope="module")
-def redis_url(tmp_path_factory):
-    port = procs.free_port()
-    proc = procs.start(f"redis-{port}", procs.redis_command(port), tmp_path_factory.mktemp("redis"))
-    try:
-        procs.wait_redis(port, 20, proc)
-        yield f"redis://127.0.0.1:{port}/0"
-    finally:
-        proc.stop(5.0)
-
-
-class Clock:
-    def __init__(self):
-        self.t = 1_000_000.0
-
-    def __call__(self):
-        return self.t
 
 
 def _bypass(m: Metrics, op: str) -> float:
@@ -66,7 +48,7 @@ async def test_many_requests_writes_go_in_few_calls_and_add_up(redis_url):
     """200 requests on 20 sessions, all at once: a turn start, a grant, a release and a turn end each. They
     go out in a handful of script calls (one per event-loop turn, one in flight), and Redis ends where the
     writes one by one would leave it: no turn in flight, every session's last activity, nothing reserved."""
-    clock = Clock()
+    clock = ManualClock()
     st, m, raw = await _state(redis_url, "b:", wall=clock, replica_id="r")
     try:
         ks = st.lease_keys("http://e0")
@@ -99,7 +81,7 @@ async def test_grants_of_one_batch_keep_arrival_order_and_the_ceiling(redis_url)
     """Ten asks at once on one replica, 300 tokens each, ceiling 1000: one batch, asked in the order they
     were made: the first three are granted, the other seven wait with arrival numbers in that order; a
     release in the next batch lets exactly the oldest waiter in."""
-    st, m, raw = await _state(redis_url, "g:", wall=Clock(), replica_id="r")
+    st, m, raw = await _state(redis_url, "g:", wall=ManualClock(), replica_id="r")
     try:
         ks = st.lease_keys(None)
         members = [st.lease_member(i, 300) for i in range(10)]
@@ -120,7 +102,7 @@ async def test_grants_of_one_batch_keep_arrival_order_and_the_ceiling(redis_url)
 async def test_a_grant_and_its_release_in_one_batch_free_the_room_for_the_next(redis_url):
     """Grant X (600 of 1000), release X, grant Y (600): one batch, and the script's running sum of the
     fleet's reservations follows the release, so Y is granted; then Z (600) is not."""
-    st, m, raw = await _state(redis_url, "h:", wall=Clock(), replica_id="r")
+    st, m, raw = await _state(redis_url, "h:", wall=ManualClock(), replica_id="r")
     try:
         ks = st.lease_keys(None)
         x, y, z = (st.lease_member(i, 600) for i in range(3))
@@ -142,7 +124,7 @@ async def test_a_grant_and_its_release_in_one_batch_free_the_room_for_the_next(r
 async def test_a_turns_end_lingers_and_a_start_takes_it_along_at_once(redis_url):
     """Writes nobody waits for wait for company (here: for ever), but a turn's start goes at once, with them:
     the other replicas' idle sweeps must see the session busy while its turn runs."""
-    st, m, raw = await _state(redis_url, "l:", wall=Clock(), replica_id="r")
+    st, m, raw = await _state(redis_url, "l:", wall=ManualClock(), replica_id="r")
     try:
         st._batch.linger_s = 3600.0
         st.turn_finished("a")
@@ -162,7 +144,7 @@ async def test_one_failing_op_falls_back_alone_and_is_counted(redis_url):
     """A session key someone overwrote with a string: its turn write fails in the script (WRONGTYPE); the
     release in the same batch is applied all the same, the failed write is counted, and the replica takes
     Redis for unreachable as after any failed call (the heartbeat finds it back)."""
-    st, m, raw = await _state(redis_url, "e:", wall=Clock(), replica_id="r")
+    st, m, raw = await _state(redis_url, "e:", wall=ManualClock(), replica_id="r")
     try:
         ks = st.lease_keys(None)
         assert await st.queue_grant(ks, st.lease_member(1, 50), 50, [1000], 30.0) == (True, 0)
@@ -189,7 +171,7 @@ async def test_a_batch_redis_does_not_answer_falls_back_whole(redis_url):
     the grant's asker gets None (fail-open: its request goes), the turn writes are counted as fallen back,
     the release is kept and sent once Redis answers again; what was queued behind the batch is not sent
     while Redis is down."""
-    st, m, raw = await _state(redis_url, "t:", timeout_s=0.1, wall=Clock(), replica_id="r")
+    st, m, raw = await _state(redis_url, "t:", timeout_s=0.1, wall=ManualClock(), replica_id="r")
     try:
         ks = st.lease_keys(None)
         assert await st.queue_grant(ks, st.lease_member(1, 50), 50, [1000], 30.0) == (True, 0)
@@ -219,7 +201,7 @@ async def test_a_batch_redis_does_not_answer_falls_back_whole(redis_url):
 async def test_a_grant_whose_asker_left_while_it_was_on_the_wire_is_released(redis_url):
     """The client left while its grant's batch was on the wire: Redis grants it all the same, and the
     replica gives the lease back at once instead of leaving it held until its TTL."""
-    st, m, raw = await _state(redis_url, "c:", wall=Clock(), replica_id="r")
+    st, m, raw = await _state(redis_url, "c:", wall=ManualClock(), replica_id="r")
     try:
         ks = st.lease_keys(None)
         await raw.execute_command("CLIENT", "PAUSE", 30000, "WRITE")

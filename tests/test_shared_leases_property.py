@@ -11,11 +11,11 @@ from __future__ import annotations
 
 import asyncio
 import os
-import time
 
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
+from conftest import ManualClock
 from kvgate.proxy.metrics import Metrics
 from kvgate.shared.redis_state import SharedState
 from kvgate.tools import procs
@@ -26,36 +26,6 @@ pytestmark = pytest.mark.skipif(REDIS is None, reason="redis-server not installe
 
 ENGINES = ["http://e0", "http://e1"]
 FLEET_CEILING, ENGINE_CEILING, TTL = 1000, 600, 30.0
-
-
-@pytest.fixture(scope="module")
-def redis_url(tmp_path_factory):
-    import redis
-    port = procs.free_port()
-    proc = procs.start(f"redis-{port}", [REDIS, "--port", str(port), "--bind", "127.0.0.1", "--save", "",
-                                         "--appendonly", "no"], tmp_path_factory.mktemp("redis"))
-    c = redis.Redis(port=port)
-    deadline = time.monotonic() + 20
-    while True:  # readiness of a process we started: the one place a short pause is the event
-        try:
-            c.ping()
-            break
-        except redis.ConnectionError:
-            if not proc.alive() or time.monotonic() > deadline:
-                proc.stop()
-                raise RuntimeError(f"redis-server did not start:\n{proc.log_tail()}")
-            time.sleep(0.05)
-    c.close()
-    yield f"redis://127.0.0.1:{port}/0"
-    proc.stop(5.0)
-
-
-class Clock:
-    def __init__(self):
-        self.t = 1_000_000.0
-
-    def __call__(self):
-        return self.t
 
 
 grant = st.tuples(st.just("grant"), st.integers(0, 2), st.integers(1, 700), st.sampled_from([None, 0, 1]))
@@ -74,7 +44,7 @@ async def _scenario(url: str, plan) -> None:
     import redis.asyncio as redis
     raw = redis.Redis.from_url(url, decode_responses=True)
     await raw.flushdb()
-    clock = Clock()
+    clock = ManualClock()
     reps = [SharedState(url, "t:", 3600, 1.0, Metrics(), wall=clock, replica_id=f"r{i}") for i in range(3)]
     for r in reps:
         r.register_scripts()
@@ -135,7 +105,7 @@ def test_a_lease_over_the_ceiling_waits_for_room(redis_url):
     """The rule itself, on fixed numbers: a second replica is refused what the first holds, and granted once
     it is released."""
     async def run():
-        clock = Clock()
+        clock = ManualClock()
         a, b = (SharedState(redis_url, "u:", 3600, 1.0, Metrics(), wall=clock, replica_id=n) for n in "ab")
         for r in (a, b):
             await r.start()

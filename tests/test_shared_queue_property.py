@@ -13,12 +13,12 @@ from __future__ import annotations
 
 import asyncio
 import os
-import time
 from dataclasses import dataclass
 
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
+from conftest import ManualClock
 from kvgate.proxy.metrics import Metrics
 from kvgate.shared.redis_state import WAITER_TTL_S, SharedState
 from kvgate.tools import procs
@@ -29,25 +29,6 @@ pytestmark = pytest.mark.skipif(REDIS is None, reason="redis-server not installe
 
 ENGINES = ["http://e0", "http://e1"]
 FLEET_CEILING, ENGINE_CEILING, TTL = 1000, 600, 30.0
-
-
-@pytest.fixture(scope="module")
-def redis_url(tmp_path_factory):
-    port = procs.free_port()
-    proc = procs.start(f"redis-{port}", procs.redis_command(port), tmp_path_factory.mktemp("redis"))
-    try:
-        procs.wait_redis(port, 20, proc)
-        yield f"redis://127.0.0.1:{port}/0"
-    finally:
-        proc.stop(5.0)
-
-
-class Clock:
-    def __init__(self):
-        self.t = 1_000_000.0
-
-    def __call__(self):
-        return self.t
 
 
 @dataclass
@@ -86,7 +67,7 @@ async def _scenario(url: str, plan) -> None:
     import redis.asyncio as redis
     raw = redis.Redis.from_url(url, decode_responses=True)
     await raw.flushdb()
-    clock = Clock()
+    clock = ManualClock()
     reps = [SharedState(url, "q:", 3600, 1.0, Metrics(), wall=clock, replica_id=f"r{i}") for i in range(3)]
     for r in reps:
         r.register_scripts()
@@ -214,7 +195,7 @@ def test_the_oldest_waiter_goes_first_whichever_replica_asks(redis_url):
     goes, although A asks first; A's goes after it. A waiter whose replica stops asking leaves the queue
     after WAITER_TTL_S and holds nobody back."""
     async def run():
-        clock = Clock()
+        clock = ManualClock()
         a, b, c = (SharedState(redis_url, "v:", 3600, 1.0, Metrics(), wall=clock, replica_id=n) for n in "abc")
         for r in (a, b, c):
             r.register_scripts()
@@ -253,7 +234,7 @@ def test_backfill_passes_earlier_waiters_only_with_room_for_them(redis_url):
     the fleet still holds the head too; without backfill, or when it would take the head's fleet room, it
     waits its turn."""
     async def run():
-        clock = Clock()
+        clock = ManualClock()
         a, b = (SharedState(redis_url, "w:", 3600, 1.0, Metrics(), wall=clock, replica_id=n) for n in "ab")
         for r in (a, b):
             r.register_scripts()
@@ -281,7 +262,7 @@ def test_a_forced_grant_reserves_past_the_queue_and_the_ceiling(redis_url):
     """A bypass (protected, or aged out of the queue) still reserves: granted at once over the ceiling and
     ahead of the waiters, and it leaves the queue if it waited there; the later waiters count its tokens."""
     async def run():
-        clock = Clock()
+        clock = ManualClock()
         a, b = (SharedState(redis_url, "f:", 3600, 1.0, Metrics(), wall=clock, replica_id=n) for n in "ab")
         for r in (a, b):
             r.register_scripts()
@@ -353,7 +334,7 @@ def test_a_release_redis_did_not_confirm_is_sent_when_redis_answers_again(redis_
     release issued while Redis was unreachable, is kept and sent once Redis answers again, so the lease is
     not held until its TTL (an hour by default)."""
     async def run():
-        clock = Clock()
+        clock = ManualClock()
         a = SharedState(redis_url, "u:", 3600, 1.0, Metrics(), wall=clock, replica_id="a")
         a.register_scripts()
         await a.client.flushdb()

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from email.utils import formatdate
 from http import HTTPStatus
 from collections.abc import Mapping
