@@ -53,7 +53,7 @@ def test_committed_json_loads_as_an_sdk_dashboard_model_without_loss(committed):
     rows = [p for p in model.panels if isinstance(p, RowPanel)]
     assert [r.title for r in rows] == ["Sessions", "Admission", "Budget", "Programs", "Engines", "Proxy"]
     panels = [p for p in model.panels if isinstance(p, Panel)]
-    assert len(panels) == len(dashboard.panels()) == 35
+    assert len(panels) == len(dashboard.panels()) == 36
     assert all(isinstance(t, Dataquery) for p in panels for t in p.targets)
 
 

@@ -283,6 +283,14 @@ ROWS: tuple[RowSpec, ...] = (
                   (Target(f"sum by (kind) (rate(agentic_kv_upstream_errors_total{{{KV}}}[{RI}]))", "{{kind}}"),
                    Target(f"sum(rate(agentic_kv_client_disconnects_total{{{KV}}}[{RI}]))", "client disconnects")),
                   unit="reqps"),
+        PanelSpec("Shared state (Redis)",
+                  "state_backend redis: replicas up, calls that fell back to a replica's own state, writes per "
+                  "batched call; fall-backs above 0 mean Redis is down or slow: check redis_timeout_s and its latency.",
+                  (Target(f"sum(agentic_kv_state_backend_up{{{KV}}})", "replicas on Redis"),
+                   Target(f"sum by (op) (rate(agentic_kv_state_backend_bypass_total{{{KV}}}[{RI}]))",
+                          "{{op}} fell back /s"),
+                   Target(f"sum(rate(agentic_kv_state_backend_ops_total{{{KV}}}[{RI}])) / "
+                          f"sum(rate(agentic_kv_state_backend_calls_total{{{KV}}}[{RI}]))", "writes per call"))),
         PanelSpec("kvgate internal faults",
                   "Faults in kvgate's own logic (the request went out unchanged: fail-open); anything above 0 is a "
                   "kvgate bug or a bad signal: read kvgate's log for the stage shown.",
