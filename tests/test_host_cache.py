@@ -159,3 +159,34 @@ async def test_host_pool_set_in_gb_is_read_through_the_kv_bytes_per_token(sim_fa
             stats = await r.json()
     assert stats["ledger"]["host_cache_tokens"] == gw.poller.host_tokens[e.url]
     assert stats["ledger"]["ceiling"] == int((200_000 + gw.poller.host_tokens[e.url]) * 0.9)
+
+
+async def test_an_engine_whose_answer_does_not_say_is_asked_again_after_a_while():
+    """/server_info asks the engine's scheduler: an engine that gave no HiCache figures is not asked every poll."""
+    from types import SimpleNamespace
+
+    from conftest import ManualClock
+    from kvgate.admission import poller as pm
+
+    clock = ManualClock(0.0)
+    p = pm.CapacityPoller(SimpleNamespace(ledger=SimpleNamespace(count_host=True)), None, 2.0, clock=clock)
+    assert p.count_host
+    answers, asked = [None, 500], []
+
+    async def fake(url):
+        asked.append(url)
+        return answers.pop(0)
+
+    p._host_pool = fake
+    await p._read_host_pools(["http://e0"])
+    assert p.host_tokens == {} and asked == ["http://e0"]
+    clock.t = pm.HOST_RETRY_S - 1
+    await p._read_host_pools(["http://e0"])           # not yet
+    assert asked == ["http://e0"]
+    clock.t = pm.HOST_RETRY_S
+    await p._read_host_pools(["http://e0"])
+    assert p.host_tokens == {"http://e0": 500} and len(asked) == 2
+    await p._read_host_pools(["http://e0"])           # read once: never asked again
+    assert len(asked) == 2
+    await p._read_host_pools([])                      # left the list: forgotten (read again if it comes back)
+    assert p.host_tokens == {}

@@ -279,9 +279,12 @@ class Ledger:
         return eng.pools[rank].capacity if rank is not None else eng.capacity
 
     def _host_of(self, place: Any) -> int:
+        """The HiCache host room the ceiling of ``place`` counts (tokens; 0 unless ``count_host``)."""
         s = self._snapshot
-        if not self.count_host or s is None or place is FLEET:
-            return s.host if self.count_host and s is not None else 0
+        if not self.count_host or s is None:
+            return 0
+        if place is FLEET:
+            return s.host
         url, rank = (place if isinstance(place, tuple) else (place, None))
         eng = s.engines.get(url)
         if eng is None:

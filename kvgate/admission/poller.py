@@ -16,14 +16,15 @@ engines than this replica's directory lists.
 HiCache host pools: when the gate counts them (the program policy, ``admission_host_cache``), each engine's
 GET /server_info (fallback /get_server_info) is read once, when the engine first appears, and the room its
 host pool adds (kvgate.admission.capacity.host_pool_tokens) is attached to that engine's figures in every
-snapshot. An
-engine whose answer does not say is asked again next round; until then it counts without a host pool.
+snapshot. An engine whose answer does not say is asked again after HOST_RETRY_S; until then it counts without
+a host pool.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 from typing import Callable
 
@@ -42,6 +43,8 @@ log = logging.getLogger("kvgate.admission.poller")
 _GAUGES = (METRIC_MAX_TOTAL, METRIC_NUM_USED, METRIC_TOKEN_USAGE)
 _KEPT_LINES = tuple(x.encode() for x in (*_GAUGES, *(f"# {kind} {name}" for kind in ("HELP", "TYPE")
                                                     for name in _GAUGES)))
+#: Seconds before an engine whose /server_info did not give its HiCache figures is asked again.
+HOST_RETRY_S = 60.0
 _LINE_MAX = 1 << 16  # a longer line is no gauge sample kvgate reads: skipped, not buffered
 _YIELD_EVERY = 1 << 20
 
@@ -108,6 +111,7 @@ class CapacityPoller:
         self._leading = False
         # engine URL -> the room its HiCache host pool adds per DP rank (tokens; 0 = none), read once per engine
         self.host_tokens: dict[str, int] = {}
+        self._host_retry: dict[str, float] = {}  # engine URL -> when to ask again (its answer did not say)
         self.count_host = gate is not None and getattr(gate.ledger, "count_host", False)
 
     async def start(self) -> None:
@@ -189,12 +193,17 @@ class CapacityPoller:
         return snapshot
 
     async def _read_host_pools(self, urls: list[str]) -> None:
-        """Read the HiCache host pool of every engine not read yet; forget engines that left the list."""
+        """Read the HiCache host pool of every engine not read yet (one whose answer did not say: again after
+        HOST_RETRY_S, /server_info asks the engine's scheduler); forget engines that left the list."""
         for gone in set(self.host_tokens) - set(urls):
             del self.host_tokens[gone]
-        new = [u for u in urls if u not in self.host_tokens]
+        now = self.clock()
+        new = [u for u in urls if u not in self.host_tokens and self._host_retry.get(u, -math.inf) <= now]
         for url, tokens in zip(new, await asyncio.gather(*(self._host_pool(u) for u in new))):
-            if tokens is not None:
+            if tokens is None:
+                self._host_retry[url] = now + HOST_RETRY_S
+            else:
+                self._host_retry.pop(url, None)
                 self.host_tokens[url] = tokens
                 if tokens:
                     log.info("engine %s: its HiCache host pool adds %d tokens of room per rank for the program "
