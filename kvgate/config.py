@@ -9,6 +9,7 @@ prints it and exits with status 2 before anything listens.
 from __future__ import annotations
 
 import argparse
+import difflib
 import math
 import re
 from dataclasses import dataclass, field
@@ -345,7 +346,7 @@ def validate(raw: dict[str, Any]) -> Config:
     for name, value in raw.items():
         key = KEYS_BY_NAME.get(name)
         if key is None:
-            close = [k for k in KEYS_BY_NAME if k.split("_")[-1] == str(name).split("_")[-1]][:3]
+            close = difflib.get_close_matches(str(name), KEYS_BY_NAME, n=3, cutoff=0.75)
             hint = f" (did you mean {', '.join(close)}?)" if close else ""
             raise ConfigError(f"{name}: unknown key{hint}")
         values[name] = _coerce(key, value)

@@ -121,3 +121,23 @@ def test_check_config_cli_exit_codes(tmp_path):
     res = subprocess.run([sys.executable, "-m", "kvgate", "serve", "--config", str(notyaml)], capture_output=True,
                          text=True, cwd=ROOT)
     assert res.returncode == 2 and "not valid YAML" in res.stderr and len(res.stderr.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("http_server", ["kvgate", "aiohttp"])
+def test_a_port_already_taken_stops_serve_with_one_line_and_no_traceback(http_server):
+    import socket
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    port = taken.getsockname()[1]
+    try:
+        # a probe that runs while startup fails (the router answers nothing) must not leave a traceback behind
+        res = subprocess.run([sys.executable, "-m", "kvgate", "serve", "--port", str(port), "--upstream",
+                              "http://127.0.0.1:9", "--http-server", http_server], capture_output=True, text=True,
+                             cwd=ROOT, timeout=120)
+    finally:
+        taken.close()
+    assert res.returncode == 2, res.stderr
+    assert res.stderr.strip().splitlines()[-1] == \
+        f"kvgate: config error: port: cannot listen on 127.0.0.1:{port} (Address already in use)"
+    assert "Traceback" not in res.stderr and "never retrieved" not in res.stderr, res.stderr

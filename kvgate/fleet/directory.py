@@ -60,6 +60,7 @@ class EngineDirectory:
         self.on_change: list[Callable[[list[Engine]], None]] = []
         self._session: aiohttp.ClientSession | None = None
         self._task: asyncio.Task | None = None
+        self._compat_task: asyncio.Task | None = None
         self._changed = asyncio.Event()
         self.first_refresh = asyncio.Event()
         self.refreshed = asyncio.Event()  # replaced after each refresh: await it to see the next one
@@ -92,7 +93,8 @@ class EngineDirectory:
         self._task = asyncio.create_task(self._run(), name="kvgate-discovery")
 
     async def stop(self) -> None:
-        await cancel_tasks(self._task)
+        # The probe loop too: left running, it would use the closed session (and log an unretrieved error).
+        await cancel_tasks(self._task, self._compat_task)
         if self._session is not None:
             await self._session.close()
 
@@ -168,7 +170,7 @@ class EngineDirectory:
         self.first_refresh.set()
         self._refreshed()
         if self.probe_enabled:
-            asyncio.create_task(self._compat_loop(), name="kvgate-compat")
+            self._compat_task = asyncio.create_task(self._compat_loop(), name="kvgate-compat")
         while True:
             await asyncio.sleep(self.interval_s)
             await self.refresh()

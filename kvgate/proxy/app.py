@@ -12,10 +12,12 @@ Everything else is forwarded to the router unchanged.
 from __future__ import annotations
 
 import asyncio
+import errno
 import logging
 import os
 import re
 import signal
+import sys
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -816,13 +818,17 @@ async def start_gateway(cfg: Config, gate: Gate | None = None, worker=None) -> t
     runner = web.AppRunner(gw.app, handler_cancellation=True, access_log=None, auto_decompress=False,
                            max_line_size=MAX_LINE_BYTES, max_field_size=MAX_FIELD_BYTES)
     await runner.setup()
-    site = web.TCPSite(runner, cfg.host, cfg.port, backlog=1024, reuse_port=True if worker is not None else None)
-    await site.start()
-    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
-    if worker is not None:
-        private = web.TCPSite(runner, "127.0.0.1", 0)
-        await private.start()
-        worker.register(private._server.sockets[0].getsockname()[1])  # type: ignore[union-attr]
+    try:
+        site = web.TCPSite(runner, cfg.host, cfg.port, backlog=1024, reuse_port=True if worker is not None else None)
+        await site.start()
+        port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+        if worker is not None:
+            private = web.TCPSite(runner, "127.0.0.1", 0)
+            await private.start()
+            worker.register(private._server.sockets[0].getsockname()[1])  # type: ignore[union-attr]
+    except BaseException:  # the port is taken, say: stop what startup began (pollers, sessions)
+        await runner.cleanup()
+        raise
     return gw, runner, port
 
 
@@ -857,6 +863,18 @@ def serve(cfg: Config, worker=None) -> int:
             log.warning("event_loop: uvloop is not installed; serving on asyncio's event loop")
         else:
             run = uvloop.run
-    run(main())
+    try:
+        run(main())
+    except OSError as exc:
+        if exc.errno not in _LISTEN_ERRORS:
+            raise
+        # The port is taken or not ours to bind: one line naming it, as the supervisor of workers says it.
+        print(f"kvgate: config error: port: cannot listen on {cfg.host}:{cfg.port} ({os.strerror(exc.errno)})",
+              file=sys.stderr)
+        return 2
     return 0
+
+
+#: bind() errors that mean the configured host/port cannot be served (the user's to fix, not a kvgate fault).
+_LISTEN_ERRORS = frozenset({errno.EADDRINUSE, errno.EADDRNOTAVAIL, errno.EACCES})
 
