@@ -266,30 +266,26 @@ class Ledger:
             return (url, rank)
         return url
 
-    def _capacity_of(self, place: Any) -> int:
+    def _figure(self, place: Any, name: str) -> int:
+        """``name`` ("capacity" or "host", tokens) of ``place``: the fleet's, an engine's or one DP pool's; 0
+        without a snapshot or for an engine not in it."""
         s = self._snapshot
         if s is None:
             return 0
         if place is FLEET:
-            return s.capacity
+            return getattr(s, name)
         url, rank = (place if isinstance(place, tuple) else (place, None))
         eng = s.engines.get(url)
         if eng is None:
             return 0
-        return eng.pools[rank].capacity if rank is not None else eng.capacity
+        return getattr(eng.pools[rank] if rank is not None else eng, name)
+
+    def _capacity_of(self, place: Any) -> int:
+        return self._figure(place, "capacity")
 
     def _host_of(self, place: Any) -> int:
         """The HiCache host room the ceiling of ``place`` counts (tokens; 0 unless ``count_host``)."""
-        s = self._snapshot
-        if not self.count_host or s is None:
-            return 0
-        if place is FLEET:
-            return s.host
-        url, rank = (place if isinstance(place, tuple) else (place, None))
-        eng = s.engines.get(url)
-        if eng is None:
-            return 0
-        return eng.pools[rank].host if rank is not None else eng.host
+        return self._figure(place, "host") if self.count_host else 0
 
     def ceiling_of(self, place: Any) -> int:
         """floor(max_total_num_tokens (+ the HiCache host room when ``count_host``) x headroom) of ``place``
