@@ -11,7 +11,9 @@ process, session lifecycle and inference on), while a canary asks kvgate's /kvga
 - a malformed one is a 502 naming the upstream (or, after the headers went out, a cut), never a 500;
 - the request reaches the upstream with the same body bytes (or with only a top-level session_id added)
   and the same header bytes;
-- no canary answer takes more than 100 ms; kvgate logs no traceback.
+- no canary answer takes more than 100 ms; kvgate logs no traceback. An input whose canary was slower is
+  replayed twice and fails only if every run is slow: an input that blocks kvgate's event loop does so each
+  time, a busy machine descheduling kvgate for a moment does not (seen once in CI: 0.32 s on an empty POST).
 
 KVGATE_FUZZ_EXAMPLES sets the number of inputs (default 250, about 10 s on an idle machine).
 """
@@ -57,7 +59,6 @@ class Fleet:
                "--no-compat-probe", "--agentic-session-lifecycle", "--log-level", "warning"]
         self.kvgate = procs.start("kvgate", cmd, self.log_dir, url=f"http://127.0.0.1:{self.kv_port}")
         procs.wait_http(self.kvgate.url + "/kvgate/health", 30, self.kvgate)
-        self.worst_canary = 0.0
         # Warm up (first-request imports and connection set-up are not what the canary measures).
         for raw in (request(body=b'{"input_ids":[1]}'), request(b"GET", b"/x"),
                     request(target=b"/v1/chat/completions", body=b'{"messages":[]}')):
@@ -194,15 +195,14 @@ async def _one(fleet: Fleet, raw: bytes, answer: bytes):
     direct_raw = await send_raw(fleet.up_port, raw)
     canary = Canary(fleet.kvgate.url + "/kvgate/health")
     via_raw = await canary.around(send_raw(fleet.kv_port, raw))
-    fleet.worst_canary = max(fleet.worst_canary, max(canary.latencies))
-    return direct_raw, via_raw, fleet.upstream.received[n0:]
+    return direct_raw, via_raw, fleet.upstream.received[n0:], max(canary.latencies)
 
 
 @settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=[HealthCheck.too_slow,
                                                                        HealthCheck.data_too_large])
 @given(raw=requests(), answer=answers())
 def test_kvgate_answers_as_the_upstream_does(fleet, raw, answer):
-    direct_raw, via_raw, got = asyncio.run(_one(fleet, raw, answer))
+    direct_raw, via_raw, got, slowest = asyncio.run(_one(fleet, raw, answer))
     method = raw.split(b" ", 1)[0]
     direct = parse_answer(answer, method)
     via = parse_answer(via_raw, method)
@@ -233,5 +233,9 @@ def test_kvgate_answers_as_the_upstream_does(fleet, raw, answer):
         if via is not None:
             err = orjson.loads(via.body)["error"]
             assert err["upstream"] == fleet.upstream.url and fleet.upstream.url in err["message"]
-    assert fleet.worst_canary < CANARY_MAX_S
+    for _ in range(2):  # replayed only when slow: see the module docstring
+        if slowest < CANARY_MAX_S:
+            break
+        slowest = min(slowest, asyncio.run(_one(fleet, raw, answer))[3])
+    assert slowest < CANARY_MAX_S, f"the canary waited {slowest:.3f} s on every run of this input"
     assert "Traceback" not in fleet.kvgate.log_path.read_text(errors="replace")
