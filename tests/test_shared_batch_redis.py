@@ -218,3 +218,45 @@ async def test_a_grant_whose_asker_left_while_it_was_on_the_wire_is_released(red
         await raw.execute_command("CLIENT", "UNPAUSE")
         await st.stop()
         await raw.aclose()
+
+
+async def test_a_reply_shorter_than_its_batch_leaves_no_asker_waiting(redis_url):
+    """Every asker gets an answer whatever the script replies: a reply that stops early (Redis ends a script's
+    array at its first nil) or carries an answer of the wrong shape makes those ops fall back, counted, and the
+    askers whose answers did come get them."""
+    st, m, raw = await _state(redis_url, "h:", wall=ManualClock(), replica_id="r")
+    real = st._scripts["batch"]
+    cut = {"n": 1}
+
+    async def short_reply(keys, args):
+        out = await real(keys=keys, args=args)
+        return out[:-cut["n"]]
+
+    try:
+        for i in range(3):
+            st.turn_started(f"s{i}")
+        await st.drain()
+        st._scripts["batch"] = short_reply
+        async with asyncio.timeout(30):  # a lost answer fails here instead of hanging
+            claims = await asyncio.gather(*(st.idle_claim(f"s{i}", 3600.0) for i in range(3)))
+        assert claims[:2] == [("busy", 0.0)] * 2 and claims[2] == ("unknown", 0.0)
+        assert _bypass(m, "idle") == 1 and not st.up
+        await st._heartbeat_once()
+        assert st.up
+
+        async def wrong_shape(keys, args):  # a grant answered with a bare number: not confirmed, no exception
+            return [7 for _ in await real(keys=keys, args=args)]
+
+        st._scripts["batch"] = wrong_shape
+        ks = st.lease_keys(None)
+        ask = asyncio.ensure_future(st.queue_grant(ks, st.lease_member(1, 50), 50, [1000], 30.0))
+        await _until(lambda: st._batch.in_flight, "the batch goes out")
+        ask.cancel()  # gone before the answer: the replica reads the answer to decide on a release
+        with pytest.raises(asyncio.CancelledError):
+            await ask
+        async with asyncio.timeout(30):
+            await st.drain()
+        assert _bypass(m, "admission") == 1 and st._flusher is None
+    finally:
+        await st.stop()
+        await raw.aclose()

@@ -540,6 +540,9 @@ class SharedState:
                 ops = self._batch.take(loop.time())
                 try:
                     await self._send(ops)
+                except Exception:  # a fault of kvgate's own: log it, leave no asker waiting, go on
+                    log.exception("shared state: a batch's answers were not delivered; its ops fall back")
+                    self._fell_back(ops)
                 finally:
                     self._batch.done()
         except asyncio.CancelledError:  # stopping: what is still queued falls back
@@ -570,17 +573,24 @@ class SharedState:
             self._fell_back(self._batch.drop_queued())
             return
         failed: list[Op] = []
+        if not isinstance(answers, list):
+            answers = []
         for op, r in zip(ops, answers):
-            if isinstance(r, str) and r.startswith("!"):
+            try:
+                if isinstance(r, str) and r.startswith("!"):
+                    failed.append(op)
+                elif op.waiter is not None and not op.waiter.done():
+                    op.waiter.set_result((True, r))
+                elif op.lease is not None and int(r[0]):  # granted to an asker that is gone: give it back
+                    self.lease_release(*op.lease)
+            except (TypeError, ValueError, IndexError):  # an answer of a shape no op gives: not confirmed
                 failed.append(op)
-                continue
-            if op.waiter is not None and not op.waiter.done():
-                op.waiter.set_result((True, r))
-            elif op.lease is not None and int(r[0]):  # granted to an asker that is gone: give it back
-                self.lease_release(*op.lease)
+        # a reply shorter than the batch (the script stops a reply at its first nil) leaves no asker waiting
+        failed.extend(ops[len(answers):])
         if failed:
             self._fell_back(failed)
-            self._down(failed[0].label, RuntimeError(str(answers[ops.index(failed[0])])), count=0)
+            i = ops.index(failed[0])
+            self._down(failed[0].label, RuntimeError(str(answers[i]) if i < len(answers) else "no answer"), count=0)
             self._fell_back(self._batch.drop_queued())
 
     def _fell_back(self, ops: list[Op]) -> None:
