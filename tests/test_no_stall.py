@@ -3,7 +3,8 @@ bounded or off the event loop, and kvgate's own listings are paged (docs/guarant
 
 Stalls are measured with a canary: requests sent back to back to kvgate's /kvgate/health (or ticks of the
 test's own loop, for the in-process poller) while the large item is in flight; the canary starts before
-and ends after it, on events, and no canary answer may take more than CANARY_MAX_S.
+and ends after it, on events, and no canary answer may take more than CANARY_MAX_S (a slow run is tried once
+more: work that holds kvgate's loop holds it every time, a busy machine pausing kvgate for a moment does not).
 """
 
 import asyncio
@@ -60,16 +61,21 @@ async def test_a_66_mb_body_does_not_stall_other_clients(kvgate_process):
                         "X-Session-ID": "big", "Content-Length": str(len(big))}) as r:
                     return r.status, await r.read()
 
-        canary = Canary(kv + "/kvgate/health")
-        status, body = await canary.around(post_big())
-        assert status == 200 and body == b'{"ok":true}'
-        # relayed untouched: over body_parse_max_bytes, not parsed
-        assert (up.received[-1].size, up.received[-1].sha256) == (len(big), hashlib.sha256(big).hexdigest())
-        assert max(canary.latencies) < CANARY_MAX_S, sorted(canary.latencies)[-5:]
+        slowest = []
+        for _ in range(2):  # sent again only when the canary was slow: a body that blocks kvgate does so each time
+            canary = Canary(kv + "/kvgate/health")
+            status, body = await canary.around(post_big())
+            assert status == 200 and body == b'{"ok":true}'
+            # relayed untouched: over body_parse_max_bytes, not parsed
+            assert (up.received[-1].size, up.received[-1].sha256) == (len(big), hashlib.sha256(big).hexdigest())
+            slowest.append(sorted(canary.latencies)[-5:])
+            if max(canary.latencies) < CANARY_MAX_S:
+                break
+        assert max(slowest[-1]) < CANARY_MAX_S, slowest
         async with aiohttp.ClientSession() as http:
             async with http.get(kv + "/metrics") as r:
                 m = await r.text()
-        assert 'agentic_kv_body_features_skipped_total{reason="size"} 1.0' in m
+        assert f'agentic_kv_body_features_skipped_total{{reason="size"}} {len(slowest)}.0' in m
     finally:
         await up.close()
 
