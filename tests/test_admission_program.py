@@ -78,8 +78,8 @@ def test_new_program_starts_only_when_its_engine_has_room():
     assert [(d.ticket, d.kind, d.waited_s) for d in out] == [("b-1", Kind.ADMIT, 2.0)]
 
 
-def _three_in_tool(victim="smallest", resume="smallest"):
-    co, lg = make(victim=victim, resume=resume)  # ceiling 9,000
+def _three_in_tool(victim="smallest", resume="smallest", **kw):
+    co, lg = make(victim=victim, resume=resume, **kw)  # ceiling 9,000
     progs = [Prog(co, "small", 1000, seed=1), Prog(co, "mid", 2000, seed=2), Prog(co, "big", 3000, seed=3)]
     for i, p in enumerate(progs):
         assert p.submit(float(i)).kind is Kind.ADMIT
@@ -252,6 +252,42 @@ def test_idle_programs_end_after_the_ttl():
     assert co.next_deadline(1.0) == 61.0
     co.pump(61.0)
     assert co.state_of("a") is None and lg.reserved == 0 and co.counters["programs_ended"] == 1
+
+
+def test_a_program_past_its_ttl_is_kept_while_its_turn_waits_and_ends_when_the_waiter_leaves():
+    co, lg, (small, mid, big) = _three_in_tool("largest", program_ttl_s=11.5)
+    mid.ids += list(range(10 ** 8, 10 ** 8 + 3000))
+    mid.submit(21.0)  # pauses big at 21.0
+    assert co.state_of("big") is ProgramState.PAUSED
+    assert big.submit(22.0).kind is Kind.WAIT
+    co.pump(33.0)  # big: idle since 21.0, past the TTL, but its turn waits; small (idle since 12.0) ends
+    assert co.state_of("big") is ProgramState.PAUSED and co.state_of("small") is None
+    # no wake-up at once for a program that cannot end yet: the next one is the waiter's aging (22 + 30)
+    assert co.next_deadline(33.0) == 52.0
+    assert co.cancel(big.ticket, 34.0)
+    co.pump(34.0)
+    assert co.state_of("big") is None and co.counters["programs_ended"] == 2
+
+
+def test_idle_expiry_reads_only_what_is_due_and_keeps_its_entries_bounded():
+    """Thousands of live programs: a request's expiry check and the timer's next deadline read the earliest
+    idle deadline, not every program; the stale entries each turn leaves behind stay bounded."""
+    co, lg = make({E0: 10 ** 9}, program_ttl_s=100.0)
+    progs = [Prog(co, f"p{i}", 10, seed=i, max_new=1) for i in range(3000)]
+    now = 0.0
+    for _ in range(3):
+        for p in progs:
+            now += 0.01
+            assert p.submit(now).kind is Kind.ADMIT
+            p.answer(now, output=1, tool=0)
+    assert len(co._idle) <= 2 * 3000 + 64
+    first = progs[0]
+    first_due = now - 0.01 * 2999 + 100.0  # its last turn ended 2,999 turns before the last one
+    assert co.next_deadline(now) == pytest.approx(first_due)
+    co.pump(first_due + 1e-6)
+    assert co.state_of(first.sid) is None and co.state_of(progs[1].sid) is not None
+    co.pump(now + 100.0)
+    assert co.counters["programs_ended"] == 3000 and co._idle == [] and lg.reserved == 0
 
 
 def test_cancel_of_a_racing_grant_restores_the_program():

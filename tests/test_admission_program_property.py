@@ -102,6 +102,15 @@ class ProgramMachine(RuleBasedStateMachine):
         self._deliver(self.co.pump(self.now))
         # nothing starves: after a pump no turn has waited max_wait_s or more
         assert all(self.now - at < self.co.max_wait_s for _, at in self.waiting.values())
+        # the TTL rule, against a scan of every program: none idle for program_ttl_s is left unless a turn of
+        # its own waits, and the next deadline comes no later than the first idle program's end
+        waiting = {f"p{p}" for p, _ in self.waiting.values()}
+        ttl = self.co.program_ttl_s
+        for sid, p in self.co._programs.items():
+            assert p.inflight or sid in waiting or self.now - p.since < ttl, (sid, p.since, self.now)
+        ends = [p.since + ttl for sid, p in self.co._programs.items() if not p.inflight and sid not in waiting]
+        d = self.co.next_deadline(self.now)
+        assert not ends or (d is not None and d <= max(self.now, min(ends)))
 
     @invariant()
     def consistent(self):

@@ -89,3 +89,17 @@ def test_a_tiny_run_with_two_workers(tmp_path):
     # the workers' CPU is counted (they run in process groups of their own, under the supervisor)
     assert cpu["kvgate-nosmg-w2"] > 0.25 * cpu["kvgate-nosmg"] > 0
     assert "kvgate-nosmg-w2 adds" in (tmp_path / "proxy-bench.md").read_text()
+
+
+def test_placing_arms_replace_smgs_hop_and_are_compared_with_it():
+    """kvgate placing sessions sends /generate to the engine itself: its hop is measured over direct, like
+    smg's, and its ratio says whether the request is slower than through smg alone."""
+    from kvgate.bench.proxy_report import Sample, markdown, summarise
+    assert front_of("placement+admission") == "direct" and front_of("placement-w2") == "direct"
+    rows = [Sample(r, arm, "small", "latency", p50_us=v) for r in range(3)
+            for arm, v in (("direct", 10.0), ("smg", 210.0), ("lifecycle+admission", 800.0),
+                           ("placement+admission", 310.0))]
+    s = summarise(rows)
+    assert s.added["small"] == {"smg": 200.0, "lifecycle+admission": 590.0, "placement+admission": 300.0}
+    assert s.ratio["small"]["placement+admission"] == 1.5
+    assert "smg is not on their path" in markdown(s)

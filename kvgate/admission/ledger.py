@@ -27,6 +27,9 @@ from typing import Any, Hashable, Literal
 from .capacity import MAX_PLAUSIBLE_TOKENS, ClusterSnapshot
 from .working_set import DEFAULT_BLOCK_TOKENS, FLEET, Holdings
 
+#: Places remembered per snapshot (engines and their DP ranks; a bound for callers that pass odd ones).
+MAX_REMEMBERED_PLACES = 4096
+
 __all__ = ["Grant", "Refusal", "Lease", "Ledger", "REFUSAL_REASONS"]
 
 RefusalReason = Literal["pressure_guard", "capacity_exhausted", "degraded"]
@@ -132,6 +135,7 @@ class Ledger:
         self.lease_ttl_s = _check_positive("lease_ttl_s", lease_ttl_s)
         self.window_s = _check_positive("window_s", window_s)
         self._snapshot: ClusterSnapshot | None = None
+        self._forget_places()
         self._fleet_max = 1
         self._healthy: frozenset[str] | None = None
         self._ceiling = 0
@@ -161,6 +165,7 @@ class Ledger:
         if self._snapshot is not None and snapshot.taken_at < self._snapshot.taken_at:
             return False
         self._snapshot = snapshot
+        self._forget_places()
         room = snapshot.capacity + snapshot.host if self.count_host else snapshot.capacity
         self._ceiling = int(math.floor(room * self.headroom))
         # the largest engine's capacity, read by every fleet-wide reservation (max_tokens): once per snapshot
@@ -178,6 +183,12 @@ class Ledger:
         """Drop the snapshot (e.g. router unreachable): the ledger is degraded until the next reconcile."""
         self._snapshot = None
         self._ceiling = 0
+        self._forget_places()
+
+    def _forget_places(self) -> None:
+        # places resolved and ceilings computed against the snapshot just replaced
+        self._resolved: dict[Any, Any] = {}
+        self._ceilings: dict[Any, int] = {}
 
     @property
     def snapshot(self) -> ClusterSnapshot | None:
@@ -254,7 +265,20 @@ class Ledger:
     def resolve_place(self, place: Any) -> Any:
         """The place a lease is counted on: ``place`` if its engine is in the snapshot, else FLEET (None).
 
-        (url, rank) keeps the rank only when the engine has that many pools."""
+        (url, rank) keeps the rank only when the engine has that many pools. Remembered until the snapshot
+        changes (a request asks several times)."""
+        try:
+            return self._resolved[place]
+        except KeyError:
+            pass
+        except TypeError:  # not hashable: resolved each time
+            return self._resolve(place)
+        r = self._resolve(place)
+        if len(self._resolved) < MAX_REMEMBERED_PLACES:
+            self._resolved[place] = r
+        return r
+
+    def _resolve(self, place: Any) -> Any:
         s = self._snapshot
         if place is None or s is None:
             return FLEET
@@ -293,7 +317,10 @@ class Ledger:
         place = self.resolve_place(place)
         if place is FLEET:
             return self._ceiling
-        return int(math.floor((self._capacity_of(place) + self._host_of(place)) * self.headroom))
+        c = self._ceilings.get(place)
+        if c is None:
+            c = self._ceilings[place] = int(math.floor((self._capacity_of(place) + self._host_of(place)) * self.headroom))
+        return c
 
     def max_tokens(self, place: Any) -> int:
         """The most one reservation can count on ``place``: that engine's (or pool's) max_total_num_tokens;

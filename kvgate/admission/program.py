@@ -38,6 +38,7 @@ after each call executes ``take_actions()`` (close the engine session of each pa
 from __future__ import annotations
 
 import enum
+import heapq
 import itertools
 from dataclasses import dataclass, field
 from collections.abc import Mapping
@@ -125,6 +126,14 @@ class ProgramCoordinator:
         self.resume = resume
         self.program_ttl_s = float(program_ttl_s)
         self._programs: dict[Hashable, _Program] = {}
+        # Idle programs' TTL deadlines, earliest first: (since + program_ttl_s, n, sid, since). An entry is
+        # current while its program is idle (no turn in flight) with that ``since``; stale ones are dropped when
+        # they reach the top, or all at once when they outnumber the programs. Expiry and the next deadline
+        # read the top instead of scanning every program on every request.
+        self._idle: list[tuple[float, int, Hashable, float]] = []
+        self._idle_n = itertools.count()
+        # entries that came due while their program had a turn waiting: back in the heap when the waiter leaves
+        self._idle_waiting: dict[Hashable, tuple[float, int, Hashable, float]] = {}
         self._ticket_sid: dict[Hashable, Hashable] = {}
         self._queue: dict[Hashable, _Waiter] = {}
         self._from_queue: set[Hashable] = set()
@@ -302,6 +311,7 @@ class ProgramCoordinator:
             del self._programs[p.sid]
             self._count("programs_ended", now)
             return
+        self._idle_from(p, now)
         if p.marked:
             self._pause(p, now)
         else:
@@ -312,8 +322,12 @@ class ProgramCoordinator:
     def cancel(self, ticket: Hashable, now: float) -> bool:
         """The waiter for ``ticket`` left before it used its decision: removes it from the queue, or releases a
         grant racing with it (and restores the program as it was). True if something was removed. Call pump."""
-        if self._queue.pop(ticket, None) is not None:
+        w = self._queue.pop(ticket, None)
+        if w is not None:
             self._ticket_sid.pop(ticket, None)
+            e = self._idle_waiting.pop(w.sid, None)
+            if e is not None:  # due while it waited: its program ends at the next expiry unless a turn waits still
+                heapq.heappush(self._idle, e)
             self._count("cancelled", now)
             return True
         if ticket in self._from_queue:
@@ -338,6 +352,7 @@ class ProgramCoordinator:
         p = _Program(session_id, self.ledger.resolve_place(place), ProgramState.PAUSED, float(now),
                      resident=max(0, int(resident)))
         self._programs[session_id] = p
+        self._idle_from(p, p.since)
         return True
 
     def forget(self, session_id: Hashable, now: float) -> None:
@@ -346,6 +361,7 @@ class ProgramCoordinator:
         p = self._programs.get(session_id)
         if p is None:
             return
+        self._idle_waiting.pop(session_id, None)
         self.ledger.unhold(session_id)
         if p.inflight:
             p.marked = False
@@ -386,6 +402,8 @@ class ProgramCoordinator:
         p.state = ProgramState.PAUSED
         p.marked = False
         p.since = now
+        if not p.inflight:
+            self._idle_from(p, now)
         lab = self._label(p.place)
         self.pauses[lab] = self.pauses.get(lab, 0) + 1
         self._count("pause", now)
@@ -432,19 +450,47 @@ class ProgramCoordinator:
 
     def _leave(self, w: _Waiter, kind: Kind, lease, waited: float, now: float) -> Decision:
         del self._queue[w.ticket]
+        self._idle_waiting.pop(w.sid, None)  # its turn starts: the entry is stale
         if lease is not None:
             self._from_queue.add(w.ticket)
         self._start_turn(w.sid, w.ticket, w.place, w.tokens, w.prompt_tokens, w.blocks, now, resumed=w.resume)
         return self._record(Decision(w.ticket, kind, w.tokens, waited, True, lease, w.reason), now)
 
+    def _idle_from(self, p: _Program, since: float) -> None:
+        """``p`` has no turn in flight since ``since`` (its ``since``): it ends ``program_ttl_s`` later unless a
+        turn starts (an entry whose program has moved on is stale and skipped)."""
+        heapq.heappush(self._idle, (since + self.program_ttl_s, next(self._idle_n), p.sid, since))
+        if len(self._idle) > 2 * len(self._programs) + 64:  # mostly stale: keep the current entries only
+            self._idle = [e for e in self._idle if self._idle_current(e)]
+            heapq.heapify(self._idle)
+
+    def _idle_current(self, e: tuple[float, int, Hashable, float]) -> bool:
+        p = self._programs.get(e[2])
+        return p is not None and not p.inflight and p.since == e[3]
+
     def _expire(self, now: float) -> None:
+        """End expired leases' turns, and end programs idle for program_ttl_s (not those with a turn waiting:
+        theirs is looked at again when the waiter leaves). O(expired) per call, not O(programs)."""
         for t in self.ledger.expire(now):
             self._from_queue.discard(t)
             self._end_turn(t, now, None, cancelled=False)
-        waiting = {w.sid for w in self._queue.values()}
-        for sid, p in list(self._programs.items()):
-            if not p.inflight and sid not in waiting and now - p.since >= self.program_ttl_s:
-                self.forget(sid, now)
+        idle = self._idle
+        waiting: set | None = None
+        again = []
+        while idle and idle[0][0] <= now:
+            e = heapq.heappop(idle)
+            if not self._idle_current(e):
+                continue
+            if waiting is None:
+                waiting = {w.sid for w in self._queue.values()}
+            if e[2] in waiting:
+                self._idle_waiting[e[2]] = e
+            elif now - e[3] >= self.program_ttl_s:
+                self.forget(e[2], now)
+            else:  # within a rounding error of the boundary: look again at the exact deadline
+                again.append((e[3] + self.program_ttl_s + 1e-9 * max(1.0, abs(e[3])), next(self._idle_n), e[2], e[3]))
+        for e in again:
+            heapq.heappush(idle, e)
 
     def reconcile(self, snapshot: ClusterSnapshot, now: float) -> list[Decision]:
         """Install a capacity snapshot, pause where a place now overflows, and return pump(now)."""
@@ -489,9 +535,11 @@ class ProgramCoordinator:
         exp = self.ledger.next_expiry()
         if exp is not None:
             cands.append(exp)
-        idle = [p.since + self.program_ttl_s for p in self._programs.values() if not p.inflight]
+        idle = self._idle
+        while idle and not self._idle_current(idle[0]):
+            heapq.heappop(idle)
         if idle:
-            cands.append(min(idle))
+            cands.append(idle[0][0])
         return max(now, min(cands)) if cands else None
 
     def program_states(self) -> dict[str, dict[str, int]]:

@@ -2,7 +2,7 @@
 
 Chain: wrk (load generator, C) -> [kvgate] -> smg -> nginx answering fixed SGLang /generate JSON or SSE. Arms:
 direct (wrk -> nginx), smg, and one kvgate process per feature set (off, lifecycle, lifecycle + admission, and
-session placement when this kvgate has it), all started once and measured in interleaved rounds (the arm order
+with kvgate placing sessions, lifecycle with and without admission, when this kvgate has it), all started once and measured in interleaved rounds (the arm order
 rotates each round). Per round and request shape: p50 latency at one connection (wrk --latency), and for the
 throughput shapes the max req/s at many connections plus the proxy process group's CPU per request
 (/proc/<pid>/stat utime + stime). Writes DIR/proxy-bench.json and DIR/proxy-bench.md (kvgate/bench/proxy_report.py).
@@ -24,7 +24,7 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
-from kvgate.bench.proxy_report import DIRECT, SMG, Sample, markdown, summarise
+from kvgate.bench.proxy_report import DIRECT, PLACING, SMG, Sample, markdown, summarise
 from kvgate.tools import procs
 
 #: The stand-in engine's capacity (tokens): large enough that admission never holds a benchmark request.
@@ -37,7 +37,8 @@ SHAPE_TOKENS = {"small": 16, "8k": 8192, "64k": 65536, "sse": 16}
 #: and re-serialises the body, so the stand-in cannot read "stream" from it).
 SSE_REQUEST_ID = "sse-bench"
 
-ALL_ARMS = ("direct", "smg", "kvgate-off", "lifecycle", "lifecycle+admission", "placement", "kvgate-nosmg")
+ALL_ARMS = ("direct", "smg", "kvgate-off", "lifecycle", "lifecycle+admission", "placement", "placement+admission",
+            "kvgate-nosmg")
 # The lifecycle arms keep smg on the path (session_placement router): with the default (auto) kvgate itself
 # places /generate sessions behind a router that drops session_id, which is the placement arm.
 KVGATE_FLAGS = {
@@ -46,6 +47,10 @@ KVGATE_FLAGS = {
     "lifecycle+admission": ["--agentic-session-lifecycle", "--agentic-program-admission",
                             "--admission-poll-interval-s", "0.5", "--session-placement", "router"],
     "placement": ["--agentic-session-lifecycle", "--session-placement", "kvgate"],
+    # both features with kvgate placing sessions: what `agentic_session_lifecycle` + admission give by default
+    # for /generate behind a router that drops session_id (session_placement auto)
+    "placement+admission": ["--agentic-session-lifecycle", "--agentic-program-admission",
+                            "--admission-poll-interval-s", "0.5", "--session-placement", "kvgate"],
     # features off, in front of the stand-in itself: kvgate's own hop without smg's (smg's SSE path stalls a
     # keep-alive client like wrk for a delayed ACK, ~40 ms a stream; kvgate's client to smg does not)
     "kvgate-nosmg": ["--no-compat-probe"],
@@ -260,16 +265,17 @@ def run(args: argparse.Namespace) -> int:
     if getattr(args, "sessions", 0):
         return _run_sessions(args)
     arms = [a for a in ALL_ARMS if a in (DIRECT, SMG) or a in args.arms]
-    if "placement" in arms and not _placement_available():
-        print("kvgate bench-proxy: this kvgate has no session_placement key; the placement arm is left out",
+    placing = [a for a in arms if a in PLACING]
+    if placing and not _placement_available():
+        print("kvgate bench-proxy: this kvgate has no session_placement key; the placement arms are left out",
               file=sys.stderr)
-        arms.remove("placement")
+        arms = [a for a in arms if a not in placing]
     baseline = getattr(args, "baseline", None)
     if baseline:
         if not Path(baseline, "kvgate", "__init__.py").exists():
             print(f"kvgate bench-proxy: --baseline: {baseline} has no kvgate package", file=sys.stderr)
             return 2
-        arms += [f"{a}@base" for a in arms if a not in (DIRECT, SMG, "placement", "kvgate-nosmg")]
+        arms += [f"{a}@base" for a in arms if a not in (DIRECT, SMG, *PLACING, "kvgate-nosmg")]
     workers = sorted(set(getattr(args, "workers", None) or []))
     if any(n < 1 for n in workers):
         print("kvgate bench-proxy: --workers must be >= 1", file=sys.stderr)

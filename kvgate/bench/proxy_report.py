@@ -3,7 +3,8 @@
 Input: one record per (round, arm, shape, mode) measured by ``kvgate bench-proxy`` (kvgate/bench/proxy_bench.py).
 Added latency of a hop = its arm's p50 minus the p50 of the arm it sits in front of, in the same round: smg
 adds p50(smg) - p50(direct); a kvgate arm adds p50(kvgate arm) - p50(smg) (``kvgate-nosmg`` talks to the stand-in
-directly: it adds p50(kvgate-nosmg) - p50(direct)). The reported figure is the median over rounds of those
+directly: it adds p50(kvgate-nosmg) - p50(direct); so do the placing arms, whose kvgate sends /generate to the
+engine itself, taking smg's place). The reported figure is the median over rounds of those
 per-round differences, so a noisy round moves one sample, not the whole comparison. Ratios divide a kvgate arm's
 added latency by smg's. CPU per request (the proxy process group's user + system time over the requests it
 relayed) is reported for the latency runs too: on a shared machine it is the steadier measure of a hop's work.
@@ -20,7 +21,10 @@ from typing import Any, Iterable, Mapping
 #: kvgate arm to a kvgate in front of smg.
 DIRECT, SMG = "direct", "smg"
 NOSMG = "kvgate-nosmg"
-KVGATE_ARMS = ("kvgate-off", "lifecycle", "lifecycle+admission", "placement", NOSMG)
+#: Arms where kvgate places /generate sessions itself and sends them to the engine: smg is not on their path,
+#: so their hop replaces smg's and is compared with it (added over direct).
+PLACING = ("placement", "placement+admission")
+KVGATE_ARMS = ("kvgate-off", "lifecycle", "lifecycle+admission", *PLACING, NOSMG)
 ARM_ORDER = (DIRECT, SMG, *KVGATE_ARMS)
 SHAPE_ORDER = ("small", "8k", "64k", "sse")
 SHAPE_TITLES = {"small": "small /generate", "8k": "8K-token /generate", "64k": "64K-token /generate",
@@ -75,11 +79,12 @@ def base_arm(arm: str) -> str:
 
 
 def front_of(arm: str) -> str | None:
-    """The arm whose p50 ``arm``'s hop adds to: direct for smg and kvgate-nosmg (and its variants), smg for the
-    other kvgate arms."""
+    """The arm whose p50 ``arm``'s hop adds to: direct for smg, kvgate-nosmg and the arms where kvgate places
+    sessions (smg is not on their path; their hop takes the place of smg's), smg for the other kvgate arms
+    (and for every arm, its ``@base`` and ``-wN`` variants alike)."""
     if arm == DIRECT:
         return None
-    return DIRECT if arm == SMG or base_arm(arm) == NOSMG else SMG
+    return DIRECT if arm == SMG or base_arm(arm) in (NOSMG, *PLACING) else SMG
 
 
 def _median(values: Iterable[float | None]) -> float | None:
@@ -221,4 +226,7 @@ def markdown(summary: Summary, meta: Mapping[str, Any] | None = None) -> str:
     lines.append("Direct to the upstream stand-in, p50: " + ", ".join(f"{s} {_us(v)}" for s, v in direct.items())
                  + (f"; direct max req/s {summary.rps['small'].get(DIRECT, 0):,.0f}" if "small" in summary.rps else ""))
     lines.append(f"Medians over {summary.rounds} interleaved rounds; load-generator errors: {summary.errors}.")
+    if any(base_arm(a) in PLACING for a in arms):
+        lines.append("The placing arms (kvgate places /generate sessions and sends them to the engine; smg is not on "
+                     "their path) add their p50 over direct: their hop replaces smg's, so their ratio compares the two.")
     return "\n".join(lines) + "\n"
