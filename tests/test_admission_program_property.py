@@ -2,6 +2,8 @@
 keep the ledger consistent (reserved >= 0, one lease per forwarded turn), bring reserved back to 0 when every
 lease ends and every program is gone, and never leave a turn waiting past max_wait_s after a pump."""
 
+from collections import Counter
+
 from hypothesis import settings, strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
@@ -119,6 +121,10 @@ class ProgramMachine(RuleBasedStateMachine):
         assert self.lg.reserved >= 0
         assert self.lg.lease_count == len(self.held)
         assert set(self.co.waiting_tickets()) == set(self.waiting)
+        # the per-place waiter counts the pump and the FIFO rule read agree with the queue itself
+        q = list(self.co._queue.values())
+        assert self.co._waiting_on == dict(Counter(w.place for w in q))
+        assert self.co._resuming_on == dict(Counter(w.place for w in q if w.resume))
         for prog in set(self.held.values()):
             assert self.co.state_of(f"p{prog}") in (ProgramState.LIVE, None)
 

@@ -42,7 +42,7 @@ import heapq
 import itertools
 from dataclasses import dataclass, field
 from collections.abc import Mapping
-from typing import Any, Hashable
+from typing import Any, Hashable, Iterator
 
 from .capacity import ClusterSnapshot
 from .coordinator import Decision, DecisionTally, Kind
@@ -135,7 +135,9 @@ class ProgramCoordinator:
         # entries that came due while their program had a turn waiting: back in the heap when the waiter leaves
         self._idle_waiting: dict[Hashable, tuple[float, int, Hashable, float]] = {}
         self._ticket_sid: dict[Hashable, Hashable] = {}
-        self._queue: dict[Hashable, _Waiter] = {}
+        self._queue: dict[Hashable, _Waiter] = {}  # in arrival order (each waiter joins once, at the end)
+        self._waiting_on: dict[Any, int] = {}   # place -> waiters on it
+        self._resuming_on: dict[Any, int] = {}  # place -> paused programs' turns waiting on it
         self._from_queue: set[Hashable] = set()
         self._seq = itertools.count(1)
         self._actions: list[Action] = []
@@ -220,15 +222,27 @@ class ProgramCoordinator:
             w.reason = r.reason
         else:
             w.reason = "paused-first" if not resume else "fifo"
-        self._queue[ticket] = w
+        self._join(w)
         return self._record(Decision(ticket, Kind.WAIT, tokens, 0.0, True, None, w.reason), now)
 
     def _blocked(self, w: _Waiter) -> bool:
         """An earlier waiter on the same place goes first (resumes before new programs)."""
-        for o in self._queue.values():
-            if o.ticket != w.ticket and o.place == w.place and (o.resume or not w.resume):
-                return True
-        return False
+        return bool((self._resuming_on if w.resume else self._waiting_on).get(w.place))
+
+    def _join(self, w: _Waiter) -> None:
+        self._queue[w.ticket] = w
+        self._waiting_on[w.place] = self._waiting_on.get(w.place, 0) + 1
+        if w.resume:
+            self._resuming_on[w.place] = self._resuming_on.get(w.place, 0) + 1
+
+    def _drop(self, w: _Waiter) -> None:
+        del self._queue[w.ticket]
+        for counts in (self._waiting_on, self._resuming_on) if w.resume else (self._waiting_on,):
+            n = counts[w.place] - 1
+            if n:
+                counts[w.place] = n
+            else:
+                del counts[w.place]
 
     def _corrected(self, p: _Program | None, tokens: int, prompt: int) -> tuple[int, int]:
         """Scale the prompt part by what the engine reported for this program's last turn (text estimates are
@@ -322,8 +336,9 @@ class ProgramCoordinator:
     def cancel(self, ticket: Hashable, now: float) -> bool:
         """The waiter for ``ticket`` left before it used its decision: removes it from the queue, or releases a
         grant racing with it (and restores the program as it was). True if something was removed. Call pump."""
-        w = self._queue.pop(ticket, None)
+        w = self._queue.get(ticket)
         if w is not None:
+            self._drop(w)
             self._ticket_sid.pop(ticket, None)
             e = self._idle_waiting.pop(w.sid, None)
             if e is not None:  # due while it waited: its program ends at the next expiry unless a turn waits still
@@ -416,22 +431,32 @@ class ProgramCoordinator:
         """Decide for waiting turns at ``now``; returns decisions for those that leave. Ages first (waited >=
         max_wait_s -> BYPASS_AGED, reserving), degraded -> all BYPASS_DEGRADED, then per place: paused programs'
         turns (resume order), then new programs in arrival order, while they fit; a place stops at its first
-        turn that does not fit."""
+        turn that does not fit.
+
+        The queue is in arrival order and the clock is monotonic, so the aged waiters are at its front, and the
+        pass over the rest ends once every place with waiters has stopped: with thousands waiting, a pump reads
+        about as many waiters as leave, plus one per place."""
         self._expire(now)
         out: list[Decision] = []
-        degraded = self.ledger.is_degraded(now)
-        for w in sorted(self._queue.values(), key=lambda w: w.seq):
-            waited = max(0.0, now - w.enqueued_at)
-            if degraded:
-                out.append(self._leave(w, Kind.BYPASS_DEGRADED, None, waited, now))
-            elif waited >= self.max_wait_s:
-                g = self.ledger.try_acquire(w.ticket, w.tokens, now, place=w.place, blocks=w.blocks, force=True)
-                out.append(self._leave(w, Kind.BYPASS_AGED, g.lease, waited, now))
-                self._relieve(w.place, now)
-        if degraded:
+        if not self._queue:
             return out
+        if self.ledger.is_degraded(now):
+            for w in list(self._queue.values()):
+                out.append(self._leave(w, Kind.BYPASS_DEGRADED, None, max(0.0, now - w.enqueued_at), now))
+            return out
+        while self._queue:
+            w = next(iter(self._queue.values()))
+            waited = max(0.0, now - w.enqueued_at)
+            if waited < self.max_wait_s:
+                break
+            g = self.ledger.try_acquire(w.ticket, w.tokens, now, place=w.place, blocks=w.blocks, force=True)
+            out.append(self._leave(w, Kind.BYPASS_AGED, g.lease, waited, now))
+            self._relieve(w.place, now)
         stopped: set[Any] = set()
+        places = len(self._waiting_on)
         for w in self._ordered():
+            if len(stopped) >= places:
+                break
             if w.place in stopped:
                 continue
             r = self.ledger.try_acquire(w.ticket, w.tokens, now, place=w.place, blocks=w.blocks)
@@ -442,14 +467,18 @@ class ProgramCoordinator:
                 stopped.add(w.place)
         return out
 
-    def _ordered(self) -> list[_Waiter]:
-        res = [w for w in self._queue.values() if w.resume]
-        new = sorted((w for w in self._queue.values() if not w.resume), key=lambda w: w.seq)
-        res.sort(key=(lambda w: (w.tokens, w.seq)) if self.resume == "smallest" else (lambda w: w.seq))
-        return res + new
+    def _ordered(self) -> Iterator[_Waiter]:
+        """Paused programs' turns (resume order), then new programs' in arrival order; safe to leave from."""
+        if self._resuming_on:
+            res = [w for w in self._queue.values() if w.resume]
+            res.sort(key=(lambda w: (w.tokens, w.seq)) if self.resume == "smallest" else (lambda w: w.seq))
+            yield from res
+        for w in list(self._queue.values()):
+            if not w.resume:
+                yield w
 
     def _leave(self, w: _Waiter, kind: Kind, lease, waited: float, now: float) -> Decision:
-        del self._queue[w.ticket]
+        self._drop(w)
         self._idle_waiting.pop(w.sid, None)  # its turn starts: the entry is stale
         if lease is not None:
             self._from_queue.add(w.ticket)
@@ -528,7 +557,8 @@ class ProgramCoordinator:
         waits, a lease expiry, a program's TTL."""
         cands: list[float] = []
         if self._queue:
-            cands.append(min(w.enqueued_at for w in self._queue.values()) + self.max_wait_s)
+            # the queue is in arrival order (monotonic clock): its first waiter ages first
+            cands.append(next(iter(self._queue.values())).enqueued_at + self.max_wait_s)
             stale = self.ledger.degraded_at()
             if stale is not None:
                 cands.append(stale)
