@@ -141,9 +141,11 @@ async def _timer_asleep(g, until=None):
     raise AssertionError(f"the admission timer never slept to {until}: {g._sleep_until}")
 
 
-async def test_a_fifo_release_that_hands_nothing_out_leaves_the_timer_asleep():
-    """The timer is woken by a release only when a deadline may have come sooner: fifo, it sleeps to the
-    earliest lease expiry and a plain release leaves it there; the program policy always wakes it."""
+async def test_a_release_wakes_the_timer_only_for_a_deadline_sooner_than_its_own():
+    """The timer is woken by a release only when a deadline now comes before the one it sleeps to: a lease
+    granted while it slept with none (grants do not wake it), or, with the program policy, a session's program
+    going idle (its end after admission_program_ttl_s). A release that leaves nothing to watch wakes nobody:
+    at one request at a time, no timer wake-up per request."""
     import math
 
     import orjson
@@ -152,20 +154,38 @@ async def test_a_fifo_release_that_hands_nothing_out_leaves_the_timer_asleep():
     from kvgate.proxy.classify import classify
 
     raw = orjson.dumps({"input_ids": [1] * 16, "sampling_params": {"max_new_tokens": 16}})
-    for policy, kicked in (("fifo", False), ("program", True)):
+
+    def req(sid=None):
+        return RequestInfo(classify("POST", "/generate", raw), {}, sid)
+
+    for policy in ("fifo", "program"):
         g = _gate(policy)
         g.reconcile(ClusterSnapshot.build({"http://e0": EngineCapacity.from_pools([(1_000_000, 0, 0.0)])}, 0.0))
         await g.start()
         try:
             await _timer_asleep(g)
             assert g._sleep_until == math.inf  # nothing held: no deadline
-            t1 = await g.acquire(RequestInfo(classify("POST", "/generate", raw), {}, None))
-            t2 = await g.acquire(RequestInfo(classify("POST", "/generate", raw), {}, None))
+            t = await g.acquire(req())
+            g.release(t)
+            assert not g._kick.is_set()  # nothing left to watch
+            t1, t2 = await g.acquire(req()), await g.acquire(req())
             assert t1.decision == t2.decision == "admit"
             g.release(t1)
             assert g._kick.is_set()  # it slept with no deadline: woken, so t2's expiry is watched
             await _timer_asleep(g, until=g.cfg.admission_lease_ttl_s)  # t2's expiry (clock 0)
             g.release(t2)
-            assert g._kick.is_set() is kicked
+            assert not g._kick.is_set()
+        finally:
+            await g.stop()
+        g = _gate(policy)
+        g.reconcile(ClusterSnapshot.build({"http://e0": EngineCapacity.from_pools([(1_000_000, 0, 0.0)])}, 0.0))
+        await g.start()
+        try:
+            await _timer_asleep(g)
+            g.release(await g.acquire(req("a")))
+            # the program policy: session a's program is idle now, and ends after the TTL unless a turn comes
+            assert g._kick.is_set() is (policy == "program")
+            if policy == "program":
+                await _timer_asleep(g, until=g.cfg.admission_program_ttl_s)
         finally:
             await g.stop()

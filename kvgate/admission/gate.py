@@ -280,12 +280,13 @@ class AdmissionGate:
             held = self._shared_held.pop(ticket.handle, None)
             if held is not None:
                 self.shared.lease_release(*held)
-            out = self.coord.release(ticket.handle, self.clock(), observed)
-            # fifo: a release that hands nothing out only removes leases, so no deadline comes sooner and the
-            # timer (which wakes at its own deadline anyway) need not be woken per request. It is still woken
-            # when it sleeps with no deadline, so a lease granted since gets its expiry watched. The program
-            # policy's release can start a program's idle deadline: always woken.
-            self.dispatch(out, kick=bool(out) or self.policy == "program" or self._sleep_until == math.inf)
+            now = self.clock()
+            out = self.coord.release(ticket.handle, now, observed)
+            # The timer is woken only when a deadline now comes before the one it sleeps until: a lease granted
+            # since it went to sleep (grants do not wake it), a program's idle end (the program policy). A
+            # release that frees the last lease leaves nothing to watch: no wake-up per request.
+            nxt = self.coord.next_deadline(now)
+            self.dispatch(out, kick=bool(out) or (nxt is not None and nxt < self._sleep_until))
 
     def forget(self, session_id: str) -> None:
         """The client ended ``session_id``: its program (and resident KV) ends."""

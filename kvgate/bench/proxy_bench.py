@@ -275,7 +275,10 @@ def run(args: argparse.Namespace) -> int:
         if not Path(baseline, "kvgate", "__init__.py").exists():
             print(f"kvgate bench-proxy: --baseline: {baseline} has no kvgate package", file=sys.stderr)
             return 2
-        arms += [f"{a}@base" for a in arms if a not in (DIRECT, SMG, *PLACING, "kvgate-nosmg")]
+        # a baseline tree from before kvgate placed sessions has no placing arms
+        base_places = '"session_placement"' in Path(baseline, "kvgate", "config.py").read_text(errors="replace")
+        arms += [f"{a}@base" for a in arms if a not in (DIRECT, SMG, "kvgate-nosmg")
+                 and (a not in PLACING or base_places)]
     workers = sorted(set(getattr(args, "workers", None) or []))
     if any(n < 1 for n in workers):
         print("kvgate bench-proxy: --workers must be >= 1", file=sys.stderr)
