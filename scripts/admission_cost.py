@@ -1,14 +1,16 @@
 """What admission costs one request in kvgate's process: acquire + release of a small /generate, in process.
 
 No network: a gate (the policy chosen) over a fixed snapshot of ENGINES engines with room to spare, fed the
-same parsed request body that kvgate's handler gives it, each request a session of PROGRAMS (cycled) placed on an engine
-(as kvgate's session placement does), released with the meta_info an answer carries. Prints the CPU time per
-acquire + release pair (process time / pairs, microseconds), best of REPEAT runs.
+same parsed request body that kvgate's handler gives it, each request one of PROGRAMS sessions (cycled), placed on
+an engine (as kvgate's session placement does), released with the meta_info an answer carries. Prints the CPU time per
+acquire + release pair (process time / pairs, microseconds), best of REPEAT runs; --inflight N holds N other
+requests' leases meanwhile.
 
 With --waiters N: the coordinator alone, N turns of new programs waiting (the engines full of running turns),
 and the CPU time of one pump, the call every release, arrival and timer tick makes while they wait.
 
-    .venv/bin/python scripts/admission_cost.py [--pairs 20000] [--repeat 5] [--policy fifo program] [--programs 512 4096] [--waiters 10000]
+    .venv/bin/python scripts/admission_cost.py [--pairs 20000] [--repeat 5] [--policy fifo program]
+        [--programs 512 4096] [--inflight 2000] [--waiters 10000]
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ CAPACITY = 1_000_000  # tokens per engine: nothing waits
 META = {"prompt_tokens": 16, "completion_tokens": 16, "cached_tokens": 0}
 
 
-async def _run(policy: str, pairs: int, programs: int) -> float:
+async def _run(policy: str, pairs: int, programs: int, inflight: int = 0) -> float:
     cfg = validate({"agentic_program_admission": True, "admission_policy": policy})
     urls = [f"http://127.0.0.1:{30000 + i}" for i in range(ENGINES)]
     gate = AdmissionGate(cfg, Metrics(), engine_of=lambda sid: (urls[hash(sid) % ENGINES], None))
@@ -40,11 +42,14 @@ async def _run(policy: str, pairs: int, programs: int) -> float:
     raw = orjson.dumps({"input_ids": list(range(16)), "sampling_params": {"max_new_tokens": 16}})
     sessions = [f"s{i}" for i in range(programs)]
     c = classify("POST", "/generate", raw)
+    held = [await gate.acquire(RequestInfo(c, {}, f"held{i}")) for i in range(inflight)]  # requests in flight
     t0 = time.process_time()
     for i in range(pairs):
         ticket = await gate.acquire(RequestInfo(c, {}, sessions[i % programs]))
         gate.release(ticket, META)
     took = time.process_time() - t0
+    for t in held:
+        gate.release(t, META)
     return took / pairs * 1e6
 
 
@@ -76,6 +81,7 @@ def main() -> None:
     ap.add_argument("--programs", type=int, nargs="+", default=[512],
                     help="distinct sessions the requests cycle through (live agent programs)")
     ap.add_argument("--policy", nargs="+", default=["fifo", "program"], choices=["fifo", "program"])
+    ap.add_argument("--inflight", type=int, default=0, help="requests held in flight while the pairs run")
     ap.add_argument("--waiters", type=int, nargs="*", default=[],
                     help="also time one pump with this many turns waiting")
     args = ap.parse_args()
@@ -85,8 +91,8 @@ def main() -> None:
             print(f"{policy}, {n} waiting: {best:.0f} us CPU per pump (best of {args.repeat})")
     for policy in args.policy:
         for n in args.programs:
-            best = min(asyncio.run(_run(policy, args.pairs, n)) for _ in range(args.repeat))
-            print(f"{policy}, {n} programs: {best:.1f} us CPU per acquire + release "
+            best = min(asyncio.run(_run(policy, args.pairs, n, args.inflight)) for _ in range(args.repeat))
+            print(f"{policy}, {n} programs, {args.inflight} in flight: {best:.1f} us CPU per acquire + release "
                   f"({args.pairs} pairs, best of {args.repeat})")
 
 

@@ -150,10 +150,13 @@ def test_ttl_reclaims_stranded_leases():
     assert lg.next_expiry() == 100.0
     assert lg.expire(99.999) == []
     assert lg.expire(100.0) == ["a"]
+    assert lg.next_expiry() == 150.0  # exact again after expire()
     assert lg.reserved == 2000 and lg.lease_expired_total == 1
     assert lg.release("a", 100.0) == 0  # late release of a reclaimed lease is a no-op
     assert lg.renew("b", 120.0)
+    assert lg.next_expiry() == 150.0  # a lower bound (renewed to 220): the timer wakes, finds none, looks again
     assert lg.expire(150.0) == []
+    assert lg.next_expiry() == 220.0
     assert lg.expire(220.0) == ["b"]
     assert lg.reserved == 0 and lg.lease_expired_total == 2 and lg.lease_count == 0
     assert not lg.renew("b", 230.0)

@@ -414,8 +414,9 @@ class Ledger:
         return gone
 
     def next_expiry(self) -> float | None:
-        """Earliest lease expires_at (seconds), or None without leases."""
-        return min((lease.expires_at for lease in self._leases.values()), default=None)
+        """When expire() may next reclaim a lease (seconds): a lower bound on every lease's expires_at, exact
+        after expire() ran; None without leases. O(1): the admission timer asks on every release."""
+        return self._expiry_floor if self._leases else None
 
     # ---------------------------------------------------------------- figures
     @property
