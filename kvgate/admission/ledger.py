@@ -319,7 +319,8 @@ class Ledger:
             return self._ceiling
         c = self._ceilings.get(place)
         if c is None:
-            c = self._ceilings[place] = int(math.floor((self._capacity_of(place) + self._host_of(place)) * self.headroom))
+            room = self._capacity_of(place) + self._host_of(place)
+            c = self._ceilings[place] = int(math.floor(room * self.headroom))
         return c
 
     def max_tokens(self, place: Any) -> int:

@@ -2,8 +2,8 @@
 
 Chain: wrk (load generator, C) -> [kvgate] -> smg -> nginx answering fixed SGLang /generate JSON or SSE. Arms:
 direct (wrk -> nginx), smg, and one kvgate process per feature set (off, lifecycle, lifecycle + admission, and
-with kvgate placing sessions, lifecycle with and without admission, when this kvgate has it), all started once and measured in interleaved rounds (the arm order
-rotates each round). Per round and request shape: p50 latency at one connection (wrk --latency), and for the
+with kvgate placing sessions, lifecycle with and without admission, when this kvgate has it), all started once
+and measured in interleaved rounds (the arm order rotates each round). Per round and request shape: p50 latency at one connection (wrk --latency), and for the
 throughput shapes the max req/s at many connections plus the proxy process group's CPU per request
 (/proc/<pid>/stat utime + stime). Writes DIR/proxy-bench.json and DIR/proxy-bench.md (kvgate/bench/proxy_report.py).
 
