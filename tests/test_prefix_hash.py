@@ -109,3 +109,51 @@ def test_holdings_count_each_block_once_per_place(ops):
         for p in (None, "e0", "e1"):
             assert h.total(p) == total(p)
     assert h.grand_total() == sum(total(p) for p in (None, "e0", "e1"))
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.one_of(_ids, _big_ids), st.integers(1, 4))
+def test_placement_keys_of_an_id_list_are_the_chain_inference_indexes(ids, block):
+    """Placement hashes an id list as it is (first and last items checked), not copied and checked item by
+    item: for every id list its keys are the chain inference indexes over the checked copy."""
+    from kvgate.sessions.inference import _SEED, TOKENS, _chain, _normalize
+    norm = _normalize(ids)
+    want = [] if norm is None else _chain(norm[0], block, _SEED[TOKENS], 0, len(ids) // block)[1:]
+    assert prefix_keys(ids, block, block) == prefix_keys(tuple(ids), block, block) == want
+
+
+def test_placement_keys_of_odd_lists():
+    assert prefix_keys([], 2, 2) == [] and prefix_keys(["a", 1], 2, 2) == [] and prefix_keys([1, 2.5], 2, 2) == []
+    assert prefix_keys([True, 1], 2, 2) == []          # a bool is not a token id
+    assert prefix_keys([1, [2], 3, 4], 2, 2) == []     # unhashable inside: no fingerprint, no exception
+    assert len(prefix_keys([1, "x", 3, 4], 2, 2)) == 2  # odd values inside: keys all the same (SGLang refuses it)
+
+
+def test_one_request_hashes_its_prompt_once_for_admission_and_placement(monkeypatch):
+    """Admission's prefix blocks and placement's prefix keys chain the same block hashes from different
+    starts: with the request's BlockDigests the prompt is hashed once, and the keys are those computed alone.
+    Another prompt, or the same request's body parsed again after a wait, is hashed anew."""
+    import orjson
+
+    from kvgate.admission.reservation import estimate_request
+    from kvgate.common import prefix_hash
+    from kvgate.proxy.classify import classify
+
+    calls = []
+    real = prefix_hash._digests
+    monkeypatch.setattr(prefix_hash, "_digests", lambda *a: calls.append(a[1:]) or real(*a))
+    raw = orjson.dumps({"input_ids": list(range(1000)), "sampling_params": {"max_new_tokens": 8}})
+    c = classify("POST", "/generate", raw)
+    res = estimate_request(c.path, c.body, expected_decode_cap=64, block_tokens=64, memo=c.block_digests())
+    keys = prefix_keys(c.body["input_ids"], 64, 256, memo=c.block_digests())
+    assert len(calls) == 1 and len(res.blocks) == len(keys) == 15
+    alone = (estimate_request(c.path, c.body, expected_decode_cap=64, block_tokens=64).blocks,
+             prefix_keys(c.body["input_ids"], 64, 256))
+    assert (res.blocks, keys) == alone and len(calls) == 3
+    assert prefix_keys(list(range(1000)), 64, 256, memo=c.block_digests()) == keys and len(calls) == 4  # another list
+    c.release_body()  # a waiter drops its parsed body, and the hashes that hold it
+    assert prefix_keys(c.body["input_ids"], 64, 256, memo=c.block_digests()) == keys and len(calls) == 5
+    memo = prefix_hash.BlockDigests()  # fewer blocks of the same prompt: read from the longer run
+    ids = list(range(1000))
+    full = prefix_hash.chain(ids, 64, 7, 0, None, memo)
+    assert prefix_hash.chain(ids, 64, 7, 0, 5, memo) == full[:6] and len(calls) == 6

@@ -126,7 +126,7 @@ class AdmissionGate:
         protected, in_scope = classify_scope(c.path, info.headers, c.body, self.rules)
         if not in_scope:
             return Ticket(ADMISSION_OFF, headers=list(OFF_HEADERS))
-        res = estimate_request(c.path, c.body, tokenizer=self.tokenizer, **self._estimate_args)
+        res = estimate_request(c.path, c.body, tokenizer=self.tokenizer, memo=c.block_digests(), **self._estimate_args)
         ticket = next(self._ids)
         paused = (self.shared is not None and self.policy == "program" and info.session_id is not None
                   and await self._shared_paused(info.session_id))

@@ -232,13 +232,14 @@ class Reservation:
 
 
 def prefix_blocks(key: list[int] | str | None, block_tokens: int, chars_per_token: float = DEFAULT_CHARS_PER_TOKEN,
-                  max_blocks: int | None = None) -> tuple[int, ...]:
+                  max_blocks: int | None = None, memo: prefix_hash.BlockDigests | None = None) -> tuple[int, ...]:
     """Chained hashes of the whole leading blocks of a prompt.
 
     ``key``: token ids (a block is ``block_tokens`` ids) or text (a block is round(block_tokens x
     chars_per_token) characters, the same rate the token estimate uses). At most ``max_blocks`` blocks.
     One C hash per block (kvgate.common.prefix_hash.chain): a 64K-token prompt is 1,024 steps. In-process
-    keys (text uses Python's randomised str hash): they are never stored or sent anywhere.
+    keys (text uses Python's randomised str hash): they are never stored or sent anywhere. ``memo``: the
+    request's block hashes (prefix_hash.BlockDigests), shared with placement's prefix keys.
     """
     if not key or block_tokens <= 0:
         return ()
@@ -250,7 +251,7 @@ def prefix_blocks(key: list[int] | str | None, block_tokens: int, chars_per_toke
     if n <= 0:
         return ()
     try:
-        return tuple(prefix_hash.chain(key, step, _BLOCK_SEED[text], 0, n)[1:])
+        return tuple(prefix_hash.chain(key, step, _BLOCK_SEED[text], 0, n, memo)[1:])
     except TypeError:  # an unhashable item in an odd prompt: no blocks, the reservation stands as is
         return ()
 
@@ -282,6 +283,7 @@ def estimate_request(
     tokenizer: TokenCounter | None = None,
     context_length: int | None = None,
     block_tokens: int = DEFAULT_BLOCK_TOKENS,
+    memo: prefix_hash.BlockDigests | None = None,
 ) -> Reservation:
     """The :class:`Reservation` of one request.
 
@@ -312,7 +314,7 @@ def estimate_request(
 
     try:
         total, prompt, seqs, key = _estimate(_norm_path(path), body, cap, ctx, est)
-        blocks = prefix_blocks(key, block_tokens, chars_per_token, max_blocks=prompt // block_tokens) \
+        blocks = prefix_blocks(key, block_tokens, chars_per_token, max_blocks=prompt // block_tokens, memo=memo) \
             if block_tokens > 0 and key else ()
         return Reservation(max(1, total), prompt, seqs, blocks, block_tokens or DEFAULT_BLOCK_TOKENS)
     except Exception:

@@ -21,7 +21,7 @@ from typing import Any, Sequence
 import orjson
 import xxhash
 
-__all__ = ["is_token_ids", "chain", "stable_chain"]
+__all__ = ["BlockDigests", "is_token_ids", "chain", "stable_chain"]
 
 _ID_CHARS = b"0123456789,-"
 _X64 = xxhash.xxh3_64_intdigest
@@ -51,16 +51,43 @@ def _digests(seq: Sequence[int] | str, block: int, n_from: int, n_to: int, text_
     return list(map(hash, islice(zip(*[it] * block), max(0, n_to - n_from))))
 
 
-def chain(seq: Sequence[int] | str, block: int, start: int, n_from: int = 0, n_to: int | None = None) -> list[int]:
+class BlockDigests:
+    """One request's block hashes, kept for the next reader of the same prompt: admission's prefix blocks and
+    placement's prefix keys chain the same block hashes from different starts, so a prompt is hashed once
+    (an 8K-token prompt: ~50 us of the ~60 us a chain costs). Holds the sequence it hashed, so a later
+    sequence is recognised by identity only while this one is alive (no id reuse). Per request, not shared."""
+
+    __slots__ = ("seq", "block", "digests")
+
+    def __init__(self) -> None:
+        self.seq: Any = None
+        self.block = 0
+        self.digests: list[int] = []
+
+    def get(self, seq: Any, block: int, n_to: int) -> list[int] | None:
+        """The hashes of blocks 1 .. n_to of ``seq`` when this holds them, else None."""
+        if seq is self.seq and block == self.block and n_to <= len(self.digests):
+            return self.digests if n_to == len(self.digests) else self.digests[:n_to]
+        return None
+
+
+def chain(seq: Sequence[int] | str, block: int, start: int, n_from: int = 0, n_to: int | None = None,
+          memo: BlockDigests | None = None) -> list[int]:
     """In-process chain keys continuing from ``start`` over blocks n_from+1 .. n_to of ``seq`` (token ids
     or a str; blocks are counted from seq[0]; n_to None = every full block). Returns [start,
     key(n_from+1), ..., key(n_to)]. Text blocks use Python's str hash, randomised per process: for keys
-    shared between processes use :func:`stable_chain`. Raises TypeError for unhashable items."""
+    shared between processes use :func:`stable_chain`. ``memo``: the request's block hashes, read when it
+    holds this sequence's and filled when not (n_from 0 only). Raises TypeError for unhashable items."""
     if n_to is None:
         n_to = len(seq) // block
+    digests = memo.get(seq, block, n_to) if memo is not None and n_from == 0 else None
+    if digests is None:
+        digests = _digests(seq, block, n_from, n_to, True)
+        if memo is not None and n_from == 0:
+            memo.seq, memo.block, memo.digests = seq, block, digests
     out = [start]
     h = start
-    for d in _digests(seq, block, n_from, n_to, True):
+    for d in digests:
         h = hash((h, d))
         out.append(h)
     return out

@@ -464,7 +464,8 @@ class Gateway:
         (the caller then uses the router: fail-open)."""
         try:
             units = request_units(c.path, c.body)
-            keys = prefix_keys(units, self.cfg.session_inference_block_tokens, self.cfg.session_inference_block_chars)
+            keys = prefix_keys(units, self.cfg.session_inference_block_tokens, self.cfg.session_inference_block_chars,
+                               memo=c.block_digests())
             tokens = (len(units) if isinstance(units, list) else
                       int(len(units) / self.cfg.admission_chars_per_token) if isinstance(units, str) else 0)
         except Exception:

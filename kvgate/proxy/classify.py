@@ -10,6 +10,8 @@ from typing import Any
 
 import orjson
 
+from kvgate.common.prefix_hash import BlockDigests
+
 # Generation routes that carry a top-level session_id in SGLang >= 0.5.15
 # (srt/managers/io_struct.py GenerateReqInput; the OpenAI protocol classes accept it too).
 GENERATE_ROUTES = frozenset({"/generate", "/v1/completions", "/v1/chat/completions", "/v1/responses"})
@@ -41,13 +43,21 @@ class Classified:
     raw: the body's bytes, kept so a released body can be parsed again (None: release_body keeps it).
     """
 
-    __slots__ = ("method", "path", "route", "is_generate", "_body", "raw")
+    __slots__ = ("method", "path", "route", "is_generate", "_body", "raw", "_digests")
 
     def __init__(self, method: str, path: str, route: str, is_generate: bool, body: dict[str, Any] | None,
                  raw: bytes | None = None) -> None:
         self.method, self.path, self.route, self.is_generate = method, path, route, is_generate
         self._body = body
         self.raw = raw
+        self._digests: BlockDigests | None = None
+
+    def block_digests(self) -> BlockDigests:
+        """This request's prompt block hashes, shared by every reader of its parsed body (admission's prefix
+        blocks, placement's prefix keys): the prompt is hashed once."""
+        if self._digests is None:
+            self._digests = BlockDigests()
+        return self._digests
 
     @property
     def body(self) -> dict[str, Any] | None:
@@ -64,6 +74,7 @@ class Classified:
         its raw bytes 0.4 MB); it is parsed again from ``raw`` when next read. No-op without raw bytes."""
         if self._body is not None and self.raw is not None:
             self._body = _RELEASED
+            self._digests = None  # it holds the parsed prompt
 
     def __repr__(self) -> str:
         return (f"Classified(method={self.method!r}, path={self.path!r}, route={self.route!r}, "
