@@ -325,10 +325,10 @@ class ProgramCoordinator:
             del self._programs[p.sid]
             self._count("programs_ended", now)
             return
-        self._idle_from(p, now)
         if p.marked:
-            self._pause(p, now)
+            self._pause(p, now)  # idle from now on: _pause keeps its end
         else:
+            self._idle_from(p, now)
             p.state = ProgramState.IN_TOOL
             self.ledger.hold(p.sid, p.place, p.blocks, p.resident)
             self._relieve(p.place, now)
