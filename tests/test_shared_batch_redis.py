@@ -260,3 +260,21 @@ async def test_a_reply_shorter_than_its_batch_leaves_no_asker_waiting(redis_url)
     finally:
         await st.stop()
         await raw.aclose()
+
+
+async def test_stop_ends_the_room_listener_at_its_first_cancel(redis_url):
+    """A replica's stop ends its background tasks with one cancel each. A cancel landing while the room
+    listener connects and subscribes is lost inside redis-py (it sends under asyncio.wait_for, which drops a
+    cancel on Python 3.11 when the send completes in the same loop turn); the listener then read on in its
+    ``get_message`` loop and stop() waited for ever. Stopped at many points of its start-up and of its reads,
+    no task needs a second cancel (the old listener needed one when stopped 6 loop turns after start)."""
+    for i in range(40):
+        m = Metrics()
+        st = SharedState(redis_url, f"stop{i}:", 3600, 5.0, m)
+        await st.start()
+        for _ in range(i):  # stop at a different point of the listener's connect, subscribe and read
+            await asyncio.sleep(0)
+        async with asyncio.timeout(30):
+            again = await st.stop()
+        assert again == 0, f"stopped {i} loop turns after start: {again} task(s) ignored their first cancel"
+        assert st._listener.done() and st._beat.done()

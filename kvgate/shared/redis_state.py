@@ -397,14 +397,17 @@ class SharedState:
         self._fixed_keys = self.queue_keys()
         self._batch_args = [self.ttl, self.replica, self.prefix + "replica:", self.prefix + "room"]
 
-    async def stop(self) -> None:
+    async def stop(self) -> int:
+        """Send what is queued (up to 1 s), stop the background tasks and close the client. Returns how many
+        cancels had to be sent again (kvgate.common.aio.cancel_tasks; 0 when every task stopped at once)."""
         await self.drain(1.0)
-        await cancel_tasks(self._beat, self._listener, self._flusher)
+        again = await cancel_tasks(self._beat, self._listener, self._flusher)
         if self._client is not None:
             try:
                 await self._client.aclose()
             except Exception:
                 pass
+        return again
 
     async def drain(self, timeout_s: float = 5.0) -> None:
         """Wait until the writes queued so far are sent and answered (tests; shutdown)."""
@@ -450,8 +453,11 @@ class SharedState:
                 ps = sub.pubsub(ignore_subscribe_messages=True)
                 await ps.subscribe(channel)
                 self.listening.set()
+                me = asyncio.current_task()
                 while True:
                     msg = await ps.get_message(timeout=1.0)
+                    if me.cancelling():  # a cancel lost inside redis-py (its wait_for on 3.11): honour it here
+                        raise asyncio.CancelledError
                     if msg is not None:
                         self._room_freed()
             except asyncio.CancelledError:
@@ -467,9 +473,12 @@ class SharedState:
                         pass
 
     async def _heartbeat(self) -> None:
+        me = asyncio.current_task()
         while True:
             await asyncio.sleep(HEARTBEAT_S)
             await self._heartbeat_once()
+            if me.cancelling():  # a cancel lost inside redis-py (see _listen)
+                raise asyncio.CancelledError
 
     def _down(self, op: str, exc: BaseException, count: int = 1) -> None:
         if count:
