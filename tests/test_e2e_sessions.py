@@ -303,7 +303,8 @@ async def test_burst_of_closes_reaches_every_engine(sim_factory, kvgate_factory,
     assert statuses == [200] * n
     assert a.stats()["closes_received"] == n and b.stats()["closes_received"] == n
     assert reg.close_stats["ok"] == 2 * n and reg.close_stats["failed_attempts"] == 0
-    assert not caplog.records  # nothing to warn about
+    # nothing to warn about (kvgate's records: another test's client collected meanwhile may log its own)
+    assert not [r for r in caplog.records if r.name.startswith("kvgate")]
     print(f"{n} closes x 2 engines: answered in {answered:.2f}s ({n / answered:.0f}/s), "
           f"delivered in {took:.2f}s ({2 * n / took:.0f} engine calls/s)")
 

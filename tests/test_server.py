@@ -351,3 +351,80 @@ async def test_aiohttp_server_is_still_selectable(kvgate_factory, echo_upstream)
     assert [b'data: {"i":%d}' % i in body for i in range(3)] == [True] * 3 and body.index(b"[DONE]") > body.index(b'"i":2')
     # header bytes that are not UTF-8 reached the upstream as sent
     assert echo_upstream.received[-1]["headers"]["X-Odd"].encode("utf-8", "surrogateescape") == b"s\xe9ss"
+
+
+# --- a handler that answers, then finishes its bookkeeping -----------------------------------------------------
+
+async def _raw_server(handler):
+    srv = server.HttpServer(lambda req: handler, client_max_size=1 << 20)
+    port = await srv.listen("127.0.0.1", 0)
+    return srv, port
+
+
+async def test_the_next_request_is_answered_while_the_last_handler_finishes(caplog):
+    """A keep-alive client sends its next request as soon as it has an answer. The handler that wrote the
+    answer may still be finishing (kvgate records metrics and releases its admission lease after the relay
+    answered): the connection reads and answers the next request at once, without pausing reading, and the
+    handler still held is neither cancelled nor lost; a failure after its answer is logged with its route."""
+    hold = asyncio.Event()
+    finished: list[str] = []
+    paused = []
+
+    async def handler(req: server.Request):
+        req.answer(200, b"OK", b"Content-Type: text/plain\r\n", req.raw_path.encode(), False)
+        if req.raw_path == "/first":
+            await hold.wait()  # bookkeeping after the answer
+            finished.append(req.raw_path)
+            raise RuntimeError("a fault after the answer")
+        finished.append(req.raw_path)
+
+    srv, port = await _raw_server(handler)
+    orig_pause = server._Conn.pause
+    server._Conn.pause = lambda self: (paused.append(1), orig_pause(self))[1]
+    try:
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(b"GET /first HTTP/1.1\r\nHost: x\r\n\r\n")
+        head, body = await read_response(reader)
+        assert _status(head) == 200 and body == b"/first"
+        first = next(iter(srv._finishing))  # the first handler, detached from its connection, still running
+        assert not first.done()
+        for i in range(3):
+            writer.write(b"GET /next%d HTTP/1.1\r\nHost: x\r\n\r\n" % i)
+            head, body = await asyncio.wait_for(read_response(reader), 30)
+            assert (_status(head), body) == (200, b"/next%d" % i)
+        assert finished == ["/next0", "/next1", "/next2"] and not paused
+        writer.close()  # the client leaves: the handler that answered is not cancelled
+        with caplog.at_level(logging.ERROR, logger="kvgate.proxy.server"):
+            hold.set()
+            await asyncio.wait([first], timeout=30)
+            for _ in range(3):
+                await asyncio.sleep(0)  # its done callback
+        assert first.done() and not first.cancelled() and finished[-1] == "/first"
+        assert "error handling GET /first after its answer" in caplog.text and not srv._finishing
+    finally:
+        server._Conn.pause = orig_pause
+        await srv.cleanup()
+
+
+async def test_shutdown_waits_for_a_handler_finishing_after_its_answer():
+    hold = asyncio.Event()
+    done = []
+
+    async def handler(req: server.Request):
+        req.answer(200, b"OK", b"", b"ok", False)
+        await hold.wait()
+        done.append(1)
+
+    srv, port = await _raw_server(handler)
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    writer.write(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+    head, body = await read_response(reader)
+    assert body == b"ok" and len(srv._finishing) == 1
+    stop = asyncio.ensure_future(srv.cleanup())
+    for _ in range(20):
+        await asyncio.sleep(0)
+    assert not stop.done()  # waits for the handler still finishing
+    hold.set()
+    await asyncio.wait_for(stop, 30)
+    assert done == [1]
+    writer.close()

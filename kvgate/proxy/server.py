@@ -326,6 +326,7 @@ class Request:
             conn.transport.write(head + body)
         else:
             conn.transport.write(head)
+        conn.answered(self)
 
     def start(self, status: int, reason: bytes, lines: bytes, has_length: bool) -> None:
         """Write the head of a streamed answer; the body follows with ``write`` and ``write_eof``."""
@@ -357,6 +358,7 @@ class Request:
         self.sent = 2
         if conn.write_paused:
             await conn.drain()
+        conn.answered(self)
 
 
 _NO_MATCH: dict[str, str] = {}
@@ -640,9 +642,28 @@ class _Conn(asyncio.Protocol):
         task = self.task = self.loop.create_task(coro)
         task.add_done_callback(self._done)
 
+    def answered(self, req: Request) -> None:
+        """``req``'s answer is written whole (queued on the transport, in order): the connection reads and
+        answers its next request now instead of once the handler's task ends. Without this, a client that
+        sends its next request as soon as it has the answer (every keep-alive client at one connection)
+        found the handler still finishing its bookkeeping and was held as a pipelined request: reading
+        paused and resumed (two epoll changes) and its dispatch waited a loop turn. The handler's task
+        finishes detached: a client that leaves no longer cancels it, shutdown still waits for it, and
+        what it raises is logged."""
+        task = self.task
+        if (req is not self.current or task is None or task.done() or self.lost or self.closing
+                or not req.keep_alive or not req._body_done or self.server.closing):
+            return  # answered from _done (the task ended), or the connection closes after this answer
+        self.server._finishing[task] = req
+        self._finished(req)
+
     def _done(self, task: asyncio.Task) -> None:
         req = self.current
-        if task is not self.task or req is None:
+        if task is not self.task or req is None:  # detached (answered) or ended after its connection moved on
+            done = self.server._finishing.pop(task, None)
+            if done is not None and not task.cancelled() and task.exception() is not None:  # logged, never lost
+                log.error("error handling %s %s after its answer", done.method, done.raw_path,
+                          exc_info=task.exception())
             return
         if task.cancelled():  # the client left, or shutdown cancelled it
             if not self.lost:
@@ -772,6 +793,8 @@ class HttpServer:
         self.closing = False
         self._servers: list[asyncio.AbstractServer] = []
         self._conns: dict[_Conn, None] = {}
+        # handlers whose answer is written whole, finishing their bookkeeping (_Conn.answered)
+        self._finishing: dict[asyncio.Task, Request] = {}
         self._idle: dict[_Conn, float] = {}  # idle connections, oldest first (insertion order)
         self._sweeper: asyncio.TimerHandle | None = None
         self.date = formatdate(usegmt=True)
@@ -832,6 +855,7 @@ class HttpServer:
             conn.close()
         self._idle.clear()
         tasks = [c.task for c in self._conns if c.task is not None and not c.task.done()]
+        tasks += [t for t in self._finishing if not t.done()]
         for c in self._conns:
             c.closing = True
         if tasks:
