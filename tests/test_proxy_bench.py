@@ -71,12 +71,12 @@ def test_a_tiny_run_writes_a_sane_table(tmp_path):
     parser = argparse.ArgumentParser()
     proxy_bench.add_arguments(parser)
     args = parser.parse_args(["--out", str(tmp_path), "--rounds", "1", "--latency-s", "1", "--throughput-s", "1",
-                              "--connections", "4", "--arms", "kvgate-off", "lifecycle+admission", "kvgate-nosmg",
+                              "--connections", "4", "--arms", "nginx-proxy", "kvgate-off", "lifecycle+admission", "kvgate-nosmg",
                               "--shapes", "small", "sse", "--throughput-shapes", "small"])
     assert proxy_bench.run(args) == 0
     report = json.loads((tmp_path / "proxy-bench.json").read_text())
     s = report["summary"]
-    assert report["arms"] == ["direct", "smg", "kvgate-off", "lifecycle+admission", "kvgate-nosmg"]
+    assert report["arms"] == ["direct", "smg", "nginx-proxy", "kvgate-off", "lifecycle+admission", "kvgate-nosmg"]
     arms = set(report["arms"])
     assert s["errors"] == 0 and s["rounds"] == 1
     for shape in ("small", "sse"):
@@ -85,6 +85,9 @@ def test_a_tiny_run_writes_a_sane_table(tmp_path):
         # every hop costs something and nothing on loopback takes a second
         assert all(0 < v < 1e6 for v in lat.values())
         assert lat["smg"] > lat["direct"] and lat["kvgate-nosmg"] > lat["direct"]
+        # nginx in front of smg relays the SSE stream and the JSON answer through (its added cost is the
+        # floor of one more hop); it is compared with smg as the kvgate arms in front of smg are
+        assert lat["nginx-proxy"] > lat["direct"] and s["ratio_to_smg"][shape]["nginx-proxy"] is not None
         assert set(s["cpu_us_per_request_one_connection"][shape]) == arms - {"direct"}
     rps, cpu = s["max_rps"]["small"], s["cpu_us_per_request"]["small"]
     assert set(rps) == arms
@@ -96,7 +99,9 @@ def test_a_tiny_run_writes_a_sane_table(tmp_path):
     assert all(x["requests"] > 0 for x in report["samples"])
     md = (tmp_path / "proxy-bench.md").read_text()
     assert md.count("\n| small /generate") == 5  # p50 and CPU rows for small and SSE, throughput row
-    assert "| request | smg adds | kvgate-off adds | lifecycle+admission adds | kvgate-nosmg adds |" in md
+    assert ("| request | smg adds | nginx-proxy adds | kvgate-off adds | lifecycle+admission adds "
+            "| kvgate-nosmg adds |") in md
+    assert "nginx-proxy: nginx as a reverse proxy" in md
     assert os.listdir(tmp_path) and sorted(os.listdir(tmp_path)) == ["proxy-bench.json", "proxy-bench.md"]
 
 

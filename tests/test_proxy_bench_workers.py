@@ -17,6 +17,7 @@ from kvgate.tools import procs
 def test_worker_arms_compare_with_the_hop_in_front_of_their_base_arm():
     assert base_arm("kvgate-nosmg-w2") == "kvgate-nosmg" and base_arm("lifecycle+admission-w12") == "lifecycle+admission"
     assert front_of("kvgate-nosmg-w2") == "direct" and front_of("lifecycle+admission-w2") == "smg"
+    assert front_of("nginx-proxy") == "smg"  # the null proxy sits in front of smg, as kvgate does
     assert arm_order(["kvgate-nosmg-w2", "kvgate-off-w2", "smg", "kvgate-nosmg", "kvgate-off", "kvgate-nosmg-w1"]) == [
         "smg", "kvgate-off", "kvgate-off-w2", "kvgate-nosmg", "kvgate-nosmg-w1", "kvgate-nosmg-w2"]
 

@@ -24,7 +24,7 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
-from kvgate.bench.proxy_report import DIRECT, PLACING, SMG, Sample, markdown, summarise
+from kvgate.bench.proxy_report import DIRECT, NULL_PROXY, PLACING, SMG, Sample, markdown, summarise
 from kvgate.tools import procs
 
 #: The stand-in engine's capacity (tokens): large enough that admission never holds a benchmark request.
@@ -37,8 +37,8 @@ SHAPE_TOKENS = {"small": 16, "8k": 8192, "64k": 65536, "sse": 16}
 #: and re-serialises the body, so the stand-in cannot read "stream" from it).
 SSE_REQUEST_ID = "sse-bench"
 
-ALL_ARMS = ("direct", "smg", "kvgate-off", "lifecycle", "lifecycle+admission", "placement", "placement+admission",
-            "kvgate-nosmg")
+ALL_ARMS = ("direct", "smg", "nginx-proxy", "kvgate-off", "lifecycle", "lifecycle+admission", "placement",
+            "placement+admission", "kvgate-nosmg")
 # The lifecycle arms keep smg on the path (session_placement router): with the default (auto) kvgate itself
 # places /generate sessions behind a router that drops session_id, which is the placement arm.
 KVGATE_FLAGS = {
@@ -140,6 +140,40 @@ http {{
     }}
     location = /_sse {{ internal; default_type text/event-stream; return 200 {_nginx_str(sse_answer(SHAPE_TOKENS['sse']))}; }}
     location / {{ return 404 '{{"error":{{"message":"not found"}}}}'; }}
+  }}
+}}
+"""
+
+
+def null_proxy_config(port: int, upstream: str, workdir: Path) -> str:
+    """An nginx.conf for the ``nginx-proxy`` arm: a reverse proxy on 127.0.0.1:``port`` in front of
+    ``upstream`` (host:port, smg), one worker process as kvgate has one, kept-alive upstream connections,
+    bodies streamed both ways (no buffering). It does no work of its own, so what it adds is the floor any
+    extra hop in front of smg pays on this machine: the context switches and wake-ups of one more process."""
+    w = str(workdir)
+    return f"""daemon off;
+master_process off;
+worker_processes 1;
+pid {w}/null-proxy.pid;
+error_log {w}/null-proxy-error.log warn;
+events {{ worker_connections 4096; }}
+http {{
+  access_log off;
+  client_body_temp_path {w}/null-proxy-body;
+  proxy_temp_path {w}/null-proxy-temp;
+  client_max_body_size 0;
+  keepalive_requests 100000000;
+  keepalive_timeout 600s;
+  upstream router {{ server {upstream}; keepalive 256; keepalive_requests 100000000; }}
+  server {{
+    listen 127.0.0.1:{port};
+    location / {{
+      proxy_pass http://router;
+      proxy_http_version 1.1;
+      proxy_set_header Connection "";
+      proxy_buffering off;
+      proxy_request_buffering off;
+    }}
   }}
 }}
 """
@@ -277,7 +311,7 @@ def run(args: argparse.Namespace) -> int:
             return 2
         # a baseline tree from before kvgate placed sessions has no placing arms
         base_places = '"session_placement"' in Path(baseline, "kvgate", "config.py").read_text(errors="replace")
-        arms += [f"{a}@base" for a in arms if a not in (DIRECT, SMG, "kvgate-nosmg")
+        arms += [f"{a}@base" for a in arms if a not in (DIRECT, SMG, NULL_PROXY, "kvgate-nosmg")
                  and (a not in PLACING or base_places)]
     workers = sorted(set(getattr(args, "workers", None) or []))
     if any(n < 1 for n in workers):
@@ -385,8 +419,17 @@ def _start_chain(arms: list[str], work: Path, started: list[procs.Proc],
     urls = {DIRECT: ng.url, SMG: router.url}
     pgids = {SMG: router.popen.pid}
     redis_url = _start_redis(work, started) if any(WORKERS_ARM.search(a) for a in arms) else None
+    if NULL_PROXY in arms:
+        pport = procs.free_port()
+        pconf = work / "null-proxy.conf"
+        pconf.write_text(null_proxy_config(pport, router.url.split("//", 1)[1], work))
+        proxy = procs.start(NULL_PROXY, [nginx, "-p", str(work), "-c", str(pconf)], work,
+                            url=f"http://127.0.0.1:{pport}")
+        started.append(proxy)
+        procs.wait_http(proxy.url + "/readiness", 30, proxy)  # through to smg
+        urls[NULL_PROXY], pgids[NULL_PROXY] = proxy.url, proxy.popen.pid
     for arm in arms:
-        if arm in (DIRECT, SMG):
+        if arm in (DIRECT, SMG, NULL_PROXY):
             continue
         kport = procs.free_port()
         name, _, tag = arm.partition("@")

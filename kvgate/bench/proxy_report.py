@@ -21,11 +21,13 @@ from typing import Any, Iterable, Mapping
 #: kvgate arm to a kvgate in front of smg.
 DIRECT, SMG = "direct", "smg"
 NOSMG = "kvgate-nosmg"
+#: nginx as a reverse proxy in front of smg, doing nothing else: the cost of one more hop on this machine.
+NULL_PROXY = "nginx-proxy"
 #: Arms where kvgate places /generate sessions itself and sends them to the engine: smg is not on their path,
 #: so their hop replaces smg's and is compared with it (added over direct).
 PLACING = ("placement", "placement+admission")
 KVGATE_ARMS = ("kvgate-off", "lifecycle", "lifecycle+admission", *PLACING, NOSMG)
-ARM_ORDER = (DIRECT, SMG, *KVGATE_ARMS)
+ARM_ORDER = (DIRECT, SMG, NULL_PROXY, *KVGATE_ARMS)
 SHAPE_ORDER = ("small", "8k", "64k", "sse")
 SHAPE_TITLES = {"small": "small /generate", "8k": "8K-token /generate", "64k": "64K-token /generate",
                 "sse": "small /generate, SSE stream"}
@@ -226,6 +228,10 @@ def markdown(summary: Summary, meta: Mapping[str, Any] | None = None) -> str:
     lines.append("Direct to the upstream stand-in, p50: " + ", ".join(f"{s} {_us(v)}" for s, v in direct.items())
                  + (f"; direct max req/s {summary.rps['small'].get(DIRECT, 0):,.0f}" if "small" in summary.rps else ""))
     lines.append(f"Medians over {summary.rounds} interleaved rounds; load-generator errors: {summary.errors}.")
+    if NULL_PROXY in arms:
+        lines.append("nginx-proxy: nginx as a reverse proxy in front of smg (one worker, kept-alive upstream "
+                     "connections, no buffering), doing nothing else: what one more hop costs on this machine, "
+                     "the floor for any proxy there.")
     if any(base_arm(a) in PLACING for a in arms):
         lines.append("The placing arms (kvgate places /generate sessions and sends them to the engine; smg is not on "
                      "their path) add their p50 over direct: their hop replaces smg's, so their ratio compares the two.")
