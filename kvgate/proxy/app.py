@@ -189,6 +189,9 @@ class Gateway:
         self._join_max = max(cfg.body_parse_max_bytes, STEP_BODY_PARSE_LIMIT)
         self._parse_max = cfg.body_parse_max_bytes
         self._routing_key = cfg.routing_key_header if cfg.set_routing_key else None
+        # read per placed request: looked up once (Config reads go through __getattr__)
+        self._placement_blocks = (cfg.session_inference_block_tokens, cfg.session_inference_block_chars,
+                                  cfg.admission_chars_per_token)
         self.app = self._build_app()
         self._routes = self._build_routes()
 
@@ -464,10 +467,10 @@ class Gateway:
         (the caller then uses the router: fail-open)."""
         try:
             units = request_units(c.path, c.body)
-            keys = prefix_keys(units, self.cfg.session_inference_block_tokens, self.cfg.session_inference_block_chars,
-                               memo=c.block_digests())
+            block_tokens, block_chars, chars_per_token = self._placement_blocks
+            keys = prefix_keys(units, block_tokens, block_chars, memo=c.block_digests())
             tokens = (len(units) if isinstance(units, list) else
-                      int(len(units) / self.cfg.admission_chars_per_token) if isinstance(units, str) else 0)
+                      int(len(units) / chars_per_token) if isinstance(units, str) else 0)
         except Exception:
             log.exception("session placement failed; forwarding to the router")
             self.metrics.faults.labels("placement").inc()
@@ -605,15 +608,15 @@ class Gateway:
         t1 = time.perf_counter()
         outcome = None
         try:  # from here on every exit path ends the request in the registry and the inference index
-            headers = forward_head(request.raw_headers, plan.extra)
             add = ticket.headers if tracked is None else [*ticket.headers, (SESSION_HEADER, header_safe(tracked))]
             placed = None
             if self._placed_route(c, plan):
                 placed = await self._relay_placed(request, c, plan, observe, add)
             if placed is not None:
                 resp, outcome = placed
-            else:
-                resp, outcome = await self.upstream.relay(request, request.raw_path, headers, plan.body,
+            else:  # the router's headers (with the routing key) only for a request that goes to the router
+                resp, outcome = await self.upstream.relay(request, request.raw_path,
+                                                          forward_head(request.raw_headers, plan.extra), plan.body,
                                                           observe=observe, add_headers=add)
             return resp
         except asyncio.CancelledError:
