@@ -64,10 +64,12 @@ class Summary:
     # shape -> "ARM-wN[@base]" -> (median, min, max) over rounds of its req/s / ARM-w1[@base]'s in the same round
     scaling: dict[str, dict[str, tuple[float, float, float]]] = field(default_factory=dict)
     errors: int = 0
+    # "arm shape mode" -> load-generator errors summed over rounds, for the samples that had any
+    errors_by: dict[str, int] = field(default_factory=dict)
     rounds: int = 0
 
     def to_json(self) -> dict[str, Any]:
-        return {"rounds": self.rounds, "errors": self.errors, "p50_us": self.latency, "added_us": self.added,
+        return {"rounds": self.rounds, "errors": self.errors, "errors_by": self.errors_by, "p50_us": self.latency, "added_us": self.added,
                 "ratio_to_smg": self.ratio, "max_rps": self.rps, "cpu_us_per_request": self.cpu,
                 "cpu_us_per_request_one_connection": self.latency_cpu,
                 "workers_scaling": {s: {a: list(v) for a, v in d.items()} for s, d in self.scaling.items()}}
@@ -98,6 +100,10 @@ def summarise(samples: Iterable[Sample]) -> Summary:
     """Medians per (shape, arm) over rounds, then added latency and ratios (see the module doc)."""
     samples = list(samples)
     out = Summary(errors=sum(s.errors for s in samples), rounds=len({s.round for s in samples}))
+    for s in samples:
+        if s.errors:
+            key = f"{s.arm} {s.shape} {s.mode}"
+            out.errors_by[key] = out.errors_by.get(key, 0) + s.errors
     groups: dict[tuple[str, str, str], list[Sample]] = {}
     for s in samples:
         groups.setdefault((s.mode, s.shape, s.arm), []).append(s)
@@ -227,11 +233,14 @@ def markdown(summary: Summary, meta: Mapping[str, Any] | None = None) -> str:
     direct = {s: summary.latency[s].get(DIRECT) for s in SHAPE_ORDER if s in summary.latency}
     lines.append("Direct to the upstream stand-in, p50: " + ", ".join(f"{s} {_us(v)}" for s, v in direct.items())
                  + (f"; direct max req/s {summary.rps['small'].get(DIRECT, 0):,.0f}" if "small" in summary.rps else ""))
-    lines.append(f"Medians over {summary.rounds} interleaved rounds; load-generator errors: {summary.errors}.")
+    where = "; ".join(f"{k}: {n}" for k, n in sorted(summary.errors_by.items()))
+    lines.append(f"Medians over {summary.rounds} interleaved rounds; load-generator errors: {summary.errors}"
+                 + (f" ({where}; those runs' figures are not a hop's cost)" if where else "") + ".")
     if NULL_PROXY in arms:
         lines.append("nginx-proxy: nginx as a reverse proxy in front of smg (one worker, kept-alive upstream "
                      "connections, no buffering), doing nothing else: what one more hop costs on this machine, "
-                     "the floor for any proxy there.")
+                     "the floor for any proxy there. Not run on SSE: smg's delayed-ACK stall lands on nginx's "
+                     "connection to smg as on wrk's.")
     if any(base_arm(a) in PLACING for a in arms):
         lines.append("The placing arms (kvgate places /generate sessions and sends them to the engine; smg is not on "
                      "their path) add their p50 over direct: their hop replaces smg's, so their ratio compares the two.")
