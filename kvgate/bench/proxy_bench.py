@@ -149,8 +149,9 @@ def null_proxy_config(port: int, upstream: str, workdir: Path, connections: int 
     """An nginx.conf for the ``nginx-proxy`` arm: a reverse proxy on 127.0.0.1:``port`` in front of
     ``upstream`` (host:port, smg), one worker process as kvgate has one, kept-alive upstream connections,
     bodies streamed both ways (no buffering), room for ``connections`` clients (each also holds a
-    connection to smg, and upstream connections past the kept-alive ones close under load). It does no work of its own, so what it adds is the floor any extra hop in front of
-    smg pays on this machine: the context switches and wake-ups of one more process."""
+    connection to smg, and upstream connections past the kept-alive ones close under load). It does no
+    work of its own, so what it adds is the floor any extra hop in front of smg pays on this machine: the
+    context switches and wake-ups of one more process."""
     w = str(workdir)
     room = max(4096, 4 * connections + 1024)  # a client's, its upstream's, and upstream ones still closing
     return f"""daemon off;

@@ -69,8 +69,8 @@ class Summary:
     rounds: int = 0
 
     def to_json(self) -> dict[str, Any]:
-        return {"rounds": self.rounds, "errors": self.errors, "errors_by": self.errors_by, "p50_us": self.latency, "added_us": self.added,
-                "ratio_to_smg": self.ratio, "max_rps": self.rps, "cpu_us_per_request": self.cpu,
+        return {"rounds": self.rounds, "errors": self.errors, "errors_by": self.errors_by, "p50_us": self.latency,
+                "added_us": self.added, "ratio_to_smg": self.ratio, "max_rps": self.rps, "cpu_us_per_request": self.cpu,
                 "cpu_us_per_request_one_connection": self.latency_cpu,
                 "workers_scaling": {s: {a: list(v) for a, v in d.items()} for s, d in self.scaling.items()}}
 
@@ -99,11 +99,12 @@ def _median(values: Iterable[float | None]) -> float | None:
 def summarise(samples: Iterable[Sample]) -> Summary:
     """Medians per (shape, arm) over rounds, then added latency and ratios (see the module doc)."""
     samples = list(samples)
-    out = Summary(errors=sum(s.errors for s in samples), rounds=len({s.round for s in samples}))
+    out = Summary(rounds=len({s.round for s in samples}))
     for s in samples:
         if s.errors:
             key = f"{s.arm} {s.shape} {s.mode}"
             out.errors_by[key] = out.errors_by.get(key, 0) + s.errors
+    out.errors = sum(out.errors_by.values())
     groups: dict[tuple[str, str, str], list[Sample]] = {}
     for s in samples:
         groups.setdefault((s.mode, s.shape, s.arm), []).append(s)
