@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import random
 import time
 
 import aiohttp
 import orjson
 
+import kvgate
 from conftest import CloseWatcher
 from netgate import NetGate
 
@@ -303,8 +305,10 @@ async def test_burst_of_closes_reaches_every_engine(sim_factory, kvgate_factory,
     assert statuses == [200] * n
     assert a.stats()["closes_received"] == n and b.stats()["closes_received"] == n
     assert reg.close_stats["ok"] == 2 * n and reg.close_stats["failed_attempts"] == 0
-    # nothing to warn about (kvgate's records: another test's client collected meanwhile may log its own)
-    assert not [r for r in caplog.records if r.name.startswith("kvgate")]
+    # nothing to warn about from kvgate: its loggers, or asyncio reporting a task of kvgate's code (another
+    # test's client collected meanwhile may log through asyncio about its own task)
+    pkg = os.path.dirname(kvgate.__file__) + os.sep
+    assert not [r for r in caplog.records if r.name.startswith("kvgate") or pkg in r.getMessage()]
     print(f"{n} closes x 2 engines: answered in {answered:.2f}s ({n / answered:.0f}/s), "
           f"delivered in {took:.2f}s ({2 * n / took:.0f} engine calls/s)")
 
