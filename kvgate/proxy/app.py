@@ -189,7 +189,7 @@ class Gateway:
         self._join_max = max(cfg.body_parse_max_bytes, STEP_BODY_PARSE_LIMIT)
         self._parse_max = cfg.body_parse_max_bytes
         self._routing_key = cfg.routing_key_header if cfg.set_routing_key else None
-        # read per placed request: looked up once (Config reads go through __getattr__)
+        # read per placed or shared-inference request: looked up once (Config reads go through __getattr__)
         self._placement_blocks = (cfg.session_inference_block_tokens, cfg.session_inference_block_chars,
                                   cfg.admission_chars_per_token)
         self.app = self._build_app()
@@ -729,7 +729,8 @@ class Gateway:
             return None
 
     def _block(self, units) -> int:
-        return self.cfg.session_inference_block_chars if isinstance(units, str) else self.cfg.session_inference_block_tokens
+        block_tokens, block_chars, _ = self._placement_blocks
+        return block_chars if isinstance(units, str) else block_tokens
 
     def _share_turn(self, sid: str, units, output) -> None:
         try:
