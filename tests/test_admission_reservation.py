@@ -3,11 +3,14 @@
 import math
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from kvgate.admission.reservation import (
     CHAT_MESSAGE_OVERHEAD_TOKENS,
     MIN_PROMPT_TOKENS,
     SGLANG_DEFAULT_MAX_NEW_TOKENS,
+    Estimator,
     estimate_reservation,
     estimate_text_tokens,
 )
@@ -168,3 +171,22 @@ def test_conservative_ratio_overestimates_english():
     # ~4 chars/token in English BPE -> the 3.0 ratio reserves ~33% more
     assert estimate_text_tokens(text) == math.ceil(len(text) / 3.0)
     assert estimate_text_tokens(text) > len(text) / 4.0
+
+
+_sampling_value = st.one_of(st.none(), st.integers(-5, 10**6), st.floats(allow_nan=True), st.booleans(),
+                            st.text(max_size=3))
+
+
+@settings(max_examples=400, deadline=None)
+@given(st.one_of(st.lists(st.integers(0, 2**40), max_size=200), st.lists(st.one_of(st.integers(), st.booleans(),
+                                                                                   st.text(max_size=2)), max_size=4)),
+       st.one_of(st.none(), st.just({}), st.dictionaries(st.sampled_from(["n", "max_new_tokens", "temperature"]),
+                                                        _sampling_value, max_size=3)),
+       st.integers(1, 8192), st.sampled_from([0, 4, 64]))
+def test_the_direct_read_of_a_token_id_prompt_matches_the_general_rules(ids, sp, cap, block):
+    """The Estimator reads a /generate body with a flat token-id prompt directly (the per-request fast path):
+    for every such body, odd ones included, its Reservation (tokens, prompt, sequences, prefix blocks) is the
+    one the general rules give."""
+    body = {"input_ids": ids} if sp is None else {"input_ids": ids, "sampling_params": sp}
+    e = Estimator(expected_decode_cap=cap, block_tokens=block)
+    assert e("/generate", body) == e.general("/generate", body)

@@ -108,7 +108,7 @@ def test_holdings_count_each_block_once_per_place(ops):
             assert h.remove(holder) == want
         for p in (None, "e0", "e1"):
             assert h.total(p) == total(p)
-    assert h.grand_total() == sum(total(p) for p in (None, "e0", "e1"))
+        assert h.grand_total() == sum(total(p) for p in (None, "e0", "e1"))  # kept running, after every op
 
 
 @settings(max_examples=200, deadline=None)

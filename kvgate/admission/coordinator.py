@@ -70,7 +70,7 @@ class Kind(str, enum.Enum):
         return self.value.removeprefix("bypass-") if self.is_bypass else None
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Decision:
     """The coordinator's answer for one ticket.
 

@@ -31,7 +31,7 @@ from kvgate.admission.coordinator import ADMISSION_OFF, AdmissionCoordinator, De
 from kvgate.admission.ledger import Ledger
 from kvgate.admission.policy import ScopeRules, classify_scope
 from kvgate.admission.program import ProgramCoordinator, ProgramState
-from kvgate.admission.reservation import estimate_request, load_tokenizer_counter
+from kvgate.admission.reservation import Estimator, load_tokenizer_counter
 from kvgate.common.aio import cancel_tasks
 from kvgate.common.memory import give_back
 from kvgate.proxy.admit import RequestInfo, Ticket
@@ -95,10 +95,9 @@ class AdmissionGate:
         self._sleep_until = -math.inf  # the deadline the timer sleeps to (inf: none; -inf: not sleeping)
         self._changed = asyncio.Event()
         self._watched = False  # a wait_until() caller holds self._changed: the next change must wake it
-        # Read on every request: looked up once (a Config attribute goes through __getattr__).
-        self._estimate_args = dict(expected_decode_cap=cfg.decode_cap,
-                                   chars_per_token=cfg.admission_chars_per_token,
-                                   context_length=cfg.admission_context_length,
+        # The settings every request's estimate reads, checked and looked up once.
+        self._estimate = Estimator(expected_decode_cap=cfg.decode_cap, chars_per_token=cfg.admission_chars_per_token,
+                                   tokenizer=self.tokenizer, context_length=cfg.admission_context_length,
                                    block_tokens=cfg.admission_prefix_block_tokens)
         self._peak_waiting = 0  # most requests waiting at once since the FIFO last emptied
         self._give_back: asyncio.TimerHandle | None = None
@@ -126,7 +125,7 @@ class AdmissionGate:
         protected, in_scope = classify_scope(c.path, info.headers, c.body, self.rules)
         if not in_scope:
             return Ticket(ADMISSION_OFF, headers=list(OFF_HEADERS))
-        res = estimate_request(c.path, c.body, tokenizer=self.tokenizer, memo=c.block_digests(), **self._estimate_args)
+        res = self._estimate(c.path, c.body, c.block_digests())
         ticket = next(self._ids)
         paused = (self.shared is not None and self.policy == "program" and info.session_id is not None
                   and await self._shared_paused(info.session_id))

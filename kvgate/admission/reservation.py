@@ -30,6 +30,7 @@ __all__ = [
     "MIN_PROMPT_TOKENS",
     "TokenCounter",
     "Reservation",
+    "Estimator",
     "estimate_request",
     "estimate_reservation",
     "estimate_text_tokens",
@@ -209,7 +210,7 @@ def _prompts_completions(prompt: Any, est: Callable[[str], int]) -> list[int] | 
     return None
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class Reservation:
     """What one request may occupy, in KV tokens.
 
@@ -301,24 +302,73 @@ def estimate_request(
     Never raises on odd bodies: an unreadable prompt counts MIN_PROMPT_TOKENS. Raises ValueError only for a
     bad configuration (expected_decode_cap <= 0 or chars_per_token <= 0).
     """
-    if isinstance(expected_decode_cap, bool) or not isinstance(expected_decode_cap, int) or expected_decode_cap <= 0:
-        raise ValueError(f"expected_decode_cap must be a positive int, got {expected_decode_cap!r}")
-    if not (isinstance(chars_per_token, (int, float)) and math.isfinite(chars_per_token) and chars_per_token > 0):
-        raise ValueError(f"chars_per_token must be > 0, got {chars_per_token!r}")
-    cap = expected_decode_cap
-    ctx = context_length if isinstance(context_length, int) and not isinstance(context_length, bool) \
-        and context_length > 0 else None
+    return Estimator(expected_decode_cap=expected_decode_cap, chars_per_token=chars_per_token, tokenizer=tokenizer,
+                     context_length=context_length, block_tokens=block_tokens)(path, body, memo)
 
-    def est(text: str) -> int:
-        return estimate_text_tokens(text, chars_per_token=chars_per_token, tokenizer=tokenizer)
 
-    try:
-        total, prompt, seqs, key = _estimate(_norm_path(path), body, cap, ctx, est)
-        blocks = prefix_blocks(key, block_tokens, chars_per_token, max_blocks=prompt // block_tokens, memo=memo) \
-            if block_tokens > 0 and key else ()
-        return Reservation(max(1, total), prompt, seqs, blocks, block_tokens or DEFAULT_BLOCK_TOKENS)
-    except Exception:
-        return Reservation(MIN_PROMPT_TOKENS + min(SGLANG_DEFAULT_MAX_NEW_TOKENS, cap), MIN_PROMPT_TOKENS)
+class Estimator:
+    """:func:`estimate_request` with its settings checked once: made at start, called per request as
+    ``estimator(path, body, memo=None) -> Reservation``. Raises ValueError for a bad setting (see
+    estimate_request). A ``/generate`` call with a flat token-id prompt (the RL rollout's usual call) is read
+    directly, with the same result as the general rules.
+    """
+
+    def __init__(self, *, expected_decode_cap: int, chars_per_token: float = DEFAULT_CHARS_PER_TOKEN,
+                 tokenizer: TokenCounter | None = None, context_length: int | None = None,
+                 block_tokens: int = DEFAULT_BLOCK_TOKENS) -> None:
+        if isinstance(expected_decode_cap, bool) or not isinstance(expected_decode_cap, int) \
+                or expected_decode_cap <= 0:
+            raise ValueError(f"expected_decode_cap must be a positive int, got {expected_decode_cap!r}")
+        if not (isinstance(chars_per_token, (int, float)) and math.isfinite(chars_per_token) and chars_per_token > 0):
+            raise ValueError(f"chars_per_token must be > 0, got {chars_per_token!r}")
+        self.cap = expected_decode_cap
+        self.ctx = context_length if isinstance(context_length, int) and not isinstance(context_length, bool) \
+            and context_length > 0 else None
+        self.chars_per_token = chars_per_token
+        self.block_tokens = block_tokens
+        self._default_completion = min(SGLANG_DEFAULT_MAX_NEW_TOKENS, self.cap)
+
+        def est(text: str) -> int:
+            return estimate_text_tokens(text, chars_per_token=chars_per_token, tokenizer=tokenizer)
+
+        self._est = est
+
+    def __call__(self, path: str, body: Any, memo: prefix_hash.BlockDigests | None = None) -> Reservation:
+        if path == "/generate" and type(body) is dict:
+            ids = body.get("input_ids")
+            sp = body.get("sampling_params")
+            if type(ids) is list and ids and type(ids[0]) is int and type(ids[-1]) is int \
+                    and (sp is None or type(sp) is dict):
+                prompt = len(ids)
+                if sp:
+                    n = _n_or_one(sp.get("n"))
+                    completion = _completion(sp.get("max_new_tokens"), self.cap)
+                else:
+                    n, completion = 1, self._default_completion
+                try:
+                    return self._reservation(prompt + n * completion, prompt, n, ids, memo)
+                except Exception:
+                    return self._unreadable()
+        return self.general(path, body, memo)
+
+    def general(self, path: str, body: Any, memo: prefix_hash.BlockDigests | None = None) -> Reservation:
+        """The general rules for any route and body (what __call__ does for the bodies it does not read
+        directly)."""
+        try:
+            total, prompt, seqs, key = _estimate(_norm_path(path), body, self.cap, self.ctx, self._est)
+            return self._reservation(total, prompt, seqs, key, memo)
+        except Exception:
+            return self._unreadable()
+
+    def _unreadable(self) -> Reservation:
+        return Reservation(MIN_PROMPT_TOKENS + self._default_completion, MIN_PROMPT_TOKENS)
+
+    def _reservation(self, total: int, prompt: int, seqs: int, key: Any,
+                     memo: prefix_hash.BlockDigests | None) -> Reservation:
+        bt = self.block_tokens
+        blocks = prefix_blocks(key, bt, self.chars_per_token, max_blocks=prompt // bt, memo=memo) \
+            if bt > 0 and key else ()
+        return Reservation(max(1, total), prompt, seqs, blocks, bt or DEFAULT_BLOCK_TOKENS)
 
 
 def _norm_path(path: Any) -> str:

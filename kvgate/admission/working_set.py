@@ -47,6 +47,7 @@ class Holdings:
         self.block_tokens = block_tokens
         self._places: dict[Hashable, _Place] = {}
         self._holders: dict[Hashable, tuple[Hashable, tuple[int, ...], int]] = {}
+        self._total = 0  # grand_total(), kept as holdings come and go: every admission reads it
 
     def cost(self, place: Hashable, blocks: Iterable[int], tail: int) -> int:
         """Tokens that adding (blocks, tail) on ``place`` would add: blocks not yet held there + tail."""
@@ -58,10 +59,13 @@ class Holdings:
     def add(self, holder: Hashable, place: Hashable, blocks: Iterable[int], tail: int) -> int:
         """Hold (blocks, tail) for ``holder`` on ``place``; returns the tokens it added. A holder already
         holding something is replaced (its old holding released first)."""
-        self.remove(holder)
-        bl = tuple(dict.fromkeys(blocks))  # distinct, order kept
+        if holder in self._holders:
+            self.remove(holder)
+        bl = tuple(dict.fromkeys(blocks)) if blocks else ()  # distinct, order kept
         t = max(0, int(tail))
-        p = self._places.setdefault(place, _Place())
+        p = self._places.get(place)
+        if p is None:
+            p = self._places[place] = _Place()
         refs = p.refs
         new = 0
         if bl:  # refs[b] += 1 for every block, in C (map/zip), not a Python step per block
@@ -71,7 +75,9 @@ class Holdings:
         p.tail += t
         p.holders += 1
         self._holders[holder] = (place, bl, t)
-        return new * self.block_tokens + t
+        added = new * self.block_tokens + t
+        self._total += added
+        return added
 
     def remove(self, holder: Hashable) -> int:
         """Release ``holder``'s holding; returns the tokens freed (0 if it held none: idempotent)."""
@@ -82,7 +88,9 @@ class Holdings:
         p = self._places[place]
         if p.holders == 1:  # the place's last holder: every block it holds is its alone
             del self._places[place]
-            return len(bl) * self.block_tokens + tail
+            freed = len(bl) * self.block_tokens + tail
+            self._total -= freed
+            return freed
         refs = p.refs
         freed = tail
         if bl:
@@ -94,6 +102,7 @@ class Holdings:
             freed += last * self.block_tokens
         p.tail -= tail
         p.holders -= 1
+        self._total -= freed
         return freed
 
     def holds(self, holder: Hashable) -> bool:
@@ -114,8 +123,9 @@ class Holdings:
         return 0 if p is None else len(p.refs) * self.block_tokens + p.tail
 
     def grand_total(self) -> int:
-        """Tokens held on every place together (blocks shared only within a place)."""
-        return sum(len(p.refs) * self.block_tokens + p.tail for p in self._places.values())
+        """Tokens held on every place together (blocks shared only within a place): the sum of total(place)
+        over places, kept as holders come and go."""
+        return self._total
 
     def places(self) -> list[Hashable]:
         return list(self._places)

@@ -15,7 +15,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class Resolution:
     """The outcome: ``session_id`` (None when unresolved) and ``source`` (body|header|field|None).
 
