@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import aiohttp
 import orjson
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from kvgate.admission.ledger import Ledger
 from kvgate.admission.capacity import ClusterSnapshot, EngineCapacity
@@ -78,13 +80,51 @@ def test_relayed_metrics_reuse_their_children():
         m.relayed("/generate", "200", 0.5)
     m.relayed("other", "error", 0.25)
     assert len(m._relayed) == 2
-    assert m.requests.labels("/generate", "200")._value.get() == 3
-    assert m.requests.labels("other", "error")._value.get() == 1
-    assert m.upstream_latency.labels("/generate")._sum.get() == 1.5
-    c = m.child(m.session_id_injected, "body")
-    assert c is m.child(m.session_id_injected, "body") and c is m.session_id_injected.labels("body")
+    assert m.requests.labels("/generate", "200").value == 3
+    assert m.requests.labels("other", "error").value == 1
+    assert m.upstream_latency.labels("/generate").sum == 1.5
+    c = m.child(m.session_inference, "new")
+    assert c is m.child(m.session_inference, "new") and c is m.session_inference.labels("new")
     c.inc()
-    assert m.session_id_injected.labels("body")._value.get() == 1
+    assert m.session_inference.labels("new")._value.get() == 1
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(["/generate", "/v1/completions", "other"]),
+                          st.sampled_from(["200", "503", "error"]),
+                          st.one_of(st.sampled_from([0.0, 0.005, 0.01, 600.0, 1200.0, 5000.0]),
+                                    st.floats(0, 3000, allow_nan=False))), max_size=30))
+def test_loop_series_export_what_prometheus_client_would(events):
+    """LoopCounter and LoopHistogram (no lock per request) give the exposition prometheus-client's own
+    Counter and Histogram give for the same events: every sample's name, labels and value, inclusive
+    bucket bounds included; only the _created timestamps differ."""
+    from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from kvgate.proxy.metrics import LATENCY_BUCKETS, LoopCounter, LoopHistogram
+
+    ours, theirs = CollectorRegistry(), CollectorRegistry()
+    oc = LoopCounter("x_requests", "help", ("route", "status"), ours)
+    oh = LoopHistogram("x_latency_seconds", "help", ("route",), LATENCY_BUCKETS, ours)
+    op = LoopHistogram("x_plain_seconds", "help", (), LATENCY_BUCKETS, ours)
+    tc = Counter("x_requests", "help", ["route", "status"], registry=theirs)
+    th = Histogram("x_latency_seconds", "help", ["route"], buckets=LATENCY_BUCKETS, registry=theirs)
+    tp = Histogram("x_plain_seconds", "help", buckets=LATENCY_BUCKETS, registry=theirs)
+    for route, status, v in events:
+        oc.labels(route, status).inc()
+        tc.labels(route, status).inc()
+        oh.labels(route).observe(v)
+        th.labels(route).observe(v)
+        op.observe(v)
+        tp.observe(v)
+
+    def samples(reg):
+        text = generate_latest(reg).decode()
+        return {(f.name, f.type, f.documentation, s.name, tuple(sorted(s.labels.items()))):
+                (None if s.name.endswith("_created") else s.value)
+                for f in text_string_to_metric_families(text) for s in f.samples}
+
+    assert samples(ours) == samples(theirs)
 
 
 def test_lease_expiry_floor_still_reclaims_every_due_lease():

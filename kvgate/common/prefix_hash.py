@@ -80,6 +80,8 @@ def chain(seq: Sequence[int] | str, block: int, start: int, n_from: int = 0, n_t
     holds this sequence's and filled when not (n_from 0 only). Raises TypeError for unhashable items."""
     if n_to is None:
         n_to = len(seq) // block
+    if n_to <= n_from:  # no whole block (a short prompt): nothing to hash
+        return [start]
     digests = memo.get(seq, block, n_to) if memo is not None and n_from == 0 else None
     if digests is None:
         digests = _digests(seq, block, n_from, n_to, True)

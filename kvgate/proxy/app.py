@@ -511,7 +511,7 @@ class Gateway:
                 self.metrics.placement_calls.labels("connect_retry").inc()
                 tried.append(target.engine)
                 continue
-            self.metrics.child(self.metrics.placement_calls, "engine").inc()
+            self.metrics.placement_calls.labels("engine").inc()
             return resp, outcome
 
     async def _adopt_shared(self, sid: str, where: tuple[str, int | None] | None) -> None:
@@ -677,7 +677,7 @@ class Gateway:
         if inferred is not None:
             # Synchronously, before the admission wait: a concurrent turn must see this session busy.
             self.inference.on_request_start(sid, units, self.lifecycle.clock(), inferred.prepared)
-        self.metrics.child(self.metrics.session_id_injected, source).inc()
+        self.metrics.session_id_injected.labels(source).inc()
         extra = {}
         rk = self._routing_key
         if rk is not None and rk not in request.headers:

@@ -5,13 +5,109 @@ One registry per running app (not the process-global one), so tests can run seve
 
 from __future__ import annotations
 
+import bisect
+import time
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client import CONTENT_TYPE_LATEST
+from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily
+from prometheus_client.samples import Sample
+from prometheus_client.utils import floatToGoString
 
 # Generations run for minutes: latency buckets reach 20 minutes.
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1200)
 # kvgate's own added time before forwarding is sub-millisecond when healthy.
 OVERHEAD_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.5)
+
+
+class _Count:
+    __slots__ = ("value", "created")
+
+    def __init__(self) -> None:
+        self.value = 0
+        self.created = time.time()
+
+    def inc(self, amount: float = 1) -> None:
+        self.value += amount
+
+
+class LoopCounter:
+    """A counter written on every request: a child's ``inc()`` is one addition (the event loop is the only
+    writer: no lock) and ``labels()`` one dict lookup. prometheus-client's Counter takes a lock per
+    increment and builds a key per ``labels()``. Exported at scrape time as that Counter would be:
+    ``NAME_total`` and ``NAME_created`` for each label set. Label values are str."""
+
+    def __init__(self, name: str, documentation: str, labelnames: tuple[str, ...], registry: CollectorRegistry):
+        self.name, self.documentation, self.labelnames = name, documentation, tuple(labelnames)
+        self._children: dict[tuple[str, ...], _Count] = {}
+        registry.register(self)
+
+    def labels(self, *values: str) -> _Count:
+        c = self._children.get(values)
+        if c is None:
+            if len(values) != len(self.labelnames):
+                raise ValueError(f"{self.name}: {len(self.labelnames)} label values needed, got {values!r}")
+            c = self._children[values] = _Count()
+        return c
+
+    def collect(self):
+        fam = CounterMetricFamily(self.name, self.documentation, labels=self.labelnames)
+        for values, c in list(self._children.items()):
+            fam.add_metric(values, c.value, created=c.created)
+        yield fam
+
+
+class _Buckets:
+    __slots__ = ("counts", "sum", "created", "_bounds")
+
+    def __init__(self, bounds: tuple[float, ...]) -> None:
+        self._bounds = bounds
+        self.counts = [0] * (len(bounds) + 1)  # the last one: above every bound (+Inf)
+        self.sum = 0.0
+        self.created = time.time()
+
+    def observe(self, amount: float) -> None:
+        self.counts[bisect.bisect_left(self._bounds, amount)] += 1  # le is inclusive: the first bound >= amount
+        self.sum += amount
+
+
+class LoopHistogram:
+    """A histogram written on every request, without a lock (see LoopCounter): ``labels(*values).observe(x)``
+    (or ``observe(x)`` without labels) finds the bucket with one C bisect. Exported at scrape time as
+    prometheus-client's Histogram would be: cumulative ``NAME_bucket{le}``, ``NAME_count``, ``NAME_sum`` and
+    ``NAME_created``."""
+
+    def __init__(self, name: str, documentation: str, labelnames: tuple[str, ...], buckets: tuple[float, ...],
+                 registry: CollectorRegistry):
+        self.name, self.documentation, self.labelnames = name, documentation, tuple(labelnames)
+        self._bounds = tuple(sorted(float(b) for b in buckets if b != float("inf")))
+        self._children: dict[tuple[str, ...], _Buckets] = {}
+        self._plain = self.labels() if not self.labelnames else None
+        registry.register(self)
+
+    def labels(self, *values: str) -> _Buckets:
+        c = self._children.get(values)
+        if c is None:
+            if len(values) != len(self.labelnames):
+                raise ValueError(f"{self.name}: {len(self.labelnames)} label values needed, got {values!r}")
+            c = self._children[values] = _Buckets(self._bounds)
+        return c
+
+    def observe(self, amount: float) -> None:
+        """Observe ``amount`` on a histogram without labels."""
+        self._plain.observe(amount)
+
+    def collect(self):
+        fam = HistogramMetricFamily(self.name, self.documentation, labels=self.labelnames)
+        les = [floatToGoString(b) for b in self._bounds] + ["+Inf"]
+        for values, c in list(self._children.items()):
+            acc, cumulative = 0, []
+            for le, n in zip(les, c.counts):
+                acc += n
+                cumulative.append((le, acc))
+            fam.add_metric(values, cumulative, c.sum)
+            fam.samples.append(Sample(self.name + "_created", dict(zip(self.labelnames, values)), c.created))
+        yield fam
 
 
 class Metrics:
@@ -23,14 +119,14 @@ class Metrics:
         self._children: dict[tuple, object] = {}
         p = "agentic_kv_"
         # proxy
-        self.requests = Counter(p + "requests", "Requests relayed, by route and upstream status "
-                                "(status 'error' = no upstream answer)", ["route", "status"], registry=r)
-        self.upstream_latency = Histogram(p + "upstream_latency_seconds", "Time from forwarding a request to "
-                                          "the last byte relayed back", ["route"], buckets=LATENCY_BUCKETS,
-                                          registry=r)
-        self.added_latency = Histogram(p + "proxy_added_seconds", "kvgate's own time before forwarding "
-                                       "(classify, resolve session; admission queue wait excluded)",
-                                       buckets=OVERHEAD_BUCKETS, registry=r)
+        # The series every request writes are LoopCounter / LoopHistogram: no lock, no key built per request.
+        self.requests = LoopCounter(p + "requests", "Requests relayed, by route and upstream status "
+                                    "(status 'error' = no upstream answer)", ("route", "status"), registry=r)
+        self.upstream_latency = LoopHistogram(p + "upstream_latency_seconds", "Time from forwarding a request "
+                                              "to the last byte relayed back", ("route",), LATENCY_BUCKETS, r)
+        self.added_latency = LoopHistogram(p + "proxy_added_seconds", "kvgate's own time before forwarding "
+                                           "(classify, resolve session; admission queue wait excluded)", (),
+                                           OVERHEAD_BUCKETS, r)
         self.inflight = Gauge(p + "inflight_requests", "Requests being relayed now", registry=r)
         # Counted in a plain int (no lock per request), read at scrape time.
         self.inflight_now = 0
@@ -57,8 +153,8 @@ class Metrics:
         # sessions
         self.lifecycle_enabled = Gauge(p + "session_lifecycle_enabled", "1 when session lifecycle is on",
                                        registry=r)
-        self.session_id_injected = Counter(p + "session_id_injected", "Generate calls sent with a session_id, "
-                                           "by where it came from", ["source"], registry=r)
+        self.session_id_injected = LoopCounter(p + "session_id_injected", "Generate calls sent with a "
+                                               "session_id, by where it came from", ("source",), r)
         self.session_params_skipped = Counter(p + "session_params_skipped", "Generate calls left without "
                                               "session_id because they use session_params", registry=r)
         self.sessions = Gauge(p + "sessions", "Sessions in the registry, by state", ["state"], registry=r)
@@ -123,10 +219,10 @@ class Metrics:
                                   "and why (free_kv, prefix, reopened, replaced)", ["engine", "reason"], registry=r)
         self.placed_sessions = Gauge(p + "placed_sessions", "Active sessions kvgate placed, by engine",
                                      ["engine"], registry=r)
-        self.placement_calls = Counter(p + "placement_calls", "Session calls on a placed route, by where they "
-                                       "went (engine; router_fallback: no engine usable; connect_retry: an "
-                                       "engine refused the connection and the next was tried)", ["outcome"],
-                                       registry=r)
+        self.placement_calls = LoopCounter(p + "placement_calls", "Session calls on a placed route, by where "
+                                           "they went (engine; router_fallback: no engine usable; connect_retry: "
+                                           "an engine refused the connection and the next was tried)",
+                                           ("outcome",), r)
         self.engine_warning = Gauge(p + "engine_warning", "1 when an engine is misconfigured for kvgate",
                                     ["engine", "kind"], registry=r)
 

@@ -161,6 +161,10 @@ def _response_fields(raw: list[tuple[bytes, bytes]]) -> tuple[CIMultiDict, bytes
     return CIMultiDict(keep), ctype, encoded
 
 
+#: The response header names dropped for each set of names kvgate adds (admission, session): made once per set.
+_REPLACED: dict[tuple[str, ...], frozenset[bytes]] = {}
+
+
 def _response_lines(raw: list[tuple[bytes, bytes]], add_headers) -> tuple[bytes, bool, bytes, bool]:
     """For kvgate's own server: the upstream's response header lines to relay, as bytes (hop-by-hop and
     those ``add_headers`` replace removed; the rest byte for byte, in the upstream's order), then
@@ -169,7 +173,12 @@ def _response_lines(raw: list[tuple[bytes, bytes]], add_headers) -> tuple[bytes,
     replaced = _HOP_BY_HOP_BYTES
     extra = b""
     if add_headers:
-        replaced = replaced | {k.lower().encode("latin-1") for k, _ in add_headers}
+        names = tuple(k for k, _ in add_headers)
+        replaced = _REPLACED.get(names)
+        if replaced is None:
+            replaced = _HOP_BY_HOP_BYTES | {k.lower().encode("latin-1") for k in names}
+            if len(_REPLACED) < 64:  # kvgate's own header sets: a handful
+                _REPLACED[names] = replaced
         extra = server.header_lines(add_headers)
     ctype = b""
     encoded = has_length = False

@@ -515,7 +515,7 @@ def chat_to_text(messages: Iterable[Mapping[str, Any]] | Any, add_generation_pro
 def _single(body: Mapping[str, Any]) -> bool:
     """One sequence: no n > 1 (top level on the OpenAI routes, in sampling_params on /generate)."""
     for holder in (body, body.get("sampling_params")):
-        if isinstance(holder, Mapping):
+        if type(holder) is dict or isinstance(holder, Mapping):  # a dict first: an ABC check is a Python call
             n = holder.get("n")
             if isinstance(n, int) and not isinstance(n, bool) and n > 1:
                 return False
@@ -528,7 +528,7 @@ def request_units(path: str, body: Mapping[str, Any]) -> Sequence[int] | str | N
     /generate: ``input_ids`` when a flat id list, else ``text`` when a string; /v1/completions: ``prompt``
     when a string or a flat id list; /v1/chat/completions: chat_to_text(``messages``). Batches
     (a list of prompts), n > 1, input_embeds and /v1/responses (server-side state) give None."""
-    if not isinstance(body, Mapping) or not _single(body):
+    if not (type(body) is dict or isinstance(body, Mapping)) or not _single(body):
         return None
     if path == "/generate":
         ids_ = body.get("input_ids")
@@ -553,7 +553,7 @@ def response_units(path: str, obj: Any, prompt_kind_text: bool) -> Sequence[int]
     response object: /generate ``output_ids`` when the prompt was ids (``text`` when it was text);
     /v1/completions ``choices[0].text``; /v1/chat/completions chat_output_text(``choices[0].message``).
     A streamed OpenAI response must be accumulated first (deltas) into that same shape."""
-    if not isinstance(obj, Mapping):
+    if not (type(obj) is dict or isinstance(obj, Mapping)):
         return None
     if path == "/generate":
         if prompt_kind_text:
