@@ -187,7 +187,7 @@ def _response_lines(raw: list[tuple[bytes, bytes]], add_headers) -> tuple[bytes,
     for k, v in raw:
         lk = k.lower()
         if lk in replaced:
-            if lk == b"connection":
+            if lk == b"connection" and v.lower() != b"keep-alive":
                 # Only names not dropped anyway matter (a "Connection: keep-alive" names none).
                 named = (named or set()) | ({t.strip().lower() for t in v.split(b",")} - replaced - {b""})
             continue
