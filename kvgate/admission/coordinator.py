@@ -90,7 +90,7 @@ class Decision:
     @property
     def header(self) -> str:
         """X-Kvgate-Admission value."""
-        return self.kind.value
+        return self.kind._value_  # the member's own attribute: Enum.value is a descriptor call per read
 
     @property
     def queue_ms(self) -> int:

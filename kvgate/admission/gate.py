@@ -73,6 +73,7 @@ class AdmissionGate:
                              # A program between turns may sit in HiCache's host pool: SGLang loads it back
                              # instead of recomputing it. A request in flight needs the device pool: fifo.
                              count_host=self.policy == "program" and cfg.admission_host_cache)
+        self._has_actions = self.policy == "program"  # only the program policy asks the shell to act (pauses)
         if self.policy == "program":
             self.coord = ProgramCoordinator(self.ledger, cfg.agentic_admission_max_wait_s,
                                             window_s=cfg.admission_window_s, victim=cfg.admission_pause_victim,
@@ -131,8 +132,10 @@ class AdmissionGate:
                   and await self._shared_paused(info.session_id))
         d = self.coord.submit(ticket, res.tokens, protected, self.clock(), place=self._place(info.session_id),
                               blocks=res.blocks, session_id=info.session_id, prompt_tokens=res.prompt_tokens)
-        self._run_actions()
-        self._notify()
+        if self._has_actions:
+            self._run_actions()
+        if self._watched:
+            self._notify()
         if d.kind is Kind.WAIT:
             # A waiter holds only its raw bytes and the coordinator's record, not its parsed body (parsed
             # again if read after admission) nor its reservation (the record has the tokens and blocks).
@@ -318,7 +321,8 @@ class AdmissionGate:
                 fut.set_result(d)
             elif self.coord.cancel(d.ticket, self.clock()):
                 self.dispatch(self.coord.pump(self.clock()))
-        self._run_actions()
+        if self._has_actions:
+            self._run_actions()
         if kick:
             self._kick.set()
         self._notify()
