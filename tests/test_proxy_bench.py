@@ -31,6 +31,10 @@ def test_summary_takes_medians_then_subtracts_the_hop_in_front():
     assert out.rps["small"]["smg"] == 1001 and out.cpu["small"]["smg"] == 200
     md = markdown(out)
     assert "| small /generate, p50 | 109 us | 50 us (0.46x) | 41 us (0.38x) |" in md
+    # each round's own ratio (smg added 100, 488, 109): kvgate-off 0.50, -0.68, 7.16; nosmg 0.40, 0.08, 0.39
+    assert out.ratio_range["small"]["kvgate-off"] == pytest.approx((-330 / 488, 780 / 109))
+    assert out.ratio_range["small"]["kvgate-nosmg"] == pytest.approx((41 / 488, 40 / 100))
+    assert "| small /generate, p50 x smg's, lowest-highest round | - | -0.68 to 7.16x | 0.08 to 0.40x |" in md
     assert "| small /generate, max req/s (CPU/req) | 1,001 (200 us) | - | - |" in md
     assert "| small /generate, CPU/req at 1 connection | 100 us | 301 us (3.01x) | - |" in md
 

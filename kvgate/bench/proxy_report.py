@@ -59,6 +59,9 @@ class Summary:
     latency_cpu: dict[str, dict[str, float]] = field(default_factory=dict)
     added: dict[str, dict[str, float]] = field(default_factory=dict)
     ratio: dict[str, dict[str, float | None]] = field(default_factory=dict)
+    # shape -> arm -> (lowest, highest) over rounds of its added latency / smg's in the same round: how far the
+    # rounds spread around the median ratio (on a shared machine they can straddle a target)
+    ratio_range: dict[str, dict[str, tuple[float, float]]] = field(default_factory=dict)
     rps: dict[str, dict[str, float]] = field(default_factory=dict)
     cpu: dict[str, dict[str, float]] = field(default_factory=dict)
     # shape -> "ARM-wN[@base]" -> (median, min, max) over rounds of its req/s / ARM-w1[@base]'s in the same round
@@ -70,7 +73,9 @@ class Summary:
 
     def to_json(self) -> dict[str, Any]:
         return {"rounds": self.rounds, "errors": self.errors, "errors_by": self.errors_by, "p50_us": self.latency,
-                "added_us": self.added, "ratio_to_smg": self.ratio, "max_rps": self.rps, "cpu_us_per_request": self.cpu,
+                "added_us": self.added, "ratio_to_smg": self.ratio,
+                "ratio_to_smg_range_by_round": {s: {a: list(v) for a, v in d.items()} for s, d in self.ratio_range.items()},
+                "max_rps": self.rps, "cpu_us_per_request": self.cpu,
                 "cpu_us_per_request_one_connection": self.latency_cpu,
                 "workers_scaling": {s: {a: list(v) for a, v in d.items()} for s, d in self.scaling.items()}}
 
@@ -129,11 +134,16 @@ def summarise(samples: Iterable[Sample]) -> Summary:
         if s.mode == "latency" and s.p50_us is not None:
             per_round.setdefault((s.shape, s.round), {})[s.arm] = s.p50_us
     diffs: dict[str, dict[str, list[float]]] = {}
+    round_ratios: dict[str, dict[str, list[float]]] = {}
     for (shape, _), lat in per_round.items():
+        smg_added = lat[SMG] - lat[DIRECT] if SMG in lat and DIRECT in lat else None
         for arm, v in lat.items():
             front = front_of(arm)
             if front is not None and front in lat:
                 diffs.setdefault(shape, {}).setdefault(arm, []).append(v - lat[front])
+                if arm != SMG and smg_added is not None and smg_added > 0:
+                    round_ratios.setdefault(shape, {}).setdefault(arm, []).append((v - lat[front]) / smg_added)
+    out.ratio_range = {shape: {arm: (min(v), max(v)) for arm, v in by.items()} for shape, by in round_ratios.items()}
     for shape, by_arm in diffs.items():
         added = {arm: statistics.median(v) for arm, v in by_arm.items()}
         out.added[shape] = added
@@ -203,6 +213,12 @@ def markdown(summary: Summary, meta: Mapping[str, Any] | None = None) -> str:
                 cell += f" ({ratio:.2f}x)"
             row.append(cell)
         lines.append("| " + " | ".join(row) + " |")
+        if summary.rounds > 1 and summary.ratio_range.get(shape):
+            row = [f"{SHAPE_TITLES.get(shape, shape)}, p50 x smg's, lowest-highest round"]
+            for a in arms:
+                r = summary.ratio_range[shape].get(a)
+                row.append("-" if r is None else f"{r[0]:.2f} to {r[1]:.2f}x")
+            lines.append("| " + " | ".join(row) + " |")
     for shape in SHAPE_ORDER:
         if shape not in summary.rps:
             continue
