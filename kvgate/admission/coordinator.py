@@ -257,8 +257,9 @@ class AdmissionCoordinator:
         waiting gets WAIT again, one already holding a lease gets ADMIT with that lease; neither is counted
         twice. Raises ValueError for negative or non-int tokens.
         """
-        if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 0:
-            raise ValueError(f"tokens must be an int >= 0, got {tokens!r}")
+        if type(tokens) is not int or tokens < 0:  # one check for the usual int; then the precise rule
+            if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 0:
+                raise ValueError(f"tokens must be an int >= 0, got {tokens!r}")
         if ticket in self._queue:
             w = self._queue[ticket]
             return Decision(ticket, Kind.WAIT, w.tokens, now - w.enqueued_at, True, None, w.reason)
@@ -365,7 +366,7 @@ class AdmissionCoordinator:
         """The upstream attempt for ``ticket`` ended (relayed, error or client gone): free its lease.
 
         Idempotent (no lease -> nothing freed). A ticket still waiting is cancelled instead. Returns
-        pump(now) so freed room goes to the FIFO head at once.
+        pump(now) so freed room goes to the FIFO head at once ([] when nobody waits).
         """
         if ticket in self._queue:
             self.cancel(ticket, now)
@@ -373,7 +374,8 @@ class AdmissionCoordinator:
             self._from_queue.discard(ticket)
             self._granted_seq.pop(ticket, None)
             self.ledger.release(ticket, now)
-        return self.pump(now)
+        # Nobody waits: nothing to grant (a stranded lease is reclaimed by the next submit or the timer's pump).
+        return self.pump(now) if self._queue else []
 
     def cancel(self, ticket: Hashable, now: float) -> bool:
         """The waiter for ``ticket`` is gone before it used its decision (client disconnected while waiting).

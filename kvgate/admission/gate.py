@@ -121,12 +121,14 @@ class AdmissionGate:
 
     async def acquire(self, info: RequestInfo) -> Ticket:
         c = info.classified
-        if not c.is_generate or c.body is None:
+        body = c.body
+        if not c.is_generate or body is None:
             return Ticket()  # not generation work: nothing to hold, no header
-        protected, in_scope = classify_scope(c.path, info.headers, c.body, self.rules)
+        protected, in_scope = classify_scope(c.path, info.headers, body, self.rules)
         if not in_scope:
             return Ticket(ADMISSION_OFF, headers=list(OFF_HEADERS))
-        res = self._estimate(c.path, c.body, c.block_digests())
+        res = self._estimate(c.path, body, c.block_digests())
+        del body  # a waiter keeps no reference to its parsed body (released below)
         ticket = next(self._ids)
         paused = (self.shared is not None and self.policy == "program" and info.session_id is not None
                   and await self._shared_paused(info.session_id))
@@ -171,8 +173,9 @@ class AdmissionGate:
                 raise
         self.coord.consumed(ticket)
         # bypasses hold a lease too (they never wait, but they count): release it like an admit's
-        return Ticket(d.header, waited, handle=ticket if d.lease is not None else None,
-                      headers=[(HEADER_DECISION, d.header),
+        header = d.header
+        return Ticket(header, waited, handle=ticket if d.lease is not None else None,
+                      headers=[(HEADER_DECISION, header),
                                _QUEUE_MS_ZERO if not waited else (HEADER_QUEUE_MS, str(int(round(waited * 1000))))])
 
     async def _shared_grant(self, ticket: int, d: Decision, force: bool = False) -> float:

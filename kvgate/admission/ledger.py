@@ -225,8 +225,9 @@ class Ledger:
         than that ceiling and nothing is reserved there (oversized request admitted alone). Raises ValueError
         for negative or non-int tokens.
         """
-        if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 0:
-            raise ValueError(f"tokens must be an int >= 0, got {tokens!r}")
+        if type(tokens) is not int or tokens < 0:  # one check for the usual int; then the precise rule
+            if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 0:
+                raise ValueError(f"tokens must be an int >= 0, got {tokens!r}")
         held = self._leases.get(ticket)
         if held is not None:
             return Grant(held, new=False)

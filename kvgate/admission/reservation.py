@@ -340,11 +340,18 @@ class Estimator:
             if type(ids) is list and ids and type(ids[0]) is int and type(ids[-1]) is int \
                     and (sp is None or type(sp) is dict):
                 prompt = len(ids)
+                n, completion = 1, self._default_completion
                 if sp:
-                    n = _n_or_one(sp.get("n"))
-                    completion = _completion(sp.get("max_new_tokens"), self.cap)
-                else:
-                    n, completion = 1, self._default_completion
+                    v = sp.get("n")
+                    if v is not None:
+                        n = _n_or_one(v)
+                    v = sp.get("max_new_tokens")
+                    if type(v) is int and v >= 0:  # the usual value, read without the general checks
+                        completion = v if v < self.cap else self.cap
+                    elif v is not None:
+                        completion = _completion(v, self.cap)
+                if prompt < self.block_tokens:  # no whole block to hash
+                    return Reservation(prompt + n * completion or 1, prompt, n, (), self.block_tokens)
                 try:
                     return self._reservation(prompt + n * completion, prompt, n, ids, memo)
                 except Exception:
