@@ -173,7 +173,7 @@ def _response_lines(raw: list[tuple[bytes, bytes]], add_headers) -> tuple[bytes,
     replaced = _HOP_BY_HOP_BYTES
     extra = b""
     if add_headers:
-        names = tuple(k for k, _ in add_headers)
+        names = tuple([k for k, _ in add_headers])
         replaced = _REPLACED.get(names)
         if replaced is None:
             replaced = _HOP_BY_HOP_BYTES | {k.lower().encode("latin-1") for k in names}

@@ -169,7 +169,7 @@ class Request:
 
     __slots__ = ("method", "raw_path", "_fields", "version", "keep_alive", "match_info", "_conn",
                  "_query", "_chunks", "_buffered", "_body_done", "_waiter", "_expect", "_length", "sent",
-                 "_chunked", "_head_only", "_error", "__weakref__")
+                 "_chunked", "_head_only", "_error", "_headers", "_path", "__weakref__")
 
     def __init__(self, conn: "_Conn", method: str, raw_path: str, fields: tuple, version: tuple[int, int],
                  keep_alive: bool, expect: bytes | None, length: int | None):
@@ -181,6 +181,8 @@ class Request:
         self.keep_alive = keep_alive
         self.match_info: dict[str, str] = _NO_MATCH
         self._query: MultiDictProxy | None = None
+        self._headers: Headers | None = None
+        self._path: str | None = None
         self._chunks: list[bytes] | tuple = ()  # a list once body bytes arrive
         self._buffered = 0
         self._body_done = False
@@ -197,8 +199,11 @@ class Request:
     @property
     def path(self) -> str:
         """The path without the query, percent-decoded (aiohttp's ``request.path``)."""
-        p = self.raw_path.partition("?")[0]
-        return unquote(p, errors="surrogateescape") if "%" in p else p
+        p = self._path
+        if p is None:
+            p = self.raw_path.partition("?")[0]
+            p = self._path = unquote(p, errors="surrogateescape") if "%" in p else p
+        return p
 
     @property
     def query_string(self) -> str:
@@ -213,8 +218,11 @@ class Request:
 
     @property
     def headers(self) -> Headers:
-        """The headers as str, case-insensitive (see Headers)."""
-        return Headers(self._fields)
+        """The headers as str, case-insensitive (see Headers); made on first read."""
+        h = self._headers
+        if h is None:
+            h = self._headers = Headers(self._fields)
+        return h
 
     @property
     def raw_headers(self) -> tuple:
