@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import bisect
 import time
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client import CONTENT_TYPE_LATEST
@@ -31,26 +32,41 @@ class _Count:
         self.value += amount
 
 
-class LoopCounter:
-    """A counter written on every request: a child's ``inc()`` is one addition (the event loop is the only
-    writer: no lock) and ``labels()`` one dict lookup. prometheus-client's Counter takes a lock per
-    increment and builds a key per ``labels()``. Exported at scrape time as that Counter would be:
-    ``NAME_total`` and ``NAME_created`` for each label set. Label values are str."""
+class _LoopSeries:
+    """What LoopCounter and LoopHistogram share: a child per label values (str), made on first use."""
 
-    def __init__(self, name: str, documentation: str, labelnames: tuple[str, ...], registry: CollectorRegistry):
+    def __init__(self, name: str, documentation: str, labelnames: tuple[str, ...]):
         self.name, self.documentation, self.labelnames = name, documentation, tuple(labelnames)
-        self._children: dict[tuple[str, ...], _Count] = {}
-        registry.register(self)
+        self._children: dict[tuple[str, ...], Any] = {}
 
-    def labels(self, *values: str) -> _Count:
+    def labels(self, *values: str):
+        """The child for ``values`` (one per label name; ValueError otherwise): one dict lookup once made."""
         c = self._children.get(values)
         if c is None:
             if len(values) != len(self.labelnames):
                 raise ValueError(f"{self.name}: {len(self.labelnames)} label values needed, got {values!r}")
-            c = self._children[values] = _Count()
+            c = self._children[values] = self._new_child()
         return c
 
+    def _new_child(self):
+        raise NotImplementedError
+
+
+class LoopCounter(_LoopSeries):
+    """A counter written on every request: a child's ``inc()`` is one addition (the event loop is the only
+    writer: no lock) and ``labels()`` one dict lookup. prometheus-client's Counter takes a lock per
+    increment and builds a key per ``labels()``. Exported at scrape time (``collect``) as that Counter would
+    be: ``NAME_total`` and ``NAME_created`` for each label set."""
+
+    def __init__(self, name: str, documentation: str, labelnames: tuple[str, ...], registry: CollectorRegistry):
+        super().__init__(name, documentation, labelnames)
+        registry.register(self)  # last: the registry reads the series at once
+
+    def _new_child(self) -> _Count:
+        return _Count()
+
     def collect(self):
+        """The counter family, for the registry at scrape time."""
         fam = CounterMetricFamily(self.name, self.documentation, labels=self.labelnames)
         for values, c in list(self._children.items()):
             fam.add_metric(values, c.value, created=c.created)
@@ -71,33 +87,28 @@ class _Buckets:
         self.sum += amount
 
 
-class LoopHistogram:
+class LoopHistogram(_LoopSeries):
     """A histogram written on every request, without a lock (see LoopCounter): ``labels(*values).observe(x)``
-    (or ``observe(x)`` without labels) finds the bucket with one C bisect. Exported at scrape time as
-    prometheus-client's Histogram would be: cumulative ``NAME_bucket{le}``, ``NAME_count``, ``NAME_sum`` and
-    ``NAME_created``."""
+    (or ``observe(x)`` without labels; x in the buckets' unit, seconds here) finds the bucket with one C
+    bisect. Exported at scrape time as prometheus-client's Histogram would be: cumulative ``NAME_bucket{le}``,
+    ``NAME_count``, ``NAME_sum`` and ``NAME_created``."""
 
     def __init__(self, name: str, documentation: str, labelnames: tuple[str, ...], buckets: tuple[float, ...],
                  registry: CollectorRegistry):
-        self.name, self.documentation, self.labelnames = name, documentation, tuple(labelnames)
+        super().__init__(name, documentation, labelnames)
         self._bounds = tuple(sorted(float(b) for b in buckets if b != float("inf")))
-        self._children: dict[tuple[str, ...], _Buckets] = {}
         self._plain = self.labels() if not self.labelnames else None
-        registry.register(self)
+        registry.register(self)  # last: the registry reads the series at once
 
-    def labels(self, *values: str) -> _Buckets:
-        c = self._children.get(values)
-        if c is None:
-            if len(values) != len(self.labelnames):
-                raise ValueError(f"{self.name}: {len(self.labelnames)} label values needed, got {values!r}")
-            c = self._children[values] = _Buckets(self._bounds)
-        return c
+    def _new_child(self) -> _Buckets:
+        return _Buckets(self._bounds)
 
     def observe(self, amount: float) -> None:
         """Observe ``amount`` on a histogram without labels."""
         self._plain.observe(amount)
 
     def collect(self):
+        """The histogram family, for the registry at scrape time."""
         fam = HistogramMetricFamily(self.name, self.documentation, labels=self.labelnames)
         les = [floatToGoString(b) for b in self._bounds] + ["+Inf"]
         for values, c in list(self._children.items()):
