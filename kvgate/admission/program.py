@@ -306,7 +306,8 @@ class ProgramCoordinator:
         else:
             resident = tokens  # no answer read: keep what was reserved (the safe side)
             m = observed if isinstance(observed, Mapping) else {}
-            pt, ct, cached = (_nonneg_int(m.get(k)) for k in ("prompt_tokens", "completion_tokens", "cached_tokens"))
+            pt, ct = _nonneg_int(m.get("prompt_tokens")), _nonneg_int(m.get("completion_tokens"))
+            cached = _nonneg_int(m.get("cached_tokens"))
             if pt is not None:
                 resident = pt + (ct or 0)
                 if prompt > 0:
