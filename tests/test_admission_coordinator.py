@@ -268,6 +268,23 @@ def test_bad_args():
         co.submit("t", -5, False, 0.0)
 
 
+def test_both_policies_refuse_a_reservation_that_is_not_an_int_of_zero_or_more():
+    """The fifo and the program coordinators take the usual int at once and anything else through the same
+    rule as the ledger: a bool, a float, a str or a negative count raises before anything is decided, also
+    when the ledger is degraded (no snapshot: the request would bypass, the ledger is never asked)."""
+    from kvgate.admission.program import ProgramCoordinator
+
+    for coord in (AdmissionCoordinator, ProgramCoordinator):
+        for fresh in (True, False):
+            lg = make()[1] if fresh else Ledger()  # a fresh snapshot with room to spare, or none at all
+            co = coord(lg, 1)
+            for bad in (-1, 1.5, True, "3"):
+                with pytest.raises(ValueError):
+                    co.submit("t", bad, False, 0.0, session_id="s")
+            want = Kind.ADMIT if fresh else Kind.BYPASS_DEGRADED
+            assert co.submit("t", 5, False, 0.0, session_id="s").kind is want
+
+
 def test_invalidate_flushes_queue_degraded():
     co, lg = make()
     co.submit("a", 9000, False, 0.0)

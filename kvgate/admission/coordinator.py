@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from typing import Any, Hashable
 
 from .capacity import ClusterSnapshot
-from .ledger import Grant, Lease, Ledger
+from .ledger import Grant, Lease, Ledger, check_tokens
 
 __all__ = ["Kind", "Decision", "DecisionTally", "AdmissionCoordinator", "ADMISSION_OFF", "held_kind"]
 
@@ -258,8 +258,7 @@ class AdmissionCoordinator:
         twice. Raises ValueError for negative or non-int tokens.
         """
         if type(tokens) is not int or tokens < 0:  # one check for the usual int; then the precise rule
-            if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 0:
-                raise ValueError(f"tokens must be an int >= 0, got {tokens!r}")
+            check_tokens(tokens)
         if ticket in self._queue:
             w = self._queue[ticket]
             return Decision(ticket, Kind.WAIT, w.tokens, now - w.enqueued_at, True, None, w.reason)

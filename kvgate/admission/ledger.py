@@ -30,7 +30,7 @@ from .working_set import DEFAULT_BLOCK_TOKENS, FLEET, Holdings
 #: Places remembered per snapshot (engines and their DP ranks; a bound for callers that pass odd ones).
 MAX_REMEMBERED_PLACES = 4096
 
-__all__ = ["Grant", "Refusal", "Lease", "Ledger", "REFUSAL_REASONS"]
+__all__ = ["Grant", "Refusal", "Lease", "Ledger", "REFUSAL_REASONS", "check_tokens"]
 
 RefusalReason = Literal["pressure_guard", "capacity_exhausted", "degraded"]
 #: Reasons a ledger refuses. "degraded" is only returned if a caller acquires while degraded (the
@@ -89,6 +89,12 @@ class Refusal:
 
     def __bool__(self) -> bool:
         return False
+
+
+def check_tokens(tokens: Any) -> None:
+    """Raise ValueError unless ``tokens`` is an int >= 0 (not a bool): a reservation's size."""
+    if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 0:
+        raise ValueError(f"tokens must be an int >= 0, got {tokens!r}")
 
 
 def _check_fraction(name: str, v: float) -> float:
@@ -226,8 +232,7 @@ class Ledger:
         for negative or non-int tokens.
         """
         if type(tokens) is not int or tokens < 0:  # one check for the usual int; then the precise rule
-            if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 0:
-                raise ValueError(f"tokens must be an int >= 0, got {tokens!r}")
+            check_tokens(tokens)
         held = self._leases.get(ticket)
         if held is not None:
             return Grant(held, new=False)

@@ -46,7 +46,7 @@ from typing import Any, Hashable, Iterator
 
 from .capacity import ClusterSnapshot
 from .coordinator import Decision, DecisionTally, Kind
-from .ledger import Grant, Ledger
+from .ledger import Grant, Ledger, check_tokens
 from .working_set import FLEET
 
 __all__ = ["ProgramCoordinator", "ProgramState", "Action", "VICTIM_RULES", "RESUME_ORDERS"]
@@ -175,8 +175,8 @@ class ProgramCoordinator:
         Returns ADMIT or BYPASS_* (forward now; release it when the attempt ends) or WAIT (a later pump()
         returns its final decision). Raises ValueError for negative or non-int tokens.
         """
-        if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 0:
-            raise ValueError(f"tokens must be an int >= 0, got {tokens!r}")
+        if type(tokens) is not int or tokens < 0:  # one check for the usual int; then the precise rule
+            check_tokens(tokens)
         if ticket in self._queue:
             w = self._queue[ticket]
             return Decision(ticket, Kind.WAIT, w.tokens, now - w.enqueued_at, True, None, w.reason)
