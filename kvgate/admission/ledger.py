@@ -197,8 +197,8 @@ class Ledger:
     def _forget_places(self) -> None:
         # places resolved and ceilings computed against the snapshot just replaced
         self._resolved: dict[Any, Any] = {}
-        self._ceilings: dict[Any, int] = {}
-        self._figures: dict[Any, tuple[int, float, int]] = {}  # bounded by the places resolve_place keeps
+        # (max_tokens, usage_of, ceiling_of) per resolved place: bounded by the places resolve_place keeps
+        self._figures: dict[Any, tuple[int, float, int]] = {}
 
     @property
     def snapshot(self) -> ClusterSnapshot | None:
@@ -280,7 +280,11 @@ class Ledger:
         try:
             return self._figures[place]
         except KeyError:
-            f = self._figures[place] = (self.max_tokens(place), self.usage_of(place), self.ceiling_of(place))
+            if place is FLEET:
+                ceiling = self._ceiling
+            else:
+                ceiling = int(math.floor((self._capacity_of(place) + self._host_of(place)) * self.headroom))
+            f = self._figures[place] = (self.max_tokens(place), self.usage_of(place), ceiling)
             return f
 
     # ---------------------------------------------------------------- places
@@ -337,13 +341,7 @@ class Ledger:
         """floor(max_total_num_tokens (+ the HiCache host room when ``count_host``) x headroom) of ``place``
         (the fleet's ceiling for FLEET / unknown)."""
         place = self.resolve_place(place)
-        if place is FLEET:
-            return self._ceiling
-        c = self._ceilings.get(place)
-        if c is None:
-            room = self._capacity_of(place) + self._host_of(place)
-            c = self._ceilings[place] = int(math.floor(room * self.headroom))
-        return c
+        return self._ceiling if place is FLEET else self._figures_of(place)[2]
 
     def max_tokens(self, place: Any) -> int:
         """The most one reservation can count on ``place``: that engine's (or pool's) max_total_num_tokens;
