@@ -350,8 +350,6 @@ class Estimator:
                         completion = v if v < self.cap else self.cap
                     elif v is not None:
                         completion = _completion(v, self.cap)
-                if prompt < self.block_tokens:  # no whole block to hash
-                    return Reservation(prompt + n * completion or 1, prompt, n, (), self.block_tokens)
                 try:
                     return self._reservation(prompt + n * completion, prompt, n, ids, memo)
                 except Exception:
@@ -373,8 +371,9 @@ class Estimator:
     def _reservation(self, total: int, prompt: int, seqs: int, key: Any,
                      memo: prefix_hash.BlockDigests | None) -> Reservation:
         bt = self.block_tokens
+        # a prompt under one block has none to hash (max_blocks would be 0): no call at all
         blocks = prefix_blocks(key, bt, self.chars_per_token, max_blocks=prompt // bt, memo=memo) \
-            if bt > 0 and key else ()
+            if bt > 0 and key and prompt >= bt else ()
         return Reservation(max(1, total), prompt, seqs, blocks, bt or DEFAULT_BLOCK_TOKENS)
 
 
