@@ -10,7 +10,7 @@ import aiohttp
 import pytest
 
 from fake_upstream import parse_answer, request, send_raw
-from kvgate.proxy.pool import ConnectFailed, Disconnected, Pool
+from kvgate.proxy.pool import ConnectFailed, Disconnected, Pool, ResponseError
 from kvgate.tools.procs import free_port
 
 
@@ -322,3 +322,69 @@ def test_https_upstreams_keep_aiohttps_client_with_the_same_headers():
     head = forward_head(((b"X-A", b"caf\xe9"), (b"Connection", b"close"), (b"x-b", b"1")), {"X-SMG-Routing-Key": "s"})
     md = _multidict_from_head(head)
     assert list(md.items()) == [("X-A", "caf\udce9"), ("x-b", "1"), ("X-SMG-Routing-Key", "s")]
+
+
+async def _exchange_with_hook(pool: Pool, calls: list):
+    def on_complete(conn):
+        calls.append((conn.status, bytes(conn.reason), conn.take()))
+        return "answered"
+    head = b"POST /generate HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\n\r\n"
+    return await pool.exchange("up", head, b"{}", 2, "POST", False, 1 << 20, on_complete)
+
+
+async def test_a_response_that_arrives_whole_is_handed_to_on_complete_before_the_exchange_returns(keepalive):
+    up = await keepalive(lambda c, r, h: OK)
+    pool = Pool(connect_timeout_s=5.0, read_timeout_s=0.0)
+    pool.set_address("up", "127.0.0.1", _port(up.url))
+    for _ in range(2):  # a new connection, then the same one reused: the hook is armed per request
+        calls: list = []
+        ex = await _exchange_with_hook(pool, calls)
+        assert calls == [(200, b"OK", b'{"ok":true}')] and ex.early == "answered"
+        assert await ex.read() == b""  # the body went to the hook, once
+        ex.release()
+        assert pool.idle_count("up") == 1
+    assert pool.connections_made == 1
+    pool.close()
+
+
+async def test_a_response_still_arriving_when_its_head_is_read_never_reaches_on_complete():
+    # Head and first chunk, then (once the test says so) the last chunk: the relay streams it; the hook,
+    # disarmed when the exchange returned the head, must not answer the request a second time.
+    rest = asyncio.Event()
+
+    async def handle(reader, writer):
+        await reader.readuntil(b"\r\n\r\n")
+        await reader.readexactly(2)
+        writer.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n5\r\nhello\r\n")
+        await rest.wait()
+        writer.write(b"6\r\n world\r\n0\r\n\r\n")
+        await writer.drain()
+        await reader.read()  # until the client closes
+        writer.close()
+
+    srv = await asyncio.start_server(handle, "127.0.0.1", 0)
+    pool = Pool(connect_timeout_s=5.0, read_timeout_s=0.0)
+    pool.set_address("up", "127.0.0.1", srv.sockets[0].getsockname()[1])
+    calls: list = []
+    ex = await _exchange_with_hook(pool, calls)
+    assert ex.early is None and not ex.complete
+    assert await ex.read() == b"hello"
+    rest.set()
+    assert await ex.read() == b" world" and await ex.read() == b""
+    assert calls == []
+    ex.release()
+    pool.close()
+    srv.close()
+    await srv.wait_closed()
+
+
+async def test_a_malformed_response_never_reaches_on_complete(keepalive):
+    up = await keepalive(lambda c, r, h: b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\nContent-Length: 3\r\n\r\nabc")
+    pool = Pool(connect_timeout_s=5.0, read_timeout_s=0.0)
+    pool.set_address("up", "127.0.0.1", _port(up.url))
+    calls: list = []
+    with pytest.raises(ResponseError):
+        ex = await _exchange_with_hook(pool, calls)
+        await ex.read()
+    assert calls == []
+    pool.close()

@@ -19,7 +19,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import socket
-from typing import Iterable
+from typing import Callable, Iterable
 
 import httptools
 
@@ -52,7 +52,7 @@ class _Conn(asyncio.Protocol):
     __slots__ = ("transport", "parser", "key", "idle_since", "closed", "_loop", "_read_timeout", "_timer",
                  "_waiter", "_write_waiter", "status", "reason", "headers", "framed", "head_done", "done",
                  "exc", "got_bytes", "_chunks", "_buffered", "_paused", "head_only", "keep_alive", "_sock",
-                 "_head_bytes")
+                 "_head_bytes", "on_complete", "early")
 
     def __init__(self, loop: asyncio.AbstractEventLoop, key: str, read_timeout: float):
         self._loop = loop
@@ -83,6 +83,10 @@ class _Conn(asyncio.Protocol):
         self._paused = False
         self.head_only = head_only  # a HEAD request: the response ends with its head
         self.keep_alive = False
+        # Called with this connection as soon as the whole response is in, before the waiting relay
+        # resumes; what it returns is the exchange's ``early`` (see Pool.exchange).
+        self.on_complete: Callable[[_Conn], object] | None = None
+        self.early = None
 
     # --- asyncio.Protocol ---
 
@@ -130,6 +134,10 @@ class _Conn(asyncio.Protocol):
             if self._buffered > READ_HIGH_WATER and not self._paused:
                 self._paused = True
                 self.transport.pause_reading()
+        hook = self.on_complete
+        if hook is not None and self.done and self.exc is None:
+            self.on_complete = None
+            self.early = hook(self)
         self._wake()
 
     def eof_received(self) -> bool:
@@ -205,6 +213,19 @@ class _Conn(asyncio.Protocol):
 
     # --- the relay's side ---
 
+    def take(self) -> bytes:
+        """The body bytes buffered now (b"" when none); reading resumes if it was paused."""
+        chunks = self._chunks
+        if not chunks:
+            return b""
+        data = chunks[0] if len(chunks) == 1 else b"".join(chunks)
+        self._chunks = []
+        self._buffered = 0
+        if self._paused and not self.closed:
+            self._paused = False
+            self.transport.resume_reading()
+        return data
+
     def _wake(self) -> None:
         w = self._waiter
         if w is not None:
@@ -252,7 +273,7 @@ class Exchange:
     to its end and the upstream keeps it alive; else it is closed, which cancels the upstream's work.
     """
 
-    __slots__ = ("_pool", "_conn", "status", "reason", "headers")
+    __slots__ = ("_pool", "_conn", "status", "reason", "headers", "early")
 
     def __init__(self, pool: "Pool", conn: _Conn):
         self._pool = pool
@@ -260,6 +281,7 @@ class Exchange:
         self.status = conn.status
         self.reason = conn.reason
         self.headers = conn.headers
+        self.early = conn.early  # what exchange()'s on_complete returned, or None
 
     @property
     def failed(self) -> BaseException | None:
@@ -278,19 +300,16 @@ class Exchange:
         c = self._conn
         while True:
             if c._chunks:
-                chunks = c._chunks
-                data = chunks[0] if len(chunks) == 1 else b"".join(chunks)
-                c._chunks = []
-                c._buffered = 0
-                if c._paused and not c.closed:
-                    c._paused = False
-                    c.transport.resume_reading()
-                return data
+                return self.take()
             if c.exc is not None:
                 raise c.exc
             if c.done:
                 return b""
             await c._wait()
+
+    def take(self) -> bytes:
+        """The body bytes buffered now (b"" when none), without waiting: all of it once ``complete``."""
+        return self._conn.take()
 
     def release(self) -> None:
         c, self._conn = self._conn, None
@@ -320,18 +339,24 @@ class Pool:
         self._addr[key] = (host, port)
 
     async def exchange(self, key: str, head: bytes, body: bytes | Iterable[bytes | memoryview], size: int,
-                       method: str, retry: bool, piece_bytes: int) -> Exchange:
+                       method: str, retry: bool, piece_bytes: int,
+                       on_complete: Callable[[_Conn], object] | None = None) -> Exchange:
         """Send ``head`` (request line and headers, ending with the blank line) and ``body`` (``size``
         bytes: one bytes object, or pieces sent one by one with the event loop given back between them)
         to ``key``'s upstream and wait for the response head. retry: resend once on a new connection when
         the connection closes before any response byte (only for a bytes body and a method safe to send
-        twice, RFC 9112 section 9.3.1). Raises ConnectFailed, Disconnected, ResponseError, TimeoutError."""
+        twice, RFC 9112 section 9.3.1). Raises ConnectFailed, Disconnected, ResponseError, TimeoutError.
+
+        on_complete: called with the connection (its ``status``, ``reason``, ``headers`` and ``take()``, as an
+        Exchange has them) as soon as the whole response has arrived without error, inside the connection's
+        data callback, before this coroutine resumes; what it returns becomes the exchange's ``early``. It lets a small answer go to the client a loop turn and
+        the relay's coroutine frames sooner. It must not raise."""
         if self._limit is not None:
             await self._limit.acquire()  # outside the try: a wait cancelled here holds nothing to release
         try:
             conn = await self._get(key, method == "HEAD")
             try:
-                await self._send_and_wait_head(conn, head, body, size, piece_bytes)
+                await self._send_and_wait_head(conn, head, body, size, piece_bytes, on_complete)
             except Disconnected:
                 conn.close()
                 self._open.discard(conn)
@@ -339,7 +364,7 @@ class Pool:
                     raise
                 conn = await self._connect(key, method == "HEAD")
                 try:
-                    await self._send_and_wait_head(conn, head, body, size, piece_bytes)
+                    await self._send_and_wait_head(conn, head, body, size, piece_bytes, on_complete)
                 except BaseException:
                     conn.close()
                     self._open.discard(conn)
@@ -352,9 +377,12 @@ class Pool:
             if self._limit is not None:
                 self._limit.release()
             raise
+        conn.on_complete = None  # the relay has the head now: the rest is its to read, however it arrives
         return Exchange(self, conn)
 
-    async def _send_and_wait_head(self, conn: _Conn, head: bytes, body, size: int, piece_bytes: int) -> None:
+    async def _send_and_wait_head(self, conn: _Conn, head: bytes, body, size: int, piece_bytes: int,
+                                  on_complete) -> None:
+        conn.on_complete = on_complete
         await self._send(conn, head, body, size, piece_bytes)
         while not conn.head_done and conn.exc is None:
             await conn._wait()

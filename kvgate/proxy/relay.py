@@ -350,9 +350,14 @@ class Upstream:
         retry = method in _RETRIED_METHODS
         if retry and not isinstance(body, bytes):
             body = b"".join(body.parts)  # resent once when a pooled connection turns out closed: must be whole
+        answer = None
+        if on_headers is None and type(request) is server.Request:
+            # A response that arrives whole is answered from the connection's data callback, at once.
+            def answer(whole) -> RelayOutcome | None:
+                return self._answer_arrived(request, path_qs, whole, observe, add_headers)
         try:
             up = await self.pool.exchange(base, head, body if isinstance(body, bytes) else body.parts, size,
-                                          method, retry, SEND_PIECE_BYTES)
+                                          method, retry, SEND_PIECE_BYTES, answer)
         except asyncio.TimeoutError:
             return self._error(504, f"kvgate: upstream {base} timed out", "upstream_timeout", base,
                                RelayOutcome(None, None, "timeout"), add_headers)
@@ -370,6 +375,8 @@ class Upstream:
                                "upstream_protocol_error", base, RelayOutcome(None, None, "protocol_error"),
                                add_headers)
         try:
+            if up.early is not None:
+                return None, up.early
             return await self._stream(request, path_qs, up, observe, add_headers, on_headers, base)
         finally:
             up.release()
@@ -413,25 +420,46 @@ class Upstream:
                           base: str) -> tuple[None, RelayOutcome]:
         """_stream() for kvgate's own server: the head is written from the upstream's header bytes, with no
         header objects. Returns (None: answered on the connection, outcome)."""
+        if up.complete:
+            return None, self._answer_whole(request, path_qs, up, observe, add_headers)
         status = up.status
         lines, has_length, ctype, encoded = _response_lines(up.headers, add_headers)
         observer, fault = self._observer(observe, ctype, encoded, path_qs)
-        if up.complete:
-            # The whole body is here: head and body go to the client in one write.
-            chunk = await up.read()
-            if chunk and observer is not None:
-                observer, fault = self._feed(observer, fault, chunk, path_qs)
-            try:
-                request.answer(status, up.reason, lines, chunk, has_length)
-            except ConnectionResetError:
-                return None, RelayOutcome(status, observer, "client_gone", observer_fault=fault)
-            return None, RelayOutcome(status, observer, "complete", observer_fault=fault)
         try:
             request.start(status, up.reason, lines, has_length)
         except ConnectionResetError:
             return None, RelayOutcome(status, observer, "client_gone", observer_fault=fault)
         return None, await self._relay_rest(up, observer, fault, status, base, path_qs, request.write,
                                             request.write_eof, request, ConnectionResetError)
+
+    def _answer_whole(self, request: server.Request, path_qs: str, up, observe, add_headers) -> RelayOutcome:
+        """Answer ``request`` with ``up``'s response, all of which has arrived (an Exchange, or the pool's
+        connection itself from its data callback: ``status``, ``reason``, ``headers``, ``take()``): head and
+        body in one write."""
+        status = up.status
+        lines, has_length, ctype, encoded = _response_lines(up.headers, add_headers)
+        observer, fault = self._observer(observe, ctype, encoded, path_qs)
+        chunk = up.take()
+        if chunk and observer is not None:
+            observer, fault = self._feed(observer, fault, chunk, path_qs)
+        try:
+            request.answer(status, up.reason, lines, chunk, has_length)
+        except ConnectionResetError:
+            return RelayOutcome(status, observer, "client_gone", observer_fault=fault)
+        return RelayOutcome(status, observer, "complete", observer_fault=fault)
+
+    def _answer_arrived(self, request: server.Request, path_qs: str, up, observe,
+                        add_headers) -> RelayOutcome | None:
+        """_answer_whole() from the pool's data callback (Pool.exchange's on_complete): never raises. None
+        leaves the answer to the relay's coroutine; an error after the answer went out is logged, and the
+        answer stands."""
+        try:
+            return self._answer_whole(request, path_qs, up, observe, add_headers)
+        except Exception:
+            log.exception("answering %s from the upstream's data callback failed", path_qs)
+            if request.sent:
+                return RelayOutcome(up.status, None, "complete")
+            return None
 
     def _observer(self, observe, ctype: bytes, encoded: bool, path_qs: str) -> tuple[ResponseObserver | None, bool]:
         """(the response's observer or None, whether making it failed): none for an encoded body (kvgate
