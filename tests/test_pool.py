@@ -388,3 +388,28 @@ async def test_a_malformed_response_never_reaches_on_complete(keepalive):
         await ex.read()
     assert calls == []
     pool.close()
+
+
+async def test_an_error_answering_from_the_data_callback_is_a_500_never_an_emptied_answer(kvgate_factory, keepalive,
+                                                                                             monkeypatch):
+    """kvgate's own fault while it answers from the upstream's data callback, after the body was taken: the
+    client gets the server's 500 (as for any handler error), not the upstream's status with an empty body;
+    the next request is answered whole."""
+    from kvgate.proxy import server as kv_server
+    up = await keepalive(lambda c, r, h: OK)
+    gw, url = await kvgate_factory(upstream=up.url)
+    real = kv_server.Request.answer
+    failures = {"left": 1}
+
+    def failing_answer(self, *args, **kw):
+        if failures["left"]:
+            failures["left"] -= 1
+            raise RuntimeError("a fault of kvgate's own")
+        return real(self, *args, **kw)
+
+    monkeypatch.setattr(kv_server.Request, "answer", failing_answer)
+    async with aiohttp.ClientSession() as http:
+        async with http.post(url + "/generate", data=b'{"input_ids":[1]}') as r:
+            assert r.status == 500 and failures["left"] == 0
+        async with http.post(url + "/generate", data=b'{"input_ids":[2]}') as r:
+            assert r.status == 200 and await r.read() == b'{"ok":true}'

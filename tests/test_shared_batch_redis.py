@@ -290,6 +290,7 @@ async def test_batches_go_on_one_connection_and_survive_a_flushed_script_cache(r
         conn = st._scripts["batch"]._conn
         assert conn is not None and conn.is_connected
         await raw.script_flush()
+        st.register_scripts()  # registering again keeps the batch's connection
         assert await st.queue_grant(ks, st.lease_member(2, 50), 50, [1000], 30.0) == (True, 0)
         st.lease_release(ks, st.lease_member(1, 50))
         st.lease_release(ks, st.lease_member(2, 50))

@@ -349,8 +349,9 @@ class Pool:
 
         on_complete: called with the connection (its ``status``, ``reason``, ``headers`` and ``take()``, as an
         Exchange has them) as soon as the whole response has arrived without error, inside the connection's
-        data callback, before this coroutine resumes; what it returns becomes the exchange's ``early``. It lets a small answer go to the client a loop turn and
-        the relay's coroutine frames sooner. It must not raise."""
+        data callback, before this coroutine resumes; what it returns becomes the exchange's ``early``. A small
+        answer then reaches the client a loop turn (and the relay's coroutine frames) sooner. It must not
+        raise."""
         if self._limit is not None:
             await self._limit.acquire()  # outside the try: a wait cancelled here holds nothing to release
         try:

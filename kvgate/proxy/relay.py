@@ -353,7 +353,7 @@ class Upstream:
         answer = None
         if on_headers is None and type(request) is server.Request:
             # A response that arrives whole is answered from the connection's data callback, at once.
-            def answer(whole) -> RelayOutcome | None:
+            def answer(whole) -> RelayOutcome | Exception:
                 return self._answer_arrived(request, path_qs, whole, observe, add_headers)
         try:
             up = await self.pool.exchange(base, head, body if isinstance(body, bytes) else body.parts, size,
@@ -375,8 +375,11 @@ class Upstream:
                                "upstream_protocol_error", base, RelayOutcome(None, None, "protocol_error"),
                                add_headers)
         try:
-            if up.early is not None:
-                return None, up.early
+            early = up.early
+            if early is not None:
+                if isinstance(early, Exception):  # raised answering from the data callback, nothing sent
+                    raise early
+                return None, early
             return await self._stream(request, path_qs, up, observe, add_headers, on_headers, base)
         finally:
             up.release()
@@ -449,17 +452,18 @@ class Upstream:
         return RelayOutcome(status, observer, "complete", observer_fault=fault)
 
     def _answer_arrived(self, request: server.Request, path_qs: str, up, observe,
-                        add_headers) -> RelayOutcome | None:
-        """_answer_whole() from the pool's data callback (Pool.exchange's on_complete): never raises. None
-        leaves the answer to the relay's coroutine; an error after the answer went out is logged, and the
-        answer stands."""
+                        add_headers) -> RelayOutcome | Exception:
+        """_answer_whole() from the pool's data callback (Pool.exchange's on_complete): never raises. An
+        error before anything was written is returned, for the relay's coroutine to raise where the handler
+        would have (the server answers 500, as for any handler error); one after the answer went out is
+        logged, and the answer stands."""
         try:
             return self._answer_whole(request, path_qs, up, observe, add_headers)
-        except Exception:
-            log.exception("answering %s from the upstream's data callback failed", path_qs)
-            if request.sent:
-                return RelayOutcome(up.status, None, "complete")
-            return None
+        except Exception as exc:
+            if not request.sent:
+                return exc
+            log.exception("answering %s from the upstream's data callback failed after the answer", path_qs)
+            return RelayOutcome(up.status, None, "complete")
 
     def _observer(self, observe, ctype: bytes, encoded: bool, path_qs: str) -> tuple[ResponseObserver | None, bool]:
         """(the response's observer or None, whether making it failed): none for an encoded body (kvgate

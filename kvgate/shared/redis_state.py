@@ -427,7 +427,10 @@ class SharedState:
     def register_scripts(self) -> None:
         """Load the Lua scripts (sent to Redis on first use; start() does this)."""
         c = self.client
-        self._scripts = {"batch": _OwnConnectionScript(c.register_script(_BATCH)), "grant": c.register_script(_LEASE_GRANT),
+        batch = self._scripts.get("batch")
+        if not isinstance(batch, _OwnConnectionScript):  # called again: keep the batch's connection
+            batch = _OwnConnectionScript(c.register_script(_BATCH))
+        self._scripts = {"batch": batch, "grant": c.register_script(_LEASE_GRANT),
                          "sum": c.register_script(_LEASE_SUM), "lead": c.register_script(_CAPACITY_LEAD)}
         self._fixed_keys = self.queue_keys()
         self._batch_args = [self.ttl, self.replica, self.prefix + "replica:", self.prefix + "room"]
