@@ -385,6 +385,7 @@ class SharedState:
         self.up = True
         self._client = client
         self._scripts: dict[str, Any] = {}
+        self._batch_script: _OwnConnectionScript | None = None  # owns the batch's connection (closed by stop)
         self._batch = WriteBatch()
         self._flusher: asyncio.Task | None = None   # sends the queued ops, one batch in flight at a time
         self._wake = asyncio.Event()                 # an op someone waits for was queued: stop lingering
@@ -427,10 +428,9 @@ class SharedState:
     def register_scripts(self) -> None:
         """Load the Lua scripts (sent to Redis on first use; start() does this)."""
         c = self.client
-        batch = self._scripts.get("batch")
-        if not isinstance(batch, _OwnConnectionScript):  # called again: keep the batch's connection
-            batch = _OwnConnectionScript(c.register_script(_BATCH))
-        self._scripts = {"batch": batch, "grant": c.register_script(_LEASE_GRANT),
+        if self._batch_script is None:  # called again: keep the batch's connection
+            self._batch_script = _OwnConnectionScript(c.register_script(_BATCH))
+        self._scripts = {"batch": self._batch_script, "grant": c.register_script(_LEASE_GRANT),
                          "sum": c.register_script(_LEASE_SUM), "lead": c.register_script(_CAPACITY_LEAD)}
         self._fixed_keys = self.queue_keys()
         self._batch_args = [self.ttl, self.replica, self.prefix + "replica:", self.prefix + "room"]
@@ -440,10 +440,9 @@ class SharedState:
         cancels had to be sent again (kvgate.common.aio.cancel_tasks; 0 when every task stopped at once)."""
         await self.drain(1.0)
         again = await cancel_tasks(self._beat, self._listener, self._flusher)
-        batch = self._scripts.get("batch")
-        if isinstance(batch, _OwnConnectionScript):
+        if self._batch_script is not None:
             try:
-                await batch.close()
+                await self._batch_script.close()
             except Exception:
                 pass
         if self._client is not None:
