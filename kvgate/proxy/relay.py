@@ -13,6 +13,7 @@ observer that raises is switched off for that response and never stops the bytes
 from __future__ import annotations
 
 import asyncio
+import functools
 import hashlib
 import logging
 import re
@@ -350,11 +351,9 @@ class Upstream:
         retry = method in _RETRIED_METHODS
         if retry and not isinstance(body, bytes):
             body = b"".join(body.parts)  # resent once when a pooled connection turns out closed: must be whole
-        answer = None
-        if on_headers is None and type(request) is server.Request:
-            # A response that arrives whole is answered from the connection's data callback, at once.
-            def answer(whole) -> RelayOutcome | Exception:
-                return self._answer_arrived(request, path_qs, whole, observe, add_headers)
+        # A response that arrives whole is answered from the connection's data callback, at once.
+        answer = functools.partial(self._answer_arrived, request, path_qs, observe, add_headers) \
+            if on_headers is None and type(request) is server.Request else None
         try:
             up = await self.pool.exchange(base, head, body if isinstance(body, bytes) else body.parts, size,
                                           method, retry, SEND_PIECE_BYTES, answer)
@@ -451,8 +450,8 @@ class Upstream:
             return RelayOutcome(status, observer, "client_gone", observer_fault=fault)
         return RelayOutcome(status, observer, "complete", observer_fault=fault)
 
-    def _answer_arrived(self, request: server.Request, path_qs: str, up, observe,
-                        add_headers) -> RelayOutcome | Exception:
+    def _answer_arrived(self, request: server.Request, path_qs: str, observe, add_headers,
+                        up) -> RelayOutcome | Exception:
         """_answer_whole() from the pool's data callback (Pool.exchange's on_complete): never raises. An
         error before anything was written is returned, for the relay's coroutine to raise where the handler
         would have (the server answers 500, as for any handler error); one after the answer went out is
