@@ -68,7 +68,8 @@ def build_parser() -> argparse.ArgumentParser:
     sim.set_defaults(func=sim_cli.run)
 
     from kvgate.tools import demo
-    d = sub.add_parser("demo", help="replay a Mooncake trace slice through kvgate, smg and two simulated engines")
+    d = sub.add_parser("demo", help="replay a Mooncake trace slice through kvgate, smg and simulated engines "
+                                    "(four by default, see --engines)")
     demo.add_arguments(d)
     d.set_defaults(func=demo.run)
 

@@ -10,8 +10,11 @@ from __future__ import annotations
 
 import argparse
 import difflib
+import ipaddress
 import math
+import os
 import re
+import socket
 from dataclasses import dataclass, field
 from typing import Any, Callable
 from urllib.parse import urlsplit
@@ -48,6 +51,7 @@ class Key:
     only_when: str | None = None
     choices: tuple = ()
     convert: Callable[[str, Any], Any] | None = None
+    metavar: str = ""  # the flag's value placeholder; default: the name's last word in capitals
 
 
 def _pos(x):
@@ -66,9 +70,51 @@ def _port(x):
     return 0 <= x <= 65535
 
 
+def _host(key: str, value: Any) -> str:
+    """``host``: an IP address literal, a name that resolves, or the empty string (every interface)."""
+    if value == "":
+        return value
+    try:
+        ipaddress.ip_address(value)
+        return value
+    except ValueError:
+        pass
+    try:
+        socket.getaddrinfo(value, None, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except (socket.gaierror, UnicodeError, ValueError) as exc:
+        why = exc.strerror if isinstance(exc, socket.gaierror) and exc.strerror else "not a valid host name"
+        raise ConfigError(f"{key}: cannot resolve {value!r} ({why}); expected an IP address like 127.0.0.1 or "
+                          f"0.0.0.0, or a host name that resolves") from None
+    return value
+
+
+def _tokenizer_file(path: str) -> None:
+    """``admission_tokenizer_file``: raise ConfigError unless ``path`` is a readable file the installed
+    ``tokenizers`` package can load."""
+    key = "admission_tokenizer_file"
+    if not os.path.isfile(path):
+        why = "no such file" if not os.path.exists(path) else "not a file"
+        raise ConfigError(f"{key}: {path}: {why} (expected a local tokenizer.json)")
+    try:
+        with open(path, "rb"):
+            pass
+    except OSError as exc:
+        raise ConfigError(f"{key}: {path}: {exc.strerror}") from None
+    try:
+        from tokenizers import Tokenizer  # type: ignore[import-not-found]
+    except ImportError:
+        raise ConfigError(f"{key}: the 'tokenizers' package is not installed (pip install tokenizers, or unset "
+                          f"{key} to estimate tokens from characters)") from None
+    try:
+        Tokenizer.from_file(path)
+    except Exception as exc:  # tokenizers raises its own Exception subclass for a file it cannot parse
+        detail = " ".join(str(exc).split())[:200]
+        raise ConfigError(f"{key}: {path}: not a tokenizer.json the 'tokenizers' package can load ({detail})") \
+            from None
+
+
 def cpu_count() -> int:
     """CPUs this process may run on (its affinity mask, which containers and taskset narrow), at least 1."""
-    import os
     try:
         return max(1, len(os.sched_getaffinity(0)))
     except (AttributeError, OSError):
@@ -96,7 +142,9 @@ KEYS: list[Key] = [
     # --- where kvgate listens and what it fronts -------------------------------------------------
     Key("upstream", str, "http://127.0.0.1:30000", "Base URL of the router (smg / sglang-router) kvgate forwards to.",
         convert=_url),
-    Key("host", str, "127.0.0.1", "Address kvgate listens on."),
+    Key("host", str, "127.0.0.1",
+        "Address kvgate listens on: an IP address (0.0.0.0 = every IPv4 interface) or a host name that resolves.",
+        convert=_host),
     Key("port", int, 8080, "Port kvgate listens on (0 picks a free port).", _port, "0..65535"),
     Key("log_level", str, "info", "Log level.", choices=("debug", "info", "warning", "error")),
     Key("workers", (int, str), 1,
@@ -118,8 +166,9 @@ KEYS: list[Key] = [
     Key("event_loop", str, "uvloop", "The event loop kvgate serves on: uvloop (libuv, faster) or asyncio (the "
         "standard library's). uvloop falls back to asyncio, with one log line, where it is not installed.",
         choices=("uvloop", "asyncio")),
-    Key("http_server", str, "kvgate", "The HTTP server kvgate answers its clients with: kvgate (its own, on "
-        "httptools; leaner per request and per waiting connection) or aiohttp (aiohttp's web server, as before).",
+    Key("http_server", str, "kvgate", "The HTTP server kvgate answers its clients with: kvgate (kvgate's own, "
+        "on httptools; less CPU per request and less memory per waiting connection) or aiohttp (aiohttp's "
+        "general-purpose web server).",
         choices=("kvgate", "aiohttp")),
     # --- session identity ------------------------------------------------------------------------
     Key("agentic_session_lifecycle", bool, False,
@@ -221,7 +270,8 @@ KEYS: list[Key] = [
         _nonneg, ">= 0"),
     # --- admission --------------------------------------------------------------------------------
     Key("agentic_program_admission", bool, False,
-        "Hold each request in one global FIFO until the KV token ledger admits it."),
+        "Hold each generate call until the engines' KV can take it, as admission_policy says: fifo (one global "
+        "queue in front of a token ledger) or program (started programs keep going, new ones wait for room)."),
     Key("agentic_admission_headroom", float, 0.90,
         "Fraction of the fleet's max_total_num_tokens the ledger may commit.", _unit, "in (0, 1]",
         only_when="agentic_program_admission"),
@@ -249,8 +299,9 @@ KEYS: list[Key] = [
         only_when="agentic_program_admission"),
     Key("admission_chars_per_token", float, 3.0,
         "Characters per token when estimating text prompts (conservative: real BPE is ~4).", _pos, "> 0",
-        only_when="agentic_program_admission"),
-    Key("admission_tokenizer_file", str, None, "A local tokenizer.json used to count text prompt tokens.",
+        only_when="agentic_program_admission", metavar="CHARS"),
+    Key("admission_tokenizer_file", str, None, "A local tokenizer.json used to count text prompt tokens (needs the "
+        "tokenizers package, which kvgate does not install); null = estimate at admission_chars_per_token.",
         nullable=True),
     Key("admission_policy", str, "fifo",
         "fifo: one global queue in front of the token ledger; program: per-engine working sets of whole "
@@ -338,7 +389,8 @@ class Config:
 def validate(raw: dict[str, Any]) -> Config:
     """Validate a flat mapping of keys to values and return a :class:`Config` with defaults filled in.
 
-    Raises ConfigError (one line naming the key) on an unknown key, a wrong type or an out-of-range value.
+    Raises ConfigError (one line naming the key) on an unknown key, a wrong type or an out-of-range value, a
+    ``host`` that does not resolve, or (admission on) an ``admission_tokenizer_file`` that cannot be loaded.
     """
     if not isinstance(raw, dict):
         raise ConfigError(f"config: expected a mapping of keys to values, got {type(raw).__name__}")
@@ -375,6 +427,8 @@ def validate(raw: dict[str, Any]) -> Config:
         raise ConfigError(f"workers: {values['workers']} worker processes need state_backend: redis (with "
                           f"{values['state_backend']}, each process would keep its own sessions and admission ledger)")
     values["engines"] = [_url("engines", u) for u in values["engines"]]
+    if values["agentic_program_admission"] and values["admission_tokenizer_file"] is not None:
+        _tokenizer_file(values["admission_tokenizer_file"])
     from kvgate.admission.policy import MatchRule
     for name in ("admission_protected_rules", "admission_eval_rules"):
         for rule in values[name]:
@@ -423,7 +477,7 @@ def add_flags(parser: argparse.ArgumentParser) -> None:
                 kwargs["nargs"] = "*"
         else:
             kwargs["type"] = str
-            kwargs["metavar"] = key.name.upper().split("_")[-1]
+            kwargs["metavar"] = key.metavar or key.name.upper().split("_")[-1]
         parser.add_argument(flag_name(key.name), **kwargs)
 
 

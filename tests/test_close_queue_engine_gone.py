@@ -94,3 +94,24 @@ def test_registry_drops_only_pending_closes_of_that_engine():
     assert reg.get("y").state == "closing" and reg.unfinished_on("B") == 1 and reg.unfinished_on("A") == 1
     assert reg.due_retries(100.0) == []                      # x's retry is not sent
     assert reg.close_stats["dropped"] == 1 and reg.close_stats["given_up"] == 0
+
+
+async def test_a_close_asked_while_no_engine_is_known_goes_to_the_engines_listed_next(sim_factory, kvgate_factory):
+    a, b = await sim_factory(**SIM), await sim_factory(**SIM)
+    gw, kv = await kvgate_factory(upstream=a.url, agentic_session_lifecycle=True, engines=[a.url, b.url])
+    lc, reg = gw.lifecycle, gw.lifecycle.registry
+    await _set_fleet(gw, [])  # kvgate knows no engine yet (just started, or the router lists none)
+    async with aiohttp.ClientSession() as http:
+        async with http.post(kv + "/close_session", json={"session_id": "early"}) as r:
+            assert r.status == 200
+        async with http.get(kv + "/kvgate/sessions/early") as r:
+            view = await r.json()
+        assert view["state"] == "closing" and view["close_results"] == {}
+        assert reg.awaiting_engines() == ["early"]
+        await _set_fleet(gw, [a.url, b.url])
+        await lc.wait_until(lambda: reg.get("early").state == "closed", 10)
+        async with http.get(kv + "/kvgate/sessions/early") as r:
+            view = await r.json()
+    assert view["close_results"] == {a.url: "ok", b.url: "ok"}
+    assert (a.stats()["closes_received"], b.stats()["closes_received"]) == (1, 1)
+    assert 'agentic_kv_session_close_total{reason="client"} 1.0' in gw.metrics.render()[0].decode()

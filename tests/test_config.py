@@ -141,3 +141,105 @@ def test_a_port_already_taken_stops_serve_with_one_line_and_no_traceback(http_se
     assert res.stderr.strip().splitlines()[-1] == \
         f"kvgate: config error: port: cannot listen on 127.0.0.1:{port} (Address already in use)"
     assert "Traceback" not in res.stderr and "never retrieved" not in res.stderr, res.stderr
+
+
+def _kvgate(*argv, env=None):
+    import os
+    return subprocess.run([sys.executable, "-m", "kvgate", *argv], capture_output=True, text=True, cwd=ROOT,
+                          timeout=120, env=None if env is None else {**os.environ, **env})
+
+
+def _one_line_error(res, line):
+    assert res.returncode == 2, res.stderr
+    assert res.stderr.splitlines() == [f"kvgate: config error: {line}"], res.stderr
+
+
+HOST_ERROR = ("host: cannot resolve '0.0.0.0.1' (Name or service not known); expected an IP address like "
+              "127.0.0.1 or 0.0.0.0, or a host name that resolves")
+
+
+@pytest.mark.parametrize("command", ["check-config", "serve"])
+@pytest.mark.parametrize("via", ["yaml", "flag"])
+def test_a_host_that_does_not_resolve_is_one_line_naming_host(tmp_path, command, via):
+    conf = tmp_path / "c.yaml"
+    conf.write_text("host: 0.0.0.0.1\n" if via == "yaml" else "port: 0\n")
+    host = ["--host", "0.0.0.0.1"] if via == "flag" else []
+    res = _kvgate(command, "--config", str(conf), *host, "--port", "0", "--upstream", "http://127.0.0.1:9")
+    _one_line_error(res, HOST_ERROR)
+
+
+@pytest.mark.parametrize("host", ["127.0.0.1", "0.0.0.0", "::1", "localhost", ""])
+def test_hosts_that_can_be_listened_on_are_accepted(host):
+    assert validate({"host": host}).host == host
+
+
+def _fake_tokenizers(root, body):
+    """A ``tokenizers`` package on PYTHONPATH that shadows (or stands in for) the real one."""
+    pkg = root / "fake" / "tokenizers"
+    pkg.mkdir(parents=True)
+    (pkg / "__init__.py").write_text(body)
+    return {"PYTHONPATH": str(root / "fake")}
+
+
+MISSING = "raise ImportError('No module named tokenizers')\n"
+LOADS = ("class Tokenizer:\n    @staticmethod\n    def from_file(path):\n"
+         "        if open(path).read() != '{}':\n            raise Exception('expected value at line 1 column 1')\n"
+         "        return Tokenizer()\n")
+
+
+@pytest.mark.parametrize("command", ["check-config", "serve"])
+def test_a_tokenizer_file_that_does_not_exist_is_one_line(tmp_path, command):
+    conf = tmp_path / "c.yaml"
+    conf.write_text("agentic_program_admission: true\nadmission_tokenizer_file: /nonexistent/tok.json\n")
+    res = _kvgate(command, "--config", str(conf), "--port", "0", "--upstream", "http://127.0.0.1:9")
+    _one_line_error(res, "admission_tokenizer_file: /nonexistent/tok.json: no such file (expected a local "
+                         "tokenizer.json)")
+
+
+@pytest.mark.parametrize("command", ["check-config", "serve"])
+def test_a_tokenizer_file_without_the_tokenizers_package_is_one_line(tmp_path, command):
+    tok = tmp_path / "tokenizer.json"
+    tok.write_text("{}")
+    res = _kvgate(command, "--agentic-program-admission", "--admission-tokenizer-file", str(tok), "--port", "0",
+                  "--upstream", "http://127.0.0.1:9", env=_fake_tokenizers(tmp_path, MISSING))
+    _one_line_error(res, "admission_tokenizer_file: the 'tokenizers' package is not installed (pip install "
+                         "tokenizers, or unset admission_tokenizer_file to estimate tokens from characters)")
+
+
+def test_a_tokenizer_file_the_package_cannot_load_is_one_line_and_a_good_one_is_ok(tmp_path):
+    env = _fake_tokenizers(tmp_path, LOADS)
+    bad = tmp_path / "bad.json"
+    bad.write_text("not json")
+    res = _kvgate("check-config", "--agentic-program-admission", "--admission-tokenizer-file", str(bad), env=env)
+    _one_line_error(res, f"admission_tokenizer_file: {bad}: not a tokenizer.json the 'tokenizers' package can "
+                         f"load (expected value at line 1 column 1)")
+    good = tmp_path / "tokenizer.json"
+    good.write_text("{}")
+    res = _kvgate("check-config", "--agentic-program-admission", "--admission-tokenizer-file", str(good), env=env)
+    assert (res.returncode, res.stderr) == (0, ""), res.stderr
+    assert res.stdout == ("(defaults): ok (upstream http://127.0.0.1:30000, session lifecycle off, "
+                          "admission on)\n")
+    # admission off: the key is not used, so it is not checked (as the admission ranges are not)
+    res = _kvgate("check-config", "--admission-tokenizer-file", "/nonexistent/tok.json")
+    assert res.returncode == 0, res.stderr
+
+
+def test_help_says_what_the_flags_do():
+    top = _kvgate("--help", env={"COLUMNS": "400"})
+    assert top.returncode == 0, top.stderr
+    assert ("    demo                replay a Mooncake trace slice through kvgate, smg and simulated engines (four by "
+            "default, see --engines)") in top.stdout.splitlines()
+    demo = build_parser()._subparsers._group_actions[0].choices["demo"]
+    assert {a.dest: a.default for a in demo._actions}["engines"] == 4  # the "four by default" above
+    serve = _kvgate("serve", "--help", env={"COLUMNS": "400"})
+    assert serve.returncode == 0, serve.stderr
+    lines = serve.stdout.splitlines()
+    assert ("  --http-server SERVER  The HTTP server kvgate answers its clients with: kvgate (kvgate's own, on "
+            "httptools; less CPU per request and less memory per waiting connection) or aiohttp (aiohttp's "
+            "general-purpose web server).") in lines
+    at = lines.index("  --agentic-program-admission, --no-agentic-program-admission")
+    assert lines[at + 1].strip() == (
+        "Hold each generate call until the engines' KV can take it, as admission_policy says: fifo (one global "
+        "queue in front of a token ledger) or program (started programs keep going, new ones wait for room).")
+    assert "  --admission-chars-per-token CHARS" in lines
+    assert "as before" not in serve.stdout and "two simulated" not in top.stdout

@@ -85,3 +85,41 @@ async def test_program_policy_pauses_an_in_tool_program_and_resumes_it(sim_facto
     assert 'agentic_kv_session_close_total{reason="pause"} 1.0' in m
     co.forget("C", gw.gate.clock())
     assert gw.gate.ledger.reserved == 0 and gw.gate.ledger.lease_count == 0
+
+
+async def test_an_idle_close_ends_the_program_and_frees_its_room(sim_factory, router_factory, kvgate_factory):
+    """A session kvgate closes for idleness ends its program as a client's close does: the ledger stops
+    counting the KV the engine drops, and a program waiting for that room starts."""
+    e = await sim_factory(max_total_num_tokens=2000, speed=4.0)  # ceiling 2,000 x 0.9 = 1,800
+    watcher = CloseWatcher(e)
+    router = await router_factory([e.url])
+    gw, kv = await kvgate_factory(upstream=router, agentic_program_admission=True, admission_policy="program",
+                                  agentic_session_lifecycle=True, session_inference=False,
+                                  session_idle_close_mode="fixed", session_idle_close_s=30.0,
+                                  admission_poll_interval_s=POLL, discovery_interval_s=0.2,
+                                  agentic_admission_max_wait_s=60.0)
+    gw.engine_of = lambda sid: (e.url, None)
+    await gw.directory.first_refresh.wait()
+    while gw.gate.ledger.snapshot is None or gw.gate.ledger.ceiling == 0:
+        await gw.poller.round_done.wait()
+    co = gw.gate.coord
+    async with aiohttp.ClientSession() as http:
+        for sid, base in (("A", 10_000), ("B", 20_000)):
+            st, dec, q, _ = await _turn(http, kv, sid, list(range(base, base + 600)))
+            assert (st, dec, q) == (200, "admit", 0)
+        assert co.state_of("A") is ProgramState.IN_TOOL and gw.gate.ledger.reserved == 1600
+        c = asyncio.create_task(_turn(http, kv, "C", list(range(30_000, 30_600))))
+        await _until(gw, lambda: co.waiting == 1, "C waits")
+        # A's and B's tool calls outlast the idle threshold: the sweep closes both sessions
+        real = gw.lifecycle.clock
+        gw.lifecycle.clock = lambda: real() + 60.0
+        assert await gw.lifecycle.sweep_idle() == 2
+        assert gw.lifecycle.registry.get("A").close_reason == "idle"
+        st, dec, q, _ = await c
+        assert (st, dec) == (200, "admit") and q >= 0  # it waited (above) until the closes; under 1 ms after them
+        await watcher.wait_for("A")
+        await watcher.wait_for("B")
+    assert co.state_of("A") is None and co.state_of("B") is None
+    assert gw.gate.stats()["counters"]["programs_ended"] == 2
+    assert gw.gate.ledger.reserved == 800  # C alone, in its tool call
+    assert co.pauses == {}  # the room came from the idle closes, not from pausing anyone

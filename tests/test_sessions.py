@@ -112,14 +112,29 @@ def test_engine_back_makes_its_pending_closes_due_now():
     assert sorted(sid for sid, _, _ in reg.due_retries(1.0)) == ["x", "y"]
 
 
-def test_a_4xx_is_final_and_no_engine_means_closed():
+def test_a_4xx_is_final_and_a_close_with_no_engine_known_waits_for_one():
     reg = SessionRegistry()
     reg.begin_close("s", "client", 0.0)
     reg.to_send("s", [E1], 0.0)
     assert reg.close_result("s", reg.get("s").close_gen, E1, "http 404", 0.0, final=True) == FAILED
     assert reg.get("s").state == CLOSED
     reg.begin_close("t", "client", 0.0)
-    assert reg.to_send("t", [], 0.0) == [] and reg.get("t").state == CLOSED
+    assert reg.to_send("t", [], 0.0) == [] and reg.get("t").state == CLOSING
+    assert reg.awaiting_engines() == ["t"]
+    assert reg.to_send("t", [E1, E2], 1.0) == [E1, E2] and reg.awaiting_engines() == []
+    for e in (E1, E2):
+        reg.close_result("t", reg.get("t").close_gen, e, "ok", 1.5)
+    assert reg.get("t").state == CLOSED and reg.get("t").close_results == {E1: "ok", E2: "ok"}
+
+
+def test_over_the_cap_a_close_no_engine_was_asked_for_goes_before_one_on_the_wire():
+    reg = SessionRegistry(max_sessions=2)
+    for sid in ("a", "b"):
+        reg.begin_close(sid, "client", 0.0)
+    reg.to_send("a", [E1], 0.0)  # a's call is out; b waits for an engine
+    reg.begin_close("c", "client", 1.0)  # a third closing session: over the cap
+    assert reg.get("b") is None and reg.dropped == 1
+    assert reg.get("a").state == CLOSING and reg.awaiting_engines() == ["c"]
 
 
 def test_cap_drops_oldest_idle_and_counts():

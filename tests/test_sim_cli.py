@@ -46,3 +46,15 @@ def test_profiles_carry_their_context_constants_and_the_new_flags_parse():
     assert opts.host_pool_tokens() == 95367
     assert build_options(**_opts("--enable-hierarchical-cache")).host_pool_tokens() == 400000
     assert build_options(**_opts()).host_pool_tokens() == 0
+
+
+def test_every_flag_has_help_for_users_without_source_paths():
+    p = argparse.ArgumentParser()
+    cli.add_arguments(p)
+    flags = [a for a in p._actions if a.option_strings and a.dest != "help"]
+    assert len(flags) >= 29
+    missing = [a.option_strings[0] for a in flags if not (a.help or "").strip()]
+    assert missing == []
+    # help speaks to users: no internal file paths such as "kvgate/sim/scheduler.py"
+    with_paths = [a.option_strings[0] for a in flags if ".py" in a.help or "kvgate/" in a.help]
+    assert with_paths == []

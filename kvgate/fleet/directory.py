@@ -145,6 +145,14 @@ class EngineDirectory:
         if changed:
             self._reprobe = True
         health_changed = [e.healthy for e in engines] != [e.healthy for e in self.engines]
+        if health_changed:  # a router's verdict changing is worth a line: admission's room changes with it
+            before = {e.url: e.healthy for e in self.engines}
+            for e in engines:
+                if e.url in before and before[e.url] != e.healthy:
+                    if e.healthy:
+                        log.info("engine %s: the router reports it healthy again", e.url)
+                    else:
+                        log.warning("engine %s: the router reports it unhealthy", e.url)
         self.engines = list(engines)
         by_type: dict[str, int] = {"regular": 0, "prefill": 0, "decode": 0}
         for e in engines:

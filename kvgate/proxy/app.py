@@ -142,6 +142,7 @@ class Gateway:
                                           steps=StepTracker(cfg.max_tracked_sessions),
                                           close_on_abort=cfg.session_close_on_abort)
         self.lifecycle.on_close.append(self._placement_forget)
+        self.lifecycle.on_close.append(self._program_ended)
         self.inference: SessionInference | None = None
         if self.lifecycle_on and cfg.session_inference:
             self.inference = SessionInference(
@@ -415,6 +416,18 @@ class Gateway:
             self.inference.forget(sid)
         self.lifecycle.forget(sid)
         self._placement_forget(sid)
+        self._admission_forget(sid)
+
+    def _program_ended(self, sid: str) -> None:
+        """A close kvgate started itself (idle, an abort, or another replica's idle close) ends the session's
+        program in admission as a client's close does: the ledger stops counting KV the engines drop. The
+        program policy's own pause is a close too, but its program lives on (its next turn resumes it); a
+        client's or the admin API's close forgot the program before closing (_forget)."""
+        s = self.lifecycle.registry.get(sid)
+        if s is not None and s.close_reason not in ("pause", "client", "admin_api"):
+            self._admission_forget(sid)
+
+    def _admission_forget(self, sid: str) -> None:
         forget = getattr(self.gate, "forget", None)
         if forget is not None:
             try:

@@ -263,13 +263,14 @@ class SessionLifecycle:
         urls = self.registry.to_send(session_id, self.directory.urls, self.clock())
         for u in urls:
             self._enqueue(u, session_id, s.close_gen)
-        if s.state == CLOSED:  # no engine known
+        if s.state == CLOSED:  # its last pending close was dropped (the engine left)
             self._finished(session_id)
 
     def engines_changed(self, engines: Any = None) -> None:
         """The fleet's engine list changed (directory on_change): an engine with a close queue that is no
         longer listed gets its pending retries dropped (counted, reason ``engine_gone``) and its queue removed
-        once nothing is left for it; one listed again is kept."""
+        once nothing is left for it; one listed again is kept. A close that began while no engine was known
+        is sent to the engines listed now."""
         listed = set(self.directory.urls)
         now = self.clock()
         for url in list(self._queues):
@@ -286,6 +287,10 @@ class SessionLifecycle:
                     s = self.registry.get(sid)
                     if s is not None and s.state == CLOSED:
                         self._finished(sid)
+        if listed:  # closes that began while no engine was known go to the engines listed now
+            for sid in self.registry.awaiting_engines():
+                if sid not in self._draining:
+                    self._send(sid)
         self._retire_settled()
         self._notify()
 

@@ -159,7 +159,7 @@ class SessionRegistry:
     def _new(self, session_id: str, source: str | None, now: float) -> Session:
         s = Session(session_id, source, now, now, self._wall())
         self._sessions[session_id] = s
-        self._evict_over_cap()
+        self._evict_over_cap(keep=session_id)
         return s
 
     def request_started(self, session_id: str, source: str | None, now: float) -> Session:
@@ -245,7 +245,9 @@ class SessionRegistry:
         """The engines (of ``urls``) to send the session's close to now: those without one yet and those
         pending and due. They are marked sending. Empty when the session is not closing. A pending close of an
         engine no longer in ``urls`` (re-armed by a new close after its engine left) is dropped
-        (:meth:`drop_close`): nothing would ever send it."""
+        (:meth:`drop_close`): nothing would ever send it. With no engine known at all (``urls`` empty and
+        none asked yet: kvgate just started, or the router lists none) the session stays closing, its close
+        owed to the engines listed next (:meth:`awaiting_engines`)."""
         s = self._sessions.get(session_id)
         if s is None or s.state != CLOSING:
             return []
@@ -265,9 +267,11 @@ class SessionRegistry:
             elif e.state == PENDING and e.next_at <= now:
                 self._move(e, SENDING)
                 out.append(u)
-        if not s.engine_closes:  # no engine known: nothing to free anywhere
-            self._closed(s, now)
         return out
+
+    def awaiting_engines(self) -> list[str]:
+        """The closing sessions whose close no engine was asked for yet (none was known when it began)."""
+        return [sid for sid in self._closing if not self._sessions[sid].engine_closes]
 
     def close_result(self, session_id: str, gen: int, url: str, result: str, now: float,
                      final: bool = False) -> str | None:
@@ -445,11 +449,19 @@ class SessionRegistry:
         return {"counts": self.counts(), "tracked": len(self._sessions), "sessions": items,
                 "closes": {**self.close_counts(), **self.close_stats}}
 
-    def _evict_over_cap(self) -> None:
+    def _evict_over_cap(self, keep: str | None = None) -> None:
+        """Drop the longest-idle sessions over ``max_sessions``, never ``keep`` (the one being added), one in
+        flight or one whose close calls are unfinished; when only closing ones are left, a close no engine was
+        asked for yet (none known) goes."""
         while len(self._sessions) > self.max_sessions:
-            victim = next((k for k, s in self._sessions.items() if s.in_flight == 0 and s.state != CLOSING), None)
+            victim = next((k for k, s in self._sessions.items()
+                           if s.in_flight == 0 and s.state != CLOSING and k != keep), None)
             if victim is None:
-                return
+                victim = next((k for k in self._closing if not self._sessions[k].engine_closes
+                               and self._sessions[k].in_flight == 0 and k != keep), None)
+                if victim is None:
+                    return
+                del self._closing[victim]
             del self._sessions[victim]
             self.dropped += 1
 

@@ -18,26 +18,36 @@ from kvgate.sim.scheduler import COMPUTE_PROFILES, DEFAULT_H2D_BYTES_PER_S, NEW_
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Register the simulator flags on ``parser``."""
     a = parser.add_argument
-    a("--host", default="127.0.0.1")
-    a("--port", type=int, default=30000)
+    a("--host", default="127.0.0.1", help="address to listen on (default: %(default)s, this machine only)")
+    a("--port", type=int, default=30000, help="TCP port to listen on (default: %(default)s, SGLang's)")
     a("--max-total-num-tokens", type=int, default=200000, help="KV pool size per DP rank (tokens)")
     a("--session-semantics", choices=("0.5.17", "0.5.15"), default="0.5.17",
       help="session radix cache close semantics (and reported version)")
     a("--enable-session-radix-cache", dest="enable_session_radix_cache",
-      action=argparse.BooleanOptionalAction, default=True)
+      action=argparse.BooleanOptionalAction, default=True,
+      help="SGLang's session radix cache: requests with a session_id tag the KV they cache and /close_session "
+           "releases it, as --session-semantics says (on by default here, off by default in SGLang)")
     a("--radix-eviction-policy", choices=("lru", "priority"), default="lru",
       help="priority: evict by (max priority of the requests that touched a node, last access)")
     a("--speed", type=float, default=1.0, help="simulated time runs this many times faster")
     a("--compute-profile", choices=sorted(COMPUTE_PROFILES), default="llama-3-8b-h100",
-      help="the model + GPU the compute times are calibrated to (kvgate/sim/scheduler.py says how); the four "
-           "flags below override single constants")
-    a("--prefill-tokens-per-s", type=float, default=None)
-    a("--decode-base-ms", type=float, default=None)
-    a("--decode-per-seq-ms", type=float, default=None)
-    a("--decode-per-ctx-token-us", type=float, default=None)
-    a("--max-running-requests", type=int, default=1024)
-    a("--chunked-prefill-size", type=int, default=8192)
-    a("--max-prefill-tokens", type=int, default=16384)
+      help="the model and GPU the simulated compute times stand for (derived from FLOPs and memory bandwidth, "
+           "not measured; docs/simulator.md); the four flags below override single constants of the profile")
+    a("--prefill-tokens-per-s", type=float, default=None,
+      help="prefill throughput, tokens per second at --speed 1 (default: the profile's)")
+    a("--decode-base-ms", type=float, default=None,
+      help="fixed time of one decode step, milliseconds (default: the profile's)")
+    a("--decode-per-seq-ms", type=float, default=None,
+      help="extra decode-step time per running request, milliseconds (default: the profile's)")
+    a("--decode-per-ctx-token-us", type=float, default=None,
+      help="extra decode-step time per token of context attended, microseconds (default: the profile's)")
+    a("--max-running-requests", type=int, default=1024,
+      help="most requests decoding at once per DP rank; one request may expand (prompts x n) to at most this "
+           "x --dp-size sequences (default: %(default)s)")
+    a("--chunked-prefill-size", type=int, default=8192,
+      help="longest prefill chunk, tokens: longer prompts are prefilled in several rounds (default: %(default)s)")
+    a("--max-prefill-tokens", type=int, default=16384,
+      help="most prompt tokens one prefill batch takes in (default: %(default)s)")
     a("--eos-rate", type=float, default=0.0,
       help="per-token probability of a deterministic EOS (ignored with ignore_eos)")
     a("--token-vocab", choices=("byte", "wide"), default="byte",
@@ -54,14 +64,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
       help="HiCache: keep KV in a host-memory tier and load it back instead of recomputing")
     a("--hicache-ratio", type=float, default=2.0, help="host tier size as a multiple of the KV pool")
     a("--hicache-size", type=float, default=0.0, help="host tier size in GB per DP rank (overrides the ratio)")
-    a("--hicache-write-policy", choices=HICACHE_WRITE_POLICIES, default="write_through")
+    a("--hicache-write-policy", choices=HICACHE_WRITE_POLICIES, default="write_through",
+      help="when KV is copied to the host tier: as soon as it is cached (write_through), once a prefix was "
+           "cached twice (write_through_selective), or only when the GPU pool evicts it (write_back)")
     a("--hicache-h2d-gbps", type=float, default=DEFAULT_H2D_BYTES_PER_S / 1e9,
       help="host-to-device copy bandwidth for HiCache load-back (GB/s)")
     a("--tp-copies", type=int, default=1,
       help="emit identical metric copies for tp_rank 0..N-1")
-    a("--dp-size", type=int, default=1)
+    a("--dp-size", type=int, default=1,
+      help="data-parallel ranks, each with its own KV pool and radix cache; requests are spread round robin "
+           "unless routed_dp_rank pins one (default: %(default)s)")
     a("--disable-metrics", action="store_true", help="/metrics answers 404")
-    a("--model-name", default="kvgate-sim")
+    a("--model-name", default="kvgate-sim",
+      help="model name reported by /v1/models, /server_info and the metrics labels (default: %(default)s)")
 
 
 def options_from_args(args: argparse.Namespace) -> dict:

@@ -21,6 +21,13 @@ from kvgate.sim.scheduler import Event, Request, Scheduler, SchedulerConfig
 
 SLEEP_QUANTUM_S = 0.001
 
+# What a request still in flight when the engine stops (SIGTERM) ends with; also the refusal after it.
+SHUTDOWN_MESSAGE = "The server is shutting down."
+
+
+class EngineStopped(RuntimeError):
+    """Raised by :meth:`SimEngine.submit` once the engine is stopping (the HTTP edge answers 503)."""
+
 
 @dataclass
 class EngineOptions:
@@ -114,6 +121,9 @@ class SimEngine:
             r.task = asyncio.get_running_loop().create_task(self._loop(r))
 
     async def stop(self) -> None:
+        """Stop every rank and end each unfinished request with an abort (HTTP status 503, SHUTDOWN_MESSAGE),
+        delivered as a finished event, so a stream or a waiting caller ends instead of waiting forever; later
+        submits raise EngineStopped. Idempotent."""
         self._stopped = True
         for r in self.ranks:
             r.wake.set()
@@ -126,12 +136,24 @@ class SimEngine:
                 except (asyncio.CancelledError, Exception):
                     pass
         for h in list(self.handles.values()):
+            req = h.req
+            if not req.finished:
+                # The ranks are gone, so nothing else will ever finish it; the scheduler's own abort is not used
+                # because a rank cancelled mid-batch may hold a half-applied batch.
+                req.finish_reason = {"type": "abort", "message": SHUTDOWN_MESSAGE, "status_code": 503}
+                req.state = "finished"
+                req.finish_time = self.clock()
+                h.queue.put_nowait(Event(req, [], True))
             if not h.done.done():
-                h.done.set_result(h.req)
+                h.done.set_result(req)
+        self.handles.clear()
 
     # ------------------------------------------------------------------ requests
     def submit(self, req: Request, dp_rank: Optional[int] = None) -> RequestHandle:
-        """Queue ``req`` on ``dp_rank`` (round robin when None). Raises ValueError (bad request)."""
+        """Queue ``req`` on ``dp_rank`` (round robin when None). Raises ValueError (bad request), EngineStopped
+        after :meth:`stop`."""
+        if self._stopped:
+            raise EngineStopped(SHUTDOWN_MESSAGE)
         if not req.rid:
             req.rid = uuid.uuid4().hex
         if req.rid in self.handles:

@@ -20,7 +20,7 @@ import orjson
 from aiohttp import web
 from aiohttp.http_exceptions import BadHttpMessage
 
-from kvgate.sim.engine import EngineOptions, RequestHandle, SimEngine
+from kvgate.sim.engine import EngineOptions, EngineStopped, RequestHandle, SimEngine
 from kvgate.sim.exposition import render_loads_prometheus
 from kvgate.sim.scheduler import Request
 from kvgate.sim.tokenizer import decode, encode, render_chat
@@ -37,6 +37,11 @@ SAMPLING_KEYS = frozenset({
 })
 
 ENGINE_KEY = web.AppKey("sim_engine", SimEngine)
+
+# On shutdown (SIGTERM) requests still in flight are ended with an abort at once; this is how long aiohttp then
+# waits for their handlers to write that end before it cancels them and closes the connections (uvicorn, SGLang's
+# HTTP server, likewise cancels what is left once its graceful-shutdown timeout expires).
+SHUTDOWN_GRACE_S = 1.0
 
 
 class _Http2ProbeFilter(logging.Filter):
@@ -125,6 +130,17 @@ def _check_sampling(sp: Any) -> dict:
         raise HTTPError(400, "max_new_tokens must be a non-negative integer")
     _sampling(sp.get("temperature"), sp.get("top_k"), sp.get("sampling_seed"))
     return sp
+
+
+def _parallel_n(n: Any) -> int:
+    """The number of samples a request asks for (``sampling_params.n`` or OpenAI ``n``): an int; below 2 means one
+    sample, as in io_struct.py GenerateReqInput._handle_parallel_sampling, which only expands when n > 1. Raises
+    HTTPError 400 on a non-integer."""
+    if n is None:
+        return 1
+    if isinstance(n, bool) or not isinstance(n, int):
+        raise HTTPError(400, "n must be an integer")
+    return max(n, 1)
 
 
 def _sampling(temperature: Any, top_k: Any, seed: Any) -> tuple[float, Optional[int]]:
@@ -298,6 +314,23 @@ class SimServer:
                       "num_paused_requests": 0})
 
     # ------------------------------------------------------------------ generate core
+    def max_sequences_per_request(self) -> int:
+        """The most sequences (prompts x n) one request may expand to: the tokens of the KV pools,
+        max_total_num_tokens x dp_size (each sequence holds at least one token of KV of its own), far above any
+        rollout's batch x n. SGLang sets no such bound (io_struct.py GenerateReqInput._normalize_batch_inputs
+        copies the prompt, rid and sampling params batch_size x n times, and tokenizer_manager sends one request per
+        copy, before any check): a huge n exhausts its host memory. The simulator refuses larger requests up
+        front so a huge n costs nothing (docs/simulator.md)."""
+        return self.opts.max_total_num_tokens * len(self.engine.ranks)
+
+    def _check_sequences(self, prompts: int, n: int) -> None:
+        """Raise HTTPError 400 when ``prompts`` x ``n`` exceeds :meth:`max_sequences_per_request`; called before
+        anything per sequence is built."""
+        cap = self.max_sequences_per_request()
+        if prompts * n > cap:
+            raise HTTPError(400, f"The request expands to {prompts * n} sequences ({prompts} prompt(s) x n={n}), "
+                                 f"more than the {cap} tokens of the KV pools (max_total_num_tokens x dp_size).")
+
     def _specs(self, body: dict) -> tuple[list[GenSpec], bool]:
         """Normalise a /generate body into per-request specs; returns (specs, is_batch)."""
         if "session_id" in body and body.get("session_params") is not None:
@@ -327,6 +360,11 @@ class SimServer:
         if len(sps) != n_req:
             raise HTTPError(400, "sampling_params list length does not match the batch")
         sps = [_check_sampling(sp) for sp in sps]
+        ns = [_parallel_n(sp.get("n")) for sp in sps]
+        if any(x != ns[0] for x in ns):
+            # io_struct.py GenerateReqInput._handle_parallel_sampling
+            raise HTTPError(400, "The parallel_sample_num should be the same for all samples in sample params.")
+        self._check_sequences(n_req, ns[0] if ns else 1)
         rids = body.get("rid")
         if isinstance(rids, list):
             if len(rids) != n_req:
@@ -342,8 +380,7 @@ class SimServer:
         sid = str(sid) if sid not in (None, "") else None
         legacy = body.get("session_params")
         specs: list[GenSpec] = []
-        for i, (ids, sp) in enumerate(zip(prompts, sps)):
-            n = sp.get("n", 1) or 1
+        for i, (ids, sp, n) in enumerate(zip(prompts, sps, ns)):
             for j in range(n):
                 rid = rids[i]
                 if n > 1:
@@ -377,6 +414,8 @@ class SimServer:
                       sampling_seed=spec.sampling_seed)
         try:
             h = self.engine.submit(req, spec.dp_rank)
+        except EngineStopped as e:
+            raise HTTPError(503, str(e))
         except ValueError as e:
             raise HTTPError(400, str(e))
         if spec.legacy_session is not None:
@@ -458,9 +497,10 @@ class SimServer:
                     remaining -= 1
                     self._after_finish(h)
                     fr = h.req.finish_reason or {}
-                    if fr.get("type") == "abort" and fr.get("status_code") == 500:
+                    if fr.get("type") == "abort" and fr.get("status_code") in (500, 503):
+                        # out of memory (500) or the server shutting down (503): an error event, then [DONE]
                         await resp.write(b"data: " + orjson.dumps(
-                            {"error": {"message": fr.get("message"), "code": 500}}) + b"\n\n")
+                            {"error": {"message": fr.get("message"), "code": fr["status_code"]}}) + b"\n\n")
                         continue
                 for payload in render_chunk(i, h, ev, ids):
                     await resp.write(b"data: " + orjson.dumps(payload) + b"\n\n")
@@ -537,7 +577,8 @@ class SimServer:
         if not isinstance(mt, int) or isinstance(mt, bool) or mt < 0:
             raise HTTPError(400, "max_tokens must be a non-negative integer")
         temp, seed = _sampling(body.get("temperature"), body.get("top_k"), body.get("seed"))
-        n = body.get("n") or 1
+        n = _parallel_n(body.get("n"))
+        self._check_sequences(len(ids_list), n)
         sid = body.get("session_id")
         prio = body.get("priority") or 0
         dp = body.get("routed_dp_rank", body.get("data_parallel_rank"))
@@ -674,8 +715,10 @@ class SimEngineHandle:
         return self.engine.stats()
 
     async def close(self) -> None:
+        """Stop listening, end the requests in flight (see SimEngine.stop), wait up to SHUTDOWN_GRACE_S seconds
+        for their handlers, then cancel what is left and close every connection."""
+        await self.runner.cleanup()  # its on_shutdown hook stops the engine
         await self.engine.stop()
-        await self.runner.cleanup()
 
 
 def build_options(**opts) -> EngineOptions:
@@ -708,8 +751,14 @@ async def start_sim_engine(host: str = "127.0.0.1", port: int = 0, **opts) -> Si
     _quiet_http2_probe()
     engine = SimEngine(options)
     engine.start()
-    runner = web.AppRunner(SimServer(engine).app(), handler_cancellation=True,
-                           access_log=None)
+    app = SimServer(engine).app()
+
+    async def _end_in_flight(_app: web.Application) -> None:
+        # Runs after the listening socket closed and before aiohttp waits for the handlers: streams and waiting
+        # requests get their abort now, instead of aiohttp waiting out its timeout for events that never come.
+        await engine.stop()
+    app.on_shutdown.append(_end_in_flight)
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=SHUTDOWN_GRACE_S)
     await runner.setup()
     site = web.TCPSite(runner, host, port)
     await site.start()
