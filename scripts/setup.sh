@@ -9,6 +9,13 @@ PYTHON="${PYTHON:-python3}"
 [ -x "$VENV/bin/python" ] || "$PYTHON" -m venv "$VENV"
 "$VENV/bin/python" -m pip install --quiet --upgrade pip
 "$VENV/bin/python" -m pip install --quiet -e ".[test]"
+# smg and sglang-router 0.3.2 both install a command named `smg`, and the one pip installs last wins: with
+# sglang-router's, `smg launch` starts sgl-model-gateway 0.3.2 (`smg --version` tells them apart). Put smg's
+# back. (kvgate's tests and benches run `python -m smg`, whichever command won.)
+if ! "$VENV/bin/smg" --version 2>/dev/null | grep -q '^smg '; then
+  smg_version="$("$VENV/bin/python" -c 'import importlib.metadata as m; print(m.version("smg"))')"
+  "$VENV/bin/python" -m pip install --quiet --force-reinstall --no-deps "smg==$smg_version"
+fi
 # Debian packages the tests run for real: each is installed only when its program is missing, needs root and
 # apt-get, and its service is never left running (policy-rc.d denies the start during the install, then it is
 # disabled): the tests and the bench start their own on 127.0.0.1. Without root the tests that need one skip.

@@ -100,8 +100,9 @@ def log_dir():
 
 @pytest.fixture
 async def router_factory(log_dir):
-    """``await start(worker_urls, legacy=False, extra=[])`` -> router base URL; a real smg (or sglang-router
-    0.3.2) subprocess in its own process group, waited on until /readiness reports the workers healthy.
+    """``await start(worker_urls, legacy=False, extra=[])`` -> router base URL; a real smg (or, legacy, sglang-router
+    0.3.2, which drops session_id on /generate and chat) subprocess in its own process group, waited on until
+    /readiness reports the workers healthy.
     The wait runs in a thread so in-process simulated engines keep answering the router meanwhile."""
     started: list[procs.Proc] = []
 
@@ -110,9 +111,9 @@ async def router_factory(log_dir):
         port, mport = procs.free_port(), procs.free_port()
         if legacy:
             pytest.importorskip("sglang_router", reason="sglang-router 0.3.2 not installed")
-            cmd = procs.legacy_router_command(port, worker_urls, mport)
+            cmd = procs.legacy_router_command(port, worker_urls, mport, policy=policy) + list(extra or [])
         else:
-            if procs.find_executable("smg") is None:
+            if not procs.smg_installed():
                 pytest.skip("the smg router is not installed (pip install smg)")
             cmd = procs.smg_command(port, worker_urls, mport, policy=policy, extra=extra)
         p = procs.start(f"router{len(started)}", cmd, log_dir, url=f"http://127.0.0.1:{port}")

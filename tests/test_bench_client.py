@@ -93,7 +93,7 @@ def test_router_command_per_arm(tmp_path):
     from kvgate.tools import procs
     from kvgate.bench.runner import Fleet, expand_arms
     from kvgate.bench.scenario import parse_scenario
-    if procs.find_executable("smg") is None:
+    if not procs.smg_installed():
         pytest.skip("smg router not installed")
     sc = parse_scenario({"arms": ["direct", "router-limit"], "workload": {"kind": "agentic"}, "speed": 4,
                          "router_policy": "manual", "router_extra": ["--assignment-mode", "min_group"],

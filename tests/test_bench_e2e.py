@@ -9,7 +9,7 @@ import pytest
 from kvgate.tools import procs
 from kvgate.bench import command as cli
 
-pytestmark = pytest.mark.skipif(procs.find_executable("smg") is None, reason="smg router not installed")
+pytestmark = pytest.mark.skipif(not procs.smg_installed(), reason="smg router not installed")
 
 TINY = """
 name: tiny

@@ -43,7 +43,7 @@ def test_hicache_arms_expand_to_engines_with_the_host_tier(tmp_path):
         (True, True, True, True, "program", False)]
 
 
-@pytest.mark.skipif(procs.find_executable("smg") is None, reason="smg router not installed")
+@pytest.mark.skipif(not procs.smg_installed(), reason="smg router not installed")
 def test_hicache_arm_runs_and_its_engines_hold_a_host_tier(tmp_path):
     sc = tmp_path / "tiny.yaml"
     text = TINY.replace("arms: [hicache, hicache+lifecycle, hicache+lifecycle+admission, hicache+lifecycle+admission-program,\n"

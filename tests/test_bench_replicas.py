@@ -42,7 +42,7 @@ def test_replica_for_splits_sessions_and_alternates_some():
     assert {replica_for(5, k, 1) for k in range(5)} == {0}
 
 
-@pytest.mark.skipif(procs.find_executable("smg") is None, reason="smg router not installed")
+@pytest.mark.skipif(not procs.smg_installed(), reason="smg router not installed")
 @pytest.mark.skipif(procs.find_executable("redis-server") is None and not __import__("os").path.exists(
     "/usr/bin/redis-server"), reason="redis-server not installed (Debian package redis-server)")
 def test_two_replica_arm_end_to_end(tmp_path):

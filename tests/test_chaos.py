@@ -123,7 +123,7 @@ class Clients:
 
 
 async def test_chaos_ends_with_nothing_reserved_waiting_or_in_flight(kvgate_factory, log_dir, caplog):
-    if procs.find_executable("smg") is None:
+    if not procs.smg_installed():
         pytest.skip("the smg router is not installed (pip install smg)")
     fleet = Fleet(log_dir)
     try:

@@ -13,7 +13,7 @@ from kvgate.bench.trace import infer_sessions, read_trace
 ROOT = Path(__file__).resolve().parents[1]
 
 
-@pytest.mark.skipif(procs.find_executable("smg") is None, reason="the smg router is not installed")
+@pytest.mark.skipif(not procs.smg_installed(), reason="the smg router is not installed")
 def test_demo_short_window_both_runs(tmp_path):
     out = tmp_path / "summary.json"
     res = subprocess.run([sys.executable, "-m", "kvgate", "demo", "--duration-s", "10", "--speed", "4",
@@ -41,7 +41,7 @@ def test_demo_short_window_both_runs(tmp_path):
     assert "summary" in res.stdout and "admission  admit" in res.stdout and "DOES NOT ADD UP" not in res.stdout
 
 
-@pytest.mark.skipif(procs.find_executable("smg") is None, reason="the smg router is not installed")
+@pytest.mark.skipif(not procs.smg_installed(), reason="the smg router is not installed")
 @pytest.mark.parametrize("how", ["SIGTERM", "SIGHUP", "SIGINT-repeated"])
 def test_demo_signal_stops_every_child(tmp_path, how):
     """kill, a closed terminal, and Ctrl-C pressed again and again while the demo is stopping its children:

@@ -1,8 +1,9 @@
-"""Session placement on real sockets: client -> kvgate -> (engine kvgate picks | real smg router) -> simulated engines.
+"""Session placement on real sockets: client -> kvgate -> (engine kvgate picks | real router) -> simulated engines.
 
-smg 1.13.0 drops a top-level session_id on /generate and /v1/chat/completions (router-compat.md); kvgate's probe
-finds that per route and, in ``auto`` mode with session lifecycle on, sends those routes' session calls straight
-to an engine with session_id in the body. The simulator's GET /sim/stats lists the session ids each engine saw.
+sglang-router 0.3.2 drops a top-level session_id on /generate and /v1/chat/completions (smg 1.13.0 keeps it);
+kvgate's probe finds that per route and, in ``auto`` mode with session lifecycle on, sends those routes' session
+calls straight to an engine with session_id in the body. The simulator's GET /sim/stats lists the session ids each
+engine saw.
 """
 
 import asyncio
@@ -41,11 +42,12 @@ def _sse_events(raw: bytes) -> list[dict]:
     return [orjson.loads(e[6:]) for e in raw.split(b"\n\n") if e.startswith(b"data: {")]
 
 
-async def test_auto_places_generate_and_chat_sessions_on_one_engine_through_smg(sim_factory, router_factory,
-                                                                               kvgate_factory):
+async def test_auto_places_generate_and_chat_sessions_behind_a_router_that_drops_session_id(
+        sim_factory, router_factory, kvgate_factory):
+    # sglang-router 0.3.2 drops session_id on /generate and chat and forwards it on /v1/completions
     e1 = await sim_factory(max_total_num_tokens=50_000, speed=50)
     e2 = await sim_factory(max_total_num_tokens=50_000, speed=50)
-    router = await router_factory([e1.url, e2.url], extra=["--policy", "manual"])
+    router = await router_factory([e1.url, e2.url], legacy=True, policy="manual")
     gw, kv = await kvgate_factory(upstream=router, agentic_session_lifecycle=True, compat_probe=True,
                                   session_inference=False, admission_poll_interval_s=0.2)
     await asyncio.wait_for(gw.directory.compat_checked.wait(), 30)
@@ -102,7 +104,7 @@ async def test_auto_places_generate_and_chat_sessions_on_one_engine_through_smg(
             msgs = msgs + [{"role": "assistant", "content": text}, {"role": "user", "content": f"obs {turn}"}]
         assert sorted(_where("chat", e1, e2)) == [0, 3]
 
-        # /v1/completions: smg forwards session_id there, so auto leaves it to the router (manual policy:
+        # /v1/completions: the router forwards session_id there, so auto leaves it to the router (manual policy:
         # sticky by X-SMG-Routing-Key, which kvgate sets)
         for turn in range(3):
             st, body, _ = await _post(http, kv + "/v1/completions", {"model": "kvgate-sim", "prompt": "p" * 300,
@@ -313,7 +315,7 @@ async def test_router_restart_is_probed_again_and_placed_sessions_ride_through_i
     from kvgate.tools import procs
     e1 = await sim_factory(max_total_num_tokens=20_000, speed=50)
     port, mport = free_port(), free_port()
-    cmd = procs.smg_command(port, [e1.url], mport)
+    cmd = procs.legacy_router_command(port, [e1.url], mport)  # sglang-router 0.3.2: drops session_id
     url = f"http://127.0.0.1:{port}"
     p = procs.start("smg-a", cmd, log_dir, url=url)
     try:

@@ -46,14 +46,16 @@ async def test_session_id_reaches_engine_through_smg_and_answers_are_identical(s
     assert kv_events[-1]["output_ids"] == d["output_ids"]
     s = gw.lifecycle.registry.get("sess-42")
     assert (s.turns, s.in_flight, s.prompt_tokens, s.completion_tokens) == (2, 0, 600, 32)
-    # Measured here: smg 1.13.0 re-serialises /generate and drops the top-level session_id that kvgate
-    # injected (router-compat.md expected it forwarded); it does forward it on /v1/completions.
-    assert e1.stats()["sessions"] == {}
+    # Measured here: smg 1.13.0 re-serialises /generate and keeps the top-level session_id kvgate injected
+    # (sglang-router 0.3.2 drops it: test_legacy_sglang_router_drops_session_id_and_kvgate_says_so); it
+    # forwards it on /v1/completions too. (No probe here: the router places.)
+    assert not gw.directory.placed("/generate")
+    assert e1.stats()["sessions"] == {"sess-42": 2}
     async with aiohttp.ClientSession() as http:
         st, body, _ = await _post(http, kv + "/v1/completions", {"model": "kvgate-sim", "prompt": "hello there",
                                                                  "max_tokens": 4}, {"X-Session-ID": "sess-42"})
     assert st == 200 and orjson.loads(body)["usage"]["completion_tokens"] == 4
-    assert e1.stats()["sessions"] == {"sess-42": 1}
+    assert e1.stats()["sessions"] == {"sess-42": 3}
 
 
 class HeldEngine:
@@ -179,24 +181,24 @@ async def test_discovery_from_smg_workers(sim_factory, router_factory, kvgate_fa
     await gw.directory.first_refresh.wait()
     assert sorted(gw.directory.urls) == sorted([e1.url, e2.url])
     await asyncio.wait_for(gw.directory.compat_checked.wait(), 20)
-    # smg 1.13.0 drops session_id on /generate (see the first test); the probe must say so.
-    assert gw.directory.verdicts == {"/generate": "dropped", "/v1/chat/completions": "dropped",
+    # smg 1.13.0 forwards session_id on every generate route (see the first test); the probe must say so.
+    assert gw.directory.verdicts == {"/generate": "forwarded", "/v1/chat/completions": "forwarded",
                                      "/v1/completions": "forwarded"}
     m = gw.metrics.render()[0].decode()
-    assert 'agentic_kv_router_session_id_passthrough{route="/generate",verdict="dropped"} 1.0' in m
+    assert 'agentic_kv_router_session_id_passthrough{route="/generate",verdict="forwarded"} 1.0' in m
     assert 'agentic_kv_router_session_id_passthrough{route="/v1/completions",verdict="forwarded"} 1.0' in m
     assert 'agentic_kv_engines{worker_type="regular"} 2.0' in m
-    # The probes tag nothing and generate at most one token: /generate and /v1/completions are rejected by the
-    # engine; chat reaches it as a plain 1-token request (smg drops both session fields there).
+    # The probes tag nothing and generate nothing: the engine rejects each (session_id and session_params both
+    # set) before it runs anything.
     totals = [e.stats()["totals"] for e in (e1, e2)]
-    assert sum(t["generation_tokens"] for t in totals) <= 1 and sum(t["num_requests"] for t in totals) <= 1
+    assert sum(t["generation_tokens"] for t in totals) == 0 and sum(t["num_requests"] for t in totals) == 0
     assert e1.stats()["sessions"] == e2.stats()["sessions"] == {}
     # The router restarts (new worker registrations, same URLs): kvgate probes again.
     probes = gw.directory.probes
     gw.directory._note_workers({"workers": [{"id": "restarted-1", "url": e1.url}, {"id": "restarted-2", "url": e2.url}]})
     while gw.directory.probes == probes:
         await asyncio.wait_for(gw.directory.probed.wait(), 20)
-    assert gw.directory.verdicts["/generate"] == "dropped"
+    assert gw.directory.verdicts["/generate"] == "forwarded"
 
 
 async def test_legacy_sglang_router_drops_session_id_and_kvgate_says_so(sim_factory, router_factory,

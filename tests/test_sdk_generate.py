@@ -92,8 +92,8 @@ async def test_relax_style_session_id_in_the_body_then_closed_on_every_engine(fl
     s = await settled(f, "relax-s1", 1)
     assert s.source == "body" and s.completion_tokens == 16
     assert closes.ids == ["relax-s1"]
-    # smg 1.13 drops session_id on /generate (router-compat.md): the engine never saw it on the request
-    assert [b.get("session_id") for b in f.worker.bodies("/generate")] == [None, None]
+    # smg 1.13 forwards session_id on /generate: the engine saw it on both requests (kvgate's and the direct one)
+    assert [b.get("session_id") for b in f.worker.bodies("/generate")] == ["relax-s1", "relax-s1"]
     assert [b["rid"] for b in f.worker.bodies("/generate")] == ["req-1", "req-1"]
     assert [b["return_logprob"] for b in f.worker.bodies("/generate")] == [True, True]
 

@@ -106,8 +106,8 @@ async def test_sync_client_chat_and_completions_streamed_and_not_match_smg(fleet
     assert (s.source, s.completion_tokens) == ("body", 12 + 9 + 7 + 5)
     assert s.prompt_tokens == sum(x["tokens"][0] for x in (got["chat"], got["completion"])) + \
         got["chat_stream"]["usage"][0] + got["completion_stream"]["usage"][0]
-    # smg forwards session_id on /v1/completions only (router-compat.md): 2 calls through kvgate + 2 direct
-    assert f.engine.stats()["sessions"] == {"sync-1": 4}
+    # smg 1.13 forwards session_id on chat and /v1/completions: 4 calls through kvgate + the same 4 direct
+    assert f.engine.stats()["sessions"] == {"sync-1": 8}
     assert f.gw.gate.coord.counters["admit"] == 4 and f.gw.gate.ledger.reserved == 0
     assert _metric(f, 'agentic_kv_session_id_injected_total{source="body"}') == 4
 
@@ -242,11 +242,21 @@ async def test_sdk_retries_a_503_and_gets_the_same_answer(fleet):
 async def test_responses_api_through_kvgate_matches_smg(fleet):
     f = await fleet()
     via, direct = _async_clients(f)
-    got, want = [await c.responses.create(model=MODEL, input="Do the tests pass?", max_output_tokens=16,
-                                          extra_body={"session_id": "resp-1"}) for c in (via, direct)]
+    got = await via.responses.create(model=MODEL, input="Do the tests pass?", max_output_tokens=16,
+                                     extra_headers={"X-Session-ID": "resp-1"})
+    want = await direct.responses.create(model=MODEL, input="Do the tests pass?", max_output_tokens=16)
     assert got.model_dump(exclude_unset=True) == want.model_dump(exclude_unset=True) == RESPONSE
     assert got.output_text == "The tests pass." and got.usage.input_tokens == 9
     s = await _settled(f, "resp-1", 1)
     assert (s.prompt_tokens, s.completion_tokens) == (9, 4)
-    # Measured: smg 1.13 forwards /v1/responses to the engine but drops the top-level session_id there.
+    # kvgate adds no session_id on /v1/responses: smg 1.13 answers 400 to one there (below)
     assert [b.get("session_id") for b in f.worker.bodies("/v1/responses")] == [None, None]
+    assert _metric(f, 'agentic_kv_session_id_injected_total{source="header"}') == 0
+    # a client's own session_id there gets the router's answer through kvgate as straight from smg
+    answers = []
+    for c in (via, direct):
+        with pytest.raises(openai.BadRequestError) as err:
+            await c.responses.create(model=MODEL, input="Do the tests pass?", max_output_tokens=16,
+                                     extra_body={"session_id": "resp-2"})
+        answers.append((err.value.status_code, "unknown field `session_id`" in str(err.value)))
+    assert answers == [(400, True), (400, True)]

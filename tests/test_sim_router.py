@@ -2,11 +2,9 @@
 
 import asyncio
 import os
-import shutil
 import signal
 import socket
 import subprocess
-import sys
 
 import aiohttp
 import orjson
@@ -14,16 +12,9 @@ import pytest
 
 from kvgate.sim.scheduler import TokenModel
 from kvgate.sim.http_api import start_sim_engine
+from kvgate.tools import procs
 
 pytestmark = pytest.mark.router
-
-
-def _smg_binary():
-    found = shutil.which("smg")
-    if found:
-        return found
-    cand = os.path.join(os.path.dirname(sys.executable), "smg")
-    return cand if os.path.exists(cand) else None
 
 
 def _free_port() -> int:
@@ -34,15 +25,12 @@ def _free_port() -> int:
 
 @pytest.fixture
 async def routed():
-    smg = _smg_binary()
-    if smg is None:
-        pytest.skip("smg router binary not found (pip install smg)")
+    if not procs.smg_installed():
+        pytest.skip("the smg router is not installed (pip install smg)")
     sims = [await start_sim_engine(max_total_num_tokens=20000, speed=100.0) for _ in range(2)]
     port, prom = _free_port(), _free_port()
     proc = subprocess.Popen(
-        [smg, "launch", "--host", "127.0.0.1", "--port", str(port),
-         "--worker-urls", *[s.url for s in sims], "--policy", "round_robin",
-         "--prometheus-host", "127.0.0.1", "--prometheus-port", str(prom)],
+        procs.smg_command(port, [s.url for s in sims], prom, policy="round_robin"),
         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
     url = f"http://127.0.0.1:{port}"
     try:
@@ -77,10 +65,10 @@ async def routed():
 
 
 async def test_generate_and_session_passthrough_through_smg(routed):
-    """Measured with smg 1.13.0: /generate is re-serialised and a top-level session_id is
-    DROPPED (rid, priority, extra_key survive); /v1/completions forwards session_id;
-    /v1/chat/completions drops it. (router-compat.md claims /generate forwards it: it does not
-    with this build.) Outputs are byte-identical to a direct engine answer, stream or not."""
+    """Measured with smg 1.13.0: /generate is re-serialised and keeps a top-level session_id (rid, priority,
+    extra_key too); /v1/completions forwards it. (sglang-router 0.3.2 drops it on /generate: an earlier run of
+    this test that did not start smg 1.13 asserted that.) Outputs are byte-identical to a direct engine
+    answer, stream or not."""
     url, sims = routed
     prompt = list(range(300, 420))
     body = {"input_ids": prompt, "session_id": "sess-e2e", "rid": "rid-e2e-1",
@@ -118,7 +106,7 @@ async def test_generate_and_session_passthrough_through_smg(routed):
     for st in stats:
         for k, v in st["sessions"].items():
             sessions[k] = sessions.get(k, 0) + v
-    assert sessions == {"sess-cmpl": 1, "sess-e2e": 1}   # the 1 is the direct request
+    assert sessions == {"sess-cmpl": 1, "sess-e2e": 3}   # the direct request and both routed ones
     # round robin spread the two routed /generate calls over both engines
     assert sum(st["totals"]["num_requests"] for st in stats) == 4
     assert sum(st["totals"]["prompt_tokens"] for st in stats) == 3 * 120 + 3

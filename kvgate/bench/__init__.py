@@ -7,9 +7,9 @@ seeds-as-blocks residual, Scott-Knott tiers, run-to-run comparison). Edge: runne
 command.py (``kvgate bench``). trace.py reads the Mooncake conversation trace (pure; the demo uses it too).
 
 Turns go out the way RL rollouts send them: token ids to /generate by default (scenario key ``api``: ``chat``
-for /v1/chat/completions message lists, ``completions`` for /v1/completions text). smg 1.13.0 and sglang-router
-0.3.2 drop a top-level ``session_id`` on /generate and chat, so the lifecycle arms reach the engines' session KV
-there through kvgate's session placement (docs/placement.md); the report counts the session ids the engines saw.
+for /v1/chat/completions message lists, ``completions`` for /v1/completions text). On /generate and chat the
+lifecycle arms reach the engines' session KV through kvgate's session placement (session_placement: kvgate,
+docs/placement.md); the report counts the session ids the engines saw.
 The ids are the simulator's byte tokenization of the workload's text (``kvgate sim-engine --token-vocab byte``,
 the default, generates only printable-ASCII byte tokens), so "previous prompt + output + observation" hits the
 radix cache exactly as "previous input_ids + output_ids + observation ids" would. The ``proxy-placement`` arm

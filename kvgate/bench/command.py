@@ -101,7 +101,7 @@ def run(args: argparse.Namespace) -> int:
     except (OSError, ValueError) as exc:
         print(f"kvgate bench: {exc}", file=sys.stderr)
         return 2
-    if procs.find_executable("smg") is None:
+    if not procs.smg_installed():
         print("kvgate bench: the smg router is not installed (pip install smg)", file=sys.stderr)
         return 2
     scaled = scale(sc.speed, sc.kvgate_times, sc.router_queue_timeout_s, sc.sample_interval_s)

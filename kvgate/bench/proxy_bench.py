@@ -39,16 +39,16 @@ SSE_REQUEST_ID = "sse-bench"
 
 ALL_ARMS = ("direct", "smg", "nginx-proxy", "kvgate-off", "lifecycle", "lifecycle+admission", "placement",
             "placement+admission", "kvgate-nosmg")
-# The lifecycle arms keep smg on the path (session_placement router): with the default (auto) kvgate itself
-# places /generate sessions behind a router that drops session_id, which is the placement arm.
+# The lifecycle arms keep smg on the path (session_placement router): what the default (auto) gives behind smg
+# 1.13, which carries session_id. The placement arms have kvgate place the sessions and skip smg: what auto gives
+# behind a router that drops session_id (sglang-router 0.3.2), and session_placement: kvgate anywhere.
 KVGATE_FLAGS = {
     "kvgate-off": [],
     "lifecycle": ["--agentic-session-lifecycle", "--session-placement", "router"],
     "lifecycle+admission": ["--agentic-session-lifecycle", "--agentic-program-admission",
                             "--admission-poll-interval-s", "0.5", "--session-placement", "router"],
     "placement": ["--agentic-session-lifecycle", "--session-placement", "kvgate"],
-    # both features with kvgate placing sessions: what `agentic_session_lifecycle` + admission give by default
-    # for /generate behind a router that drops session_id (session_placement auto)
+    # both features with kvgate placing sessions
     "placement+admission": ["--agentic-session-lifecycle", "--agentic-program-admission",
                             "--admission-poll-interval-s", "0.5", "--session-placement", "kvgate"],
     # features off, in front of the stand-in itself: kvgate's own hop without smg's (smg's SSE path stalls a
@@ -277,7 +277,7 @@ def missing_tools() -> str | None:
         return "nginx not found (Debian: apt-get install nginx-light)"
     if shutil.which("wrk") is None:
         return "wrk not found (Debian: apt-get install wrk)"
-    if procs.find_executable("smg") is None:
+    if not procs.smg_installed():
         return "the smg router is not installed (pip install smg)"
     return None
 

@@ -7,7 +7,7 @@ Turns go out the way RL rollouts send them (scenario key ``api``): ``generate`` 
 agents ...), ``completions`` text to /v1/completions; always ``stream: true`` (TTFT = first non-empty text chunk).
 The ids are the simulator's byte tokenization of the workload's text (kvgate.sim.tokenizer), so
 "previous ids + output ids + observation ids" is exactly what an input_ids client sends. The same requests go to
-every arm; smg drops session_id on /generate and chat, where kvgate's session placement delivers it.
+every arm; with session lifecycle on, kvgate places the sessions of /generate and chat itself.
 """
 
 from __future__ import annotations
@@ -170,7 +170,10 @@ class Fleet:
             extra_yaml.write_text(yaml.safe_dump(dict(self.sc.kvgate_extra)))
             cmd += ["--config", str(extra_yaml)]
         cmd += ["--router-policy", self.policy]
-        if self.arm.placement:
+        if self.arm.placement or (self.arm.lifecycle and self.sc.api in ("generate", "chat")):
+            # kvgate keeps each session on one engine, as auto did in the published runs (their router,
+            # sglang-router 0.3.2, drops session_id on /generate and chat); behind smg 1.13, which carries it,
+            # auto would leave these arms to the router's policy.
             cmd += ["--session-placement", "kvgate"]
         if self.arm.lifecycle:
             cmd.append("--agentic-session-lifecycle")

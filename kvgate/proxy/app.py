@@ -683,14 +683,17 @@ class Gateway:
                 self.metrics.child(self.metrics.session_inference, reason).inc()
         if sid is None:
             return SessionPlan(body=raw)
-        new_body = with_session_id(raw, body_obj, sid)
+        # /v1/responses: smg 1.13 refuses a top-level session_id there (400, an unknown field), so kvgate adds
+        # none; the session is still tracked, routed by its key and closed.
+        new_body = None if path == "/v1/responses" else with_session_id(raw, body_obj, sid)
         if new_body is None and "session_params" in body_obj:
             self.metrics.session_params_skipped.inc()
             return SessionPlan(body=raw)
         if inferred is not None:
             # Synchronously, before the admission wait: a concurrent turn must see this session busy.
             self.inference.on_request_start(sid, units, self.lifecycle.clock(), inferred.prepared)
-        self.metrics.session_id_injected.labels(source).inc()
+        if new_body is not None or body_obj.get("session_id") == sid:
+            self.metrics.session_id_injected.labels(source).inc()
         extra = {}
         rk = self._routing_key
         if rk is not None and rk not in request.headers:

@@ -5,9 +5,10 @@ subprocess in its own process group), replays a slice of the Mooncake conversati
 kvgate at its real timestamps (scaled by --speed), closes the sessions that remain, prints a summary
 and stops everything it started. Sessions come from hash-block chains (kvgate.bench.trace) and are sent as
 X-Session-ID, which kvgate turns into a top-level session_id. Turns go as token ids to /generate, the way RL
-rollouts (and kvgate bench) send them; smg drops session_id there, so kvgate places the sessions itself
-(docs/placement.md). ``--route completions`` sends text to /v1/completions instead, the OpenAI route where
-smg forwards session_id and the router places the sessions.
+rollouts (and kvgate bench) send them, and kvgate places the sessions itself (session_placement: kvgate,
+docs/placement.md): smg 1.13 would carry session_id there too, but its round_robin policy would spread a
+session's turns over the engines. ``--route completions`` sends text to /v1/completions instead, and the router
+places the sessions.
 
 Fleet size: the trace window brings about 40,000 prompt tokens/s; one simulated engine (the default
 llama-3-8b-h100 profile) prefills about 20,000/s, less for long prompts. Two engines queue without bound
@@ -53,9 +54,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="lifecycle: session lifecycle only; admission: lifecycle + program-aware admission; "
                         "both: one after the other, each on a fresh fleet")
     p.add_argument("--route", choices=("generate", "completions"), default="generate",
-                   help="generate: token ids to /generate, as RL rollouts send them (smg 1.13 drops session_id "
-                        "there, so kvgate places the sessions); completions: text to /v1/completions (smg 1.13 "
-                        "forwards session_id there and the router places the sessions)")
+                   help="generate: token ids to /generate, as RL rollouts send them, kvgate placing the sessions "
+                        "(session_placement: kvgate); completions: text to /v1/completions, the router placing "
+                        "them")
     p.add_argument("--log-dir", default=None, help="where child process logs go (default: a temp dir)")
     p.add_argument("--json", dest="json_out", default=None, help="also write the summary as JSON to this file")
 
@@ -250,7 +251,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"kvgate demo: no trace records in that window of {path}", file=sys.stderr)
         return 2
     sessions = infer_sessions(records)
-    if procs.find_executable("smg") is None:
+    if not procs.smg_installed():
         print("kvgate demo: the smg router is not installed (pip install smg, or run `make demo`)", file=sys.stderr)
         return 2
     base_dir = Path(args.log_dir or tempfile.mkdtemp(prefix="kvgate-demo-"))
@@ -292,6 +293,8 @@ def _run_once(args: argparse.Namespace, records, sessions, admission: bool, log_
         kv_cmd = [sys.executable, "-m", "kvgate", "serve", "--upstream", router.url, "--port", str(kport),
                   "--agentic-session-lifecycle", "--session-idle-close-s", str(args.idle_close_s / speed),
                   "--discovery-interval-s", str(max(0.5, 5 / speed)), "--router-policy", "round_robin"]
+        if args.route == "generate":  # kvgate keeps each session on one engine (round_robin would not)
+            kv_cmd += ["--session-placement", "kvgate"]
         if admission:
             kv_cmd += ["--agentic-program-admission", "--admission-poll-interval-s", str(max(0.05, 2.0 / speed)),
                        "--agentic-admission-max-wait-s", str(30.0 / speed)]
@@ -373,8 +376,9 @@ def _run_once(args: argparse.Namespace, records, sessions, admission: bool, log_
     for line in off:
         print(f"  DOES NOT ADD UP: {line}")
     verdict = health["session_id_passthrough_by_route"].get(path, health["session_id_passthrough"])
+    who = "kvgate places the sessions on the engines" if placed_by == "kvgate" else "the router places the sessions"
     print(f"  router     turns sent to {path}; kvgate's probe says the router {verdict} top-level session_id "
-          f"there, so {'kvgate places the sessions on the engines' if placed_by == 'kvgate' else 'the router places the sessions'}")
+          f"there; {who}")
     if placed_by == "kvgate" and placement.get("counts"):
         pc = placement["counts"]
         print(f"  placement  {pc['free_kv'] + pc['prefix'] + pc['reopened'] + pc['replaced']} placements: free KV "

@@ -7,6 +7,7 @@ by signalling the whole group: SIGTERM, then SIGKILL after a grace period.
 from __future__ import annotations
 
 import asyncio
+import importlib.util
 import os
 import shutil
 import signal
@@ -177,16 +178,25 @@ def wait_http(url: str, timeout_s: float, proc: Proc | None = None, expect=lambd
     raise TimeoutError(f"{url} not ready after {timeout_s}s (last: {last}){tail}")
 
 
+def smg_installed() -> bool:
+    """Whether the smg router package is importable by this interpreter (what :func:`smg_command` runs)."""
+    return importlib.util.find_spec("smg") is not None
+
+
 def smg_command(port: int, worker_urls: list[str], prometheus_port: int, policy: str = "round_robin",
                 extra: list[str] | None = None) -> list[str]:
     """The command line that starts the smg router on 127.0.0.1 (router-compat.md). Raises
-    FileNotFoundError when smg is not installed."""
-    exe = find_executable("smg")
-    if exe is None:
+    FileNotFoundError when smg is not installed. It runs the smg package itself (``python -m smg``), not the
+    ``smg`` script on PATH: sglang-router 0.3.2 installs a script of that name too, and where it was installed
+    after smg the script starts the old router."""
+    if not smg_installed():
         raise FileNotFoundError("the smg router is not installed (pip install smg)")
-    return [exe, "launch", "--host", "127.0.0.1", "--port", str(port), "--worker-urls", *worker_urls,
-            "--policy", policy, "--prometheus-host", "127.0.0.1", "--prometheus-port", str(prometheus_port),
-            *(extra or [])]
+    return [sys.executable, "-m", "smg", "launch", "--host", "127.0.0.1", "--port", str(port),
+            "--worker-urls", *worker_urls, "--policy", policy, "--prometheus-host", "127.0.0.1",
+            "--prometheus-port", str(prometheus_port),
+            # on SIGTERM smg 1.13 first waits out a grace period for requests in flight (180 s by default; a stop
+            # with nothing in flight took the 5 s until SIGKILL)
+            "--shutdown-grace-period-secs", "0", *(extra or [])]
 
 
 def legacy_router_command(port: int, worker_urls: list[str], prometheus_port: int,
