@@ -65,12 +65,14 @@ def test_tiny_scenario_end_to_end(tmp_path):
         shapes = {arm: sorted((r["session"], r["turn"], r["prompt_len"], r["output_tokens"])
                               for r in a[i]["requests"]) for arm, a in res["arms"].items()}
         assert len({json.dumps(v) for v in shapes.values()}) == 1
-        # turn 2 re-uses the cached turn-1 prompt + output (all but the last output token) on unbounded KV
-        t2 = [r for r in res["arms"]["unbounded-kv"][i]["requests"] if r["turn"] == 2]
+        # turn 2 re-uses the cached turn-1 prompt + output (all but the last output token) where the router keeps
+        # a session on one engine (manual policy, by the client's X-SMG-Routing-Key; smg 1.13's cache_aware
+        # does not always, at this size)
+        t2 = [r for r in res["arms"]["smg-manual"][i]["requests"] if r["turn"] == 2]
         assert all(r["cached_tokens"] >= 1500 + 12 + 32 - 1 for r in t2)
         la = res["arms"]["lifecycle+admission"][i]
         assert la["closes"] == {"200": 4} and res["arms"]["direct"][i]["closes"] == {"404": 4}
-        # turns go to /generate, where smg drops session_id: kvgate places them, so the engines see every
+        # turns go to /generate, where kvgate places the sessions of its lifecycle arms, so the engines see every
         # session id (each on one engine); without lifecycle no id reaches them
         assert sum(la["sim_engines_sessions_seen"]) == 4
         assert sum(res["arms"]["direct"][i]["sim_engines_sessions_seen"]) == 0
