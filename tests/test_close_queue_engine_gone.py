@@ -115,3 +115,19 @@ async def test_a_close_asked_while_no_engine_is_known_goes_to_the_engines_listed
     assert view["close_results"] == {a.url: "ok", b.url: "ok"}
     assert (a.stats()["closes_received"], b.stats()["closes_received"]) == (1, 1)
     assert 'agentic_kv_session_close_total{reason="client"} 1.0' in gw.metrics.render()[0].decode()
+
+
+async def test_a_waiting_close_dropped_over_the_cap_leaves_nothing_behind(sim_factory, kvgate_factory):
+    a = await sim_factory(**SIM)
+    gw, kv = await kvgate_factory(upstream=a.url, agentic_session_lifecycle=True, engines=[a.url])
+    lc, reg = gw.lifecycle, gw.lifecycle.registry
+    await _set_fleet(gw, [])
+    reg.max_sessions = 1
+    async with aiohttp.ClientSession() as http:
+        for sid in ("first", "second"):  # the second close pushes the first, still waiting for an engine, out
+            async with http.post(kv + "/close_session", json={"session_id": sid}) as r:
+                assert r.status == 200
+    assert reg.get("first") is None and reg.dropped == 1 and reg.awaiting_engines() == ["second"]
+    await _set_fleet(gw, [a.url])
+    await lc.wait_until(lambda: reg.get("second").state == "closed", 10)
+    assert a.stats()["closes_received"] == 1 and lc._started == {}

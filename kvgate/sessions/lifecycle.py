@@ -291,6 +291,9 @@ class SessionLifecycle:
             for sid in self.registry.awaiting_engines():
                 if sid not in self._draining:
                     self._send(sid)
+            # the registry may have dropped some of them over its cap meanwhile: their start times go too
+            for sid in [sid for sid in self._started if self.registry.get(sid) is None]:
+                del self._started[sid]
         self._retire_settled()
         self._notify()
 
