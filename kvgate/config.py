@@ -100,13 +100,12 @@ def _tokenizer_file(path: str) -> None:
             pass
     except OSError as exc:
         raise ConfigError(f"{key}: {path}: {exc.strerror}") from None
+    from kvgate.admission.reservation import load_tokenizer_counter
     try:
-        from tokenizers import Tokenizer  # type: ignore[import-not-found]
+        load_tokenizer_counter(path)  # loaded once: the admission gate gets the same counter
     except ImportError:
         raise ConfigError(f"{key}: the 'tokenizers' package is not installed (pip install tokenizers, or unset "
                           f"{key} to estimate tokens from characters)") from None
-    try:
-        Tokenizer.from_file(path)
     except Exception as exc:  # tokenizers raises its own Exception subclass for a file it cannot parse
         detail = " ".join(str(exc).split())[:200]
         raise ConfigError(f"{key}: {path}: not a tokenizer.json the 'tokenizers' package can load ({detail})") \

@@ -14,6 +14,8 @@ prefix that other live requests already hold once (kvgate.admission.working_set)
 
 from __future__ import annotations
 
+import functools
+
 import math
 from dataclasses import dataclass
 from collections.abc import Mapping
@@ -59,10 +61,12 @@ MIN_PROMPT_TOKENS = 1
 TokenCounter = Callable[[str], int]
 
 
+@functools.lru_cache(maxsize=4)
 def load_tokenizer_counter(path: str) -> TokenCounter:
     """Load a Hugging Face ``tokenizer.json`` file and return a text -> token-count callable.
 
-    This is the only I/O in the admission core and happens once at startup. Raises ImportError if the
+    This is the only I/O in the admission core and happens once at startup (kept per path: validating the
+    config loads it, and the gate takes the same counter). Raises ImportError if the
     ``tokenizers`` package is not installed, and whatever ``tokenizers.Tokenizer.from_file`` raises for a bad
     file. Special tokens are not added (the chat template overhead is added separately).
     """

@@ -42,8 +42,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("--decode-per-ctx-token-us", type=float, default=None,
       help="extra decode-step time per token of context attended, microseconds (default: the profile's)")
     a("--max-running-requests", type=int, default=1024,
-      help="most requests decoding at once per DP rank; one request may expand (prompts x n) to at most this "
-           "x --dp-size sequences (default: %(default)s)")
+      help="most requests decoding at once per DP rank; more wait for a later batch (default: %(default)s)")
     a("--chunked-prefill-size", type=int, default=8192,
       help="longest prefill chunk, tokens: longer prompts are prefilled in several rounds (default: %(default)s)")
     a("--max-prefill-tokens", type=int, default=16384,

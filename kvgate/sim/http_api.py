@@ -718,7 +718,6 @@ class SimEngineHandle:
         """Stop listening, end the requests in flight (see SimEngine.stop), wait up to SHUTDOWN_GRACE_S seconds
         for their handlers, then cancel what is left and close every connection."""
         await self.runner.cleanup()  # its on_shutdown hook stops the engine
-        await self.engine.stop()
 
 
 def build_options(**opts) -> EngineOptions:
