@@ -24,9 +24,9 @@ import orjson
 from kvgate.admission.capacity import ClusterSnapshot, EngineCapacity
 from kvgate.admission.gate import AdmissionGate
 from kvgate.config import validate
-from kvgate.proxy.admit import RequestInfo
-from kvgate.proxy.classify import classify
-from kvgate.proxy.metrics import Metrics
+from kvgate.common.admit import RequestInfo
+from kvgate.common.classify import classify
+from kvgate.common.metrics import Metrics
 
 ENGINES = 4
 CAPACITY = 1_000_000  # tokens per engine: nothing waits

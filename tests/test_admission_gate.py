@@ -5,7 +5,7 @@ from kvgate.admission.capacity import ClusterSnapshot, EngineCapacity
 from kvgate.admission.gate import AdmissionGate
 from kvgate.admission.program import Action
 from kvgate.config import validate
-from kvgate.proxy.metrics import Metrics
+from kvgate.common.metrics import Metrics
 
 
 def _gate(policy="fifo", **kw):
@@ -58,8 +58,8 @@ async def test_a_waiter_holds_its_raw_bytes_not_its_parsed_body():
 
     import orjson
 
-    from kvgate.proxy.admit import RequestInfo
-    from kvgate.proxy.classify import classify
+    from kvgate.common.admit import RequestInfo
+    from kvgate.common.classify import classify
 
     g = _gate()
     full = lambda used: ClusterSnapshot.build(  # noqa: E731
@@ -92,8 +92,8 @@ async def test_memory_is_given_back_once_a_burst_of_waiters_drains(monkeypatch):
     import asyncio
 
     import kvgate.admission.gate as gate_mod
-    from kvgate.proxy.admit import RequestInfo
-    from kvgate.proxy.classify import classify
+    from kvgate.common.admit import RequestInfo
+    from kvgate.common.classify import classify
 
     calls = []
     monkeypatch.setattr(gate_mod, "GIVE_BACK_AFTER_WAITERS", 3)
@@ -150,8 +150,8 @@ async def test_a_release_wakes_the_timer_only_for_a_deadline_sooner_than_its_own
 
     import orjson
 
-    from kvgate.proxy.admit import RequestInfo
-    from kvgate.proxy.classify import classify
+    from kvgate.common.admit import RequestInfo
+    from kvgate.common.classify import classify
 
     raw = orjson.dumps({"input_ids": [1] * 16, "sampling_params": {"max_new_tokens": 16}})
 

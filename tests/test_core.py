@@ -4,7 +4,7 @@ import orjson
 import pytest
 
 from kvgate.fleet import compat
-from kvgate.proxy.classify import classify, inject_top_level, with_session_id
+from kvgate.common.classify import classify, inject_top_level, with_session_id
 from kvgate.fleet.discovery import DiscoveryError, engine_base_url, parse_list_workers, parse_workers
 from kvgate.sessions.observe import ResponseObserver
 from kvgate.sessions.identity import SessionResolver

@@ -4,7 +4,7 @@ import logging
 
 from kvgate.fleet.directory import EngineDirectory
 from kvgate.fleet.discovery import Engine
-from kvgate.proxy.metrics import Metrics
+from kvgate.common.metrics import Metrics
 
 A, B = "http://127.0.0.1:1", "http://127.0.0.1:2"
 

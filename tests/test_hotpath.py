@@ -11,8 +11,8 @@ from hypothesis import strategies as st
 from kvgate.admission.ledger import Ledger
 from kvgate.admission.capacity import ClusterSnapshot, EngineCapacity
 from kvgate.admission.reservation import estimate_reservation
-from kvgate.proxy.classify import classify
-from kvgate.proxy.metrics import Metrics
+from kvgate.common.classify import classify
+from kvgate.common.metrics import Metrics
 
 
 def test_classify_skips_the_parse_when_asked():
@@ -101,7 +101,7 @@ def test_loop_series_export_what_prometheus_client_would(events):
     from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
     from prometheus_client.parser import text_string_to_metric_families
 
-    from kvgate.proxy.metrics import LATENCY_BUCKETS, LoopCounter, LoopHistogram
+    from kvgate.common.metrics import LATENCY_BUCKETS, LoopCounter, LoopHistogram
 
     ours, theirs = CollectorRegistry(), CollectorRegistry()
     oc = LoopCounter("x_requests", "help", ("route", "status"), ours)

@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvgate.proxy.classify import STEP_BOUNDARY_ROUTES
+from kvgate.common.classify import STEP_BOUNDARY_ROUTES
 from kvgate.sessions.idle_policy import ADAPTIVE, FIXED, GapWindow, IdlePolicy, StepTracker, ends_session, flushes_kv
 
 

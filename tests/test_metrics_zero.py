@@ -3,7 +3,7 @@ appear with their first event: a fresh kvgate's /metrics must say the same."""
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvgate.proxy.metrics import Metrics
+from kvgate.common.metrics import Metrics
 
 
 def _samples() -> dict[tuple[str, tuple], float]:

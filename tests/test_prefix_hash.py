@@ -137,7 +137,7 @@ def test_one_request_hashes_its_prompt_once_for_admission_and_placement(monkeypa
 
     from kvgate.admission.reservation import estimate_request
     from kvgate.common import prefix_hash
-    from kvgate.proxy.classify import classify
+    from kvgate.common.classify import classify
 
     calls = []
     real = prefix_hash._digests

@@ -9,7 +9,7 @@ import pytest
 
 from kvgate.bench import proxy_bench
 from kvgate.bench.proxy_report import arm_order, base_arm, front_of
-from kvgate.proxy.metrics import Metrics
+from kvgate.common.metrics import Metrics
 from kvgate.proxy.worker_metrics import merge_expositions
 from kvgate.tools import procs
 

@@ -397,7 +397,7 @@ async def test_admission_waiters_of_all_replicas_go_in_arrival_order(redis_serve
         reps.append((gw, url))
     (a, url_a), (b, url_b) = reps
     assert a.gate.ledger.ceiling == 1800
-    from kvgate.proxy.metrics import Metrics
+    from kvgate.common.metrics import Metrics
     from kvgate.shared.redis_state import SharedState
     other = SharedState(redis_server.url, "kvgate:", 3600, 1.0, Metrics(), replica_id="other")
     other.register_scripts()
@@ -577,7 +577,7 @@ async def test_a_client_gone_while_waiting_in_the_shared_queue_leaves_it(redis_s
                                     state_backend="redis", redis_url=redis_server.url)
     while b.gate.ledger.snapshot is None or b.gate.ledger.ceiling == 0:
         await b.poller.round_done.wait()
-    from kvgate.proxy.metrics import Metrics
+    from kvgate.common.metrics import Metrics
     from kvgate.shared.redis_state import SharedState
     other = SharedState(redis_server.url, "kvgate:", 3600, 1.0, Metrics(), replica_id="other")
     other.register_scripts()
@@ -618,7 +618,7 @@ async def test_a_shared_waiter_that_ages_goes_still_reserving(redis_server, sim_
                                     state_backend="redis", redis_url=redis_server.url)
     while b.gate.ledger.snapshot is None or b.gate.ledger.ceiling == 0:
         await b.poller.round_done.wait()
-    from kvgate.proxy.metrics import Metrics
+    from kvgate.common.metrics import Metrics
     from kvgate.shared.redis_state import SharedState
     other = SharedState(redis_server.url, "kvgate:", 3600, 1.0, Metrics(), replica_id="other")
     other.register_scripts()
@@ -657,7 +657,7 @@ async def test_a_live_programs_next_turn_is_not_held_in_the_shared_queue(redis_s
     b.engine_of = lambda sid: (e.url, None)
     while b.gate.ledger.snapshot is None or b.gate.ledger.ceiling == 0:
         await b.poller.round_done.wait()
-    from kvgate.proxy.metrics import Metrics
+    from kvgate.common.metrics import Metrics
     from kvgate.shared.redis_state import SharedState
     other = SharedState(redis_server.url, "kvgate:", 3600, 1.0, Metrics(), replica_id="other")
     other.register_scripts()

@@ -13,7 +13,7 @@ import os
 import pytest
 
 from conftest import ManualClock
-from kvgate.proxy.metrics import Metrics
+from kvgate.common.metrics import Metrics
 from kvgate.shared.redis_state import SharedState
 from kvgate.tools import procs
 

@@ -19,7 +19,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 from conftest import ManualClock
-from kvgate.proxy.metrics import Metrics
+from kvgate.common.metrics import Metrics
 from kvgate.shared.redis_state import WAITER_TTL_S, SharedState
 from kvgate.tools import procs
 

@@ -6,7 +6,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvgate.config import ConfigError, cpu_count, validate
-from kvgate.proxy.metrics import Metrics
+from kvgate.common.metrics import Metrics
 from kvgate.proxy.worker_metrics import merge_expositions
 from kvgate.proxy.workers import RESTART_MAX_DELAY_S, restart_delay
 

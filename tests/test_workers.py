@@ -272,7 +272,7 @@ async def test_a_turns_end_written_before_its_start_leaves_no_turn_in_flight(red
     """A worker's turn writes go out in the background in batches, kept in order; a batch that failed halfway
     can still leave a turn's end in Redis without its start (then sent later): the session must not be left
     with a turn in flight for ever (it would never be idle-closed)."""
-    from kvgate.proxy.metrics import Metrics
+    from kvgate.common.metrics import Metrics
     from kvgate.shared.redis_state import SharedState
     st = SharedState(redis_server.url, "kvgate:", 600, 1.0, Metrics())
     await st.start()
@@ -309,7 +309,7 @@ def test_several_workers_on_a_port_in_use_is_one_line():
 async def test_many_calls_at_once_do_not_mark_redis_unreachable(redis_server):
     """Hundreds of requests in flight make hundreds of Redis calls at once: each gets a connection (redis-py's
     default pool of 100 raised MaxConnectionsError, and Redis was taken for down)."""
-    from kvgate.proxy.metrics import Metrics
+    from kvgate.common.metrics import Metrics
     from kvgate.shared.redis_state import SharedState
     m = Metrics()
     st = SharedState(redis_server.url, "kvgate:", 600, 1.0, m)

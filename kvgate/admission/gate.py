@@ -34,8 +34,8 @@ from kvgate.admission.program import ProgramCoordinator, ProgramState
 from kvgate.admission.reservation import Estimator, load_tokenizer_counter
 from kvgate.common.aio import cancel_tasks
 from kvgate.common.memory import give_back
-from kvgate.proxy.admit import RequestInfo, Ticket
-from kvgate.proxy.metrics import Metrics
+from kvgate.common.admit import RequestInfo, Ticket
+from kvgate.common.metrics import Metrics
 
 log = logging.getLogger("kvgate.admission")
 
@@ -50,7 +50,7 @@ OFF_HEADERS = [(HEADER_DECISION, ADMISSION_OFF), (HEADER_QUEUE_MS, "0")]
 
 
 class AdmissionGate:
-    """Implements kvgate.proxy.admit.Gate with the coordinator; ``poller`` feeds it capacity snapshots.
+    """Implements kvgate.common.admit.Gate with the coordinator; ``poller`` feeds it capacity snapshots.
 
     cfg: the validated Config; metrics: the app's Metrics (series are added to its registry);
     clock: monotonic seconds; engine_of: session id -> (engine URL, dp_rank or None) or None when unknown;

@@ -1,2 +1,3 @@
-"""Small helpers shared by kvgate's edges and cores: asyncio task handling, giving memory back, chained
-prompt-block hashes. Imports nothing else of kvgate."""
+"""What several rooms share, below them all: request classification and route tables (classify), the admission
+seam's request and ticket types (admit), kvgate's Prometheus declarations (metrics), asyncio task handling,
+giving memory back, chained prompt-block hashes. Imports nothing else of kvgate."""

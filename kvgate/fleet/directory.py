@@ -23,7 +23,7 @@ from kvgate.common.aio import cancel_tasks
 from kvgate.fleet import compat
 from kvgate.fleet.placement import placement_active
 from kvgate.fleet.discovery import DiscoveryError, Engine, parse_list_workers, parse_workers, static_engines
-from kvgate.proxy.metrics import Metrics
+from kvgate.common.metrics import Metrics
 
 log = logging.getLogger("kvgate.fleet.directory")
 

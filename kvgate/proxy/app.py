@@ -27,7 +27,7 @@ from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
 
 from kvgate import __version__
-from kvgate.proxy.classify import (STEP_BOUNDARY_ROUTES, classify, inject_top_level, parse_json_object,
+from kvgate.common.classify import (STEP_BOUNDARY_ROUTES, classify, inject_top_level, parse_json_object,
                                    with_session_id)
 from kvgate.config import PLACEMENT_ROUTES, Config
 from kvgate.fleet import compat
@@ -35,12 +35,12 @@ from kvgate.fleet.placement import Placement, Target
 from kvgate.fleet.directory import EngineDirectory
 from kvgate.proxy.relay import MAX_FIELD_BYTES, MAX_LINE_BYTES, Upstream, forward_head, header_safe, \
     BodyParts, preserve_header_bytes, read_body
-from kvgate.proxy.admit import Gate, OpenGate, RequestInfo, Ticket
+from kvgate.common.admit import Gate, OpenGate, RequestInfo, Ticket
 from kvgate.proxy.server import HttpServer
 from kvgate.sessions.idle_policy import IdlePolicy, StepTracker
 from kvgate.sessions.inference import SessionInference, prefix_keys, request_units
 from kvgate.sessions.lifecycle import SessionLifecycle
-from kvgate.proxy.metrics import Metrics
+from kvgate.common.metrics import Metrics
 from kvgate.sessions.observe import ResponseObserver
 from kvgate.sessions.identity import SessionResolver
 from kvgate.sessions.registry import SessionRegistry

@@ -4,5 +4,5 @@ Owns session identity (identity: named by header or field), prefix-based inferen
 none (inference), the registry of what kvgate knows of each session (registry), when a session counts as
 ended (idle_policy), what a relayed response says about it (observe) and the /close_session fan-out to every
 engine (lifecycle). Pure modules: identity, inference, registry, idle_policy, observe. May import
-kvgate.common, kvgate.fleet, kvgate.proxy.classify (pure route constants) and kvgate.proxy.metrics.
+kvgate.common and kvgate.fleet.
 """

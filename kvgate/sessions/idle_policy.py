@@ -9,7 +9,7 @@ No I/O and no clock of its own: every call that cares about time takes ``now`` (
   whose own gaps were longer keeps a longer threshold (``multiple x`` its largest gap, same clamp).
   ``mode="fixed"`` is today's behaviour: one threshold, ``session_idle_close_s``.
 - :class:`StepTracker` counts training-step boundaries (a successful pass-through to one of
-  kvgate.proxy.classify.STEP_BOUNDARY_ROUTES: the engines' radix cache is flushed or released) and remembers,
+  kvgate.common.classify.STEP_BOUNDARY_ROUTES: the engines' radix cache is flushed or released) and remembers,
   per session, the step in which it last put KV on the engines; a session without KV in the current
   step stays known but is not closed on the engines again.
 - :func:`ends_session` and :class:`ClientAborts`: a turn that ended with finish_reason ``abort`` closes its
@@ -26,7 +26,7 @@ from collections import OrderedDict
 from collections.abc import Mapping
 from typing import Any
 
-from kvgate.proxy.classify import STEP_BOUNDARY_ROUTES
+from kvgate.common.classify import STEP_BOUNDARY_ROUTES
 
 FIXED, ADAPTIVE = "fixed", "adaptive"
 

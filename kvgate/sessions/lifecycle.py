@@ -34,7 +34,7 @@ from kvgate.common.aio import cancel_tasks
 
 from kvgate.fleet.directory import EngineDirectory
 from kvgate.sessions.idle_policy import ClientAborts, IdlePolicy, StepTracker, ends_session
-from kvgate.proxy.metrics import Metrics
+from kvgate.common.metrics import Metrics
 from kvgate.sessions.registry import (ACTIVE, CLOSED, CLOSING, ENGINE_GONE, FAILED, PENDING, SENDING, CloseRetry,
                                       SessionRegistry)
 

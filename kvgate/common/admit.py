@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Protocol
 
-from kvgate.proxy.classify import Classified
+from kvgate.common.classify import Classified
 
 
 @dataclass(slots=True)
