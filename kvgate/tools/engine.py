@@ -90,7 +90,11 @@ class EngineSpec:
     profile: the model (``tiny`` for tests, ``mlp`` for benches). extra: further SGLang flags.
     cache_report: ``--enable-cache-report``: the OpenAI routes report ``usage.prompt_tokens_details.cached_tokens``
     (without it SGLang 0.5.23 sends ``prompt_tokens_details: null``, and a client or kvgate sees no cache hits on
-    chat and completions; /generate's meta_info.cached_tokens is always there).
+    chat and completions; /generate's meta_info.cached_tokens is always there). env: further environment
+    variables for the server. dp_size: ``--dp-size`` (each rank a KV pool of max_total_tokens); on the CPU
+    SGLang 0.5.23 binds each rank to a NUMA node and refuses more ranks than nodes (utils/numa_utils.py
+    init_threads_binding) unless ``SGLANG_CPU_OMP_THREADS_BIND`` names each rank's cores, so the launcher gives
+    rank i core i (modulo the machine's cores) when ``env`` does not say.
     """
 
     max_total_tokens: int = 4000
@@ -101,6 +105,8 @@ class EngineSpec:
     max_running_requests: int | None = None
     extra: list[str] = field(default_factory=list)
     cache_report: bool = True
+    env: dict[str, str] = field(default_factory=dict)
+    dp_size: int = 1
 
 
 def sglang_command(spec: EngineSpec, port: int, model: Path) -> tuple[list[str], dict[str, str]]:
@@ -114,6 +120,8 @@ def sglang_command(spec: EngineSpec, port: int, model: Path) -> tuple[list[str],
         cmd += ["--enable-session-radix-cache", "--radix-eviction-policy", "priority"]
     if spec.cache_report:
         cmd += ["--enable-cache-report"]
+    if spec.dp_size > 1:
+        cmd += ["--dp-size", str(spec.dp_size)]
     if spec.chunked_prefill_size:
         cmd += ["--chunked-prefill-size", str(spec.chunked_prefill_size)]
     if spec.max_running_requests:
@@ -126,6 +134,10 @@ def sglang_command(spec: EngineSpec, port: int, model: Path) -> tuple[list[str],
         "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",  # no hub here: the model directory is local
         "SGLANG_DISABLE_REQUEST_LOGGING": "1",
     }
+    if spec.dp_size > 1:
+        cores = os.cpu_count() or 1
+        env["SGLANG_CPU_OMP_THREADS_BIND"] = "|".join(str(i % cores) for i in range(spec.dp_size))
+    env.update(spec.env)
     return cmd, env
 
 
