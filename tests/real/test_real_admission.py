@@ -1,0 +1,99 @@
+"""Admission on real engines: the capacity figures kvgate reads, and a request held while the real KV pools are
+full and let go when room frees."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import aiohttp
+import pytest
+
+from .conftest import POOL
+from .helpers import engine_metrics, gen_body, get_json, ids, post
+
+SLACK_S = 0.25  # a released lease or a fresh poll may precede the answer's arrival here by a few event-loop turns
+ADMISSION = dict(agentic_session_lifecycle=True, agentic_program_admission=True, admission_poll_interval_s=0.2,
+                 discovery_interval_s=0.5, session_placement="kvgate", agentic_admission_max_wait_s=120.0)
+
+
+async def _ready(gw) -> None:
+    """Until the ledger has figures from every engine the router lists."""
+    await gw.directory.first_refresh.wait()
+    while gw.gate.ledger.snapshot is None or len(gw.gate.ledger.snapshot.engines) < len(gw.directory.urls):
+        await gw.poller.round_done.wait()
+
+
+@pytest.mark.parametrize("source", ["loads", "metrics"])
+async def test_capacity_figures_are_the_engines_max_total_num_tokens(fleet, kvgate_factory, source):
+    gw, kv = await kvgate_factory(upstream=fleet.smg, admission_capacity_source=source, **ADMISSION)
+    await _ready(gw)
+    async with aiohttp.ClientSession() as http:
+        loads = [await get_json(http, u + "/v1/loads") for u in fleet.urls]
+        gauges = [await engine_metrics(http, u) for u in fleet.urls]
+        stats = await get_json(http, kv + "/kvgate/stats")
+    reported = [ld["loads"][0]["max_total_num_tokens"] for ld in loads]
+    assert reported == [POOL, POOL] == [g["sglang:max_total_num_tokens"] for g in gauges]
+    snap = gw.gate.ledger.snapshot
+    assert {u: snap.engines[u].capacity for u in fleet.urls} == dict(zip(fleet.urls, reported))
+    assert {u: len(snap.engines[u].pools) for u in fleet.urls} == {u: 1 for u in fleet.urls}  # no DP
+    assert set(gw.poller.last_sources.values()) == {"/v1/loads" if source == "loads" else "/metrics"}
+    # The ledger commits agentic_admission_headroom (0.9) of the fleet's pools.
+    assert stats["ledger"]["ceiling"] == int(0.9 * 2 * POOL)
+
+
+async def _timed(http, url, body, headers):
+    t0 = time.monotonic()
+    st, obj, h = await post(http, url, body, headers)
+    assert st == 200, obj
+    return t0, time.monotonic(), obj, h
+
+
+async def test_held_while_an_engine_pool_is_full_let_go_when_it_empties(fleet, kvgate_factory):
+    """Work kvgate does not see (sent straight to engine 0) fills that engine's pool past the pressure threshold:
+    kvgate reads it in the engine's own figures and holds a new call until the engine reports room again."""
+    gw, kv = await kvgate_factory(upstream=fleet.smg, agentic_admission_pressure_threshold=0.5, **ADMISSION)
+    await _ready(gw)
+    usage: list[tuple[float, float]] = []  # (when, worst engine token_usage) per snapshot kvgate took
+    gw.poller.listeners.append(lambda s: usage.append((time.monotonic(), s.worst_usage)))
+    async with aiohttp.ClientSession() as http:
+        # 2,600 prompt + 300 new tokens: 0.65-0.73 of a 4,000-token pool while it runs
+        big = asyncio.create_task(_timed(http, fleet.urls[0] + "/generate", gen_body(ids(2600, 7), 300), {}))
+        while not any(u >= 0.5 for _, u in usage):  # kvgate has seen the pool past the threshold
+            assert not big.done(), "the big request ended before kvgate saw its KV"
+            await gw.poller.round_done.wait()
+        t_sent, t_done, held, h = await _timed(http, kv + "/generate", gen_body(ids(50, 8), 4), {"X-Session-ID": "h"})
+        big_t0, big_t1, big_obj, _ = await big
+    assert big_obj["meta_info"]["completion_tokens"] == 300
+    assert h["X-Kvgate-Admission"] == "admit"
+    queued_s = int(h["X-Kvgate-Queue-Ms"]) / 1000
+    # Held for as long as the engine reported its pool full: let go only after the big request ended.
+    # (kvgate may see the engine's room a moment before the big answer reaches this client: same event loop)
+    assert t_sent + queued_s >= big_t1 - SLACK_S, (t_sent, queued_s, big_t1)
+    assert gw.gate.stats()["counters"]["wait"] >= 1
+
+
+async def test_ledger_holds_the_call_that_would_overfill_the_pools(fleet, kvgate_factory):
+    """Three calls of 3,000 prompt + 400 new tokens: two fit the ledger's 7,200 (0.9 of two 4,000-token pools),
+    the third waits until one of them has finished."""
+    gw, kv = await kvgate_factory(upstream=fleet.smg, **ADMISSION)
+    await _ready(gw)
+    async with aiohttp.ClientSession() as http:
+        first = [asyncio.create_task(_timed(http, kv + "/generate", gen_body(ids(3000, 20 + i), 400),
+                                            {"X-Session-ID": f"big{i}"})) for i in range(2)]
+        while gw.gate.stats()["counters"]["admit"] < 2:
+            await asyncio.sleep(0.05)  # the two leases are granted as their requests arrive
+        third = asyncio.create_task(_timed(http, kv + "/generate", gen_body(ids(3000, 30), 400),
+                                           {"X-Session-ID": "big2"}))
+        while gw.gate.stats()["waiting"] < 1:
+            assert not third.done()
+            await asyncio.sleep(0.05)
+        done = await asyncio.gather(*first)
+        t_sent, _, obj, h = await third
+    assert [d[3]["X-Kvgate-Admission"] for d in done] == ["admit", "admit"]
+    assert [int(d[3]["X-Kvgate-Queue-Ms"]) for d in done] == [0, 0]
+    assert h["X-Kvgate-Admission"] == "admit" and obj["meta_info"]["completion_tokens"] == 400
+    first_end = min(d[1] for d in done)
+    assert t_sent + int(h["X-Kvgate-Queue-Ms"]) / 1000 >= first_end - SLACK_S
+    # kvgate spread the two big sessions over the two engines (free KV), so neither queued in an engine.
+    assert {gw.placement.engine_of(f"big{i}")[0] for i in range(2)} == set(fleet.urls)
