@@ -167,5 +167,7 @@ def test_engine_warnings():
                   "radix_eviction_policy": "priority"}) == []
     assert kinds({"enable_session_radix_cache": True, "version": "0.5.9"}) == ["engine_too_old"]
     assert kinds({"enable_session_radix_cache": True}, 404) == ["metrics_404"]
+    assert kinds({"enable_session_radix_cache": True, "enable_cache_report": False}) == ["cache_report_off"]
+    assert kinds({"enable_session_radix_cache": True, "enable_cache_report": True}) == []
     assert kinds(None, None) == ["server_info_unreadable"]
     assert compat.parse_version("0.5.17rc1") == (0, 5, 17)

@@ -114,7 +114,8 @@ def engine_warnings(server_info: dict[str, Any] | None, metrics_status: int | No
 
     Rules (sglang-engine-api.md, Sessions): enable_session_radix_cache must be on for session_id
     to tag KV; on 0.5.15-0.5.16 it also needs radix_eviction_policy=priority; /metrics 404 means
-    --enable-metrics is off, so admission has only /v1/loads (or no signal).
+    --enable-metrics is off, so admission has only /v1/loads (or no signal); enable_cache_report off (said
+    explicitly) means the OpenAI routes report no cached tokens.
     """
     out: list[tuple[str, str]] = []
     if server_info is None:
@@ -124,6 +125,11 @@ def engine_warnings(server_info: dict[str, Any] | None, metrics_status: int | No
             out.append(("session_radix_cache_off",
                         "enable_session_radix_cache is off: session_id is accepted but does not order eviction; "
                         "start the engine with --enable-session-radix-cache"))
+        if server_info.get("enable_cache_report") is False:
+            # SGLang then sends usage.prompt_tokens_details: null on the OpenAI routes (measured on 0.5.23)
+            out.append(("cache_report_off",
+                        "enable_cache_report is off: chat and completions answers carry no cached-token count, so "
+                        "kvgate's session records show none for them; start the engine with --enable-cache-report"))
         version = parse_version(server_info.get("version"))
         if version is not None and (0, 5, 15) <= version[:3] < (0, 5, 17):
             if server_info.get("radix_eviction_policy") != "priority":

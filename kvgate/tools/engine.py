@@ -192,14 +192,15 @@ class Engine:
 
 
 def start_engine(spec: EngineSpec, log_dir: Path, name: str | None = None, port: int | None = None,
-                 timeout_s: float = 900.0) -> Engine:
+                 timeout_s: float = 900.0, slot_timeout_s: float = 600.0) -> Engine:
     """Start one engine and wait until GET /health answers 200 (SGLang runs a warm-up generate first, so the
     engine then serves at once). A start took 17-32 s on an idle 2-core machine and 130-240 s with other
     engines, benches and test suites running beside it, hence the generous ``timeout_s`` (seconds). Returns the
     Engine; raises EngineUnavailable when no engine environment is installed, RuntimeError with the log's tail
-    when the server exits, TimeoutError after ``timeout_s``."""
+    when the server exits, TimeoutError after ``timeout_s``, or when no engine slot frees within
+    ``slot_timeout_s`` seconds."""
     model = model_dir(spec.profile)
-    fd = acquire_slot()
+    fd = acquire_slot(slot_timeout_s)
     try:
         port = port or procs.free_port()
         cmd, env = sglang_command(spec, port, model)

@@ -26,7 +26,8 @@ from kvgate.tools import procs
 
 #: Each shared engine's KV pool (--max-total-tokens), tokens.
 POOL = 4000
-#: How long an engine may take to start here (seconds): 17-32 s idle, 130-240 s on a loaded 2-core machine.
+#: How long an engine may take to start, and to wait for a machine-wide engine slot (seconds): 17-32 s idle,
+#: 130-353 s on a loaded 2-core machine.
 START_TIMEOUT_S = float(os.environ.get("KVGATE_ENGINE_START_TIMEOUT_S", "900"))
 
 
@@ -38,7 +39,7 @@ def shared_spec() -> eng.EngineSpec:
 def start_engines(specs: list[eng.EngineSpec], log_dir: Path, prefix: str) -> list[eng.Engine]:
     """Start one engine per spec at once (each start is mostly imports: they overlap); all or none."""
     with concurrent.futures.ThreadPoolExecutor(len(specs)) as pool:
-        futs = [pool.submit(eng.start_engine, s, log_dir, f"{prefix}{i}", None, START_TIMEOUT_S)
+        futs = [pool.submit(eng.start_engine, s, log_dir, f"{prefix}{i}", None, START_TIMEOUT_S, START_TIMEOUT_S)
                 for i, s in enumerate(specs)]
         started, errors = [], []
         for f in futs:
@@ -76,11 +77,18 @@ class RealFleet:
     engines: list[eng.Engine] = field(default_factory=list)
     routers: dict[str, procs.Proc] = field(default_factory=dict)
     starts: list[float] = field(default_factory=list)  # seconds each shared engine took to start
+    failed: str | None = None  # why the shared engines could not start: every later test fails at once
 
     def ensure(self) -> "RealFleet":
         """Start the shared engines and both routers if they are not running."""
+        if self.failed:
+            pytest.fail(f"the shared engines did not start: {self.failed}")
         if not self.engines:
-            self.engines = start_engines([shared_spec(), shared_spec()], self.log_dir, "engine")
+            try:
+                self.engines = start_engines([shared_spec(), shared_spec()], self.log_dir, "engine")
+            except Exception as exc:
+                self.failed = f"{type(exc).__name__}: {exc}"
+                raise
             self.starts += [e.started_s for e in self.engines]
         for name, legacy in (("smg", False), ("legacy", True)):
             if name not in self.routers:
