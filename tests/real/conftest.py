@@ -86,7 +86,7 @@ class RealFleet:
         if not self.engines:
             try:
                 self.engines = start_engines([shared_spec(), shared_spec()], self.log_dir, "engine")
-            except Exception as exc:
+            except BaseException as exc:  # a timeout's Failed too: later tests must not start engines again
                 self.failed = f"{type(exc).__name__}: {exc}"
                 raise
             self.starts += [e.started_s for e in self.engines]
@@ -132,9 +132,13 @@ class RealFleet:
 
 def pytest_collection_modifyitems(config, items):
     """Tests that stop the shared engines for engines of their own (``exclusive_engines``) run after the others,
-    so the shared engines start once. Only this tier's items move, among themselves."""
+    so the shared engines start once. Only this tier's items move, among themselves. Each gets pytest-timeout's
+    limit raised to cover an engine start (the first test of the tier, and the exclusive ones, start engines in
+    their setup, which the limit counts)."""
     here = Path(__file__).parent
     slots = [i for i, it in enumerate(items) if Path(str(it.path)).is_relative_to(here)]
+    for i in slots:
+        items[i].add_marker(pytest.mark.timeout(2 * START_TIMEOUT_S + 600))
     block = sorted((items[i] for i in slots), key=lambda it: it.get_closest_marker("exclusive_engines") is not None)
     for i, it in zip(slots, block):
         items[i] = it
