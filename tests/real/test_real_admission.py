@@ -33,13 +33,13 @@ async def test_capacity_figures_are_the_engines_max_total_num_tokens(fleet, kvga
         gauges = [await engine_metrics(http, u) for u in fleet.urls]
         stats = await get_json(http, kv + "/kvgate/stats")
     reported = [ld["loads"][0]["max_total_num_tokens"] for ld in loads]
-    assert reported == [POOL, POOL] == [g["sglang:max_total_num_tokens"] for g in gauges]
+    assert reported == [POOL] * len(fleet.urls) == [g["sglang:max_total_num_tokens"] for g in gauges]
     snap = gw.gate.ledger.snapshot
     assert {u: snap.engines[u].capacity for u in fleet.urls} == dict(zip(fleet.urls, reported))
     assert {u: len(snap.engines[u].pools) for u in fleet.urls} == {u: 1 for u in fleet.urls}  # no DP
     assert set(gw.poller.last_sources.values()) == {"/v1/loads" if source == "loads" else "/metrics"}
     # The ledger commits agentic_admission_headroom (0.9) of the fleet's pools.
-    assert stats["ledger"]["ceiling"] == int(0.9 * 2 * POOL)
+    assert stats["ledger"]["ceiling"] == int(0.9 * len(fleet.urls) * POOL)
 
 
 async def _timed(http, url, body, headers):
@@ -74,26 +74,27 @@ async def test_held_while_an_engine_pool_is_full_let_go_when_it_empties(fleet, k
 
 
 async def test_ledger_holds_the_call_that_would_overfill_the_pools(fleet, kvgate_factory):
-    """Three calls of 3,000 prompt + 400 new tokens: two fit the ledger's 7,200 (0.9 of two 4,000-token pools),
-    the third waits until one of them has finished."""
+    """Calls of 3,000 prompt + 400 new tokens, one per engine and one more: one per engine fits the ledger's
+    0.9 x 4,000 per engine (7,200 for two), the last waits until one of the others has finished."""
     gw, kv = await kvgate_factory(upstream=fleet.smg, **ADMISSION)
     await _ready(gw)
+    n = len(fleet.urls)
     async with aiohttp.ClientSession() as http:
         first = [asyncio.create_task(_timed(http, kv + "/generate", gen_body(ids(3000, 20 + i), 400),
-                                            {"X-Session-ID": f"big{i}"})) for i in range(2)]
-        while gw.gate.stats()["counters"]["admit"] < 2:
+                                            {"X-Session-ID": f"big{i}"})) for i in range(n)]
+        while gw.gate.stats()["counters"]["admit"] < n:
             await asyncio.sleep(0.05)  # the two leases are granted as their requests arrive
         third = asyncio.create_task(_timed(http, kv + "/generate", gen_body(ids(3000, 30), 400),
-                                           {"X-Session-ID": "big2"}))
+                                           {"X-Session-ID": "last"}))
         while gw.gate.stats()["waiting"] < 1:
             assert not third.done()
             await asyncio.sleep(0.05)
         done = await asyncio.gather(*first)
         t_sent, _, obj, h = await third
-    assert [d[3]["X-Kvgate-Admission"] for d in done] == ["admit", "admit"]
-    assert [int(d[3]["X-Kvgate-Queue-Ms"]) for d in done] == [0, 0]
+    assert [d[3]["X-Kvgate-Admission"] for d in done] == ["admit"] * n
+    assert [int(d[3]["X-Kvgate-Queue-Ms"]) for d in done] == [0] * n
     assert h["X-Kvgate-Admission"] == "admit" and obj["meta_info"]["completion_tokens"] == 400
     first_end = min(d[1] for d in done)
     assert t_sent + int(h["X-Kvgate-Queue-Ms"]) / 1000 >= first_end - SLACK_S
-    # kvgate spread the two big sessions over the two engines (free KV), so neither queued in an engine.
-    assert {gw.placement.engine_of(f"big{i}")[0] for i in range(2)} == set(fleet.urls)
+    # kvgate spread the big sessions over the engines (free KV), so none queued in an engine.
+    assert {gw.placement.engine_of(f"big{i}")[0] for i in range(n)} == set(fleet.urls)

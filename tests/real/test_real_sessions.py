@@ -28,7 +28,7 @@ async def _closed(kv: str, sid: str, reason: str, timeout_s: float = 60) -> dict
 
 
 async def test_open_session_survives_pressure_closed_sessions_go_first(fleet, kvgate_factory):
-    e0, e1 = fleet.urls
+    e0, e1 = fleet.urls[0], fleet.urls[-1]  # one engine: both kvgates in front of it
     # Engine 0: sessions kvgate never closes unless the client asks. Engine 1: kvgate closes idle sessions.
     common = dict(upstream=fleet.smg, agentic_session_lifecycle=True, session_placement="kvgate",
                   close_timeout_s=30.0)  # a loaded engine may answer a close slowly; a timeout would be retried
@@ -53,9 +53,9 @@ async def test_open_session_survives_pressure_closed_sessions_go_first(fleet, kv
         assert i["close_results"] == {e1: "ok"}
         assert (await get_json(http, f"{kv0}/kvgate/sessions/keep"))["state"] == "active"
 
-        evicted = [(await engine_metrics(http, u)).get("sglang:evicted_tokens_total", 0) for u in (e0, e1)]
-        await asyncio.gather(pressure(http, e0, *PRESSURE, seed=1000), pressure(http, e1, *PRESSURE, seed=2000))
-        after = [(await engine_metrics(http, u)).get("sglang:evicted_tokens_total", 0) for u in (e0, e1)]
+        evicted = [(await engine_metrics(http, u)).get("sglang:evicted_tokens_total", 0) for u in fleet.urls]
+        await asyncio.gather(*(pressure(http, u, *PRESSURE, seed=1000 * (i + 1)) for i, u in enumerate(fleet.urls)))
+        after = [(await engine_metrics(http, u)).get("sglang:evicted_tokens_total", 0) for u in fleet.urls]
         assert all(a - b >= PRESSURE[0] * sum(PRESSURE[1:]) - POOL for a, b in zip(after, evicted)), (evicted, after)
 
         again = {
