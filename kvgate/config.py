@@ -21,6 +21,7 @@ from urllib.parse import urlsplit
 
 import yaml
 
+from kvgate import config_checks
 
 class ConfigError(ValueError):
     """A configuration problem; ``str(err)`` is one line that names the key."""
@@ -368,6 +369,8 @@ class Config:
     """The validated configuration. Attribute names are the YAML keys."""
 
     values: dict[str, Any] = field(default_factory=dict)
+    # Lines about settings that are valid but will not do what they seem to (kvgate.config_checks).
+    warnings: list[str] = field(default_factory=list)
 
     def __getattr__(self, name: str) -> Any:
         try:
@@ -426,6 +429,11 @@ def validate(raw: dict[str, Any]) -> Config:
         raise ConfigError(f"workers: {values['workers']} worker processes need state_backend: redis (with "
                           f"{values['state_backend']}, each process would keep its own sessions and admission ledger)")
     values["engines"] = [_url("engines", u) for u in values["engines"]]
+    path = config_checks.upstream_path(values["upstream"])
+    if path.endswith(config_checks.API_PATH_SUFFIXES):
+        raise ConfigError(f"upstream: {values['upstream']} ends in an API path ({path}); kvgate sends each request's "
+                          f"own path (/v1/completions, /generate) to the router, so give its base URL "
+                          f"({values['upstream'][:-len(path)] if values['upstream'].endswith(path) else 'http://HOST:PORT'})")
     if values["agentic_program_admission"] and values["admission_tokenizer_file"] is not None:
         _tokenizer_file(values["admission_tokenizer_file"])
     from kvgate.admission.policy import MatchRule
@@ -435,14 +443,21 @@ def validate(raw: dict[str, Any]) -> Config:
                 MatchRule.from_config(rule)
             except ValueError as exc:
                 raise ConfigError(f"{name}: {exc} (a rule is {{path: GLOB, field: NAME, equals: VALUE}})") from None
-    return Config(values)
+    warnings = [w for w in [config_checks.upstream_path_warning(values["upstream"])] if w]
+    warnings += config_checks.inert_warnings(values, {k.name: k.default for k in KEYS}, PLACEMENT_ROUTES)
+    return Config(values, warnings)
 
 
 def load_yaml(path: str) -> dict[str, Any]:
     """Read a YAML config file into a flat mapping (empty file = no keys). Raises ConfigError."""
+    return load_yaml_checked(path)[0]
+
+
+def load_yaml_checked(path: str) -> tuple[dict[str, Any], list[str]]:
+    """:func:`load_yaml` and the warnings about the file itself (a key given twice). Raises ConfigError."""
     try:
         with open(path, encoding="utf-8") as fh:
-            data = yaml.safe_load(fh)
+            data, duplicates = config_checks.load_with_duplicates(fh)
     except OSError as exc:
         raise ConfigError(f"config file {path}: {exc.strerror}") from None
     except yaml.YAMLError as exc:
@@ -450,21 +465,29 @@ def load_yaml(path: str) -> dict[str, Any]:
         where = f" line {mark.line + 1}" if mark is not None else ""
         raise ConfigError(f"config file {path}{where}: not valid YAML") from None
     if data is None:
-        return {}
+        return {}, []
     if not isinstance(data, dict):
         raise ConfigError(f"config file {path}: expected a mapping of keys to values")
-    return data
+    return data, config_checks.duplicate_warnings(path, duplicates, data)
 
 
 def flag_name(key: str) -> str:
     return "--" + key.replace("_", "-")
 
 
+def _flag_help(key: Key) -> str:
+    """A key's help line with its built-in default in YAML terms (the flag's own default stays unset, so a
+    YAML file's value is not overridden)."""
+    default = yaml.safe_dump(key.default, default_flow_style=True, width=1 << 16).strip()
+    default = default.removesuffix("\n...")  # a plain scalar's document end marker
+    return f"{key.doc} (default: {default})".replace("%", "%%")
+
+
 def add_flags(parser: argparse.ArgumentParser) -> None:
     """Add ``--config`` and one flag per key (default: unset, so YAML values are not overridden)."""
     parser.add_argument("--config", metavar="FILE", help="YAML config file (see configs/kvgate.yaml)")
     for key in KEYS:
-        kwargs: dict[str, Any] = {"dest": key.name, "default": None, "help": key.doc}
+        kwargs: dict[str, Any] = {"dest": key.name, "default": None, "help": _flag_help(key)}
         if key.type is bool:
             kwargs["action"] = argparse.BooleanOptionalAction
         elif key.type is dict:
@@ -502,12 +525,14 @@ def _from_flag(key: Key, text: Any) -> Any:
 
 def from_args(args: argparse.Namespace) -> Config:
     """Merge defaults, the YAML file named by ``args.config`` and the flags; validate. Raises ConfigError."""
-    raw: dict[str, Any] = load_yaml(args.config) if getattr(args, "config", None) else {}
+    raw, file_warnings = load_yaml_checked(args.config) if getattr(args, "config", None) else ({}, [])
     for key in KEYS:
         value = getattr(args, key.name, None)
         if value is not None:
             raw[key.name] = _from_flag(key, value)
-    return validate(raw)
+    cfg = validate(raw)
+    cfg.warnings[:0] = file_warnings
+    return cfg
 
 
 __all__ = ["Config", "ConfigError", "KEYS", "add_flags", "from_args", "load_yaml", "validate",
