@@ -97,7 +97,7 @@ def unrecognized(extras: list[str], parser: argparse.ArgumentParser) -> str:
     hints = []
     for arg in extras:
         if arg.startswith("--"):
-            close = difflib.get_close_matches(arg.partition("=")[0], flags, n=3, cutoff=0.6)
+            close = difflib.get_close_matches(arg.partition("=")[0], flags, n=2, cutoff=0.75)
             if close:
                 hints.append(f"{arg.partition('=')[0]}: did you mean {' or '.join(close)}?")
     return f"unrecognized arguments: {' '.join(extras)}" + (f" ({'; '.join(hints)})" if hints else "")

@@ -429,11 +429,11 @@ def validate(raw: dict[str, Any]) -> Config:
         raise ConfigError(f"workers: {values['workers']} worker processes need state_backend: redis (with "
                           f"{values['state_backend']}, each process would keep its own sessions and admission ledger)")
     values["engines"] = [_url("engines", u) for u in values["engines"]]
-    path = config_checks.upstream_path(values["upstream"])
-    if path.endswith(config_checks.API_PATH_SUFFIXES):
-        raise ConfigError(f"upstream: {values['upstream']} ends in an API path ({path}); kvgate sends each request's "
+    api = config_checks.api_path(values["upstream"])
+    if api is not None:
+        raise ConfigError(f"upstream: {values['upstream']} ends in an API path ({api}); kvgate sends each request's "
                           f"own path (/v1/completions, /generate) to the router, so give its base URL "
-                          f"({values['upstream'][:-len(path)] if values['upstream'].endswith(path) else 'http://HOST:PORT'})")
+                          f"({values['upstream'].removesuffix(api)})")
     if values["agentic_program_admission"] and values["admission_tokenizer_file"] is not None:
         _tokenizer_file(values["admission_tokenizer_file"])
     from kvgate.admission.policy import MatchRule

@@ -70,6 +70,13 @@ def upstream_path(url: str) -> str:
     return urlsplit(url).path.rstrip("/")
 
 
+def api_path(url: str) -> str | None:
+    """The API path an upstream URL ends with (``/v1``, ``/v1/completions`` ...), or None."""
+    path = upstream_path(url)
+    ends = [p for p in API_PATH_SUFFIXES if path.endswith(p)]
+    return max(ends, key=len) if ends and url.rstrip("/").endswith(path) else None
+
+
 def upstream_path_warning(url: str) -> str | None:
     """The warning for an upstream with a path kvgate honours as a prefix, or None for a plain base URL."""
     path = upstream_path(url)

@@ -19,6 +19,7 @@ import re
 import signal
 import sys
 import time
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -30,7 +31,7 @@ from kvgate import __version__
 from kvgate.common.classify import (STEP_BOUNDARY_ROUTES, classify, inject_top_level, parse_json_object,
                                    with_session_id)
 from kvgate.config import PLACEMENT_ROUTES, Config
-from kvgate.fleet import compat
+from kvgate.fleet import compat, health
 from kvgate.fleet.placement import Placement, Target
 from kvgate.fleet.directory import EngineDirectory
 from kvgate.proxy.relay import MAX_FIELD_BYTES, MAX_LINE_BYTES, Upstream, forward_head, header_safe, \
@@ -193,6 +194,9 @@ class Gateway:
         # read per placed or shared-inference request: looked up once (Config reads go through __getattr__)
         self._placement_blocks = (cfg.session_inference_block_tokens, cfg.session_inference_block_chars,
                                   cfg.admission_chars_per_token)
+        # X-Kvgate-Session-Id value -> session id, for the ids that header cannot carry as they are
+        # (kvgate.proxy.relay.header_safe hashes them): /kvgate/sessions/<value> finds the session.
+        self._told_ids: OrderedDict[str, str] = OrderedDict()
         self.app = self._build_app()
         self._routes = self._build_routes()
 
@@ -217,6 +221,7 @@ class Gateway:
             r.add_route("POST", "/close_session", self.handle_close_session)
         for route in PLACEMENT_ROUTES:  # the generate routes by exact path: a dict lookup, not the catch-all's regex
             r.add_route("*", route, self.handle_proxy)
+        r.add_route("*", "/kvgate/{tail:.*}", self.handle_not_found)  # kvgate's own paths never reach the router
         r.add_route("*", "/{tail:.*}", self.handle_proxy)
         app.on_startup.append(self._on_startup)
         app.on_cleanup.append(self._on_cleanup)
@@ -253,6 +258,8 @@ class Gateway:
                 if (request.method == "POST") if close else (request.method in ("GET", "HEAD")):
                     request.match_info = {"sid": _unquote(m.group(1))}
                     return self.handle_session_close if close else self.handle_session
+        if path.startswith("/kvgate/"):
+            return self.handle_not_found
         return self.handle_proxy
 
     async def _on_startup(self, app: web.Application | None) -> None:
@@ -305,9 +312,19 @@ class Gateway:
     async def handle_worker_health(self, request: web.Request) -> web.Response:
         return _json({"status": "ok", "worker": self.worker.index, "pid": os.getpid()})
 
+    def health_checks(self) -> list[health.Check]:
+        """The checks /kvgate/health adds up (kvgate.fleet.health): the router, the engines. Append a
+        check here for anything else kvgate cannot serve without."""
+        return self.directory.checks()
+
     async def handle_health(self, request: web.Request) -> web.Response:
+        """kvgate and what it depends on: ``status`` ok | degraded (HTTP 200) or starting | down (HTTP 503),
+        ``reasons`` (every check not ok), ``checks`` (each with its reason), and the features in force."""
         workers = await self.worker.health() if self.worker is not None else None
-        return _json({"status": "ok", **({"workers": workers} if workers is not None else {}),
+        checks = self.health_checks()
+        status, code, reasons = health.summarize(checks)
+        return _json({"status": status, "reasons": reasons, "checks": [c.as_json() for c in checks],
+                      **({"workers": workers} if workers is not None else {}),
                       "version": __version__, "uptime_s": round(time.time() - self.started, 3),
                       "upstream": self.cfg.upstream, "engines": len(self.directory.engines),
                       "session_lifecycle": self.lifecycle_on,
@@ -316,7 +333,24 @@ class Gateway:
                       "session_id_passthrough_by_route": dict(self.directory.verdicts),
                       "session_placement": {r: ("kvgate" if self.directory.placed(r) else "router")
                                             for r in PLACEMENT_ROUTES},
-                      "placement_modes": dict(self.placement_modes)})
+                      "placement_modes": dict(self.placement_modes)}, code)
+
+    async def handle_not_found(self, request: web.Request) -> web.Response:
+        """A /kvgate/ path or method kvgate does not serve: its own 404 or 405 (with Allow), never the
+        router's."""
+        path = request.path
+        methods = self._routes.get(path)
+        m = _SESSION_ROUTE.fullmatch(request.raw_path.partition("?")[0])
+        allowed = (sorted(methods) if methods is not None else
+                   (["POST"] if m.group(2) else ["GET", "HEAD"]) if m is not None else None)
+        if allowed is not None:
+            return web.Response(status=405, body=orjson.dumps({"error": {
+                "message": f"{request.method} is not allowed on {path}; allowed: {', '.join(allowed)}"}}),
+                content_type="application/json", headers={"Allow": ", ".join(allowed)})
+        own = sorted(p for p in self._routes if p.startswith("/kvgate/"))
+        return _json({"error": {"message": f"kvgate has no endpoint {path}; its endpoints: "
+                                           f"{', '.join([*own, '/kvgate/sessions/{id}', '/kvgate/sessions/{id}/close'])}"}},
+                     404)
 
     async def handle_engines(self, request: web.Request) -> web.Response:
         out = self.directory.as_json()
@@ -373,8 +407,28 @@ class Gateway:
         entry["engine"] = None if where is None else {"url": where[0], "dp_rank": where[1]}
         return entry
 
+    def _session_named(self, name: str) -> str:
+        """The session id ``name`` stands for: itself, or the id kvgate told the client as ``name`` in
+        X-Kvgate-Session-Id (a hashed id)."""
+        if self.lifecycle.registry.get(name) is None:
+            return self._told_ids.get(name, name)
+        return name
+
+    def _told(self, sid: str) -> str:
+        """The X-Kvgate-Session-Id value for ``sid``; a hashed one is remembered (at most
+        max_tracked_sessions, the oldest dropped first) so /kvgate/sessions/<value> finds the session."""
+        value = header_safe(sid)
+        if value is not sid and value != sid:
+            told = self._told_ids
+            told[value] = sid
+            told.move_to_end(value)
+            if len(told) > self.cfg.max_tracked_sessions:
+                told.popitem(last=False)
+        return value
+
     async def handle_session(self, request: web.Request) -> web.Response:
-        s = self.lifecycle.registry.get(request.match_info["sid"])
+        sid = self._session_named(request.match_info["sid"])
+        s = self.lifecycle.registry.get(sid)
         if s is None:
             return _json({"error": {"message": f"unknown session {request.match_info['sid']!r}"}}, 404)
         return _json(self._augment(s.as_json(self.lifecycle.clock())))
@@ -382,7 +436,7 @@ class Gateway:
     async def handle_session_close(self, request: web.Request) -> web.Response:
         """Close a session (again: an unfinished close is retried at once); ``?wait=1`` answers once every
         engine has answered this round of calls, with the per-engine results and pending retries."""
-        sid = request.match_info["sid"]
+        sid = self._session_named(request.match_info["sid"])
         self._forget(sid)
         self.lifecycle.close(sid, "admin_api")
         if request.query.get("wait") in ("1", "true"):
@@ -521,10 +575,13 @@ class Gateway:
                 log.warning("engine %s refused a connection; session %s goes to the next engine",
                             target.engine, plan.session_id)
                 self.placement.mark_unreachable(target.engine, self.lifecycle.clock())
+                self.directory.engine_call_failed(target.engine, "refused a placed call's connection")
                 self.metrics.placement_calls.labels("connect_retry").inc()
                 tried.append(target.engine)
                 continue
             self.metrics.placement_calls.labels("engine").inc()
+            if outcome.status is not None:
+                self.directory.engine_answered(target.engine)
             return resp, outcome
 
     async def _adopt_shared(self, sid: str, where: tuple[str, int | None] | None) -> None:
@@ -621,7 +678,7 @@ class Gateway:
         t1 = time.perf_counter()
         outcome = None
         try:  # from here on every exit path ends the request in the registry and the inference index
-            add = ticket.headers if tracked is None else [*ticket.headers, (SESSION_HEADER, header_safe(tracked))]
+            add = ticket.headers if tracked is None else [*ticket.headers, (SESSION_HEADER, self._told(tracked))]
             placed = None
             if self._placed_route(c, plan):
                 placed = await self._relay_placed(request, c, plan, observe, add)
@@ -631,6 +688,7 @@ class Gateway:
                 resp, outcome = await self.upstream.relay(request, request.raw_path,
                                                           forward_head(request.raw_headers, plan.extra), plan.body,
                                                           observe=observe, add_headers=add)
+                self._router_outcome(outcome)
             return resp
         except asyncio.CancelledError:
             self.metrics.client_disconnects.inc()
@@ -650,6 +708,15 @@ class Gateway:
                 self._step_boundary(c.path, raw, outcome)
             if self.lifecycle_on and c.method == "POST" and c.path == "/abort_request":
                 self._abort_requested(raw)
+
+    def _router_outcome(self, outcome) -> None:
+        # What a forwarded call says about the router: unreachable, or answering (502s logged per change).
+        d = self.directory
+        if outcome.status is not None:
+            if outcome.status >= 502 or d.router_gateway_error is not None or d.router.ok is not True:
+                d.router_answered(outcome.status)
+        elif outcome.ended == "unreachable":
+            self.directory.router_result(False, "a forwarded call could not connect")
 
     def _parse_body(self, request: web.Request, raw: bytes) -> dict | None:
         """The generate body as a JSON object, or None when kvgate leaves it alone: not an object, sent
