@@ -223,3 +223,56 @@ async def test_the_probes_line_is_said_once_while_the_router_stays_down(caplog):
     assert len([ln for ln in lines if "session_id" in ln]) == 1, lines
     assert len([ln for ln in lines if "unreachable" in ln]) == 1, lines
     assert d.probes == 5
+
+
+def test_health_adds_up_its_checks():
+    from kvgate.fleet.health import Check, Reachability, engines_check, summarize
+    ok, bad = Check("router", True, "answers"), Check("router", False, "unreachable (refused)")
+    assert summarize([ok, Check("engines", True)]) == ("ok", 200, [])
+    assert summarize([bad, Check("engines", True)]) == ("down", 503, ["router: unreachable (refused)"])
+    assert summarize([ok, Check("engines", None)]) == ("starting", 503, ["engines: not known yet"])
+    some = engines_check([("http://a", True, None), ("http://b", False, "(the router reports it unhealthy)")],
+                         True, None)
+    assert summarize([ok, some]) == ("degraded", 200, [
+        "engines: 1 of 2 engines unusable: http://b (the router reports it unhealthy)"])
+    assert summarize([ok, engines_check([("http://b", False, "(x)")], True, None)])[:2] == ("down", 503)
+    assert summarize([ok, engines_check([], True, None)])[2] == ["engines: the router lists no engine"]
+    # the router answers, but not with a list kvgate reads: it still serves
+    assert summarize([ok, engines_check([], True, "DiscoveryError: /workers answered 404")])[:2] == ("degraded", 200)
+    r = Reachability()
+    assert [r.note(True, None, 0), r.note(False, "refused", 1), r.note(False, "refused", 2), r.note(True, None, 3),
+            r.note(True, None, 4)] == [None, "down", None, "up", None]
+    assert (r.since, r.failures) == (3, 0)
+
+
+async def test_the_routers_502s_are_logged_once_per_change(kvgate_factory, caplog):
+    from aiohttp import web
+    answer = {"status": 502}
+
+    async def handle(request):
+        return web.Response(status=answer["status"], text="x")
+    app = web.Application()
+    app.router.add_route("*", "/{tail:.*}", handle)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    up = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
+    try:
+        gw, url = await kvgate_factory(upstream=up, discovery_interval_s=60)
+        with caplog.at_level(logging.INFO, logger="kvgate.fleet.directory"):
+            async with aiohttp.ClientSession() as http:
+                statuses = []
+                for status in (502, 502, 503, 200, 200, 502):
+                    answer["status"] = status
+                    async with http.post(url + "/v1/completions", data=b"{}") as r:
+                        statuses.append(r.status)
+        assert statuses == [502, 502, 503, 200, 200, 502]
+        lines = [r.getMessage() for r in caplog.records if "forwarded calls" in r.getMessage() or "again (after" in
+                 r.getMessage()]
+        assert lines == [f"router {up} answers 502 to forwarded calls (it cannot reach an engine); said again when "
+                         f"it answers otherwise", f"router {up} answers 200 again (after 502)",
+                         f"router {up} answers 502 to forwarded calls (it cannot reach an engine); said again when "
+                         f"it answers otherwise"]
+    finally:
+        await runner.cleanup()
