@@ -245,34 +245,21 @@ def test_health_adds_up_its_checks():
     assert (r.since, r.failures) == (3, 0)
 
 
-async def test_the_routers_502s_are_logged_once_per_change(kvgate_factory, caplog):
-    from aiohttp import web
+async def test_the_routers_502s_are_logged_once_per_change(kvgate_factory, scripted, caplog):
     answer = {"status": 502}
-
-    async def handle(request):
-        return web.Response(status=answer["status"], text="x")
-    app = web.Application()
-    app.router.add_route("*", "/{tail:.*}", handle)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    up = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
-    try:
-        gw, url = await kvgate_factory(upstream=up, discovery_interval_s=60)
-        with caplog.at_level(logging.INFO, logger="kvgate.fleet.directory"):
-            async with aiohttp.ClientSession() as http:
-                statuses = []
-                for status in (502, 502, 503, 200, 200, 502):
-                    answer["status"] = status
-                    async with http.post(url + "/v1/completions", data=b"{}") as r:
-                        statuses.append(r.status)
-        assert statuses == [502, 502, 503, 200, 200, 502]
-        lines = [r.getMessage() for r in caplog.records if "forwarded calls" in r.getMessage() or "again (after" in
-                 r.getMessage()]
-        assert lines == [f"router {up} answers 502 to forwarded calls (it cannot reach an engine); said again when "
-                         f"it answers otherwise", f"router {up} answers 200 again (after 502)",
-                         f"router {up} answers 502 to forwarded calls (it cannot reach an engine); said again when "
-                         f"it answers otherwise"]
-    finally:
-        await runner.cleanup()
+    up = (await scripted(lambda r: f"HTTP/1.1 {answer['status']} X\r\nContent-Length: 1\r\n\r\nx".encode())).url
+    gw, url = await kvgate_factory(upstream=up, discovery_interval_s=60)
+    with caplog.at_level(logging.INFO, logger="kvgate.fleet.directory"):
+        async with aiohttp.ClientSession() as http:
+            statuses = []
+            for status in (502, 502, 503, 200, 200, 502):
+                answer["status"] = status
+                async with http.post(url + "/v1/completions", data=b"{}") as r:
+                    statuses.append(r.status)
+    assert statuses == [502, 502, 503, 200, 200, 502]
+    lines = [r.getMessage() for r in caplog.records if "forwarded calls" in r.getMessage() or "again (after" in
+             r.getMessage()]
+    assert lines == [f"router {up} answers 502 to forwarded calls (it cannot reach an engine); said again when "
+                     f"it answers otherwise", f"router {up} answers 200 again (after 502)",
+                     f"router {up} answers 502 to forwarded calls (it cannot reach an engine); said again when "
+                     f"it answers otherwise"]
