@@ -60,8 +60,8 @@ def test_the_router_line_says_who_picked_the_engine_apart_from_what_the_probe_fo
 def test_the_placement_line_explains_each_count():
     counts = {"free_kv": 1, "prefix": 0, "reopened": 0, "replaced": 0, "sticky": 9, "reopen_elsewhere": 0}
     assert placement_line(counts) == (
-        "placement  1 session placement (a session's first turn, or a turn whose engine was gone): 1 on the engine "
-        "with the most free KV, 0 with the engine holding their prompt's prefix, 0 re-opened on their old engine, "
-        "0 moved off an engine that left; then 9 later turns went to their session's engine, where its prefix is "
-        "cached; 0 re-opened elsewhere (their old engine at the pressure threshold)")
+        "placement  1 session placement (a session's first turn, or its first turn after a close or after its engine "
+        "left): 1 on the engine with the most free KV, 0 with the engine holding their prompt's prefix, 0 re-opened "
+        "on their old engine, 0 moved off an engine that left; of these, 0 re-opened elsewhere (their old engine at "
+        "the pressure threshold); then 9 later turns went to their session's engine, where its prefix is cached")
     assert "then 1 later turn went" in placement_line({**counts, "sticky": 1})

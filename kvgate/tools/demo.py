@@ -117,12 +117,12 @@ def router_line(path: str, verdict: str, placed_by: str) -> str:
 def placement_line(counts: dict[str, int]) -> str:
     """The summary's line on kvgate's session placement counts (kvgate.fleet.placement ``counts``). Pure."""
     placed = counts["free_kv"] + counts["prefix"] + counts["reopened"] + counts["replaced"]
-    return (f"placement  {_n(placed, 'session placement')} (a session's first turn, or a turn whose engine was "
-            f"gone): {counts['free_kv']} on the engine with the most free KV, {counts['prefix']} with the engine "
-            f"holding their prompt's prefix, {counts['reopened']} re-opened on their old engine, "
-            f"{counts['replaced']} moved off an engine that left; then {_n(counts['sticky'], 'later turn')} went "
-            f"to their session's engine, where its prefix is cached; {counts['reopen_elsewhere']} re-opened "
-            f"elsewhere (their old engine at the pressure threshold)")
+    return (f"placement  {_n(placed, 'session placement')} (a session's first turn, or its first turn after a close "
+            f"or after its engine left): {counts['free_kv']} on the engine with the most free KV, {counts['prefix']} "
+            f"with the engine holding their prompt's prefix, {counts['reopened']} re-opened on their old engine, "
+            f"{counts['replaced']} moved off an engine that left; of these, {counts['reopen_elsewhere']} re-opened "
+            f"elsewhere (their old engine at the pressure threshold); then {_n(counts['sticky'], 'later turn')} "
+            f"went to their session's engine, where its prefix is cached")
 
 
 def reconcile(f: CloseFigures) -> tuple[list[str], list[str]]:
