@@ -5,8 +5,9 @@ Forward: to the router, or, for a session's call on a route where kvgate places 
 straight to the engine kvgate.fleet.placement picks (the next one on a refused connection; the router when
 none is usable).
 kvgate's own routes: GET /metrics, GET /kvgate/health, GET /kvgate/engines, GET /kvgate/sessions,
-GET /kvgate/sessions/{id}, POST /kvgate/sessions/{id}/close, and (lifecycle on) GET|POST /close_session.
-Everything else is forwarded to the router unchanged.
+GET /kvgate/sessions/{id}, POST /kvgate/sessions/{id}/close, and (lifecycle on) GET|POST /close_session;
+any other path or method under /kvgate/ gets kvgate's own 404 or 405. Everything else is forwarded to the
+router unchanged.
 """
 
 from __future__ import annotations
