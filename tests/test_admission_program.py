@@ -238,9 +238,9 @@ def test_places_are_independent_and_unknown_engines_share_the_fleet():
     assert c.submit(0.0).kind is Kind.WAIT  # e0 is full although the fleet has 1,000 more
     u = Prog(co, "u", 500, seed=4, place=None)
     assert u.submit(0.0).kind is Kind.ADMIT  # unknown engine: fleet rule, 17,000 + 1,000 <= 18,000
-    assert co.program_states() == {E0: {"live": 1, "in_tool": 0, "paused": 0},
-                                   E1: {"live": 1, "in_tool": 0, "paused": 0},
-                                   "fleet": {"live": 1, "in_tool": 0, "paused": 0}}
+    assert co.program_states() == {E0: {"live": 1, "in_tool": 0, "paused": 0, "ended": 0},
+                                   E1: {"live": 1, "in_tool": 0, "paused": 0, "ended": 0},
+                                   "fleet": {"live": 1, "in_tool": 0, "paused": 0, "ended": 0}}
     orjson.dumps(co.stats(1.0))
 
 
