@@ -148,7 +148,7 @@ class ProgramCoordinator:
 
     def __init__(self, ledger: Ledger, max_wait_s: float = 30.0, *, window_s: float | None = None,
                  victim: str = "smallest", resume: str = "smallest", program_ttl_s: float = 600.0,
-                 overdue_multiple: float = 0.0, overdue_quantile: float = 0.9, overdue_default_s: float = 60.0,
+                 overdue_multiple: float = 3.0, overdue_quantile: float = 0.9, overdue_default_s: float = 60.0,
                  resume_deadline_s: float | None = None) -> None:
         if isinstance(max_wait_s, bool) or not isinstance(max_wait_s, (int, float)) or not max_wait_s >= 0:
             raise ValueError(f"max_wait_s must be >= 0, got {max_wait_s!r}")

@@ -56,6 +56,16 @@ class ArmSpec:
     replicas: int = 1
     # the program policy counts the engines' HiCache host pools (admission_host_cache); False: the device only
     host_cache: bool = True
+    # more kvgate flags for this arm alone (after the scenario's: they win)
+    kvgate_flags: tuple[str, ...] = ()
+    # more smg flags for this arm alone
+    router_flags: tuple[str, ...] = ()
+
+
+#: The program policy as ThunderAgent runs it: the smallest program in a tool call pauses first, the smallest
+#: paused one resumes first, a program ends only at its close or TTL, and a paused program waits for room.
+THUNDER_FLAGS = ("--admission-pause-victim", "smallest", "--admission-resume-order", "smallest",
+                 "--admission-program-overdue-multiple", "0", "--admission-resume-deadline-s", "0")
 
 
 def expand_arms(sc: Scenario) -> list[ArmSpec]:
@@ -65,6 +75,8 @@ def expand_arms(sc: Scenario) -> list[ArmSpec]:
         pool = sc.max_total_num_tokens
         if a == "direct":
             out.append(ArmSpec(a, pool_tokens=pool))
+        elif a == "direct-no-overload":  # the router without its worker overload protection
+            out.append(ArmSpec(a, pool_tokens=pool, router_flags=("--disable-worker-overload-protection",)))
         elif a == "proxy-only":
             out.append(ArmSpec(a, kvgate=True, pool_tokens=pool))
         elif a == "proxy-placement":
@@ -86,6 +98,9 @@ def expand_arms(sc: Scenario) -> list[ArmSpec]:
         elif a == "lifecycle+admission-program":
             out.append(ArmSpec(a, kvgate=True, lifecycle=True, admission=True, admission_policy="program",
                                pool_tokens=pool))
+        elif a == "lifecycle+admission-program-thunder":
+            out.append(ArmSpec(a, kvgate=True, lifecycle=True, admission=True, admission_policy="program",
+                               pool_tokens=pool, kvgate_flags=THUNDER_FLAGS))
         elif a == "router-limit":
             out += [ArmSpec(f"router-limit-{n}", router_limit=n, pool_tokens=pool) for n in sc.router_limits]
         elif a == "unbounded-kv":
@@ -99,6 +114,9 @@ def expand_arms(sc: Scenario) -> list[ArmSpec]:
         elif a == "hicache+lifecycle+admission-program":
             out.append(ArmSpec(a, kvgate=True, lifecycle=True, admission=True, admission_policy="program",
                                pool_tokens=pool, hicache=True))
+        elif a == "hicache+lifecycle+admission-program-thunder":
+            out.append(ArmSpec(a, kvgate=True, lifecycle=True, admission=True, admission_policy="program",
+                               pool_tokens=pool, hicache=True, kvgate_flags=THUNDER_FLAGS))
         elif a == "hicache+lifecycle+admission-program-device":  # the policy sees the device pools only
             out.append(ArmSpec(a, kvgate=True, lifecycle=True, admission=True, admission_policy="program",
                                pool_tokens=pool, hicache=True, host_cache=False))
@@ -181,6 +199,7 @@ class Fleet:
             cmd += ["--agentic-program-admission", "--admission-policy", self.arm.admission_policy]
             if not self.arm.host_cache:
                 cmd.append("--no-admission-host-cache")
+        cmd += list(self.arm.kvgate_flags)
         name = "kvgate" if self.arm.replicas == 1 else f"kvgate{index}"
         kv = procs.start(name, cmd, self.log_dir, url=f"http://127.0.0.1:{kport}")
         self.procs.append(kv)
@@ -198,7 +217,7 @@ class Fleet:
     def router_command(self, port: int, prometheus_port: int) -> list[str]:
         """smg's command line for this arm: the scenario's policy and router_extra in every arm, the limiter
         flags in router-limit arms (queue timeout scaled by the speed factor)."""
-        extra = [str(x) for x in self.sc.router_extra]
+        extra = [str(x) for x in self.sc.router_extra] + list(self.arm.router_flags)
         if self.arm.router_limit:
             extra += ["--max-concurrent-requests", str(self.arm.router_limit),
                       "--queue-size", str(self.sc.router_queue_size),

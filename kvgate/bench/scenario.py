@@ -16,9 +16,11 @@ import yaml
 
 ARMS = ("direct", "proxy-only", "lifecycle", "lifecycle-inferred", "admission", "lifecycle+admission",
         "lifecycle+admission-2replicas",
-        "admission-program", "lifecycle+admission-program", "router-limit", "unbounded-kv", "hicache",
+        "admission-program", "lifecycle+admission-program", "lifecycle+admission-program-thunder",
+        "router-limit", "unbounded-kv", "hicache",
         "hicache+lifecycle", "hicache+lifecycle+admission", "hicache+lifecycle+admission-program",
-        "hicache+lifecycle+admission-program-device", "proxy-placement", "smg-manual")
+        "hicache+lifecycle+admission-program-thunder",
+        "hicache+lifecycle+admission-program-device", "proxy-placement", "smg-manual", "direct-no-overload")
 # How the client sends its turns (the route): token ids to /generate, chat messages, or completions text.
 APIS = ("generate", "chat", "completions")
 
@@ -32,6 +34,8 @@ KVGATE_TIME_DEFAULTS = {
     "admission_window_s": 60.0,
     "admission_lease_ttl_s": 3600.0,
     "admission_program_ttl_s": 600.0,
+    "admission_program_overdue_default_s": 60.0,
+    "admission_resume_deadline_s": 0.0,
 }
 
 
