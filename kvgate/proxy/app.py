@@ -167,7 +167,7 @@ class Gateway:
             from kvgate.admission.gate import AdmissionGate
             from kvgate.admission.poller import CapacityPoller
             gate = AdmissionGate(cfg, self.metrics, engine_of=lambda sid: self.engine_of(sid) if self.engine_of else None,
-                                 pause_session=self._pause_session)
+                                 pause_session=self._pause_session, place_first=self._place_first)
             self.poller = CapacityPoller(gate, self.directory, cfg.admission_poll_interval_s,
                                          cfg.admission_capacity_source)
         elif any(m != "router" for m in self.placement_modes.values()):
@@ -455,7 +455,7 @@ class Gateway:
         self._publish_placed()
 
     def _capacity(self, snapshot) -> None:
-        self.placement.set_capacity({url: [(p.capacity, p.used) for p in cap.pools]
+        self.placement.set_capacity({url: [(p.capacity, p.used, p.requests) for p in cap.pools]
                                      for url, cap in snapshot.engines.items()}, snapshot.taken_at)
 
     def _placement_forget(self, sid: str) -> None:
@@ -538,16 +538,38 @@ class Gateway:
             log.exception("adopting a shared placement failed")
             self.metrics.faults.labels("placement").inc()
 
+    def _place_first(self, info: RequestInfo) -> tuple[str, int | None] | None:
+        """Place first, then admit: a call of a session kvgate has not placed yet, on a route kvgate places,
+        is placed now, so admission reserves its turn on the engine it goes to (the relay then finds it
+        sticky). None (admission counts it fleet-wide) when kvgate does not place the call, or replicas share
+        placement (the first replica to place a session wins, at relay time)."""
+        c = info.classified
+        if self.shared is not None or info.session_id is None or c.body is None or c.path not in self.placement_modes \
+                or not self.directory.placed(c.path):
+            return None
+        units = request_units(c.path, c.body)
+        block_tokens, block_chars, _ = self._placement_blocks
+        keys = prefix_keys(units, block_tokens, block_chars, memo=c.block_digests())
+        target = self._place_now(info.session_id, keys, [])
+        return None if target is None else (target.engine, target.dp_rank)
+
     def _pick(self, plan: SessionPlan, body_obj: dict, keys: list[int], tried: list[str]):
-        target = self.placement.place(plan.session_id, keys, self.lifecycle.clock(), exclude=tried)
+        target = self._place_now(plan.session_id, keys, tried)
         if target is None:
             return None, None
+        return target, self._engine_body(plan.body, body_obj, target)
+
+    def _place_now(self, sid: str, keys: list[int], tried: list[str]) -> Target | None:
+        """Where ``sid``'s call goes (placement's rules), counted and its prompt indexed; None: no engine."""
+        target = self.placement.place(sid, keys, self.lifecycle.clock(), exclude=tried)
+        if target is None:
+            return None
         if self.placement.last_reason != "sticky":
             reason = "replaced" if self.placement.last_replaced else self.placement.last_reason
             self.metrics.child(self.metrics.placements, target.engine, reason).inc()
             self._publish_placed()
         self.placement.remember_prefix(keys, target)
-        return target, self._engine_body(plan.body, body_obj, target)
+        return target
 
     @staticmethod
     def _engine_body(raw: bytes, body_obj: dict, target: Target) -> bytes:
