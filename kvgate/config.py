@@ -328,7 +328,7 @@ KEYS: list[Key] = [
         "ended, seconds.", _pos, "> 0", only_when="agentic_program_admission"),
     Key("admission_resume_deadline_s", float, 0.0,
         "program policy: a paused program's turn that has waited this long makes its own room, pausing "
-        "programs in a tool call on its engine (0 = off: it waits for room, at most "
+        "programs in a tool call on its engine (0 = off: it waits for room; either way at most "
         "agentic_admission_max_wait_s), seconds.", _nonneg, ">= 0",
         only_when="agentic_program_admission"),
     Key("admission_host_cache", bool, True,

@@ -46,7 +46,7 @@ A program's state comes from evidence, not only from the TTL:
   kvgate's idle close) leaves the working set at once (:meth:`ProgramCoordinator.forget`).
 Pauses are bounded (``resume_deadline_s``): a paused program's turn that has waited that long resumes
 ahead of everything, pausing in-tool programs on its place (ended ones first, then by the victim rule) to
-make its room, and going anyway (still reserving) when only running programs are left.
+make its room; when only running programs hold the place it waits for them (aging still bounds it).
 
 The shell calls submit / pump / release / cancel / reconcile / invalidate like the fifo coordinator, and
 after each call executes ``take_actions()`` (close the engine session of each paused program).
@@ -548,19 +548,22 @@ class ProgramCoordinator:
             g = self.ledger.try_acquire(w.ticket, w.tokens, now, place=w.place, blocks=w.blocks, force=True)
             out.append(self._leave(w, Kind.BYPASS_AGED, g.lease, waited, now))
             self._relieve(w.place, now)
+        stopped: set[Any] = set()
         if self.resume_deadline_s is not None:
             for w in list(self._resume_q.values()):
                 waited = max(0.0, now - w.enqueued_at)
                 if waited < self.resume_deadline_s:
                     break  # arrival order: the rest waited less
+                if w.place in stopped:
+                    continue
                 r = self._room_for(w, now, overdue_only=False)
-                if not isinstance(r, Grant):  # only running programs are left: it goes anyway, reserving
-                    r = self.ledger.try_acquire(w.ticket, w.tokens, now, place=w.place, blocks=w.blocks, force=True)
-                self._count("resume_deadline", now)
-                out.append(self._leave(w, Kind.ADMIT if not r.lease.forced else Kind.BYPASS_AGED, r.lease,
-                                       waited, now))
-                self._relieve(w.place, now)
-        stopped: set[Any] = set()
+                if isinstance(r, Grant):
+                    self._count("resume_deadline", now)
+                    out.append(self._leave(w, Kind.ADMIT, r.lease, waited, now))
+                else:  # only running programs hold its place: it waits for them (aging still bounds it)
+                    w.reason = r.reason
+                    stopped.add(w.place)
+        stopped.clear()
         places = len(self._waiting_on)
         for w in self._ordered():
             if len(stopped) >= places:
@@ -783,7 +786,11 @@ class ProgramCoordinator:
                 if due is not None:
                     cands.append(due)
         if self._resume_q and self.resume_deadline_s is not None:
-            cands.append(next(iter(self._resume_q.values())).enqueued_at + self.resume_deadline_s)
+            for w in self._resume_q.values():  # arrival order: those past the deadline first (pumped on events)
+                due = w.enqueued_at + self.resume_deadline_s
+                if due > now:
+                    cands.append(due)
+                    break
         return max(now, min(cands)) if cands else None
 
     def program_states(self, now: float | None = None) -> dict[str, dict[str, int]]:
