@@ -280,23 +280,19 @@ class AdmissionGate:
         """Where the session's requests go: (engine URL, dp_rank) from the injected lookup, else None."""
         if session_id is None or self.engine_of is None:
             return None
-        try:
-            where = self.engine_of(session_id)
-        except Exception:  # fail-open: an unknown engine means the fleet-wide rule
-            log.exception("engine lookup failed")
-            self.metrics.faults.labels("admission").inc()
-            return None
-        if where is None:
-            return None
-        url, rank = where
-        return (url, rank) if rank is not None else url
+        return self._ask(self.engine_of, session_id, "engine lookup failed")
 
     def _placed_now(self, info: RequestInfo) -> Any:
         """Place first, then admit: where ``place_first`` puts this call now (None: unknown; a fault fails open)."""
+        return self._ask(self.place_first, info, "placing before admission failed")
+
+    def _ask(self, lookup: Callable[[Any], tuple[str, int | None] | None], arg: Any, fault: str) -> Any:
+        """``lookup(arg)`` as a place: engine URL, (URL, dp_rank), or None (unknown: the fleet-wide rule; also
+        when the lookup raises, which is logged and counted)."""
         try:
-            where = self.place_first(info)
-        except Exception:
-            log.exception("placing before admission failed")
+            where = lookup(arg)
+        except Exception:  # fail-open: an unknown engine means the fleet-wide rule
+            log.exception(fault)
             self.metrics.faults.labels("admission").inc()
             return None
         if where is None:
