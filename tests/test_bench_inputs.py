@@ -140,3 +140,12 @@ def test_arm_settings_name_variants_of_an_arm_and_scale_their_durations():
     with pytest.raises(ValueError, match="arm_settings.x: kvgate_extra"):
         parse_scenario({"arms": ["lifecycle@x"], "workload": {"kind": "agentic"},
                         "arm_settings": {"x": {"admission_pause_victim": "random"}}})
+
+
+def test_arms_flag_takes_a_settings_variant():
+    from kvgate.bench.command import _pick_arms
+    assert _pick_arms("direct,lifecycle+admission-program@fast,router-limit-8") == (
+        ["direct", "lifecycle+admission-program@fast", "router-limit"],
+        {"direct", "lifecycle+admission-program@fast", "router-limit-8"})
+    with pytest.raises(ValueError, match="unknown arm"):
+        _pick_arms("nothing@fast")
