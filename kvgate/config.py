@@ -315,11 +315,23 @@ KEYS: list[Key] = [
     Key("admission_prefix_block_tokens", int, 64,
         "Prompt prefix block size in tokens: a prefix several live requests share is reserved once.", _pos, "> 0",
         only_when="agentic_program_admission"),
-    Key("admission_pause_victim", str, "smallest",
+    Key("admission_pause_victim", str, "ahead",
         "program policy: which in-tool program pauses first when an engine overflows.",
-        choices=("smallest", "largest", "longest-idle")),
-    Key("admission_resume_order", str, "smallest",
+        choices=("smallest", "largest", "longest-idle", "ahead")),
+    Key("admission_resume_order", str, "fifo",
         "program policy: which paused program resumes first as room frees.", choices=("smallest", "fifo")),
+    Key("admission_program_overdue_multiple", float, 3.0,
+        "program policy: a program in a tool call idle longer than this x the 90th percentile of its own and "
+        "its group's gaps between turns counts as ended and is the first to pause; 0 = off (the TTL only).",
+        _nonneg, ">= 0", only_when="agentic_program_admission"),
+    Key("admission_program_overdue_default_s", float, 60.0,
+        "program policy: before any gap between turns has been seen, a program idle this long counts as "
+        "ended, seconds.", _pos, "> 0", only_when="agentic_program_admission"),
+    Key("admission_resume_deadline_s", float, 0.0,
+        "program policy: a paused program's turn that has waited this long makes its own room, pausing "
+        "programs in a tool call on its engine (0 = off: it waits for room; either way at most "
+        "agentic_admission_max_wait_s), seconds.", _nonneg, ">= 0",
+        only_when="agentic_program_admission"),
     Key("admission_host_cache", bool, True,
         "program policy: count the KV room each engine's HiCache host pool adds (from its /server_info) for "
         "programs between turns; the fifo policy never counts it."),

@@ -169,14 +169,15 @@ class Gateway:
             self.lifecycle.close_check = self.shared.close_wanted
         self.placed.shared = self.shared
         self.poller = None
-        # Where admission counts a session's request: the engine kvgate placed it on; a session kvgate did
-        # not place (the router routes it, or its first turn) counts against the fleet-wide rule.
+        # Where admission counts a session's request: the engine kvgate placed it on (a first turn on a placed
+        # route is placed before admission: _place_first); a session kvgate did not place (the router routes
+        # it) counts against the fleet-wide rule.
         self.engine_of = self.placement.engine_of
         if gate is None and cfg.agentic_program_admission:
             from kvgate.admission.gate import AdmissionGate
             from kvgate.admission.poller import CapacityPoller
             gate = AdmissionGate(cfg, self.metrics, engine_of=lambda sid: self.engine_of(sid) if self.engine_of else None,
-                                 pause_session=self._pause_session)
+                                 pause_session=self._pause_session, place_first=self._place_first)
             self.poller = CapacityPoller(gate, self.directory, cfg.admission_poll_interval_s,
                                          cfg.admission_capacity_source)
         elif any(m != "router" for m in self.placement_modes.values()):
@@ -514,8 +515,14 @@ class Gateway:
         self.placed.publish()
 
     def _capacity(self, snapshot) -> None:
-        self.placement.set_capacity({url: [(p.capacity, p.used) for p in cap.pools]
+        self.placement.set_capacity({url: [(p.capacity, p.used, p.requests) for p in cap.pools]
                                      for url, cap in snapshot.engines.items()}, snapshot.taken_at)
+
+    def _place_first(self, info: RequestInfo) -> tuple[str, int | None] | None:
+        """Place first, then admit: a call of a session on a route kvgate places is placed before admission,
+        so its turn reserves on the engine it will go to (kvgate.proxy.placed.PlacedRelay.place_first)."""
+        target = self.placed.place_first(info.classified, info.session_id)
+        return None if target is None else (target.engine, target.dp_rank)
 
     # --- the request path ------------------------------------------------------------------------
 
