@@ -983,10 +983,7 @@ class _Conn(asyncio.Protocol):
         body = f"{err.status} {HTTPStatus(err.status).phrase}: {err}\n".encode("utf-8", "replace")
         self.transport.write(b"".join((status_line(err.status), b"Content-Type: text/plain; charset=utf-8\r\n",
                                        b"Content-Length: %d\r\nConnection: close\r\n\r\n" % len(body), body)))
-        if err.status == 408:
-            self._linger()
-            return
-        self.transport.close()
+        self._linger()  # the client may still be sending: it reads the answer rather than a reset
 
     def timed_out(self, what: str) -> None:
         """A head or a body stopped arriving for header_timeout_s / body_timeout_s: 408, then close."""
@@ -1210,7 +1207,7 @@ class HttpServer:
         """Log (at most every FD_LOG_EVERY_S) when no file descriptor is left for a new connection: the
         event loop then drops new clients at accept (uvloop closes them without a word)."""
         try:
-            os.close(os.dup(0 if self._servers == [] else self._servers[0].sockets[0].fileno()))
+            os.close(os.open(os.devnull, os.O_RDONLY))  # the descriptor an accept would need
         except OSError as exc:
             if exc.errno in (errno.EMFILE, errno.ENFILE) and now - self._fd_logged >= FD_LOG_EVERY_S:
                 self._fd_logged = now
