@@ -467,8 +467,8 @@ class _Conn(asyncio.Protocol):
     __slots__ = ("server", "loop", "transport", "parser", "_url", "_fields", "_expect", "_length", "_chunked_in",
                  "_in_head", "_head_bytes", "_trailer_bytes", "_reading", "current", "_queue", "task", "lost",
                  "closing", "write_paused", "_drain_waiter", "paused_for_body", "_paused", "_refused",
-                 "_limit_error", "_max_field", "_max_fields", "_upgrade", "_synthetic", "_stopped",
-                 "_pending_error", "_next_waiting", "budget_wait", "_lingering", "__weakref__")
+                 "_limit_error", "_max_field", "_max_head", "_max_fields", "_upgrade", "_synthetic", "_stopped",
+                 "_pending_error", "_next_waiting", "budget_wait", "_lingering", "_timed", "__weakref__")
 
     def __init__(self, server: "HttpServer"):
         self.server = server
@@ -497,6 +497,7 @@ class _Conn(asyncio.Protocol):
         self._limit_error: BadRequest | None = None
         lim = server.limits
         self._max_field = lim.header_line_bytes
+        self._max_head = lim.head_bytes
         self._max_fields = 2 * lim.header_count  # _fields holds a name and a value per header
         self._upgrade = False  # the request being read asked for Upgrade: its body is read as a plain one's
         self._synthetic = False  # the parser is reading the framing-only head that follows an Upgrade
@@ -505,6 +506,7 @@ class _Conn(asyncio.Protocol):
         self._next_waiting = False  # the next request waits for the client to read the answers written
         self.budget_wait = False  # the body being read waits for room in the in-flight body budget
         self._lingering = False  # answered and half-closed: what the client still sends is dropped
+        self._timed = False  # in the server's table of heads or bodies still arriving
 
     # --- asyncio.Protocol ---
 
@@ -517,8 +519,8 @@ class _Conn(asyncio.Protocol):
             return  # after a malformed request, a refusal or a Connection: close: dropped
         if self._in_head or self._reading is None:
             self._head_bytes += len(data)
-            if self._head_bytes > self.server.limits.head_bytes:
-                self._bad(BadRequest(431, f"request head over {self.server.limits.head_bytes} bytes"))
+            if self._head_bytes > self._max_head:
+                self._bad(BadRequest(431, f"request head over {self._max_head} bytes"))
                 return
         parser = self.parser
         if parser is None:
@@ -569,7 +571,8 @@ class _Conn(asyncio.Protocol):
         req = self._reading
         if req is not None:
             req._wake()
-            server._release(req)
+            if req._held or req._want:
+                server._release(req)
         task = self.task
         if task is not None and not task.done():
             task.cancel()  # the client left: its handler ends, which closes the upstream call
@@ -673,7 +676,9 @@ class _Conn(asyncio.Protocol):
         self._in_head = False
         self._head_bytes = 0
         server = self.server
-        server._heads.pop(self, None)
+        if self._timed:  # the head took more than one read
+            self._timed = False
+            server._heads.pop(self, None)
         if self._synthetic:  # the framing-only head after an Upgrade: the body that follows is the request's
             self._synthetic = False
             self._fields = []
@@ -749,7 +754,9 @@ class _Conn(asyncio.Protocol):
         if req is not None:
             req._body_done = True
             self._reading = None
-            self.server._bodies.pop(self, None)
+            if self._timed:  # the body took more than one read
+                self._timed = False
+                self.server._bodies.pop(self, None)
             if req._waiter is not None:
                 req._wake()
 
@@ -897,7 +904,8 @@ class _Conn(asyncio.Protocol):
     def _finished(self, req: Request) -> None:
         self.task = None
         self.current = None
-        self.server._release(req)
+        if req._held or req._want:
+            self.server._release(req)
         if self.lost:
             return
         if self.closing or not req.keep_alive or not req._body_done or self.server.closing:
@@ -1109,6 +1117,7 @@ class HttpServer:
     def _reading_now(self, conn: _Conn) -> None:
         """After a read that left ``conn`` inside a head or a body: start the head's clock (once), restart
         the body's (its last byte came now). Requests that arrive in one read never get here."""
+        conn._timed = True
         if conn._in_head:
             if conn not in self._heads:
                 self._heads[conn] = self.loop.time()
