@@ -266,8 +266,9 @@ async def test_placed_calls_are_byte_preserving_and_other_traffic_goes_via_the_r
         assert router.received[-1][2]["X-SMG-Routing-Key"] == "s1"
     # a DP rank pin is injected the same byte-preserving way
     from kvgate.fleet.placement import Target
-    assert gw._engine_body(raw, orjson.loads(raw), Target(engine.url, 1)) == b'{"routed_dp_rank":1,' + raw[1:]
-    assert gw._engine_body(raw, {**orjson.loads(raw), "routed_dp_rank": 0}, Target(engine.url, 1)) == raw
+    from kvgate.proxy.placed import engine_body
+    assert engine_body(raw, orjson.loads(raw), Target(engine.url, 1)) == b'{"routed_dp_rank":1,' + raw[1:]
+    assert engine_body(raw, {**orjson.loads(raw), "routed_dp_rank": 0}, Target(engine.url, 1)) == raw
 
 
 async def test_no_usable_engine_falls_back_to_the_router_unchanged(recorders, kvgate_factory):

@@ -29,18 +29,18 @@ from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
 
 from kvgate import __version__
-from kvgate.common.classify import (STEP_BOUNDARY_ROUTES, classify, inject_top_level, parse_json_object,
-                                   with_session_id)
+from kvgate.common.classify import STEP_BOUNDARY_ROUTES, classify, parse_json_object, with_session_id
 from kvgate.config import PLACEMENT_ROUTES, Config, read_admin_key
 from kvgate.fleet import compat
-from kvgate.fleet.placement import Placement, Target
+from kvgate.fleet.placement import Placement
 from kvgate.fleet.directory import EngineDirectory
 from kvgate.proxy.relay import MAX_FIELD_BYTES, MAX_LINE_BYTES, Upstream, forward_head, header_safe, \
     BodyParts, preserve_header_bytes, read_body
 from kvgate.common.admit import Gate, OpenGate, RequestInfo, Ticket
+from kvgate.proxy.placed import PlacedRelay
 from kvgate.proxy.server import HttpServer, Limits
 from kvgate.sessions.idle_policy import IdlePolicy, StepTracker
-from kvgate.sessions.inference import SessionInference, prefix_keys, request_units
+from kvgate.sessions.inference import SessionInference, request_units
 from kvgate.sessions.lifecycle import SessionLifecycle
 from kvgate.common.metrics import Metrics
 from kvgate.sessions.observe import ResponseObserver
@@ -128,6 +128,12 @@ class Gateway:
         self.placement = Placement(pressure_threshold=cfg.placement_pressure_threshold,
                                    max_sessions=cfg.max_tracked_sessions, max_prefixes=cfg.max_tracked_sessions,
                                    reopen_hint_s=cfg.placement_reopen_hint_s)
+        # The relay of placed session calls straight to their engine; shared state and the clock set below.
+        # read per placed or shared-inference request: looked up once (Config reads go through __getattr__)
+        self._placement_blocks = (cfg.session_inference_block_tokens, cfg.session_inference_block_chars,
+                                  cfg.admission_chars_per_token)
+        self.placed = PlacedRelay(self.placement, self.directory, self.upstream, self.metrics, None,
+                                  lambda: self.lifecycle.clock(), self._placement_blocks)
         self.directory.on_change.append(self._engines_changed)
         self._engines_changed(self.directory.engines)  # a static list is there from the start
         for r in PLACEMENT_ROUTES:
@@ -149,7 +155,7 @@ class Gateway:
                                           close_max_rate=cfg.close_max_rate, policy=policy,
                                           steps=StepTracker(cfg.max_tracked_sessions),
                                           close_on_abort=cfg.session_close_on_abort)
-        self.lifecycle.on_close.append(self._placement_forget)
+        self.lifecycle.on_close.append(self.placed.forget)
         self.lifecycle.on_close.append(self._program_ended)
         self.inference: SessionInference | None = None
         if self.lifecycle_on and cfg.session_inference:
@@ -167,6 +173,7 @@ class Gateway:
             self.lifecycle.idle_check = self.shared.idle_claim
             self.lifecycle.on_close.append(self.shared.session_closed)
             self.lifecycle.close_check = self.shared.close_wanted
+        self.placed.shared = self.shared
         self.poller = None
         # Where admission counts a session's request: the engine kvgate placed it on; a session kvgate did
         # not place (the router routes it, or its first turn) counts against the fleet-wide rule.
@@ -201,9 +208,6 @@ class Gateway:
         self._join_max = max(cfg.body_parse_max_bytes, STEP_BODY_PARSE_LIMIT)
         self._parse_max = cfg.body_parse_max_bytes
         self._routing_key = cfg.routing_key_header if cfg.set_routing_key else None
-        # read per placed or shared-inference request: looked up once (Config reads go through __getattr__)
-        self._placement_blocks = (cfg.session_inference_block_tokens, cfg.session_inference_block_chars,
-                                  cfg.admission_chars_per_token)
         self.app = self._build_app()
         self._routes = self._build_routes()
 
@@ -480,7 +484,7 @@ class Gateway:
         if self.inference is not None:
             self.inference.forget(sid)
         self.lifecycle.forget(sid)
-        self._placement_forget(sid)
+        self.placed.forget(sid)
         self._admission_forget(sid)
 
     def _program_ended(self, sid: str) -> None:
@@ -517,109 +521,11 @@ class Gateway:
 
     def _engines_changed(self, engines) -> None:
         self.placement.set_engines([(e.url, e.healthy) for e in engines if e.worker_type == "regular"])
-        self._publish_placed()
+        self.placed.publish()
 
     def _capacity(self, snapshot) -> None:
         self.placement.set_capacity({url: [(p.capacity, p.used) for p in cap.pools]
                                      for url, cap in snapshot.engines.items()}, snapshot.taken_at)
-
-    def _placement_forget(self, sid: str) -> None:
-        try:
-            if self.placement.forget(sid, self.lifecycle.clock()):
-                self._publish_placed()
-        except Exception:
-            log.exception("placement forget failed")
-            self.metrics.faults.labels("placement").inc()
-
-    def _publish_placed(self) -> None:
-        for url in self.directory.urls:
-            self.metrics.placed_sessions.labels(url).set(self.placement.sessions_on(url))
-
-    def _placed_route(self, c, plan: SessionPlan) -> bool:
-        return (plan.session_id is not None and c.body is not None and c.path in self.placement_modes
-                and self.directory.placed(c.path))
-
-    async def _relay_placed(self, request: web.Request, c, plan: SessionPlan, observe, add):
-        """Relay a session's call to the engine placement picks; on a refused connection (nothing sent) the
-        next engine. Returns (response, outcome), or None when no engine is usable or placement itself failed
-        (the caller then uses the router: fail-open)."""
-        try:
-            units = request_units(c.path, c.body)
-            block_tokens, block_chars, chars_per_token = self._placement_blocks
-            keys = prefix_keys(units, block_tokens, block_chars, memo=c.block_digests())
-            tokens = (len(units) if isinstance(units, list) else
-                      int(len(units) / chars_per_token) if isinstance(units, str) else 0)
-        except Exception:
-            log.exception("session placement failed; forwarding to the router")
-            self.metrics.faults.labels("placement").inc()
-            return None
-        headers = forward_head(request.raw_headers)  # no routing key: it is for the router
-        tried: list[str] = []
-        if self.shared is not None and self.placement.engine_of(plan.session_id) is None:
-            await self._adopt_shared(plan.session_id, await self.shared.engine_of(plan.session_id))
-        while True:
-            try:
-                target, body = self._pick(plan, c.body, keys, tried)
-                if target is not None and self.shared is not None and self.placement.last_reason != "sticky":
-                    # Another replica may have placed it meanwhile: the first placement wins.
-                    won = await self.shared.claim_engine(plan.session_id, target.engine, target.dp_rank,
-                                                         replace=self.placement.last_replaced)
-                    if won is not None and won != (target.engine, target.dp_rank) and not tried:
-                        await self._adopt_shared(plan.session_id, won)
-                        target, body = self._pick(plan, c.body, keys, tried)
-                if target is not None:
-                    call = self.placement.call_started(target, tokens, self.lifecycle.clock())
-            except Exception:  # fail-open: nothing went out yet
-                log.exception("session placement failed; forwarding to the router")
-                self.metrics.faults.labels("placement").inc()
-                return None
-            if target is None:
-                self.metrics.placement_calls.labels("router_fallback").inc()
-                return None
-            try:
-                resp, outcome = await self.upstream.relay(request, request.raw_path, headers, body, observe=observe,
-                                                          add_headers=add, base=target.engine)
-            finally:
-                self.placement.call_finished(target, call)
-            if outcome.ended == "unreachable" and not outcome.sent:
-                # Refused before any byte went out: safe to try the next engine (never after the body went out).
-                log.warning("engine %s refused a connection; session %s goes to the next engine",
-                            target.engine, plan.session_id)
-                self.placement.mark_unreachable(target.engine, self.lifecycle.clock())
-                self.metrics.placement_calls.labels("connect_retry").inc()
-                tried.append(target.engine)
-                continue
-            self.metrics.placement_calls.labels("engine").inc()
-            return resp, outcome
-
-    async def _adopt_shared(self, sid: str, where: tuple[str, int | None] | None) -> None:
-        # The engine another replica placed the session on becomes its sticky engine here.
-        if where is None:
-            return
-        try:
-            if self.placement.adopt(sid, Target(where[0], where[1]), self.lifecycle.clock()):
-                self._publish_placed()
-        except Exception:
-            log.exception("adopting a shared placement failed")
-            self.metrics.faults.labels("placement").inc()
-
-    def _pick(self, plan: SessionPlan, body_obj: dict, keys: list[int], tried: list[str]):
-        target = self.placement.place(plan.session_id, keys, self.lifecycle.clock(), exclude=tried)
-        if target is None:
-            return None, None
-        if self.placement.last_reason != "sticky":
-            reason = "replaced" if self.placement.last_replaced else self.placement.last_reason
-            self.metrics.child(self.metrics.placements, target.engine, reason).inc()
-            self._publish_placed()
-        self.placement.remember_prefix(keys, target)
-        return target, self._engine_body(plan.body, body_obj, target)
-
-    @staticmethod
-    def _engine_body(raw: bytes, body_obj: dict, target: Target) -> bytes:
-        # routed_dp_rank pins the DP rank that holds the session's prefix; a client's own pin is kept.
-        if target.dp_rank is None or "routed_dp_rank" in body_obj or "data_parallel_rank" in body_obj:
-            return raw
-        return inject_top_level(raw, "routed_dp_rank", target.dp_rank)
 
     # --- the request path ------------------------------------------------------------------------
 
@@ -691,8 +597,8 @@ class Gateway:
         try:  # from here on every exit path ends the request in the registry and the inference index
             add = ticket.headers if tracked is None else [*ticket.headers, (SESSION_HEADER, header_safe(tracked))]
             placed = None
-            if self._placed_route(c, plan):
-                placed = await self._relay_placed(request, c, plan, observe, add)
+            if self.placed.placed(c, plan.session_id):
+                placed = await self.placed.relay(request, c, plan.session_id, plan.body, observe, add)
             if placed is not None:
                 resp, outcome = placed
             else:  # the router's headers (with the routing key) only for a request that goes to the router
