@@ -20,13 +20,13 @@ import re
 import signal
 import sys
 import time
-from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 import orjson
 from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
+from multidict import CIMultiDict
 
 from kvgate import __version__
 from kvgate.common.classify import STEP_BOUNDARY_ROUTES, classify, parse_json_object, with_session_id
@@ -38,7 +38,7 @@ from kvgate.proxy.relay import MAX_FIELD_BYTES, MAX_LINE_BYTES, Upstream, forwar
     BodyParts, preserve_header_bytes, read_body
 from kvgate.common.admit import Gate, OpenGate, RequestInfo, Ticket
 from kvgate.proxy.placed import PlacedRelay
-from kvgate.proxy.server import HttpServer, Limits
+from kvgate.proxy.server import Headers, HttpServer, Limits
 from kvgate.sessions.idle_policy import IdlePolicy, StepTracker
 from kvgate.sessions.inference import SessionInference, request_units
 from kvgate.sessions.lifecycle import SessionLifecycle
@@ -335,7 +335,10 @@ class Gateway:
         if self._admin_key_bytes is None or not any(h in headers for h in _PRIVILEGED_HEADERS) \
                 or self.is_admin(headers):
             return headers
-        return _Without(headers, _PRIVILEGED_HEADERS)
+        if isinstance(headers, Headers):
+            return headers.without(_PRIVILEGED_HEADERS)
+        drop = {h.lower() for h in _PRIVILEGED_HEADERS}  # aiohttp's server: a multidict
+        return CIMultiDict((k, v) for k, v in headers.items() if k.lower() not in drop)
 
     def _sid_too_long(self, sid: str) -> bool:
         """Whether ``sid`` is over max_session_id_bytes (UTF-8 bytes; measured only when it could be)."""
@@ -774,35 +777,6 @@ class Gateway:
         except Exception:
             log.exception("step boundary handling failed")
             self.metrics.faults.labels("registry").inc()
-
-
-class _Without(Mapping):
-    """A read-only view of request headers less some names (case-insensitive)."""
-
-    def __init__(self, headers, names: tuple[str, ...]):
-        self._h = headers
-        self._drop = frozenset(n.lower() for n in names)
-
-    def get(self, name: str, default=None):
-        return default if name.lower() in self._drop else self._h.get(name, default)
-
-    def __getitem__(self, name: str):
-        v = self.get(name)
-        if v is None:
-            raise KeyError(name)
-        return v
-
-    def __contains__(self, name: object) -> bool:
-        return isinstance(name, str) and self.get(name) is not None
-
-    def __iter__(self):
-        return (k for k in self._h if k.lower() not in self._drop)
-
-    def __len__(self) -> int:
-        return sum(1 for _ in self)
-
-    def items(self):
-        return [(k, v) for k, v in self._h.items() if k.lower() not in self._drop]
 
 
 def _unquote(s: str) -> str:

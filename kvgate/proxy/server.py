@@ -173,6 +173,13 @@ class Headers(Mapping):
     def __iter__(self):
         return (k.decode("utf-8", "surrogateescape") for k in self._raw[::2])
 
+    def without(self, names: Iterable[str]) -> "Headers":
+        """These headers less ``names`` (case-insensitive)."""
+        drop = {n.lower().encode("latin-1") for n in names}
+        raw = self._raw
+        return Headers(tuple(x for i in range(0, len(raw), 2) if raw[i].lower() not in drop
+                             for x in (raw[i], raw[i + 1])))
+
     def __len__(self) -> int:
         return len(self._raw) // 2
 
@@ -333,6 +340,13 @@ class Request:
         finally:
             self._waiter = None
 
+    def _fail(self, err: "BadRequest") -> None:
+        """The body cannot be read (broken framing, a timeout, no room): the handler's read raises ``err``
+        and the connection closes after the answer."""
+        self._error = err
+        self.keep_alive = False
+        self._wake()
+
     def _wake(self) -> None:
         w = self._waiter
         if w is not None and not w.done():
@@ -467,7 +481,7 @@ class _Conn(asyncio.Protocol):
     __slots__ = ("server", "loop", "transport", "parser", "_url", "_fields", "_expect", "_length", "_chunked_in",
                  "_in_head", "_head_bytes", "_trailer_bytes", "_reading", "current", "_queue", "task", "lost",
                  "closing", "write_paused", "_drain_waiter", "paused_for_body", "_paused", "_refused",
-                 "_limit_error", "_max_field", "_max_head", "_max_fields", "_upgrade", "_synthetic", "_stopped",
+                 "_limit_error", "_max_field", "_max_head", "_max_line", "_max_fields", "_upgrade", "_synthetic", "_stopped",
                  "_pending_error", "_next_waiting", "budget_wait", "_lingering", "_timed", "__weakref__")
 
     def __init__(self, server: "HttpServer"):
@@ -498,6 +512,7 @@ class _Conn(asyncio.Protocol):
         lim = server.limits
         self._max_field = lim.header_line_bytes
         self._max_head = lim.head_bytes
+        self._max_line = lim.request_line_bytes
         self._max_fields = 2 * lim.header_count  # _fields holds a name and a value per header
         self._upgrade = False  # the request being read asked for Upgrade: its body is read as a plain one's
         self._synthetic = False  # the parser is reading the framing-only head that follows an Upgrade
@@ -637,8 +652,8 @@ class _Conn(asyncio.Protocol):
 
     def on_url(self, url: bytes) -> None:
         self._url += url
-        if len(self._url) > self.server.limits.request_line_bytes:
-            self._limit_error = BadRequest(400, f"request line over {self.server.limits.request_line_bytes} bytes")
+        if len(self._url) > self._max_line:
+            self._limit_error = BadRequest(400, f"request line over {self._max_line} bytes")
             raise self._limit_error
 
     def on_header(self, name: bytes, value: bytes) -> None:
@@ -706,7 +721,7 @@ class _Conn(asyncio.Protocol):
             # RFC 9112 6.1: Transfer-Encoding on HTTP/1.0 is faulty framing; smg and nginx answer 400
             self._limit_error = BadRequest(400, "Transfer-Encoding on an HTTP/1.0 request")
             raise self._limit_error
-        if url[:1] != b"/" and url != b"*":
+        if url[0] != 0x2F and url != b"*":  # not origin-form (/...): absolute-form
             url = _origin_form(url)
         req = Request(self, _METHODS.get(method) or method.decode("ascii"), url.decode("ascii"), tuple(self._fields),
                       version, keep_alive, self._expect, self._length)
@@ -718,7 +733,13 @@ class _Conn(asyncio.Protocol):
             req._early = BadRequest(413, f"a body of {length} bytes is over the limit of {server.client_max_size}")
             self._refused = True
         elif length or self._chunked_in:
-            server._reserve(self, req, length if length is not None else BUDGET_STEP)
+            n = length if length is not None else BUDGET_STEP
+            held = server.body_held
+            if not server._budget_queue and (held + n <= server.body_budget or held == 0):  # room: at once
+                server.body_held = held + n
+                req._held = n
+            else:
+                server._reserve(self, req, n)
         if self.current is None:
             self._dispatch(req)
         else:  # pipelined behind the request being answered: read no more until its turn
@@ -786,9 +807,7 @@ class _Conn(asyncio.Protocol):
         self._stopped = True
         self.closing = True
         if req is self.current:  # the handler's read raises it
-            req._error = err
-            req.keep_alive = False
-            req._wake()
+            req._fail(err)
         else:
             req._early = err
 
@@ -904,8 +923,11 @@ class _Conn(asyncio.Protocol):
     def _finished(self, req: Request) -> None:
         self.task = None
         self.current = None
-        if req._held or req._want:
+        if req._want or self.server._budget_queue:
             self.server._release(req)
+        elif req._held:  # nobody waits for the room it gives back
+            self.server.body_held -= req._held
+            req._held = 0
         if self.lost:
             return
         if self.closing or not req.keep_alive or not req._body_done or self.server.closing:
@@ -972,9 +994,7 @@ class _Conn(asyncio.Protocol):
         self.server._bodies.pop(self, None)
         req, self._reading = self._reading, None
         if req is not None and req is self.current:  # its body broke mid-way: the handler's read raises
-            req._error = err
-            req.keep_alive = False
-            req._wake()
+            req._fail(err)
             return
         if req is not None and self._queue and req is self._queue[-1]:  # its body broke while it waited its turn
             self._queue.pop()
@@ -1003,9 +1023,7 @@ class _Conn(asyncio.Protocol):
             self.closing = True
             self.parser = None
             self._reading = None
-            req._error = err
-            req.keep_alive = False
-            req._wake()
+            req._fail(err)
             return
         self._bad(err)
 
@@ -1064,6 +1082,7 @@ class HttpServer:
         self._lingering: dict[_Conn, float] = {}
         # the in-flight body budget: bytes held by requests now, and the requests waiting for room, in order
         self.body_held = 0
+        self.body_budget = self.limits.inflight_body_bytes
         self._budget_queue: collections.deque[tuple[_Conn, Request, float]] = collections.deque()
         self._fd_logged = -FD_LOG_EVERY_S
         self.keepalive_s = keepalive_s
@@ -1129,7 +1148,7 @@ class HttpServer:
     def _reserve(self, conn: _Conn, req: Request, n: int) -> None:
         """Take ``n`` bytes of the in-flight body budget for ``req``, or queue it (its connection stops
         reading) until there is room. A body larger than the whole budget goes when nothing else holds any."""
-        if not self._budget_queue and (self.body_held + n <= self.limits.inflight_body_bytes or self.body_held == 0):
+        if not self._budget_queue and (self.body_held + n <= self.body_budget or self.body_held == 0):
             self.body_held += n
             req._held += n
             return
@@ -1154,7 +1173,7 @@ class HttpServer:
 
     def _grant(self) -> None:
         q = self._budget_queue
-        budget = self.limits.inflight_body_bytes
+        budget = self.body_budget
         while q:
             conn, req, _ = q[0]
             if self.body_held + req._want > budget and self.body_held != 0:
@@ -1172,14 +1191,7 @@ class HttpServer:
         first, so the sweep stops at the first entry still in time."""
         self.date = formatdate(usegmt=True)
         now = self.loop.time()
-        deadline = now - self.keepalive_s
-        idle = self._idle
-        while idle:
-            conn = next(iter(idle))
-            if idle[conn] > deadline:
-                break
-            del idle[conn]
-            conn.close()
+        _close_expired(self._idle, now - self.keepalive_s)
         lim = self.limits
         for table, limit, what in ((self._heads, lim.header_timeout_s, "head"),
                                    (self._bodies, lim.body_timeout_s, "body")):
@@ -1201,14 +1213,7 @@ class HttpServer:
             conn, req, _ = q.popleft()
             req._want = 0
             conn.budget_timeout(req)
-        linger = self._lingering
-        late = now - LINGER_S
-        while linger:
-            conn = next(iter(linger))
-            if linger[conn] > late:
-                break
-            del linger[conn]
-            conn.close()
+        _close_expired(self._lingering, now - LINGER_S)
         self._check_fds(now)
         self._sweeper = self.loop.call_later(SWEEP_S, self._sweep)
 
@@ -1257,3 +1262,13 @@ class HttpServer:
         self._servers.clear()
         if self.on_cleanup is not None:
             await self.on_cleanup()
+
+
+def _close_expired(table: "dict[_Conn, float]", deadline: float) -> None:
+    """Close the connections of ``table`` (oldest first) whose time is at or before ``deadline``."""
+    while table:
+        conn = next(iter(table))
+        if table[conn] > deadline:
+            return
+        del table[conn]
+        conn.close()
