@@ -113,6 +113,25 @@ def _tokenizer_file(path: str) -> None:
             from None
 
 
+ADMIN_KEY_ENV = "KVGATE_ADMIN_KEY"
+
+
+def read_admin_key(path: str | None) -> str | None:
+    """The admin key: the first line of ``path`` (stripped), else the KVGATE_ADMIN_KEY environment variable,
+    else None (no key: kvgate's endpoints are open, as before keys existed). Raises ConfigError naming
+    admin_key_file for a file that cannot be read or holds no key."""
+    if path is None:
+        return os.environ.get(ADMIN_KEY_ENV) or None
+    try:
+        with open(path, encoding="utf-8") as fh:
+            key = fh.readline().strip()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"admin_key_file: {path}: {getattr(exc, 'strerror', None) or exc}") from None
+    if not key:
+        raise ConfigError(f"admin_key_file: {path}: the first line is empty (expected the key)")
+    return key
+
+
 def cpu_count() -> int:
     """CPUs this process may run on (its affinity mask, which containers and taskset narrow), at least 1."""
     try:
@@ -170,6 +189,35 @@ KEYS: list[Key] = [
         "on httptools; less CPU per request and less memory per waiting connection) or aiohttp (aiohttp's "
         "general-purpose web server).",
         choices=("kvgate", "aiohttp")),
+    # --- what a client may send kvgate's own HTTP server (http_server: kvgate) ------------------------
+    # Each no lower than smg 1.13's (docs/guarantees.md has them beside smg's and nginx's, measured).
+    Key("http_max_request_line_bytes", int, 128 * 1024,
+        "Longest request line accepted, bytes (400 above; smg answers 414 above 64 KiB itself).", _pos, "> 0"),
+    Key("http_max_header_line_bytes", int, 512 * 1024, "Longest header line accepted, bytes (431 above).",
+        _pos, "> 0"),
+    Key("http_max_head_bytes", int, 2 << 20, "Largest request head (request line and headers), bytes (431 above).",
+        _pos, "> 0"),
+    Key("http_max_header_count", int, 1000, "Most header lines in a request (431 above; smg takes 100).",
+        _pos, "> 0"),
+    Key("http_max_trailer_bytes", int, 1 << 20,
+        "Largest trailer section after a chunked body, bytes (400 above); trailers are read and dropped.",
+        _pos, "> 0"),
+    Key("http_header_timeout_s", float, 60.0,
+        "Seconds a request head may take to arrive once it began (408 and close after).", _pos, "> 0"),
+    Key("http_body_timeout_s", float, 60.0,
+        "Seconds a request body may go without a byte while kvgate reads it (408 and close after).", _pos, "> 0"),
+    Key("http_max_inflight_body_bytes", int, 1 << 30,
+        "Request body bytes held in memory at once over all connections; past it a body waits to be read "
+        "(a body larger than this goes alone).", _pos, "> 0"),
+    Key("http_body_budget_wait_s", float, 60.0,
+        "Seconds a body may wait for room in http_max_inflight_body_bytes (503 and close after).", _pos, "> 0"),
+    Key("max_session_id_bytes", int, 16384,
+        "Longest session id kvgate tracks, UTF-8 bytes: longer ids on generate calls are forwarded untouched and "
+        "not tracked; kvgate's close API and /kvgate/sessions/{id} answer them 400.", _pos, "> 0"),
+    Key("admin_key_file", str, None,
+        "A file holding the admin key (its first line); null = the KVGATE_ADMIN_KEY environment variable, or no "
+        "key. With a key, /kvgate/sessions, /kvgate/engines, /kvgate/stats, the session close API and the "
+        "X-Kvgate-Protected and X-Kvgate-Scope headers need the header X-Kvgate-Admin-Key.", nullable=True),
     # --- session identity ------------------------------------------------------------------------
     Key("agentic_session_lifecycle", bool, False,
         "Inject a top-level session_id into generate calls and close finished sessions on every engine."),
@@ -446,6 +494,8 @@ def validate(raw: dict[str, Any]) -> Config:
         raise ConfigError(f"upstream: {values['upstream']} ends in an API path ({api}); kvgate sends each request's "
                           f"own path (/v1/completions, /generate) to the router, so give its base URL "
                           f"({values['upstream'].removesuffix(api)})")
+    if values["admin_key_file"] is not None:
+        read_admin_key(values["admin_key_file"])
     if values["agentic_program_admission"] and values["admission_tokenizer_file"] is not None:
         _tokenizer_file(values["admission_tokenizer_file"])
     from kvgate.admission.policy import MatchRule

@@ -7,6 +7,7 @@ process group and are ended by group id (kvgate.tools.procs).
 from __future__ import annotations
 
 import asyncio
+import sys
 import tempfile
 from pathlib import Path
 
@@ -122,6 +123,28 @@ async def router_factory(log_dir):
         await asyncio.to_thread(procs.wait_http, p.url + "/readiness", 60, p, procs.router_ready(n))
         return p.url
 
+    yield start
+    for p in started:
+        p.stop()
+
+
+@pytest.fixture
+async def kvgate_process(log_dir):
+    """``await start(upstream, *flags, env=None)`` -> kvgate base URL; kvgate as its own process (its event loop
+    is not the test's, so a canary measures kvgate alone). ``start.procs[url]`` is its procs.Proc."""
+    started = []
+
+    async def start(upstream: str, *flags: str, env: dict | None = None) -> str:
+        port = procs.free_port()
+        cmd = [sys.executable, "-m", "kvgate", "serve", "--upstream", upstream, "--port", str(port),
+               "--no-compat-probe", *flags]
+        p = procs.start(f"kvgate{len(started)}", cmd, log_dir, url=f"http://127.0.0.1:{port}", env=env)
+        started.append(p)
+        start.procs[p.url] = p
+        await asyncio.to_thread(procs.wait_http, p.url + "/kvgate/health", 30, p)
+        return p.url
+
+    start.procs = {}
     yield start
     for p in started:
         p.stop()

@@ -253,3 +253,23 @@ class Canary:
             self._stop = True
             await task
         return result
+
+
+async def _serve_until_stdin_closes(port: int, keep_bodies_up_to: int) -> None:
+    """``python fake_upstream.py PORT KEEP``: a ScriptedUpstream in a process of its own (so the load it
+    takes does not share a test's interpreter); prints ``ready``, and when stdin closes one JSON line of
+    what it received (path, size, sha256 of each request) and exits."""
+    import json
+    import sys
+    up = ScriptedUpstream(keep_bodies_up_to=keep_bodies_up_to)
+    up._server = await asyncio.start_server(up._handle, "127.0.0.1", port, limit=1 << 24)
+    print("ready", flush=True)
+    await asyncio.get_running_loop().run_in_executor(None, sys.stdin.read)
+    up._server.close()
+    print(json.dumps([[r.path.decode("latin-1"), r.size, r.sha256 or hashlib.sha256(r.body).hexdigest()]
+                      for r in up.received]), flush=True)
+
+
+if __name__ == "__main__":
+    import sys
+    asyncio.run(_serve_until_stdin_closes(int(sys.argv[1]), int(sys.argv[2])))

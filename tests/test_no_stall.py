@@ -23,26 +23,6 @@ from kvgate.tools import procs
 CANARY_MAX_S = 0.1
 
 
-@pytest.fixture
-async def kvgate_process(log_dir):
-    """``await start(upstream, *flags)`` -> kvgate base URL; kvgate as its own process (its event loop is
-    not the test's, so the canary measures kvgate alone)."""
-    started = []
-
-    async def start(upstream: str, *flags: str) -> str:
-        port = procs.free_port()
-        cmd = [sys.executable, "-m", "kvgate", "serve", "--upstream", upstream, "--port", str(port),
-               "--no-compat-probe", *flags]
-        p = procs.start(f"kvgate{len(started)}", cmd, log_dir, url=f"http://127.0.0.1:{port}")
-        started.append(p)
-        await asyncio.to_thread(procs.wait_http, p.url + "/kvgate/health", 30, p)
-        return p.url
-
-    yield start
-    for p in started:
-        p.stop()
-
-
 async def test_a_66_mb_body_does_not_stall_other_clients(kvgate_process):
     up = await ScriptedUpstream(keep_bodies_up_to=1 << 20).start()
     try:

@@ -160,7 +160,8 @@ class Metrics:
         self.body_features_skipped = Counter(p + "body_features_skipped", "Generate calls relayed untouched "
                                              "without kvgate's body features (session id, inference, admission "
                                              "estimate), by why: content_encoding (sent compressed), size (over "
-                                             "body_parse_max_bytes)", ["reason"], registry=r)
+                                             "body_parse_max_bytes), session_id_size (a session id over "
+                                             "max_session_id_bytes)", ["reason"], registry=r)
         # sessions
         self.lifecycle_enabled = Gauge(p + "session_lifecycle_enabled", "1 when session lifecycle is on",
                                        registry=r)
@@ -252,7 +253,7 @@ class Metrics:
             self.faults.labels(stage)
         for op in ("heartbeat", "turn", "idle", "placement", "inference", "admission", "capacity"):
             self.state_backend_bypass.labels(op)
-        for reason in ("content_encoding", "size"):
+        for reason in ("content_encoding", "size", "session_id_size"):
             self.body_features_skipped.labels(reason)
         for kind in ("unreachable", "timeout", "cut", "protocol_error"):
             self.upstream_errors.labels(kind)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import errno
+import hmac
 import logging
 import os
 import re
@@ -27,10 +28,11 @@ from typing import Any
 import orjson
 from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
+from multidict import CIMultiDict
 
 from kvgate import __version__
 from kvgate.common.classify import STEP_BOUNDARY_ROUTES, classify, parse_json_object, with_session_id
-from kvgate.config import PLACEMENT_ROUTES, Config
+from kvgate.config import PLACEMENT_ROUTES, Config, read_admin_key
 from kvgate.fleet import compat, health
 from kvgate.fleet.placement import Placement
 from kvgate.fleet.directory import EngineDirectory
@@ -38,7 +40,7 @@ from kvgate.proxy.relay import MAX_FIELD_BYTES, MAX_LINE_BYTES, Upstream, forwar
     BodyParts, preserve_header_bytes, read_body
 from kvgate.common.admit import Gate, OpenGate, RequestInfo, Ticket
 from kvgate.proxy.placed import PlacedRelay
-from kvgate.proxy.server import HttpServer
+from kvgate.proxy.server import Headers, HttpServer, Limits
 from kvgate.sessions.idle_policy import IdlePolicy, StepTracker
 from kvgate.sessions.inference import SessionInference, request_units
 from kvgate.sessions.lifecycle import SessionLifecycle
@@ -50,6 +52,12 @@ from kvgate.sessions.registry import SessionRegistry
 log = logging.getLogger("kvgate")
 
 GATEWAY_KEY = web.AppKey("gateway", object)
+# With an admin key set (admin_key_file, or KVGATE_ADMIN_KEY), the request header that must carry it for
+# kvgate's endpoints that list or change state, the close API, and the admission headers below. It never
+# goes upstream (kvgate.proxy.relay drops it).
+ADMIN_HEADER = "X-Kvgate-Admin-Key"
+# The headers that let a request skip admission's queue: honoured only from a client with the admin key.
+_PRIVILEGED_HEADERS = ("X-Kvgate-Protected", "X-Kvgate-Scope")
 # The session id kvgate gave a generate call (named or inferred), told to the client on the response.
 SESSION_HEADER = "X-Kvgate-Session-Id"
 # Step-boundary bodies larger than this (tensor payloads) are not parsed: they take SGLang's defaults.
@@ -195,6 +203,9 @@ class Gateway:
         self.reads_body = (self.lifecycle_on or not isinstance(self.gate, OpenGate)
                            or any(m == "kvgate" for m in self.placement_modes.values()))
         self.started = time.time()
+        self.admin_key = read_admin_key(cfg.admin_key_file)
+        self._admin_key_bytes = self.admin_key.encode("utf-8") if self.admin_key is not None else None
+        self._max_sid = cfg.max_session_id_bytes
         # Read on every request: looked up once (a Config attribute goes through __getattr__).
         self._max_body = cfg.max_body_bytes
         self._join_max = max(cfg.body_parse_max_bytes, STEP_BODY_PARSE_LIMIT)
@@ -214,17 +225,17 @@ class Gateway:
         r = app.router
         r.add_get("/metrics", self.handle_metrics)
         r.add_get("/kvgate/health", self.handle_health)
-        r.add_get("/kvgate/engines", self.handle_engines)
-        r.add_get("/kvgate/stats", self.handle_stats)
-        r.add_get("/kvgate/sessions", self.handle_sessions)
-        r.add_get("/kvgate/sessions/{sid}", self.handle_session)
-        r.add_post("/kvgate/sessions/{sid}/close", self.handle_session_close)
+        r.add_get("/kvgate/engines", self._guard(self.handle_engines))
+        r.add_get("/kvgate/stats", self._guard(self.handle_stats))
+        r.add_get("/kvgate/sessions", self._guard(self.handle_sessions))
+        r.add_get("/kvgate/sessions/{sid}", self._guard(self.handle_session))
+        r.add_post("/kvgate/sessions/{sid}/close", self._guard(self.handle_session_close))
         if self.worker is not None:  # this worker's own figures, which its siblings merge
             r.add_get("/kvgate/worker/metrics", self.handle_worker_metrics)
             r.add_get("/kvgate/worker/health", self.handle_worker_health)
         if self.lifecycle_on:
-            r.add_route("GET", "/close_session", self.handle_close_session)
-            r.add_route("POST", "/close_session", self.handle_close_session)
+            r.add_route("GET", "/close_session", self._guard(self.handle_close_session))
+            r.add_route("POST", "/close_session", self._guard(self.handle_close_session))
         for route in PLACEMENT_ROUTES:  # the generate routes by exact path: a dict lookup, not the catch-all's regex
             r.add_route("*", route, self.handle_proxy)
         r.add_route("*", "/kvgate/{tail:.*}", self.handle_not_found)  # kvgate's own paths never reach the router
@@ -238,14 +249,17 @@ class Gateway:
         too, as aiohttp's add_get does). What matches none of them goes to the router (see route())."""
         def get(handler):
             return {"GET": handler, "HEAD": handler}
+        guard = self._guard
         routes = {"/metrics": get(self.handle_metrics), "/kvgate/health": get(self.handle_health),
-                  "/kvgate/engines": get(self.handle_engines), "/kvgate/stats": get(self.handle_stats),
-                  "/kvgate/sessions": get(self.handle_sessions)}
+                  "/kvgate/engines": get(guard(self.handle_engines)), "/kvgate/stats": get(guard(self.handle_stats)),
+                  "/kvgate/sessions": get(guard(self.handle_sessions))}
+        self._session_handlers = (guard(self.handle_session), guard(self.handle_session_close))
         if self.worker is not None:
             routes["/kvgate/worker/metrics"] = get(self.handle_worker_metrics)
             routes["/kvgate/worker/health"] = get(self.handle_worker_health)
         if self.lifecycle_on:
-            routes["/close_session"] = {"GET": self.handle_close_session, "POST": self.handle_close_session}
+            close = guard(self.handle_close_session)
+            routes["/close_session"] = {"GET": close, "POST": close}
         return routes
 
     def route(self, request):
@@ -263,7 +277,7 @@ class Gateway:
                 close = m.group(2) is not None
                 if (request.method == "POST") if close else (request.method in ("GET", "HEAD")):
                     request.match_info = {"sid": _unquote(m.group(1))}
-                    return self.handle_session_close if close else self.handle_session
+                    return self._session_handlers[1 if close else 0]
         if path.startswith("/kvgate/"):
             return self.handle_not_found
         return self.handle_proxy
@@ -299,6 +313,51 @@ class Gateway:
             await self.worker.stop()
         await self.directory.stop()
         await self.upstream.close()
+
+    # --- the admin key ----------------------------------------------------------------------------
+
+    def is_admin(self, headers) -> bool:
+        """Whether a request may use what the admin key guards: always when no key is set, else when its
+        X-Kvgate-Admin-Key header is the key (compared in constant time)."""
+        if self._admin_key_bytes is None:
+            return True
+        sent = headers.get(ADMIN_HEADER)
+        return sent is not None and hmac.compare_digest(sent.encode("utf-8", "surrogateescape"),
+                                                        self._admin_key_bytes)
+
+    def _guard(self, handler):
+        """``handler`` as it is without an admin key; with one, answering 403 to a request without it."""
+        if self._admin_key_bytes is None:
+            return handler
+
+        async def guarded(request):
+            if not self.is_admin(request.headers):
+                return _json({"error": {"message": f"kvgate: this endpoint needs the admin key (header {ADMIN_HEADER})",
+                                        "type": "forbidden", "code": 403}}, 403)
+            return await handler(request)
+        guarded.__name__ = handler.__name__
+        return guarded
+
+    def _admission_headers(self, headers):
+        """The headers admission reads: without X-Kvgate-Protected and X-Kvgate-Scope when an admin key is
+        set and the request does not carry it (they are then ignored, and the request waits as others do)."""
+        if self._admin_key_bytes is None or not any(h in headers for h in _PRIVILEGED_HEADERS) \
+                or self.is_admin(headers):
+            return headers
+        if isinstance(headers, Headers):
+            return headers.without(_PRIVILEGED_HEADERS)
+        drop = {h.lower() for h in _PRIVILEGED_HEADERS}  # aiohttp's server: a multidict
+        return CIMultiDict((k, v) for k, v in headers.items() if k.lower() not in drop)
+
+    def _sid_too_long(self, sid: str) -> bool:
+        """Whether ``sid`` is over max_session_id_bytes (UTF-8 bytes; measured only when it could be)."""
+        return len(sid) * 4 > self._max_sid and len(sid.encode("utf-8", "surrogatepass")) > self._max_sid
+
+    def _sid_refused(self, sid: str) -> web.Response | None:
+        if self._sid_too_long(sid):
+            return _json({"error": {"message": f"session_id is over max_session_id_bytes ({self._max_sid} bytes)",
+                                    "type": "invalid_request", "code": 400}}, 400)
+        return None
 
     # --- kvgate's own endpoints ----------------------------------------------------------------
 
@@ -433,6 +492,9 @@ class Gateway:
         return value
 
     async def handle_session(self, request: web.Request) -> web.Response:
+        refused = self._sid_refused(request.match_info["sid"])
+        if refused is not None:
+            return refused
         sid = self._session_named(request.match_info["sid"])
         s = self.lifecycle.registry.get(sid)
         if s is None:
@@ -442,6 +504,9 @@ class Gateway:
     async def handle_session_close(self, request: web.Request) -> web.Response:
         """Close a session (again: an unfinished close is retried at once); ``?wait=1`` answers once every
         engine has answered this round of calls, with the per-engine results and pending retries."""
+        refused = self._sid_refused(request.match_info["sid"])
+        if refused is not None:
+            return refused
         sid = self._session_named(request.match_info["sid"])
         self._forget(sid)
         self.lifecycle.close(sid, "admin_api")
@@ -466,6 +531,9 @@ class Gateway:
             return _json({"error": {"message": "session_id is required"}}, 400)
         if not isinstance(sid, str) or not sid:
             return _json({"error": {"message": "session_id must be a non-empty string"}}, 400)
+        refused = self._sid_refused(sid)
+        if refused is not None:
+            return refused
         self._forget(sid)
         self.lifecycle.close(sid, "client")
         return web.Response(status=200)
@@ -544,7 +612,10 @@ class Gateway:
             # Lifecycle off, placement on: the session only picks the engine; the body goes out unchanged.
             try:
                 res = self.resolver.resolve(c.body, request.headers)
-                plan = SessionPlan(_as_text(res.session_id), res.source, raw)
+                if res.session_id is not None and self._sid_too_long(res.session_id):
+                    self.metrics.body_features_skipped.labels("session_id_size").inc()
+                else:
+                    plan = SessionPlan(_as_text(res.session_id), res.source, raw)
             except Exception:
                 log.exception("session resolution failed; forwarding unchanged")
                 self.metrics.faults.labels("session").inc()
@@ -555,7 +626,7 @@ class Gateway:
             gate = self.gate
             # Admission off: no headers are built for a gate that reads none.
             ticket = OpenGate.OFF if type(gate) is OpenGate else await gate.acquire(
-                RequestInfo(c, request.headers, session_id))
+                RequestInfo(c, self._admission_headers(request.headers), session_id))
         except asyncio.CancelledError:  # client gone while waiting for admission: it never went out
             self.metrics.client_disconnects.inc()
             if plan.inferred:
@@ -646,6 +717,11 @@ class Gateway:
         if not isinstance(body_obj.get("session_id"), (str, type(None))):
             return SessionPlan(body=raw)  # a session_id SGLang rejects (a number, a list): its answer, unchanged
         res = self.resolver.resolve(body_obj, request.headers)
+        if res.session_id is not None and self._sid_too_long(res.session_id):
+            # Tracked, it would go whole into the registry, every close call and every listing: forwarded
+            # untouched instead (the engine answers it as it would directly).
+            self.metrics.body_features_skipped.labels("session_id_size").inc()
+            return SessionPlan(body=raw)
         sid, source, units, inferred = _as_text(res.session_id), res.source, None, None
         if sid is None and self.inference is not None:
             units = request_units(path, body_obj)
@@ -802,7 +878,7 @@ async def start_gateway(cfg: Config, gate: Gate | None = None, worker=None) -> t
     gw = Gateway(cfg, gate, worker)
     if cfg.http_server == "kvgate":
         await gw._on_startup(None)
-        srv = HttpServer(gw.route, cfg.max_body_bytes, on_cleanup=gw._on_cleanup)
+        srv = HttpServer(gw.route, cfg.max_body_bytes, on_cleanup=gw._on_cleanup, limits=server_limits(cfg))
         try:
             port = await srv.listen(cfg.host, cfg.port, backlog=1024, reuse_port=True if worker is not None else None)
             if worker is not None:
@@ -829,6 +905,16 @@ async def start_gateway(cfg: Config, gate: Gate | None = None, worker=None) -> t
         await runner.cleanup()
         raise
     return gw, runner, port
+
+
+def server_limits(cfg: Config) -> Limits:
+    """The limits kvgate's own HTTP server holds, from the ``http_*`` config keys."""
+    return Limits(request_line_bytes=cfg.http_max_request_line_bytes,
+                  header_line_bytes=cfg.http_max_header_line_bytes, head_bytes=cfg.http_max_head_bytes,
+                  header_count=cfg.http_max_header_count, trailer_bytes=cfg.http_max_trailer_bytes,
+                  header_timeout_s=cfg.http_header_timeout_s, body_timeout_s=cfg.http_body_timeout_s,
+                  inflight_body_bytes=cfg.http_max_inflight_body_bytes,
+                  body_budget_wait_s=cfg.http_body_budget_wait_s)
 
 
 def serve(cfg: Config, worker=None) -> int:

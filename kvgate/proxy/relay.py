@@ -41,7 +41,8 @@ HOP_BY_HOP = frozenset({
 # Recomputed by the HTTP layer on the way out. Expect: kvgate has already answered the client's
 # "100-continue" and read the whole body; passed on, it would make the upstream request wait for a
 # 100 Continue the upstream need not send.
-_RECOMPUTED_REQUEST = frozenset({"host", "content-length", "expect"})
+# X-Kvgate-Admin-Key: kvgate's own credential (docs/guarantees.md), never sent on to the router or an engine.
+_RECOMPUTED_REQUEST = frozenset({"host", "content-length", "expect", "x-kvgate-admin-key"})
 
 # Header limits no lower than the router's (kvgate.proxy.server says where they come from).
 from kvgate.proxy.server import MAX_FIELD_BYTES, MAX_LINE_BYTES  # noqa: E402

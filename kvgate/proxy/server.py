@@ -23,7 +23,11 @@ What it guarantees (aiohttp's server gave the same):
 from __future__ import annotations
 
 import asyncio
+import collections
+import errno
 import logging
+import os
+from dataclasses import dataclass
 from email.utils import formatdate
 from http import HTTPStatus
 from collections.abc import Mapping
@@ -50,8 +54,40 @@ SHUTDOWN_TIMEOUT_S = 60.0
 MAX_HEAD_BYTES = 2 << 20
 # Body bytes buffered before reading from the client pauses until the handler takes them.
 BODY_HIGH_WATER = 1 << 18
-# How often the loop-wide sweep looks for idle connections (and refreshes the Date header), seconds.
+# How often the loop-wide sweep looks for idle connections, heads and bodies that stopped arriving, and
+# requests waiting too long for the body budget (and refreshes the Date header), seconds.
 SWEEP_S = 1.0
+# A body of unknown length (chunked) takes the in-flight body budget in steps of this many bytes.
+BUDGET_STEP = 1 << 20
+# After a refusal answered before the body was read (413, 503, 408), the client's remaining bytes are read
+# and dropped for at most this long before the connection closes, so the answer is not lost to a reset
+# (nginx's lingering_close; its lingering_timeout is 5 s).
+LINGER_S = 5.0
+# How often, at most, the file-descriptor shortage is logged, seconds.
+FD_LOG_EVERY_S = 60.0
+
+
+@dataclass(frozen=True, slots=True)
+class Limits:
+    """What one client may send kvgate's server (bytes, seconds, a count); each is a config key of the same
+    name with ``http_`` in front (docs/configuration.md). docs/guarantees.md puts each beside smg 1.13's and
+    nginx's, as measured by scripts/probe_limits.py. A request over a limit is answered and its connection
+    closed, with one INFO log line: 400 (request line, trailer section), 431 (header count, a header line, the
+    whole head), 413 (a body declared or sent over ``max_body_bytes``), 408 (a head or a body that stopped
+    arriving), 503 (the in-flight body budget stayed full for ``body_budget_wait_s``)."""
+
+    request_line_bytes: int = MAX_LINE_BYTES
+    header_line_bytes: int = MAX_FIELD_BYTES
+    head_bytes: int = MAX_HEAD_BYTES
+    header_count: int = 1000
+    trailer_bytes: int = 1 << 20
+    header_timeout_s: float = 60.0
+    body_timeout_s: float = 60.0
+    # Request body bytes held in memory at once, all connections together (a larger body than this goes
+    # alone); past it, a body waits (its connection's reading paused) for at most body_budget_wait_s.
+    inflight_body_bytes: int = 1 << 30
+    body_budget_wait_s: float = 60.0
+
 
 _NO_BODY_STATUS = frozenset({204, 304})
 _STATUS_LINES: dict[int, bytes] = {}
@@ -137,6 +173,13 @@ class Headers(Mapping):
     def __iter__(self):
         return (k.decode("utf-8", "surrogateescape") for k in self._raw[::2])
 
+    def without(self, names: Iterable[str]) -> "Headers":
+        """These headers less ``names`` (case-insensitive)."""
+        drop = {n.lower().encode("latin-1") for n in names}
+        raw = self._raw
+        return Headers(tuple(x for i in range(0, len(raw), 2) if raw[i].lower() not in drop
+                             for x in (raw[i], raw[i + 1])))
+
     def __len__(self) -> int:
         return len(self._raw) // 2
 
@@ -169,7 +212,8 @@ class Request:
 
     __slots__ = ("method", "raw_path", "_fields", "version", "keep_alive", "match_info", "_conn",
                  "_query", "_chunks", "_buffered", "_body_done", "_waiter", "_expect", "_length", "sent",
-                 "_chunked", "_head_only", "_error", "_headers", "_path", "__weakref__")
+                 "_chunked", "_head_only", "_error", "_headers", "_path", "_held", "_received", "_early",
+                 "_want", "__weakref__")
 
     def __init__(self, conn: "_Conn", method: str, raw_path: str, fields: tuple, version: tuple[int, int],
                  keep_alive: bool, expect: bytes | None, length: int | None):
@@ -193,6 +237,10 @@ class Request:
         self._chunked = False
         self._head_only = method == "HEAD"
         self._error: BadRequest | None = None  # the body's framing broke: reading it raises this
+        self._held = 0  # bytes of the in-flight body budget this request holds
+        self._received = 0  # body bytes received
+        self._early: BadRequest | None = None  # refused from its head alone (413): answered when its turn comes
+        self._want = 0  # budget bytes it waits for (0: not waiting)
 
     # --- what the handler reads ---
 
@@ -291,6 +339,13 @@ class Request:
             await w
         finally:
             self._waiter = None
+
+    def _fail(self, err: "BadRequest") -> None:
+        """The body cannot be read (broken framing, a timeout, no room): the handler's read raises ``err``
+        and the connection closes after the answer."""
+        self._error = err
+        self.keep_alive = False
+        self._wake()
 
     def _wake(self) -> None:
         w = self._waiter
@@ -416,11 +471,18 @@ Handler = Callable[[Request], Awaitable[Any]]
 
 class _Conn(asyncio.Protocol):
     """One client connection: the httptools parser's callbacks, the request being read, the one being
-    answered and any pipelined behind it."""
+    answered and any pipelined behind it.
 
-    __slots__ = ("server", "loop", "transport", "parser", "_url", "_fields", "_expect", "_length", "_in_head",
-                 "_head_bytes", "_reading", "current", "_queue", "task", "lost", "closing", "write_paused",
-                 "_drain_waiter", "paused_for_body", "_paused", "_refused", "_limit_error", "__weakref__")
+    Reading pauses while any of these holds: a request waits for its turn behind the one being answered
+    (pipelined), the handler has not taken BODY_HIGH_WATER body bytes, the answers already written wait in
+    the transport (the client does not read them: no further request is read or answered until it does),
+    or the request's body waits for room in the server's in-flight body budget."""
+
+    __slots__ = ("server", "loop", "transport", "parser", "_url", "_fields", "_expect", "_length", "_chunked_in",
+                 "_in_head", "_head_bytes", "_trailer_bytes", "_reading", "current", "_queue", "task", "lost",
+                 "closing", "write_paused", "_drain_waiter", "paused_for_body", "_paused", "_refused",
+                 "_limit_error", "_max_field", "_max_head", "_max_line", "_max_fields", "_upgrade", "_synthetic", "_stopped",
+                 "_pending_error", "_next_waiting", "budget_wait", "_lingering", "_timed", "__weakref__")
 
     def __init__(self, server: "HttpServer"):
         self.server = server
@@ -431,8 +493,10 @@ class _Conn(asyncio.Protocol):
         self._fields: list[bytes] = []  # name, value, name, value ...
         self._expect: bytes | None = None
         self._length: int | None = None
+        self._chunked_in = False  # the request being read is chunked
         self._in_head = False
         self._head_bytes = 0
+        self._trailer_bytes = 0
         self._reading: Request | None = None  # the request whose body is arriving
         self.current: Request | None = None  # the request being answered
         self._queue: list[Request] | None = None  # pipelined requests waiting their turn
@@ -445,6 +509,19 @@ class _Conn(asyncio.Protocol):
         self._paused = False
         self._refused = False  # a body the handler refused (413): further bytes are dropped
         self._limit_error: BadRequest | None = None
+        lim = server.limits
+        self._max_field = lim.header_line_bytes
+        self._max_head = lim.head_bytes
+        self._max_line = lim.request_line_bytes
+        self._max_fields = 2 * lim.header_count  # _fields holds a name and a value per header
+        self._upgrade = False  # the request being read asked for Upgrade: its body is read as a plain one's
+        self._synthetic = False  # the parser is reading the framing-only head that follows an Upgrade
+        self._stopped = False  # nothing more is read: a malformed request or a refusal ends the connection
+        self._pending_error: BadRequest | None = None  # answered once the requests before it are
+        self._next_waiting = False  # the next request waits for the client to read the answers written
+        self.budget_wait = False  # the body being read waits for room in the in-flight body budget
+        self._lingering = False  # answered and half-closed: what the client still sends is dropped
+        self._timed = False  # in the server's table of heads or bodies still arriving
 
     # --- asyncio.Protocol ---
 
@@ -453,31 +530,42 @@ class _Conn(asyncio.Protocol):
         self.server._opened(self)
 
     def data_received(self, data: bytes) -> None:
-        if self.closing and self.current is None and not self._queue and self._reading is None:
-            return
+        if self._stopped:
+            return  # after a malformed request, a refusal or a Connection: close: dropped
         if self._in_head or self._reading is None:
             self._head_bytes += len(data)
-            if self._head_bytes > MAX_HEAD_BYTES:
-                self._bad(BadRequest(431, f"request head over {MAX_HEAD_BYTES} bytes"))
+            if self._head_bytes > self._max_head:
+                self._bad(BadRequest(431, f"request head over {self._max_head} bytes"))
                 return
         parser = self.parser
         if parser is None:
             parser = self.parser = httptools.HttpRequestParser(self)
         try:
-            parser.feed_data(data)
+            while True:
+                try:
+                    parser.feed_data(data)
+                    break
+                except httptools.HttpParserUpgrade as exc:
+                    if not self._upgrade:  # CONNECT: answered (refused) from its head; nothing more is read
+                        self._stopped = True
+                        self.parser = None
+                        return
+                    # Upgrade: kvgate relays no other protocol, so the request is a plain one (as smg
+                    # serves it) and its body is read on: a fresh parser is given the body's framing alone,
+                    # then the bytes after the head.
+                    self._upgrade = False
+                    data = data[exc.args[0]:] if exc.args else b""
+                    parser = self.parser = httptools.HttpRequestParser(self)
+                    self._synthetic = True
+                    length = self._reading._length if self._reading is not None else 0
+                    framing = (b"Transfer-Encoding: chunked\r\n" if self._chunked_in and length is None
+                               else b"Content-Length: %d\r\n" % (length or 0))
+                    parser.feed_data(b"PUT / HTTP/1.1\r\n" + framing + b"\r\n")
             if self._reading is None and not self._in_head:
                 # Between messages: a request waiting for its answer (admission) keeps no parser.
                 self.parser = None
-        except httptools.HttpParserUpgrade:
-            # Upgrade (or CONNECT): kvgate relays no other protocol; the request is answered as a plain
-            # one and the connection closes after it.
-            req = self._reading
-            if req is not None:
-                req._body_done = True
-                req._wake()
-                self._reading = None
-            self.closing = True
-            self.pause()
+            elif not self._stopped:
+                self.server._reading_now(self)
         except httptools.HttpParserCallbackError as exc:
             err = self._limit_error
             if err is None:
@@ -492,10 +580,14 @@ class _Conn(asyncio.Protocol):
     def connection_lost(self, exc: Exception | None) -> None:
         self.lost = True
         self.closing = True
-        self.server._closed(self)
+        self._stopped = True
+        server = self.server
+        server._closed(self)
         req = self._reading
         if req is not None:
             req._wake()
+            if req._held or req._want:
+                server._release(req)
         task = self.task
         if task is not None and not task.done():
             task.cancel()  # the client left: its handler ends, which closes the upstream call
@@ -503,16 +595,24 @@ class _Conn(asyncio.Protocol):
         if w is not None and not w.done():
             w.set_exception(ConnectionResetError("the client closed the connection"))
             w.exception()  # retrieved: nobody may be waiting
+        for q in self._queue or ():
+            server._release(q)
         self._queue = None
 
     def pause_writing(self) -> None:
+        # The answers written wait in the transport: read no further request until the client takes them.
         self.write_paused = True
+        self.pause()
 
     def resume_writing(self) -> None:
         self.write_paused = False
         w = self._drain_waiter
         if w is not None and not w.done():
             w.set_result(None)
+        if self._next_waiting:
+            self._next_waiting = False
+            self._next()
+        self.resume()
 
     async def drain(self) -> None:
         if self.lost:
@@ -530,7 +630,9 @@ class _Conn(asyncio.Protocol):
             self.transport.pause_reading()
 
     def resume(self) -> None:
-        if self._paused and not self.lost and not self.closing:
+        """Read again unless a reason to pause remains (see the class)."""
+        if (self._paused and not self.lost and not self.closing and not self._stopped and not self.write_paused
+                and not self.paused_for_body and not self._queue and not self.budget_wait):
             self._paused = False
             self.transport.resume_reading()
 
@@ -538,31 +640,49 @@ class _Conn(asyncio.Protocol):
 
     def on_message_begin(self) -> None:
         self._in_head = True
+        if self._synthetic:
+            return
         self._url = b""
         self._fields = []
         self._expect = None
         self._length = None
+        self._chunked_in = False
+        self._trailer_bytes = 0
+        self._upgrade = False
 
     def on_url(self, url: bytes) -> None:
         self._url += url
-        if len(self._url) > MAX_LINE_BYTES:
-            self._limit_error = BadRequest(400, f"request line over {MAX_LINE_BYTES} bytes")
+        if len(self._url) > self._max_line:
+            self._limit_error = BadRequest(400, f"request line over {self._max_line} bytes")
             raise self._limit_error
 
     def on_header(self, name: bytes, value: bytes) -> None:
-        if len(name) + len(value) > MAX_FIELD_BYTES:
-            self._limit_error = BadRequest(431, f"a header line over {MAX_FIELD_BYTES} bytes")
+        if not self._in_head:  # a trailer (after a chunked body): counted, never kept (nginx drops them too)
+            self._trailer_bytes += len(name) + len(value) + 4
+            if self._trailer_bytes > self.server.limits.trailer_bytes:
+                self._limit_error = BadRequest(400, f"trailer section over {self.server.limits.trailer_bytes} bytes")
+                raise self._limit_error
+            return
+        if len(name) + len(value) > self._max_field:
+            self._limit_error = BadRequest(431, f"a header line over {self._max_field} bytes")
+            raise self._limit_error
+        if len(self._fields) >= self._max_fields:
+            self._limit_error = BadRequest(431, f"more than {self._max_fields // 2} header lines")
             raise self._limit_error
         n = len(name)
-        if n == 6 or n == 14:
+        if n == 6 or n == 14 or n == 17 or n == 7:
             lname = name.lower()
-            if lname == b"expect":
+            if lname == b"upgrade":
+                self._upgrade = True
+            elif lname == b"expect":
                 self._expect = value.strip().lower()
             elif lname == b"content-length":
                 try:
                     self._length = int(value)
                 except ValueError:
                     pass  # llhttp refuses the request
+            elif lname == b"transfer-encoding":
+                self._chunked_in = b"chunked" in value.lower()
         value = value.rstrip(b" \t")
         self._fields += (_COMMON.get(name, name), _COMMON.get(value, value))
 
@@ -570,16 +690,56 @@ class _Conn(asyncio.Protocol):
         p = self.parser
         self._in_head = False
         self._head_bytes = 0
+        server = self.server
+        if self._timed:  # the head took more than one read
+            self._timed = False
+            server._heads.pop(self, None)
+        if self._synthetic:  # the framing-only head after an Upgrade: the body that follows is the request's
+            self._synthetic = False
+            self._fields = []
+            return
         url = self._url
         if not url.isascii():
             self._limit_error = BadRequest(400, "a byte that is not ASCII in the URL")
             raise self._limit_error
-        version = (1, 1) if p.get_http_version() == "1.1" else (1, 0)
+        v = p.get_http_version()
+        if v == "1.1":
+            version = (1, 1)
+        elif v == "1.0":
+            version = (1, 0)
+        else:  # HTTP/0.9 (no version) or 2.0 and above on an HTTP/1 connection: as smg answers them
+            self._limit_error = BadRequest(*_BAD_VERSION.get(v[:1], _BAD_VERSION["2"]))
+            raise self._limit_error
         method = p.get_method()
-        req = Request(self, _METHODS.get(method) or method.decode("ascii"), url.decode("ascii"), tuple(self._fields), version,
-                      p.should_keep_alive(), self._expect, self._length)
+        keep_alive = p.should_keep_alive()
+        if method == b"CONNECT":  # kvgate tunnels nothing; smg answers CONNECT the same way
+            self._limit_error = BadRequest(*_CONNECT_ANSWER)
+            raise self._limit_error
+        if self._upgrade:  # an Upgrade header: llhttp stops at the head only when Connection names it too
+            self._upgrade = p.should_upgrade()
+        if self._chunked_in and version == (1, 0):
+            # RFC 9112 6.1: Transfer-Encoding on HTTP/1.0 is faulty framing; smg and nginx answer 400
+            self._limit_error = BadRequest(400, "Transfer-Encoding on an HTTP/1.0 request")
+            raise self._limit_error
+        if url[0] != 0x2F and url != b"*":  # not origin-form (/...): absolute-form
+            url = _origin_form(url)
+        req = Request(self, _METHODS.get(method) or method.decode("ascii"), url.decode("ascii"), tuple(self._fields),
+                      version, keep_alive, self._expect, self._length)
         self._fields = []
         self._reading = req
+        length = self._length
+        if length is not None and length > server.client_max_size:
+            # Refused from its head: the body is not read, the answer goes when its turn comes, then the close.
+            req._early = BadRequest(413, f"a body of {length} bytes is over the limit of {server.client_max_size}")
+            self._refused = True
+        elif length or self._chunked_in:
+            n = length if length is not None else BUDGET_STEP
+            held = server.body_held
+            if not server._budget_queue and (held + n <= server.body_budget or held == 0):  # room: at once
+                server.body_held = held + n
+                req._held = n
+            else:
+                server._reserve(self, req, n)
         if self.current is None:
             self._dispatch(req)
         else:  # pipelined behind the request being answered: read no more until its turn
@@ -596,7 +756,12 @@ class _Conn(asyncio.Protocol):
             req._chunks.append(body)
         else:
             req._chunks = [body]
-        req._buffered += len(body)
+        n = len(body)
+        req._buffered += n
+        req._received += n
+        if req._received > req._held and req._length is None and not req._want:
+            # chunked: the next step of the body budget (reading pauses while the budget is full)
+            self.server._reserve(self, req, req._received - req._held + BUDGET_STEP)
         if req._buffered > BODY_HIGH_WATER and not self.paused_for_body:
             self.paused_for_body = True
             self.pause()
@@ -604,10 +769,15 @@ class _Conn(asyncio.Protocol):
             req._wake()
 
     def on_message_complete(self) -> None:
+        if self._upgrade:
+            return  # the head of an Upgrade request: its body is read next (data_received)
         req = self._reading
         if req is not None:
             req._body_done = True
             self._reading = None
+            if self._timed:  # the body took more than one read
+                self._timed = False
+                self.server._bodies.pop(self, None)
             if req._waiter is not None:
                 req._wake()
 
@@ -621,6 +791,26 @@ class _Conn(asyncio.Protocol):
         if req is not None:
             req._chunks = ()
 
+    def granted(self, req: Request) -> None:
+        """The body budget has room for ``req`` now: read its body (and send the 100 Continue it waits for)."""
+        self.budget_wait = False
+        if req is self.current and req._expect == b"100-continue" and req.version >= (1, 1) and not req._body_done \
+                and not self.lost:
+            self.transport.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+        self.resume()
+
+    def budget_timeout(self, req: Request) -> None:
+        """``req`` waited body_budget_wait_s for room in the body budget: 503, then the connection closes."""
+        self.budget_wait = False
+        err = BadRequest(503, "kvgate's in-flight request body budget stayed full")
+        log.info("request body from %s waited too long for the body budget, answered 503", self._peer())
+        self._stopped = True
+        self.closing = True
+        if req is self.current:  # the handler's read raises it
+            req._fail(err)
+        else:
+            req._early = err
+
     def _dispatch(self, req: Request) -> None:
         """Start answering ``req``: its handler runs in a task of its own (cancelled when the client goes),
         and _done writes what it returned. No wrapper coroutine: a waiting request keeps only the
@@ -628,16 +818,17 @@ class _Conn(asyncio.Protocol):
         self.current = req
         self.server._busy(self)
         server = self.server
-        early = None
+        early = req._early
+        if early is not None:
+            self._answer(req, web.Response(status=early.status, text=f"{early.status} "
+                                           f"{HTTPStatus(early.status).phrase}: {early}\n"))
+            return
         expect = req._expect
         if expect is not None and req.version >= (1, 1):
             if expect != b"100-continue":
                 early = web.HTTPExpectationFailed(text=f"Unknown Expect: {expect.decode('latin-1')}")
-            elif not req._body_done:
-                if req._length is not None and req._length > server.client_max_size:
-                    early = web.HTTPRequestEntityTooLarge(max_size=server.client_max_size, actual_size=req._length)
-                else:
-                    self.transport.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+            elif not req._body_done and not req._want:  # waiting for the body budget: sent once granted
+                self.transport.write(b"HTTP/1.1 100 Continue\r\n\r\n")
         if early is not None:
             self._answer(req, early)
             return
@@ -732,48 +923,136 @@ class _Conn(asyncio.Protocol):
     def _finished(self, req: Request) -> None:
         self.task = None
         self.current = None
+        if req._want or self.server._budget_queue:
+            self.server._release(req)
+        elif req._held:  # nobody waits for the room it gives back
+            self.server.body_held -= req._held
+            req._held = 0
         if self.lost:
             return
         if self.closing or not req.keep_alive or not req._body_done or self.server.closing:
-            self.closing = True
-            self.transport.close()
+            self._close_after(req)
             return
+        if self.write_paused:  # the client has not read the answers written: the next request waits
+            self._next_waiting = True
+            self.server._idle_since(self)  # a client that never reads them is closed after keepalive_s
+            return
+        self._next()
+
+    def _next(self) -> None:
+        """Answer the next pipelined request, or the malformed one after them (then close), or go idle."""
         queue = self._queue
         if queue:
             nxt = queue.pop(0)
             if not queue:
                 self._queue = None
-                if not self.paused_for_body:
-                    self.resume()
+                self.resume()
             self._dispatch(nxt)
+            return
+        err = self._pending_error
+        if err is not None:
+            self._pending_error = None
+            self._write_error(err)
             return
         self.server._idle_since(self)
 
+    def _close_after(self, req: Request) -> None:
+        """Close once the answer is written; when the client may still be sending the body kvgate did not
+        read, half-close and drop what it sends for at most LINGER_S, so it reads the answer first."""
+        self.closing = True
+        self._stopped = True
+        if not req._body_done and not self.transport.is_closing():
+            self._linger()
+            return
+        self.transport.close()
+
+    def _linger(self) -> None:
+        self._lingering = True
+        self.parser = None
+        self._reading = None
+        try:
+            self.transport.write_eof()
+        except (OSError, RuntimeError, NotImplementedError):
+            self.transport.close()
+            return
+        self._paused = False
+        self.transport.resume_reading()
+        self.server._lingering[self] = self.loop.time()
+
+    def _peer(self) -> str:
+        peer = self.transport.get_extra_info("peername") if self.transport is not None else None
+        return peer[0] if peer else "?"
+
     def _bad(self, err: BadRequest) -> None:
         """Answer a request kvgate cannot read (after the ones before it), log one line, close."""
-        peer = self.transport.get_extra_info("peername")
-        log.info("bad request from %s: %s, answered %d", peer[0] if peer else "?", err, err.status)
+        log.info("bad request from %s: %s, answered %d", self._peer(), err, err.status)
         self._limit_error = None
-        self.closing = True
+        self._stopped = True
+        self.parser = None
         self.pause()
+        self.server._heads.pop(self, None)
+        self.server._bodies.pop(self, None)
         req, self._reading = self._reading, None
         if req is not None and req is self.current:  # its body broke mid-way: the handler's read raises
-            req._error = err
-            req.keep_alive = False
-            req._wake()
+            req._fail(err)
             return
-        if self.current is not None:  # the requests before it are answered, then the connection closes
-            self._queue = None
+        if req is not None and self._queue and req is self._queue[-1]:  # its body broke while it waited its turn
+            self._queue.pop()
+            self.server._release(req)
+            if not self._queue:
+                self._queue = None
+        if self.current is not None or self._queue:  # the requests before it are answered first, in order
+            self._pending_error = err
             return
+        self._write_error(err)
+
+    def _write_error(self, err: BadRequest) -> None:
+        self.closing = True
         body = f"{err.status} {HTTPStatus(err.status).phrase}: {err}\n".encode("utf-8", "replace")
         self.transport.write(b"".join((status_line(err.status), b"Content-Type: text/plain; charset=utf-8\r\n",
                                        b"Content-Length: %d\r\nConnection: close\r\n\r\n" % len(body), body)))
-        self.transport.close()
+        self._linger()  # the client may still be sending: it reads the answer rather than a reset
+
+    def timed_out(self, what: str) -> None:
+        """A head or a body stopped arriving for header_timeout_s / body_timeout_s: 408, then close."""
+        err = BadRequest(408, f"the request {what} did not arrive in time")
+        req = self._reading
+        if req is not None and req is self.current:
+            log.info("request %s from %s stopped arriving, answered 408", what, self._peer())
+            self._stopped = True
+            self.closing = True
+            self.parser = None
+            self._reading = None
+            req._fail(err)
+            return
+        self._bad(err)
 
     def close(self) -> None:
         self.closing = True
         if self.transport is not None and not self.lost:
             self.transport.close()
+
+
+def _origin_form(url: bytes) -> bytes:
+    """An absolute-form target (``http://host/path?q``, RFC 9112 3.2.2, what a client using kvgate as its
+    HTTP proxy sends) as the origin-form kvgate routes and forwards (``/path?q``); others unchanged."""
+    low = url[:8].lower()
+    if not (low.startswith(b"http://") or low.startswith(b"https://")):
+        return url
+    rest = url[url.index(b"//") + 2:]
+    for i, c in enumerate(rest):
+        if c == 0x2F:  # /
+            return rest[i:]
+        if c == 0x3F:  # ?
+            return b"/" + rest[i:]
+    return b"/"
+
+
+# How smg 1.13 answers a request line it does not serve (scripts/probe_limits.py): 400 for a request line
+# without a version (HTTP/0.9) and for HTTP/2.0 on an HTTP/1 connection; 404 for CONNECT (no route).
+_BAD_VERSION = {"0": (400, "a request line without an HTTP/1.x version"),
+                "2": (400, "HTTP/2 on an HTTP/1 connection")}
+_CONNECT_ANSWER = (404, "CONNECT: kvgate tunnels nothing")
 
 
 # Framing and connection headers: the server sets them itself.
@@ -785,15 +1064,27 @@ class HttpServer:
     ``await handler(request)`` answers on the Request, or returns an aiohttp Response to serialise.
     ``listen()`` adds a listening socket; ``cleanup()`` stops.
 
-    client_max_size: the largest request body in bytes (a larger ``Expect: 100-continue`` request is
-    answered 413 at once); keepalive_s, shutdown_timeout_s in seconds. on_cleanup: awaited last by cleanup().
+    client_max_size: the largest request body in bytes (one declared larger is answered 413 from its head,
+    its body unread); limits: the rest of what a client may send (Limits); keepalive_s, shutdown_timeout_s
+    in seconds. on_cleanup: awaited last by cleanup().
     """
 
     def __init__(self, route: Callable[[Request], Handler], client_max_size: int, keepalive_s: float = KEEPALIVE_S,
                  shutdown_timeout_s: float = SHUTDOWN_TIMEOUT_S,
-                 on_cleanup: Callable[[], Awaitable[None]] | None = None):
+                 on_cleanup: Callable[[], Awaitable[None]] | None = None, limits: Limits | None = None):
         self.route = route
         self.client_max_size = client_max_size
+        self.limits = limits or Limits()
+        # connections whose head (started when the value was) or body (last byte then) is still arriving,
+        # oldest first; connections that answered and drop what the client still sends
+        self._heads: dict[_Conn, float] = {}
+        self._bodies: dict[_Conn, float] = {}
+        self._lingering: dict[_Conn, float] = {}
+        # the in-flight body budget: bytes held by requests now, and the requests waiting for room, in order
+        self.body_held = 0
+        self.body_budget = self.limits.inflight_body_bytes
+        self._budget_queue: collections.deque[tuple[_Conn, Request, float]] = collections.deque()
+        self._fd_logged = -FD_LOG_EVERY_S
         self.keepalive_s = keepalive_s
         self.shutdown_timeout_s = shutdown_timeout_s
         self.on_cleanup = on_cleanup
@@ -832,6 +1123,9 @@ class HttpServer:
     def _closed(self, conn: _Conn) -> None:
         self._conns.pop(conn, None)
         self._idle.pop(conn, None)
+        self._heads.pop(conn, None)
+        self._bodies.pop(conn, None)
+        self._lingering.pop(conn, None)
 
     def _busy(self, conn: _Conn) -> None:
         self._idle.pop(conn, None)
@@ -839,18 +1133,103 @@ class HttpServer:
     def _idle_since(self, conn: _Conn) -> None:
         self._idle[conn] = self.loop.time()
 
+    def _reading_now(self, conn: _Conn) -> None:
+        """After a read that left ``conn`` inside a head or a body: start the head's clock (once), restart
+        the body's (its last byte came now). Requests that arrive in one read never get here."""
+        conn._timed = True
+        if conn._in_head:
+            if conn not in self._heads:
+                self._heads[conn] = self.loop.time()
+        elif conn._reading is not None:
+            bodies = self._bodies
+            bodies.pop(conn, None)  # to the end: oldest progress first
+            bodies[conn] = self.loop.time()
+
+    def _reserve(self, conn: _Conn, req: Request, n: int) -> None:
+        """Take ``n`` bytes of the in-flight body budget for ``req``, or queue it (its connection stops
+        reading) until there is room. A body larger than the whole budget goes when nothing else holds any."""
+        if not self._budget_queue and (self.body_held + n <= self.body_budget or self.body_held == 0):
+            self.body_held += n
+            req._held += n
+            return
+        req._want = n
+        conn.budget_wait = True
+        conn.pause()
+        self._budget_queue.append((conn, req, self.loop.time()))
+
+    def _release(self, req: Request) -> None:
+        """``req`` is done (answered, or its connection gone): give back what it holds, let waiters in."""
+        if req._want:
+            req._want = 0
+            q = self._budget_queue
+            for i, item in enumerate(q):
+                if item[1] is req:
+                    del q[i]
+                    break
+        if req._held:
+            self.body_held -= req._held
+            req._held = 0
+        self._grant()
+
+    def _grant(self) -> None:
+        q = self._budget_queue
+        budget = self.body_budget
+        while q:
+            conn, req, _ = q[0]
+            if self.body_held + req._want > budget and self.body_held != 0:
+                return
+            q.popleft()
+            self.body_held += req._want
+            req._held += req._want
+            req._want = 0
+            conn.granted(req)
+
     def _sweep(self) -> None:
-        """Close connections idle longer than keepalive_s (the oldest are first); refresh the Date value."""
+        """Once a second: close connections idle longer than keepalive_s; answer 408 to heads and bodies
+        that stopped arriving and 503 to bodies that waited too long for the budget; close lingering
+        connections; note a shortage of file descriptors; refresh the Date value. Each table is kept oldest
+        first, so the sweep stops at the first entry still in time."""
         self.date = formatdate(usegmt=True)
-        deadline = self.loop.time() - self.keepalive_s
-        idle = self._idle
-        while idle:
-            conn = next(iter(idle))
-            if idle[conn] > deadline:
-                break
-            del idle[conn]
-            conn.close()
+        now = self.loop.time()
+        _close_expired(self._idle, now - self.keepalive_s)
+        lim = self.limits
+        for table, limit, what in ((self._heads, lim.header_timeout_s, "head"),
+                                   (self._bodies, lim.body_timeout_s, "body")):
+            late = now - limit
+            while table:
+                conn = next(iter(table))
+                if table[conn] > late:
+                    break
+                del table[conn]
+                if conn.lost:
+                    continue
+                if conn._paused:  # kvgate stopped reading it (its turn, the budget): not the client's delay
+                    table[conn] = now
+                    continue
+                conn.timed_out(what)
+        q = self._budget_queue
+        late = now - lim.body_budget_wait_s
+        while q and q[0][2] <= late:
+            conn, req, _ = q.popleft()
+            req._want = 0
+            conn.budget_timeout(req)
+        _close_expired(self._lingering, now - LINGER_S)
+        self._check_fds(now)
         self._sweeper = self.loop.call_later(SWEEP_S, self._sweep)
+
+    def _check_fds(self, now: float) -> None:
+        """Log (at most every FD_LOG_EVERY_S) when no file descriptor is left for a new connection: the
+        event loop then drops new clients at accept (uvloop closes them without a word)."""
+        try:
+            os.close(os.open(os.devnull, os.O_RDONLY))  # the descriptor an accept would need
+        except OSError as exc:
+            if exc.errno in (errno.EMFILE, errno.ENFILE) and now - self._fd_logged >= FD_LOG_EVERY_S:
+                self._fd_logged = now
+                import resource
+                soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+                log.error("out of file descriptors (%s; %d client connections open, limit %d): new clients cannot "
+                          "be accepted and are dropped; raise the limit (ulimit -n) or lower the load",
+                          os.strerror(exc.errno), len(self._conns), soft)
 
     async def cleanup(self) -> None:
         """Stop listening; close idle connections; wait up to shutdown_timeout_s for requests in flight,
@@ -883,3 +1262,13 @@ class HttpServer:
         self._servers.clear()
         if self.on_cleanup is not None:
             await self.on_cleanup()
+
+
+def _close_expired(table: "dict[_Conn, float]", deadline: float) -> None:
+    """Close the connections of ``table`` (oldest first) whose time is at or before ``deadline``."""
+    while table:
+        conn = next(iter(table))
+        if table[conn] > deadline:
+            return
+        del table[conn]
+        conn.close()
