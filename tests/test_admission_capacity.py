@@ -206,3 +206,13 @@ def test_running_and_waiting_requests_are_read_per_pool():
     snap = ClusterSnapshot.build({"http://e0": cap}, 1.0)
     back = ClusterSnapshot.from_wire(orjson.loads(orjson.dumps(snap.to_wire())), 1.0)
     assert [p.requests for p in back.engines["http://e0"].pools] == [7, 1]
+
+
+def test_scrape_timeout_outlasts_a_busy_engine_and_stays_within_the_staleness_bound():
+    from kvgate.admission.capacity import stale_after_s
+    from kvgate.admission.poller import scrape_timeout_s
+    # a real engine busy with a long prefill on a loaded CPU answered /v1/loads later than 0.16 s
+    assert scrape_timeout_s(0.2) == scrape_timeout_s(2.0) == 2.0
+    assert scrape_timeout_s(10.0) == 8.0
+    for interval in (0.01, 0.2, 1.0, 2.0, 10.0, 600.0):
+        assert scrape_timeout_s(interval) <= stale_after_s(interval) / 2

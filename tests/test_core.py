@@ -111,21 +111,43 @@ def test_discovery_collapses_dp_ranks_and_keeps_pd_roles():
         parse_list_workers([])
 
 
+# Answers recorded from SGLang 0.5.23 (CPU) to the probe, straight and through the routers (docs/real-engines.md).
+ENGINE_SESSION_ID_INVALID = (b'{"object":"error","message":"1 validation error:\\n  {\'type\': \'string_type\', \'loc\': '
+                             b'(\'body\', \'session_id\'), \'msg\': \'Input should be a valid string\', \'input\': 0}'
+                             b'\\n","type":"Bad Request","param":null,"code":400}')
+ENGINE_SESSION_UNKNOWN = b'{"error":{"message":"Invalid request: session id kvgate-probe-3f2a does not exist"}}'
+ENGINE_CHAT_200 = (b'{"id":"4f6a","object":"chat.completion","created":1,"model":"kvgate-tiny","choices":[{"index":0,'
+                   b'"message":{"role":"assistant","content":"gram"},"finish_reason":"length"}],"usage":{}}')
+ENGINE_GENERATE_200 = b'{"text":"rin","output_ids":[395],"meta_info":{"id":"af87","finish_reason":{"type":"length"}}}'
+
+
 def test_probe_verdicts():
+    assert compat.classify_probe(400, ENGINE_SESSION_ID_INVALID) == compat.FORWARDED
     both = b'{"error":{"message":"session_id and session_params cannot both be set."}}'
     assert compat.classify_probe(400, both) == compat.FORWARDED
+    assert compat.classify_probe(400, ENGINE_SESSION_UNKNOWN) == compat.DROPPED
+    assert compat.classify_probe(200, ENGINE_GENERATE_200) == compat.DROPPED
+    assert compat.classify_probe(200, ENGINE_CHAT_200) == compat.DROPPED
     assert compat.classify_probe(200, b'{"meta_info":{"finish_reason":{"type":"abort"}}}') == compat.DROPPED
-    assert compat.classify_probe(400, b'{"error":{"message":"session does not exist"}}') == compat.DROPPED
-    assert compat.classify_probe(503, b'{"error":{"code":"no_available_workers"}}') == compat.UNKNOWN
-    assert compat.classify_probe(500, b'{"error":{"code":"no_available_workers"}}') == compat.UNKNOWN
-    assert compat.classify_probe(None, b"") == compat.UNKNOWN
+    # Answers the probe does not recognise are no verdict: unknown, never dropped.
+    for status, body in [
+            (503, b'{"error":{"code":"no_available_workers"}}'), (500, b'{"error":{"code":"no_available_workers"}}'),
+            (None, b""), (401, b'{"error":{"message":"Unauthorized"}}'), (404, b'{"error":{"code":"model_not_found"}}'),
+            (400, b'{"object":"error","message":"The engine was started with --skip-tokenizer-init","code":400}'),
+            (500, b'Internal Server Error'), (200, b'{"ok":true}'), (200, b"not json"), (200, b"[1]"),
+            # a router rejecting the number itself is not the engine's validation error
+            (422, b'Failed to deserialize the JSON body: session_id: invalid type: integer `0`, expected a string'),
+            (400, b'{"error":{"message":"session does not exist"}}')]:
+        assert compat.classify_probe(status, body) == compat.UNKNOWN, (status, body)
     body = orjson.loads(compat.probe_body("p1"))
-    assert body["session_id"] == "p1" and body["session_params"] == {"id": "p1"}
+    assert body["session_id"] == compat.PROBE_SESSION_ID and body["session_params"] == {"id": "p1"}
     assert body["sampling_params"]["max_new_tokens"] == 1
-    for route in compat.PROBE_ROUTES:
+    for route in compat.PROBE_ROUTES[1:]:
         chat = orjson.loads(compat.probe_body("p2", route, "m"))
-        assert chat["session_id"] == "p2" and chat["session_params"] == {"id": "p2"}
-    assert orjson.loads(compat.probe_body("p", "/v1/completions", "m"))["model"] == "m"
+        assert chat["session_id"] == compat.PROBE_SESSION_ID and "session_params" not in chat
+        assert chat["model"] == "m" and chat["max_tokens"] == 1
+    with pytest.raises(ValueError):
+        compat.probe_body("p", "/v1/responses")
     line = compat.verdict_line({"/generate": compat.DROPPED, "/v1/completions": compat.FORWARDED}, "http://r", True,
                                {"/generate": True})
     assert line == ("compat: router http://r top-level session_id: /generate dropped (kvgate places sessions), "
@@ -145,5 +167,7 @@ def test_engine_warnings():
                   "radix_eviction_policy": "priority"}) == []
     assert kinds({"enable_session_radix_cache": True, "version": "0.5.9"}) == ["engine_too_old"]
     assert kinds({"enable_session_radix_cache": True}, 404) == ["metrics_404"]
+    assert kinds({"enable_session_radix_cache": True, "enable_cache_report": False}) == ["cache_report_off"]
+    assert kinds({"enable_session_radix_cache": True, "enable_cache_report": True}) == []
     assert kinds(None, None) == ["server_info_unreadable"]
     assert compat.parse_version("0.5.17rc1") == (0, 5, 17)

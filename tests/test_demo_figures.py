@@ -65,3 +65,20 @@ def test_the_placement_line_explains_each_count():
         "on their old engine, 0 moved off an engine that left; of these, 0 re-opened elsewhere (their old engine at "
         "the pressure threshold); then 9 later turns went to their session's engine, where its prefix is cached")
     assert "then 1 later turn went" in placement_line({**counts, "sticky": 1})
+
+
+def test_scaled_book_keeps_prefixes_and_the_vocabulary():
+    from kvgate.bench.trace import BLOCK_TOKENS, TokenBook, TraceRecord
+    from kvgate.tools.demo import ScaledBook, _request
+    import orjson
+    a = TraceRecord(0, 3 * BLOCK_TOKENS, 64, (1, 2, 3))
+    b = TraceRecord(0, 2 * BLOCK_TOKENS + 10, 32, (1, 2, 9))
+    book = ScaledBook(32, vocab=512)
+    pa, pb = book.prompt(a), book.prompt(b)
+    assert len(pa) == 3 * BLOCK_TOKENS // 32 and len(pb) == (2 * BLOCK_TOKENS + 10) // 32
+    assert pa[:2 * BLOCK_TOKENS // 32] == pb[:2 * BLOCK_TOKENS // 32]  # the shared blocks stay shared
+    assert pa[32:48] != pb[32:48] and all(3 <= t < 512 for t in pa + pb)
+    assert book.scaled(a).output_length == 2
+    path, body = _request("generate", book, a, "r", "kvgate-tiny")
+    assert path == "/generate" and orjson.loads(body)["sampling_params"]["max_new_tokens"] == 2
+    assert ScaledBook(1).prompt(a) == TokenBook().prompt(a)  # unscaled: the simulator's prompts, unchanged

@@ -188,8 +188,8 @@ async def test_discovery_from_smg_workers(sim_factory, router_factory, kvgate_fa
     assert 'agentic_kv_router_session_id_passthrough{route="/generate",verdict="forwarded"} 1.0' in m
     assert 'agentic_kv_router_session_id_passthrough{route="/v1/completions",verdict="forwarded"} 1.0' in m
     assert 'agentic_kv_engines{worker_type="regular"} 2.0' in m
-    # The probes tag nothing and generate nothing: the engine rejects each (session_id and session_params both
-    # set) before it runs anything.
+    # The probes tag nothing and generate nothing: the engine rejects each (its session_id is not a string)
+    # before it runs anything.
     totals = [e.stats()["totals"] for e in (e1, e2)]
     assert sum(t["generation_tokens"] for t in totals) == 0 and sum(t["num_requests"] for t in totals) == 0
     assert e1.stats()["sessions"] == e2.stats()["sessions"] == {}

@@ -9,10 +9,14 @@ def test_turns_inflight_tokens_and_idle():
     reg = SessionRegistry(wall=lambda: 1000.0)
     reg.request_started("a", "header", now=0.0)
     reg.request_started("a", "header", now=1.0)
-    reg.request_finished("a", now=2.0, meta={"prompt_tokens": 10, "completion_tokens": 3, "cached_tokens": 4})
+    reg.request_finished("a", now=2.0, meta={"prompt_tokens": 10, "completion_tokens": 3, "cached_tokens": 4,
+                                             "num_retractions": 2})
     s = reg.get("a")
     assert (s.turns, s.in_flight, s.prompt_tokens, s.completion_tokens, s.cached_tokens) == (2, 1, 10, 3, 4)
+    assert s.retractions == 2 and reg.get("a").as_json(2.0)["retractions"] == 2
     assert reg.idle_sessions(now=100.0, idle_close_s=5) == []  # still one in flight
+    reg.request_finished("a", now=3.0, meta={"num_retractions": True})  # not a count
+    assert s.retractions == 2
     reg.request_finished("a", now=3.0, meta=None)
     reg.request_started("b", None, now=4.0)
     reg.request_finished("b", now=4.5)

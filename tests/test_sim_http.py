@@ -102,6 +102,24 @@ async def test_request_errors(sim):
     assert sim.stats()["totals"]["num_requests"] == 0
 
 
+async def test_session_id_must_be_a_string_and_openai_routes_ignore_session_params(sim):
+    """What SGLang 0.5.23 answers (measured on the CPU engine; kvgate's session_id probe relies on both): a
+    non-string session_id is pydantic's 400 on every generate route; the OpenAI routes take session_params with
+    session_id (they never pass session_params on) and generate."""
+    bodies = {"/generate": {"input_ids": [1], "sampling_params": {"max_new_tokens": 1}},
+              "/v1/chat/completions": {"model": "m", "messages": [{"role": "user", "content": "x"}], "max_tokens": 1},
+              "/v1/completions": {"model": "m", "prompt": "x", "max_tokens": 1}}
+    for route, body in bodies.items():
+        st, raw = await post(sim.url + route, {**body, "session_id": 0})
+        err = orjson.loads(raw)
+        assert st == 400 and err["object"] == "error" and err["code"] == 400, (route, raw)
+        assert "'loc': ('body', 'session_id')" in err["message"] and "Input should be a valid string" in err["message"]
+    assert sim.stats()["totals"]["num_requests"] == 0
+    for route in ("/v1/chat/completions", "/v1/completions"):
+        st, raw = await post(sim.url + route, {**bodies[route], "session_id": "s", "session_params": {"id": "s"}})
+        assert st == 200 and orjson.loads(raw)["usage"]["completion_tokens"] == 1
+
+
 async def test_legacy_session_params_rebuild_prompt(sim):
     async with aiohttp.ClientSession() as cs:
         sid = await (await cs.post(sim.url + "/open_session", json={"capacity_of_str_len": 100})).json()

@@ -115,8 +115,7 @@ class CapacityPoller:
         self.count_host = gate is not None and getattr(gate.ledger, "count_host", False)
 
     async def start(self) -> None:
-        # Per-scrape timeout below the interval so one slow engine never stalls a round.
-        timeout = aiohttp.ClientTimeout(total=max(0.2, min(2.0, self.interval_s * 0.8)))
+        timeout = aiohttp.ClientTimeout(total=scrape_timeout_s(self.interval_s))
         self._session = aiohttp.ClientSession(timeout=timeout)
         self._task = asyncio.create_task(self._run(), name="kvgate-capacity-poller")
 
@@ -276,6 +275,15 @@ class CapacityPoller:
             self.round_done.set()
             self.round_done.clear()
             await asyncio.sleep(self.interval_s)
+
+
+def scrape_timeout_s(poll_interval_s: float) -> float:
+    """Seconds one engine's /v1/loads or /metrics may take: 2 s, or 0.8 x the interval when that is longer, and
+    never more than half the staleness bound (kvgate.admission.capacity.stale_after_s), so a slow answer delays
+    a round without making the snapshot stale. It was 0.8 x the interval, at most 2 s: at a 0.2 s interval a
+    real SGLang engine busy with a 2,600-token prompt on a loaded CPU answered later than 0.16 s, every scrape
+    failed, and admission went degraded (every call bypassed) exactly while the pool was full."""
+    return min(stale_after_s(poll_interval_s) / 2, max(2.0, 0.8 * poll_interval_s))
 
 
 def degraded_cause(upstream: str, static: bool, discovery_error: str | None, urls: list[str],

@@ -198,6 +198,9 @@ class Metrics:
                                       "(client: /abort_request named its rid, closes the session; other: a "
                                       "weight update, flush, memory release or engine fault, a step boundary)",
                                       ["cause"], registry=r)
+        self.session_retractions = Counter(p + "session_retractions", "Times the engines retracted a session's "
+                                           "turn for lack of KV (its decode recomputed), from each answer's "
+                                           "meta_info.num_retractions", registry=r)
         self.session_close_skipped = Counter(p + "session_close_skipped", "Closes not fanned out, by why (no_kv: "
                                              "the session's KV went with a cache flush; elsewhere: another replica "
                                              "closes it)", ["reason"], registry=r)

@@ -2,18 +2,25 @@
 
 The session_id probe, once per generate route
 ---------------------------------------------
-kvgate sends one request through the router on each of /generate, /v1/chat/completions and /v1/completions
-carrying both ``"session_id": "kvgate-probe-<random>"`` and ``"session_params": {"id": ...}`` (and a
-1-token budget). An SGLang engine (>= 0.5.15) that receives both fields rejects the request at validation
-with 400 "session_id and session_params cannot both be set." (srt/managers/io_struct.py, GenerateReqInput;
-the OpenAI routes build the same GenerateReqInput), before any KV is touched. So, per route:
-  - that 400 comes back               -> the router forwarded session_id there: "forwarded";
-  - any other answer from an engine   -> session_id was dropped on the way (smg 1.13.0 and sglang-router
-    0.3.2 re-serialise /generate and chat through typed structs) or the engine predates 0.5.15: "dropped";
-    the engine then sees at most session_params for a session that was never opened, or a plain request
-    that generates one token;
-  - no answer / no healthy worker     -> "unknown" (probed again later).
-Measured through smg 1.13.0: /generate dropped, /v1/chat/completions dropped, /v1/completions forwarded.
+kvgate sends one request through the router on each of /generate, /v1/chat/completions and /v1/completions whose
+top-level ``session_id`` is a JSON number (``PROBE_SESSION_ID``), not a string, with a 1-token budget; the
+/generate probe also carries ``"session_params": {"id": "kvgate-probe-<random>"}``, a session never opened. An
+SGLang engine (>= 0.5.15) validates ``session_id`` as a string on every generate route before anything runs
+(srt/entrypoints/openai/protocol.py and srt/managers/io_struct.py declare ``session_id: Optional[str]``; the
+HTTP server answers a pydantic error naming ``('body', 'session_id')``, 400). So, per route:
+  - the engine's validation error on session_id comes back -> the router forwarded session_id: "forwarded"
+    (so does SGLang's 400 "session_id and session_params cannot both be set.", which an engine that saw both
+    fields on /generate answers, and which older simulators answer on every route);
+  - an answer that shows the engine ran the request without session_id -> "dropped": a generate answer (200
+    with ``meta_info`` on /generate, ``choices`` on the OpenAI routes), or, on /generate, the engine's 400
+    "Invalid request: session id kvgate-probe-... does not exist" (it saw session_params alone);
+  - anything else -> "unknown" (probed again later): no answer, no healthy worker, a limiter, a credentials
+    refusal, or an error kvgate does not recognise (an engine without a tokenizer answering a text route, a
+    router rejecting the field itself). An answer that is not understood is never taken for a verdict.
+Measured on SGLang 0.5.23 (CPU) behind smg 1.13.0: forwarded on all three routes; behind sglang-router 0.3.2:
+dropped on /generate and chat, forwarded on /v1/completions. SGLang 0.5.23's OpenAI routes never pass
+``session_params`` on to the engine (serving_chat.py and serving_completions.py build GenerateReqInput with
+session_id only), so the both-fields check cannot show anything there: the probe does not rely on it.
 """
 
 from __future__ import annotations
@@ -25,6 +32,14 @@ import orjson
 
 FORWARDED, DROPPED, UNKNOWN = "forwarded", "dropped", "unknown"
 BOTH_SET_MESSAGE = "session_id and session_params cannot both be set"
+#: The probe's top-level session_id: a number, which an engine that receives it rejects (it must be a string).
+PROBE_SESSION_ID = 0
+
+# SGLang's answer to a non-string session_id (pydantic, through http_server.py's validation handler):
+# "{'type': 'string_type', 'loc': ('body', 'session_id'), 'msg': 'Input should be a valid string', ...}"
+_SESSION_ID_INVALID = re.compile(rb"""'loc': \('body', 'session_id'\)""")
+# The engine saw the probe's session_params alone (scheduler.py: the session was never opened)
+_SESSION_UNKNOWN = re.compile(rb"Invalid request: session id \S+ does not exist")
 
 
 # The generate routes probed (and served by session placement when the router drops session_id there).
@@ -32,35 +47,43 @@ PROBE_ROUTES = ("/generate", "/v1/chat/completions", "/v1/completions")
 
 
 def probe_body(probe_id: str, route: str = "/generate", model: str | None = None) -> bytes:
-    """The probe request body for ``route`` (see module doc). ``model``: a served model name (smg's
-    /v1/completions needs one). Raises ValueError on a route that is not in PROBE_ROUTES."""
-    both = {"session_id": probe_id, "session_params": {"id": probe_id}}
+    """The probe request body for ``route`` (see module doc): session_id PROBE_SESSION_ID; on /generate also
+    ``session_params`` {"id": probe_id}. ``model``: a served model name (smg routes the OpenAI routes by it).
+    Raises ValueError on a route that is not in PROBE_ROUTES."""
     if route == "/generate":
-        return orjson.dumps({"input_ids": [0], "sampling_params": {"max_new_tokens": 1}, **both})
+        return orjson.dumps({"input_ids": [1], "sampling_params": {"max_new_tokens": 1},
+                             "session_id": PROBE_SESSION_ID, "session_params": {"id": probe_id}})
     if route == "/v1/chat/completions":
         return orjson.dumps({"model": model or "default", "messages": [{"role": "user", "content": "kvgate probe"}],
-                             "max_tokens": 1, **both})
+                             "max_tokens": 1, "session_id": PROBE_SESSION_ID})
     if route == "/v1/completions":
-        return orjson.dumps({"model": model or "default", "prompt": "kvgate probe", "max_tokens": 1, **both})
+        return orjson.dumps({"model": model or "default", "prompt": "kvgate probe", "max_tokens": 1,
+                             "session_id": PROBE_SESSION_ID})
     raise ValueError(f"no probe for {route}")
 
 
 def classify_probe(status: int | None, body: bytes) -> str:
-    """Verdict from the probe's HTTP status (None = transport failure) and response body."""
+    """Verdict (forwarded | dropped | unknown) from the probe's HTTP status (None = transport failure) and
+    response body; only an answer recognised as an engine's gives forwarded or dropped (module doc)."""
     if status is None:
         return UNKNOWN
-    if BOTH_SET_MESSAGE.encode() in body:
+    if status in (400, 422) and (_SESSION_ID_INVALID.search(body) or BOTH_SET_MESSAGE.encode() in body):
         return FORWARDED
-    if status in (404, 405, 408, 429, 502, 503, 504):
-        return UNKNOWN  # no route, no healthy worker, router limiter: nothing reached an engine
-    if status >= 500:
-        try:
-            err = orjson.loads(body)
-        except orjson.JSONDecodeError:
-            return UNKNOWN
-        if "no_available_workers" in str(err):
-            return UNKNOWN
-    return DROPPED
+    if status == 400 and _SESSION_UNKNOWN.search(body):
+        return DROPPED
+    if status == 200 and _generated(body):
+        return DROPPED
+    return UNKNOWN
+
+
+def _generated(body: bytes) -> bool:
+    """Whether ``body`` is an engine's generate answer (it ran the request): /generate's ``meta_info``, the
+    OpenAI routes' ``choices``."""
+    try:
+        obj = orjson.loads(body)
+    except orjson.JSONDecodeError:
+        return False
+    return isinstance(obj, dict) and (isinstance(obj.get("meta_info"), dict) or isinstance(obj.get("choices"), list))
 
 
 def verdict_line(verdicts: dict[str, str], upstream: str, lifecycle_on: bool, placed: dict[str, bool]) -> str:
@@ -91,7 +114,8 @@ def engine_warnings(server_info: dict[str, Any] | None, metrics_status: int | No
 
     Rules (sglang-engine-api.md, Sessions): enable_session_radix_cache must be on for session_id
     to tag KV; on 0.5.15-0.5.16 it also needs radix_eviction_policy=priority; /metrics 404 means
-    --enable-metrics is off, so admission has only /v1/loads (or no signal).
+    --enable-metrics is off, so admission has only /v1/loads (or no signal); enable_cache_report off (said
+    explicitly) means the OpenAI routes report no cached tokens.
     """
     out: list[tuple[str, str]] = []
     if server_info is None:
@@ -101,6 +125,11 @@ def engine_warnings(server_info: dict[str, Any] | None, metrics_status: int | No
             out.append(("session_radix_cache_off",
                         "enable_session_radix_cache is off: session_id is accepted but does not order eviction; "
                         "start the engine with --enable-session-radix-cache"))
+        if server_info.get("enable_cache_report") is False:
+            # SGLang then sends usage.prompt_tokens_details: null on the OpenAI routes (measured on 0.5.23)
+            out.append(("cache_report_off",
+                        "enable_cache_report is off: chat and completions answers carry no cached-token count, so "
+                        "kvgate's session records show none for them; start the engine with --enable-cache-report"))
         version = parse_version(server_info.get("version"))
         if version is not None and (0, 5, 15) <= version[:3] < (0, 5, 17):
             if server_info.get("radix_eviction_policy") != "priority":

@@ -183,6 +183,9 @@ class SessionLifecycle:
         response's meta_info.id); an abort closes the session only when the client asked for it by rid."""
         now = self.clock()
         self.registry.request_finished(session_id, now, meta, usage_source)
+        retracted = meta.get("num_retractions") if meta else None
+        if isinstance(retracted, int) and not isinstance(retracted, bool) and retracted > 0:
+            self.metrics.session_retractions.inc(retracted)
         self.policy.on_turn_end(session_id, now)
         self.steps.on_kv(session_id)
         s = self.registry.get(session_id)

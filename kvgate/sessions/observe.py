@@ -55,7 +55,7 @@ def _from_obj(obj: Any) -> Observed:
         if not metas:
             return Observed()
         merged = {k: sum(m.get(k, 0) or 0 for m in metas if isinstance(m.get(k, 0), int))
-                  for k in ("prompt_tokens", "completion_tokens", "cached_tokens")}
+                  for k in ("prompt_tokens", "completion_tokens", "cached_tokens", "num_retractions")}
         types = {p.finish_type for p in parts}
         return Observed(merged, None, "abort" if "abort" in types else next(iter(types)), usage_source="meta_info")
     if not isinstance(obj, dict):

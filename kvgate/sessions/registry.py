@@ -78,6 +78,7 @@ class Session:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached_tokens: int = 0
+    retractions: int = 0  # times an engine retracted one of its turns (meta_info.num_retractions)
     usage_source: str | None = None
     close_reason: str | None = None
     closed_at: float | None = None
@@ -106,6 +107,7 @@ class Session:
             "prompt_tokens": self.prompt_tokens,
             "completion_tokens": self.completion_tokens,
             "cached_tokens": self.cached_tokens,
+            "retractions": self.retractions,
             "usage_source": self.usage_source,
             "first_seen_unix": round(self.first_seen_wall, 3),
             "age_s": round(now - self.first_seen, 3),
@@ -191,8 +193,8 @@ class SessionRegistry:
     def request_finished(self, session_id: str, now: float, meta: dict[str, Any] | None = None,
                          usage_source: str | None = None) -> None:
         """Record the end of one request; ``meta`` holds its token counts if seen (prompt_tokens,
-        completion_tokens, cached_tokens) and ``usage_source`` says where they came from (meta_info,
-        usage, counted)."""
+        completion_tokens, cached_tokens; num_retractions on /generate) and ``usage_source`` says where they
+        came from (meta_info, usage, counted)."""
         s = self._sessions.get(session_id)
         if s is None:
             return
@@ -203,6 +205,7 @@ class SessionRegistry:
             s.prompt_tokens += _int(meta.get("prompt_tokens"))
             s.completion_tokens += _int(meta.get("completion_tokens"))
             s.cached_tokens += _int(meta.get("cached_tokens"))
+            s.retractions += _int(meta.get("num_retractions"))
             if usage_source:
                 s.usage_source = usage_source
 

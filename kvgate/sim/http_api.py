@@ -69,6 +69,27 @@ class HTTPError(Exception):
         self.message = message
 
 
+class ValidationError(HTTPError):
+    """A request field of the wrong type: SGLang's HTTP server answers pydantic's error list in its OpenAI error
+    shape, 400 (srt/entrypoints/http_server.py's validation handler; [CPU 0.5.23] on /generate and the OpenAI
+    routes alike)."""
+
+    def __init__(self, field: str, kind: str, msg: str, value: Any):
+        detail = {"type": kind, "loc": ("body", field), "msg": msg, "input": value}
+        super().__init__(400, f"1 validation error:\n  {detail!r}")
+
+    def body(self) -> dict:
+        return {"object": "error", "message": self.message, "type": "Bad Request", "param": None, "code": 400}
+
+
+def _check_session_id(body: dict) -> None:
+    """A top-level session_id must be a string or null (protocol.py and io_struct.py: Optional[str]); kvgate's
+    session_id probe relies on this answer. Raises ValidationError."""
+    sid = body.get("session_id")
+    if sid is not None and not isinstance(sid, str):
+        raise ValidationError("session_id", "string_type", "Input should be a valid string", sid)
+
+
 def _json(data: Any, status: int = 200) -> web.Response:
     return web.Response(body=orjson.dumps(data), status=status, content_type="application/json")
 
@@ -199,6 +220,8 @@ class SimServer:
     async def _mw(self, request, handler):
         try:
             return await handler(request)
+        except ValidationError as e:
+            return _json(e.body(), e.status)
         except HTTPError as e:
             return _err(e.status, e.message)
 
@@ -333,6 +356,7 @@ class SimServer:
 
     def _specs(self, body: dict) -> tuple[list[GenSpec], bool]:
         """Normalise a /generate body into per-request specs; returns (specs, is_batch)."""
+        _check_session_id(body)
         if "session_id" in body and body.get("session_params") is not None:
             raise HTTPError(400, "session_id and session_params cannot both be set.")
         given = [k for k in ("text", "input_ids", "input_embeds") if body.get(k) is not None]
@@ -569,9 +593,9 @@ class SimServer:
         """GenSpecs of an OpenAI request. Without max_tokens / max_completion_tokens a chat request runs to
         the context length (protocol.py ChatCompletionRequest: max_new_tokens None; scheduler.py
         init_req_max_new_tokens clips it to the pool), a completion to 16 (CompletionRequest.max_tokens)."""
-        # The OpenAI routes build the same GenerateReqInput, whose validation rejects both fields.
-        if "session_id" in body and body.get("session_params") is not None:
-            raise HTTPError(400, "session_id and session_params cannot both be set.")
+        # The OpenAI routes accept session_params but never pass it on (0.5.23 serving_chat.py and
+        # serving_completions.py build GenerateReqInput with session_id only): no both-fields 400 here.
+        _check_session_id(body)
         mt = body.get("max_completion_tokens", body.get("max_tokens"))
         mt = (max_default if max_default is not None else 1 << 30) if mt is None else mt
         if not isinstance(mt, int) or isinstance(mt, bool) or mt < 0:

@@ -10,6 +10,12 @@ docs/placement.md): smg 1.13 would carry session_id there too, but its round_rob
 session's turns over the engines. ``--route completions`` sends text to /v1/completions instead, and the router
 places the sessions.
 
+``--engine sglang`` runs the same path on real SGLang engines (CPU, kvgate.tools.engine; installed by
+scripts/setup-engine.sh): two tiny engines, the trace's token counts divided by ``--token-scale`` (32) so a
+CPU engine keeps up, and its token ids folded into the tiny model's vocabulary (an id past it crashes SGLang's
+scheduler). ``--engine-url`` uses engines already running instead of starting any. A real engine does not say
+which session ids and closes it received, so those two reconciliation lines are left out.
+
 Fleet size: the trace window brings about 40,000 prompt tokens/s; one simulated engine (the default
 llama-3-8b-h100 profile) prefills about 20,000/s, less for long prompts. Two engines queue without bound
 (the engines then run their KV pools full, and admission can only move that queue into kvgate, every
@@ -33,7 +39,7 @@ import orjson
 
 from kvgate.tools import procs
 from kvgate.bench.report import percentile
-from kvgate.bench.trace import TokenBook, infer_sessions, iter_turns, read_trace
+from kvgate.bench.trace import BLOCK_TOKENS, TokenBook, TraceRecord, infer_sessions, iter_turns, read_trace
 
 DEFAULT_TRACE = "mooncake_slice.jsonl"
 
@@ -45,10 +51,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--duration-s", type=float, default=120.0, help="window length in trace time, seconds")
     p.add_argument("--speed", type=float, default=1.0,
                    help="replay and simulated compute this many times faster (kvgate's idle close scales too)")
-    p.add_argument("--engines", type=int, default=4,
-                   help="simulated engines (four keep up with the trace's ~40,000 prompt tokens/s; two do not)")
-    p.add_argument("--max-total-num-tokens", type=int, default=200_000,
-                   help="KV pool of each engine, tokens")
+    p.add_argument("--engine", choices=("sim", "sglang"), default="sim",
+                   help="sim: simulated engines (kvgate sim-engine); sglang: real SGLang engines on the CPU "
+                        "(scripts/setup-engine.sh installs them; see docs/real-engines.md)")
+    p.add_argument("--engine-url", action="append", default=[], metavar="URL",
+                   help="with --engine sglang: a running engine to use instead of starting one (repeat the flag)")
+    p.add_argument("--engines", type=int, default=None,
+                   help="engines to start (default: 4 simulated, which keep up with the trace's ~40,000 prompt "
+                        "tokens/s where two do not; 2 real ones)")
+    p.add_argument("--max-total-num-tokens", type=int, default=None,
+                   help="KV pool of each engine, tokens (default: 200000 simulated, 8000 real)")
+    p.add_argument("--token-scale", type=int, default=None,
+                   help="divide the trace's token counts by this (default: 1 simulated, 32 real)")
     p.add_argument("--idle-close-s", type=float, default=30.0, help="kvgate session_idle_close_s (trace time)")
     p.add_argument("--runs", choices=("both", "lifecycle", "admission"), default="both",
                    help="lifecycle: session lifecycle only; admission: lifecycle + program-aware admission; "
@@ -82,8 +96,9 @@ class CloseFigures:
     closes: kvgate's fan-outs by reason (agentic_kv_session_close_total); session_closes: per session, how
     many times it was closed (the registry's ``closes``); engines: engines each close went to;
     failed_calls: engine calls that failed after retries; engine_closes: /close_session calls each engine
-    received; engine_sessions: the session ids each engine saw on a generate call; placed_by: who picked each
-    session's engine ("kvgate" or "router")."""
+    received; engine_sessions: the session ids each engine saw on a generate call (both None when the engines
+    do not report them: real SGLang engines); placed_by: who picked each session's engine ("kvgate" or
+    "router")."""
 
     sessions: int
     closed: int
@@ -91,8 +106,8 @@ class CloseFigures:
     session_closes: list[int]
     engines: int
     failed_calls: int
-    engine_closes: list[int]
-    engine_sessions: list[set[str]]
+    engine_closes: list[int] | None
+    engine_sessions: list[set[str]] | None
     placed_by: str = "router"
 
 
@@ -138,22 +153,14 @@ def reconcile(f: CloseFigures) -> tuple[list[str], list[str]]:
     again = sum(c - 1 for c in f.session_closes if c > 1)
     calls = total * f.engines
     calls_ok = calls - f.failed_calls
-    seen = set().union(*f.engine_sessions) if f.engine_sessions else set()
-    on_many = sum(1 for sid in seen if sum(sid in e for e in f.engine_sessions) > 1)
-    per_engine = sum(len(e) for e in f.engine_sessions)
     by_reason = ", ".join(f"{k} {v}" for k, v in f.closes.items())
     lines = [
         f"sessions   {f.sessions} in the trace window, {f.closed} closed at the end; {total} closes ({by_reason}) = "
         f"{total - again} sessions + {again} closed again (they sent a turn after their idle close)",
         f"fan-out    {calls} /close_session calls = {total} closes x {f.engines} engines: {calls_ok} ok, "
-        f"{f.failed_calls} failed; the engines received {' + '.join(map(str, f.engine_closes))} = "
-        f"{sum(f.engine_closes)}",
-        f"engines    session_id reached an engine for {len(seen)} sessions; per engine "
-        f"{' + '.join(str(len(e)) for e in f.engine_sessions)} = {per_engine}"
-        + ((f" ({_n(on_many, 'session')} had turns on more than one engine: the router's policy does not keep a "
-            f"session on one engine)" if f.placed_by == "router" else
-            f" ({_n(on_many, 'session')} had turns on more than one engine: re-opened after a close while their "
-            f"engine was at the placement pressure threshold)") if on_many else ""),
+        f"{f.failed_calls} failed" + ("" if f.engine_closes is None else
+                                       f"; the engines received {' + '.join(map(str, f.engine_closes))} = "
+                                       f"{sum(f.engine_closes)}"),
     ]
     off = []
     if f.closed != f.sessions:
@@ -161,20 +168,65 @@ def reconcile(f: CloseFigures) -> tuple[list[str], list[str]]:
     if total - again != len([c for c in f.session_closes if c > 0]):
         off.append(f"{total} closes by reason, but the registry has {sum(f.session_closes)} closes of "
                    f"{len([c for c in f.session_closes if c > 0])} sessions")
-    if sum(f.engine_closes) != calls_ok:
+    if f.engine_closes is not None and sum(f.engine_closes) != calls_ok:
         off.append(f"the engines received {sum(f.engine_closes)} closes, kvgate made {calls_ok} successful calls")
+    if f.engine_sessions is None:
+        lines.append("engines    real engines do not report the session ids and closes they received")
+        return lines, off
+    seen = set().union(*f.engine_sessions) if f.engine_sessions else set()
+    on_many = sum(1 for sid in seen if sum(sid in e for e in f.engine_sessions) > 1)
+    per_engine = sum(len(e) for e in f.engine_sessions)
+    lines.append(
+        f"engines    session_id reached an engine for {len(seen)} sessions; per engine "
+        f"{' + '.join(str(len(e)) for e in f.engine_sessions)} = {per_engine}"
+        + ((f" ({_n(on_many, 'session')} had turns on more than one engine: the router's policy does not keep a "
+            f"session on one engine)" if f.placed_by == "router" else
+            f" ({_n(on_many, 'session')} had turns on more than one engine: re-opened after a close while their "
+            f"engine was at the placement pressure threshold)") if on_many else ""))
     if len(seen) != f.sessions:
         off.append(f"session_id reached the engines for {len(seen)} sessions, the trace window has {f.sessions}")
     return lines, off
 
 
-def _request(route: str, book: TokenBook, rec, rid: str) -> tuple[str, bytes]:
+class ScaledBook(TokenBook):
+    """A TokenBook for small real engines (pure): each record's token counts divided by ``scale`` (each hash
+    block becomes its first BLOCK_TOKENS / scale ids, so prompts share the trace's prefixes as before), and
+    every id folded into 3..vocab-1 (0-2 are the tiny model's special tokens; an id at or past its vocabulary
+    crashes SGLang 0.5.23's scheduler)."""
+
+    def __init__(self, scale: int = 1, vocab: int | None = None) -> None:
+        super().__init__()
+        self.scale = max(1, int(scale))
+        self.vocab = vocab
+
+    def scaled(self, rec) -> TraceRecord:
+        if self.scale == 1:
+            return rec
+        return TraceRecord(rec.timestamp_ms, max(1, rec.input_length // self.scale),
+                           max(1, rec.output_length // self.scale), rec.hash_ids)
+
+    def prompt(self, rec) -> list[int]:
+        if self.scale == 1 and self.vocab is None:
+            return super().prompt(rec)
+        block = max(1, BLOCK_TOKENS // self.scale)
+        want = self.scaled(rec).input_length
+        ids: list[int] = []
+        for h in rec.hash_ids:
+            ids.extend(super().prompt(TraceRecord(0, BLOCK_TOKENS, 1, (h,)))[:block])
+            if len(ids) >= want:
+                break
+        ids = ids[:want]
+        return ids if self.vocab is None else [3 + t % (self.vocab - 3) for t in ids]
+
+
+def _request(route: str, book: TokenBook, rec, rid: str, model: str = "kvgate-sim") -> tuple[str, bytes]:
     """The path and body of one turn: the whole prompt every time (token ids, or text for /v1/completions)."""
-    max_new = max(1, rec.output_length)
+    scaled = book.scaled(rec) if isinstance(book, ScaledBook) else rec
+    max_new = max(1, scaled.output_length)
     if route == "generate":
         return "/generate", orjson.dumps({"input_ids": book.prompt(rec), "rid": rid,
                                           "sampling_params": {"max_new_tokens": max_new, "ignore_eos": True}})
-    return "/v1/completions", orjson.dumps({"model": "kvgate-sim", "prompt": book.prompt_text(rec),
+    return "/v1/completions", orjson.dumps({"model": model, "prompt": book.prompt_text(rec),
                                             "max_tokens": max_new, "ignore_eos": True, "rid": rid})
 
 
@@ -188,8 +240,9 @@ def _usage(route: str, payload: bytes) -> tuple[int, int]:
     return int(usage.get("prompt_tokens", 0)), int((usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0))
 
 
-async def _replay(base: str, records, sessions, speed: float, progress, route: str) -> Replay:
-    book = TokenBook()
+async def _replay(base: str, records, sessions, speed: float, progress, route: str,
+                  book: TokenBook | None = None, model: str = "kvgate-sim") -> Replay:
+    book = book or TokenBook()
     out = Replay()
     t0 = time.monotonic()
     first_ts = records[0].timestamp_ms if records else 0
@@ -200,7 +253,7 @@ async def _replay(base: str, records, sessions, speed: float, progress, route: s
         delay = (rec.timestamp_ms - first_ts) / 1000.0 / speed - (time.monotonic() - t0)
         if delay > 0:
             await asyncio.sleep(delay)  # open-loop replay at the trace's timestamps
-        path, body = _request(route, book, rec, f"{sid}-turn{turn}")
+        path, body = _request(route, book, rec, f"{sid}-turn{turn}", model)
         start = time.monotonic()
         try:
             async with http.post(base + path, data=body, headers={
@@ -280,6 +333,22 @@ def run(args: argparse.Namespace) -> int:
         print(f"kvgate demo: no trace records in that window of {path}", file=sys.stderr)
         return 2
     sessions = infer_sessions(records)
+    real = args.engine == "sglang"
+    if args.engine_url and not real:
+        print("kvgate demo: --engine-url needs --engine sglang", file=sys.stderr)
+        return 2
+    if args.engines is None:
+        args.engines = len(args.engine_url) if args.engine_url else (2 if real else 4)
+    if args.max_total_num_tokens is None:
+        args.max_total_num_tokens = 8000 if real else 200_000
+    if args.token_scale is None:
+        args.token_scale = 32 if real else 1
+    if real and not args.engine_url:
+        from kvgate.tools import engine as real_engine
+        why = real_engine.unavailable_reason()
+        if why:
+            print(f"kvgate demo: no real SGLang engine here ({why})", file=sys.stderr)
+            return 2
     if not procs.smg_installed():
         print("kvgate demo: the smg router is not installed (pip install smg, or run `make demo`)", file=sys.stderr)
         return 2
@@ -296,23 +365,59 @@ def run(args: argparse.Namespace) -> int:
     return 1 if any(s["failed"] for s in summaries) else 0
 
 
+def _real_vocab() -> int:
+    from kvgate.tools.sglang_cpu.make_model import VOCAB
+    return VOCAB
+
+
+def _start_real(args: argparse.Namespace, log_dir: Path, out: list) -> list[str]:
+    """Start ``args.engines`` real engines at once (kvgate.tools.engine); appends each to ``out`` (the caller
+    stops them) and returns their URLs."""
+    import concurrent.futures
+
+    from kvgate.tools import engine as real_engine
+    spec = real_engine.EngineSpec(max_total_tokens=args.max_total_num_tokens)
+    print(f"kvgate demo: starting {args.engines} real SGLang engines (20-30 s each on an idle machine)", flush=True)
+    with concurrent.futures.ThreadPoolExecutor(args.engines) as pool:
+        futs = [pool.submit(real_engine.start_engine, spec, log_dir, f"engine{i}") for i in range(args.engines)]
+        errors = []
+        for f in futs:
+            try:
+                out.append(f.result())
+            except Exception as exc:  # noqa: BLE001 - the others are stopped by the caller, then this is raised
+                errors.append(exc)
+    if errors:
+        raise errors[0]
+    return [e.url for e in out]
+
+
 def _run_once(args: argparse.Namespace, records, sessions, admission: bool, log_dir: Path) -> dict:
     """One run on a fresh fleet (two engines, smg, kvgate); prints and returns its summary."""
     n_sessions = len(set(sessions))
     started: list[procs.Proc] = []
+    real_engines: list = []  # kvgate.tools.engine.Engine, started here (stopped at the end)
     speed = args.speed
+    real = args.engine == "sglang"
+    book = ScaledBook(args.token_scale, _real_vocab() if real else None)
+    model = "kvgate-tiny" if real else "kvgate-sim"
     try:
-        engine_urls = []
-        for i in range(args.engines):
-            port = procs.free_port()
-            url = f"http://127.0.0.1:{port}"
-            p = procs.start(f"engine{i}", [sys.executable, "-m", "kvgate", "sim-engine", "--port", str(port),
-                                           "--max-total-num-tokens", str(args.max_total_num_tokens),
-                                           "--speed", str(speed)], log_dir, url=url)
-            started.append(p)
-            engine_urls.append(url)
-        for p in started:
-            procs.wait_http(p.url + "/health", 30, p)
+        if real:
+            engine_urls = list(args.engine_url) or _start_real(args, log_dir, real_engines)
+            for u in engine_urls:  # each run starts from empty radix caches
+                from kvgate.tools.engine import flush_cache
+                flush_cache(u, 120)
+        else:
+            engine_urls = []
+            for i in range(args.engines):
+                port = procs.free_port()
+                url = f"http://127.0.0.1:{port}"
+                p = procs.start(f"engine{i}", [sys.executable, "-m", "kvgate", "sim-engine", "--port", str(port),
+                                               "--max-total-num-tokens", str(args.max_total_num_tokens),
+                                               "--speed", str(speed)], log_dir, url=url)
+                started.append(p)
+                engine_urls.append(url)
+            for p in started:
+                procs.wait_http(p.url + "/health", 30, p)
         rport, mport = procs.free_port(), procs.free_port()
         router = procs.start("smg", procs.smg_command(rport, engine_urls, mport, policy="round_robin"), log_dir,
                              url=f"http://127.0.0.1:{rport}")
@@ -327,7 +432,7 @@ def _run_once(args: argparse.Namespace, records, sessions, admission: bool, log_
         if admission:
             kv_cmd += ["--agentic-program-admission", "--admission-poll-interval-s", str(max(0.05, 2.0 / speed)),
                        "--agentic-admission-max-wait-s", str(30.0 / speed)]
-            if args.route == "completions":
+            if args.route == "completions" and not real:
                 # The simulator counts one token per byte of text (kvgate.sim.tokenizer); at the default 3
                 # characters per token the ledger would count each text prompt at a third of its size.
                 kv_cmd += ["--admission-chars-per-token", "1"]
@@ -341,8 +446,11 @@ def _run_once(args: argparse.Namespace, records, sessions, admission: bool, log_
 
         print(f"kvgate demo: {args.duration_s:.0f} s of the Mooncake conversation trace from {args.start_s:.0f} s "
               f"({len(records)} requests, {n_sessions} sessions) at speed {speed:g}", flush=True)
-        print(f"  path: client -> kvgate {kvgate.url} -> smg {router.url} -> {len(engine_urls)} simulated engines "
-              f"(max_total_num_tokens {args.max_total_num_tokens} each); logs in {log_dir}", flush=True)
+        kind = "real SGLang engines" if real else "simulated engines"
+        pool = "" if real and args.engine_url else f" (max_total_num_tokens {args.max_total_num_tokens} each)"
+        scale = f"; token counts / {args.token_scale}" if args.token_scale > 1 else ""
+        print(f"  path: client -> kvgate {kvgate.url} -> smg {router.url} -> {len(engine_urls)} {kind}{pool}{scale}; "
+              f"logs in {log_dir}", flush=True)
         last = [time.monotonic()]
 
         def progress(done: int) -> None:
@@ -351,12 +459,12 @@ def _run_once(args: argparse.Namespace, records, sessions, admission: bool, log_
                 print(f"  ... {done}/{len(records)} requests done", flush=True)
 
         t0 = time.monotonic()
-        rep = asyncio.run(_replay(kvgate.url, records, sessions, speed, progress, args.route))
+        rep = asyncio.run(_replay(kvgate.url, records, sessions, speed, progress, args.route, book, model))
         wall = time.monotonic() - t0
         end = asyncio.run(_close_remaining(kvgate.url))
         reg = asyncio.run(_get_json(kvgate.url + "/kvgate/sessions?limit=1000000"))
         mtext = asyncio.run(_metrics_text(kvgate.url + "/metrics"))
-        sims = [asyncio.run(_get_json(u + "/sim/stats")) for u in engine_urls]
+        sims = None if real else [asyncio.run(_get_json(u + "/sim/stats")) for u in engine_urls]
         stats = asyncio.run(_get_json(kvgate.url + "/kvgate/stats")) if admission else None
         health = asyncio.run(_get_json(kvgate.url + "/kvgate/health"))
         placement = asyncio.run(_get_json(kvgate.url + "/kvgate/engines")).get("placement") or {}
@@ -365,6 +473,8 @@ def _run_once(args: argparse.Namespace, records, sessions, admission: bool, log_
         raise
     finally:
         procs.stop_all(started)
+        for e in real_engines:
+            e.stop()
 
     closes = {k: int(_sum_metric(mtext, "agentic_kv_session_close_total", reason=k))
               for k in ("idle", "client", "admin_api", "abort")}
@@ -374,16 +484,19 @@ def _run_once(args: argparse.Namespace, records, sessions, admission: bool, log_
     placed_by = health["session_placement"][path]
     figures = CloseFigures(sessions=n_sessions, closed=closed, closes=closes,
                            session_closes=[s["closes"] for s in reg["sessions"]], engines=len(engine_urls),
-                           failed_calls=close_fail, engine_closes=[s["closes_received"] for s in sims],
-                           engine_sessions=[set(s["sessions"]) for s in sims], placed_by=placed_by)
+                           failed_calls=close_fail,
+                           engine_closes=None if sims is None else [s["closes_received"] for s in sims],
+                           engine_sessions=None if sims is None else [set(s["sessions"]) for s in sims],
+                           placed_by=placed_by)
     lines, off = reconcile(figures)
     hit = rep.cached_tokens / rep.prompt_tokens if rep.prompt_tokens else 0.0
     summary = {
         "requests": len(records), "ok": rep.ok, "errors": rep.errors, "wall_s": round(wall, 1),
         "sessions": n_sessions, "sessions_closed": closed, "closes_by_reason": closes,
         "close_calls": sum(closes.values()) * len(engine_urls), "close_failures": close_fail, **end,
-        "engine_sessions_seen": [len(x) for x in figures.engine_sessions],
-        "engine_sessions_union": len(set().union(*figures.engine_sessions)),
+        "engine": args.engine, "engines": len(engine_urls), "token_scale": args.token_scale,
+        "engine_sessions_seen": None if sims is None else [len(x) for x in figures.engine_sessions],
+        "engine_sessions_union": None if sims is None else len(set().union(*figures.engine_sessions)),
         "engine_closes_received": figures.engine_closes, "not_adding_up": off,
         "prompt_tokens": rep.prompt_tokens, "cached_tokens": rep.cached_tokens, "cache_hit_rate": round(hit, 4),
         "latency_p50_s": round(percentile(rep.latencies, 50), 3),

@@ -88,6 +88,13 @@ class EngineSpec:
     session_cache: ``--enable-session-radix-cache`` with ``--radix-eviction-policy priority`` (SGLang >= 0.5.17:
     an open session's KV is kept under pressure, a closed one's goes first).
     profile: the model (``tiny`` for tests, ``mlp`` for benches). extra: further SGLang flags.
+    cache_report: ``--enable-cache-report``: the OpenAI routes report ``usage.prompt_tokens_details.cached_tokens``
+    (without it SGLang 0.5.23 sends ``prompt_tokens_details: null``, and a client or kvgate sees no cache hits on
+    chat and completions; /generate's meta_info.cached_tokens is always there). env: further environment
+    variables for the server. dp_size: ``--dp-size`` (each rank a KV pool of max_total_tokens); on the CPU
+    SGLang 0.5.23 binds each rank to a NUMA node and refuses more ranks than nodes (utils/numa_utils.py
+    init_threads_binding) unless ``SGLANG_CPU_OMP_THREADS_BIND`` names each rank's cores, so the launcher gives
+    rank i core i (modulo the machine's cores) when ``env`` does not say.
     """
 
     max_total_tokens: int = 4000
@@ -97,6 +104,9 @@ class EngineSpec:
     chunked_prefill_size: int | None = None
     max_running_requests: int | None = None
     extra: list[str] = field(default_factory=list)
+    cache_report: bool = True
+    env: dict[str, str] = field(default_factory=dict)
+    dp_size: int = 1
 
 
 def sglang_command(spec: EngineSpec, port: int, model: Path) -> tuple[list[str], dict[str, str]]:
@@ -108,6 +118,10 @@ def sglang_command(spec: EngineSpec, port: int, model: Path) -> tuple[list[str],
            "--enable-metrics", "--sleep-on-idle", "--tp-size", "1", "--random-seed", "0"]
     if spec.session_cache:
         cmd += ["--enable-session-radix-cache", "--radix-eviction-policy", "priority"]
+    if spec.cache_report:
+        cmd += ["--enable-cache-report"]
+    if spec.dp_size > 1:
+        cmd += ["--dp-size", str(spec.dp_size)]
     if spec.chunked_prefill_size:
         cmd += ["--chunked-prefill-size", str(spec.chunked_prefill_size)]
     if spec.max_running_requests:
@@ -120,6 +134,10 @@ def sglang_command(spec: EngineSpec, port: int, model: Path) -> tuple[list[str],
         "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",  # no hub here: the model directory is local
         "SGLANG_DISABLE_REQUEST_LOGGING": "1",
     }
+    if spec.dp_size > 1:
+        cores = os.cpu_count() or 1
+        env["SGLANG_CPU_OMP_THREADS_BIND"] = "|".join(str(i % cores) for i in range(spec.dp_size))
+    env.update(spec.env)
     return cmd, env
 
 
@@ -174,12 +192,15 @@ class Engine:
 
 
 def start_engine(spec: EngineSpec, log_dir: Path, name: str | None = None, port: int | None = None,
-                 timeout_s: float = 240.0) -> Engine:
+                 timeout_s: float = 900.0, slot_timeout_s: float = 600.0) -> Engine:
     """Start one engine and wait until GET /health answers 200 (SGLang runs a warm-up generate first, so the
-    engine then serves at once). Returns the Engine; raises EngineUnavailable when no engine environment is
-    installed, RuntimeError with the log's tail when the server exits, TimeoutError after ``timeout_s``."""
+    engine then serves at once). A start took 17-32 s on an idle 2-core machine and 130-240 s with other
+    engines, benches and test suites running beside it, hence the generous ``timeout_s`` (seconds). Returns the
+    Engine; raises EngineUnavailable when no engine environment is installed, RuntimeError with the log's tail
+    when the server exits, TimeoutError after ``timeout_s``, or when no engine slot frees within
+    ``slot_timeout_s`` seconds."""
     model = model_dir(spec.profile)
-    fd = acquire_slot()
+    fd = acquire_slot(slot_timeout_s)
     try:
         port = port or procs.free_port()
         cmd, env = sglang_command(spec, port, model)

@@ -102,11 +102,14 @@ class Proc:
     def alive(self) -> bool:
         return self.popen.poll() is None
 
-    def log_tail(self, n: int = 40) -> str:
+    def log_tail(self, n: int = 40, width: int = 400) -> str:
+        """The last ``n`` lines of the log, each cut to ``width`` characters (SGLang logs its whole
+        server_args, 20 KB, on one line)."""
         try:
-            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
+            lines = self.log_path.read_text(errors="replace").splitlines()[-n:]
         except OSError:
             return ""
+        return "\n".join(ln if len(ln) <= width else ln[:width] + " ..." for ln in lines)
 
     def terminate(self) -> None:
         """SIGTERM the whole process group (no wait)."""
