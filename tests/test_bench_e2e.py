@@ -77,12 +77,13 @@ def test_tiny_scenario_end_to_end(tmp_path):
         assert sum(la["sim_engines_sessions_seen"]) == 4
         assert sum(res["arms"]["direct"][i]["sim_engines_sessions_seen"]) == 0
         assert sum(res["arms"]["proxy-placement"][i]["sim_engines_sessions_seen"]) == 0
-        # each session on exactly one engine, and each GRPO group (2 sessions sharing a task prompt) on one
+        # each session on exactly one engine; the four start at once, so the two engines get two each: a GRPO
+        # sibling does not follow its group's prompt onto the busier engine (placement balances running and
+        # waiting requests, docs/placement.md)
         per_engine = la["sim_engines_session_ids"]
         assert sorted(sid for ids in per_engine for sid in ids) == sorted(f"st0-g{g}-s{k}" for g in (0, 1)
                                                                        for k in (0, 1))
-        for g in (0, 1):
-            assert [f"st0-g{g}-s0" in ids for ids in per_engine] == [f"st0-g{g}-s1" in ids for ids in per_engine]
+        assert sorted(len(ids) for ids in per_engine) == [2, 2]
         # sticky placement: every later turn re-uses the session's cached prompt + output on its engine
         for arm in ("lifecycle+admission", "proxy-placement"):
             later = [r for r in res["arms"][arm][i]["requests"] if r["turn"] == 2]
