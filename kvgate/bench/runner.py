@@ -51,6 +51,10 @@ class ArmSpec:
     placement: bool = False
     # this arm's smg --policy (None: the scenario's router_policy)
     router_policy: str | None = None
+    # this arm's own smg flags, after the scenario's router_extra (router-sweep arms)
+    router_extra: tuple[str, ...] = ()
+    # the scenario arm this one was expanded from when it differs from the name (router-sweep, router-limit)
+    group: str | None = None
     # kvgate replicas (> 1: they share state through a redis-server of the arm's own, state_backend: redis,
     # and the client's sessions are split between them, see replica_for)
     replicas: int = 1
@@ -87,7 +91,11 @@ def expand_arms(sc: Scenario) -> list[ArmSpec]:
             out.append(ArmSpec(a, kvgate=True, lifecycle=True, admission=True, admission_policy="program",
                                pool_tokens=pool))
         elif a == "router-limit":
-            out += [ArmSpec(f"router-limit-{n}", router_limit=n, pool_tokens=pool) for n in sc.router_limits]
+            out += [ArmSpec(f"router-limit-{n}", router_limit=n, pool_tokens=pool, group=a) for n in sc.router_limits]
+        elif a == "router-sweep":  # router only, one arm per router configuration
+            out += [ArmSpec(f"router-{c['name']}", pool_tokens=pool, router_policy=c["policy"],
+                            router_extra=tuple(str(x) for x in c.get("extra", [])), group=a)
+                    for c in sc.router_sweep]
         elif a == "unbounded-kv":
             out.append(ArmSpec(a, pool_tokens=sc.unbounded_max_total_num_tokens))
         elif a == "hicache":
@@ -198,7 +206,7 @@ class Fleet:
     def router_command(self, port: int, prometheus_port: int) -> list[str]:
         """smg's command line for this arm: the scenario's policy and router_extra in every arm, the limiter
         flags in router-limit arms (queue timeout scaled by the speed factor)."""
-        extra = [str(x) for x in self.sc.router_extra]
+        extra = [str(x) for x in self.sc.router_extra] + list(self.arm.router_extra)
         if self.arm.router_limit:
             extra += ["--max-concurrent-requests", str(self.arm.router_limit),
                       "--queue-size", str(self.sc.router_queue_size),
