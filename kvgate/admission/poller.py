@@ -117,7 +117,7 @@ class CapacityPoller:
     async def start(self) -> None:
         # Per-scrape timeout below the interval so one slow engine never stalls a round.
         timeout = aiohttp.ClientTimeout(total=max(0.2, min(2.0, self.interval_s * 0.8)))
-        self._session = aiohttp.ClientSession(timeout=timeout)
+        self._session = aiohttp.ClientSession(timeout=timeout, headers=getattr(self.directory, "engine_headers", None))
         self._task = asyncio.create_task(self._run(), name="kvgate-capacity-poller")
 
     async def stop(self) -> None:

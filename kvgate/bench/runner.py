@@ -179,9 +179,8 @@ class Fleet:
             cmd += ["--config", str(extra_yaml)]
         cmd += ["--router-policy", self.policy]
         if self.arm.placement or (self.arm.lifecycle and self.sc.api in ("generate", "chat")):
-            # kvgate keeps each session on one engine, as auto did in the published runs (their router,
-            # sglang-router 0.3.2, drops session_id on /generate and chat); behind smg 1.13, which carries it,
-            # auto would leave these arms to the router's policy.
+            # kvgate keeps each session on one engine: what auto does with lifecycle on (said explicitly, so the
+            # arm means the same with a config that sets session_placement)
             cmd += ["--session-placement", "kvgate"]
         if self.arm.lifecycle:
             cmd.append("--agentic-session-lifecycle")

@@ -8,12 +8,14 @@ carrying both ``"session_id": "kvgate-probe-<random>"`` and ``"session_params": 
 with 400 "session_id and session_params cannot both be set." (srt/managers/io_struct.py, GenerateReqInput;
 the OpenAI routes build the same GenerateReqInput), before any KV is touched. So, per route:
   - that 400 comes back               -> the router forwarded session_id there: "forwarded";
-  - any other answer from an engine   -> session_id was dropped on the way (smg 1.13.0 and sglang-router
-    0.3.2 re-serialise /generate and chat through typed structs) or the engine predates 0.5.15: "dropped";
-    the engine then sees at most session_params for a session that was never opened, or a plain request
-    that generates one token;
-  - no answer / no healthy worker     -> "unknown" (probed again later).
-Measured through smg 1.13.0: /generate dropped, /v1/chat/completions dropped, /v1/completions forwarded.
+  - an engine's generation answer (200) -> session_id was dropped on the way (sglang-router 0.3.2
+    re-serialises /generate and chat through typed structs) or the engine predates 0.5.15: "dropped"; the
+    engine then sees at most session_params for a session that was never opened, or a plain request that
+    generates one token;
+  - anything else (no answer, no healthy worker, 401/403 for a missing or wrong key, a limiter's 429, a
+    router's own 4xx) -> "unknown" (probed again later).
+Measured: smg 1.13.0 forwards session_id on all three routes; sglang-router 0.3.2 drops it on /generate and
+chat and forwards it on /v1/completions (docs/compatibility.md).
 """
 
 from __future__ import annotations
@@ -25,6 +27,8 @@ import orjson
 
 FORWARDED, DROPPED, UNKNOWN = "forwarded", "dropped", "unknown"
 BOTH_SET_MESSAGE = "session_id and session_params cannot both be set"
+# SGLang's answer to session_params naming a session that was never opened (tokenizer_manager; the simulator's too)
+SESSION_MISSING_MESSAGE = "does not exist"
 
 
 # The generate routes probed (and served by session placement when the router drops session_id there).
@@ -46,21 +50,33 @@ def probe_body(probe_id: str, route: str = "/generate", model: str | None = None
 
 
 def classify_probe(status: int | None, body: bytes) -> str:
-    """Verdict from the probe's HTTP status (None = transport failure) and response body."""
+    """Verdict from the probe's HTTP status (None = transport failure) and response body: ``forwarded`` for the
+    engine's 400 naming both fields; ``dropped`` for what an engine answers when only ``session_params`` reached
+    it (SGLang's "Invalid request: session id ... does not exist", as a 400 or an abort) or when neither did
+    (a generation answer: 200 with the JSON of a /generate or OpenAI completion); ``unknown`` for anything else
+    (a refused key, no worker, a limiter, a router's own validation error), so kvgate probes again instead of
+    reading an answer it does not know as a verdict."""
     if status is None:
         return UNKNOWN
     if BOTH_SET_MESSAGE.encode() in body:
         return FORWARDED
-    if status in (404, 405, 408, 429, 502, 503, 504):
-        return UNKNOWN  # no route, no healthy worker, router limiter: nothing reached an engine
-    if status >= 500:
-        try:
-            err = orjson.loads(body)
-        except orjson.JSONDecodeError:
-            return UNKNOWN
-        if "no_available_workers" in str(err):
-            return UNKNOWN
-    return DROPPED
+    if status == 400 and SESSION_MISSING_MESSAGE.encode() in body:
+        return DROPPED
+    if status == 200 and _generation_answer(body):
+        return DROPPED
+    return UNKNOWN
+
+
+def _generation_answer(body: bytes) -> bool:
+    """An engine's answer to a generate call: a JSON object (or a list of them, n > 1) with SGLang's
+    ``meta_info`` (an abort has no text) or OpenAI's ``choices``."""
+    try:
+        obj = orjson.loads(body)
+    except orjson.JSONDecodeError:
+        return False
+    items = obj if isinstance(obj, list) and obj else [obj]
+    return all(isinstance(o, dict) and (isinstance(o.get("meta_info"), dict) or isinstance(o.get("choices"), list))
+               for o in items)
 
 
 def verdict_line(verdicts: dict[str, str], upstream: str, lifecycle_on: bool, placed: dict[str, bool]) -> str:
@@ -76,14 +92,23 @@ def verdict_line(verdicts: dict[str, str], upstream: str, lifecycle_on: bool, pl
     return f"compat: router {upstream} top-level session_id: " + ", ".join(parts) + tail
 
 
-def routing_key_warning(router_policy: str | None, routing_key_header: str) -> str | None:
-    """One line when the router's --policy ignores the routing key kvgate sets (everything but ``manual`` in
-    smg 1.13: router-compat.md), else None. None too when the policy is not known."""
-    if router_policy is None or router_policy == "manual":
+# smg 1.13's policies that keep one routing key (X-SMG-Routing-Key) on one worker without --sticky-sessions
+# (router-compat.md; tests/test_e2e_router.py measures manual and consistent_hashing).
+ROUTING_KEY_POLICIES = ("manual", "consistent_hashing")
+
+
+def routing_key_warning(router_policy: str | None, routing_key_header: str, sticky: bool = False) -> str | None:
+    """One line when the router, as started, spreads a session's calls although kvgate sends the session id in
+    ``routing_key_header``: a --policy other than manual or consistent_hashing, without --sticky-sessions
+    (``sticky``; smg 1.13 then keeps a routing key on one worker on any policy). None when the policy is not
+    known or keeps the key."""
+    if router_policy is None or sticky or router_policy in ROUTING_KEY_POLICIES:
         return None
-    return (f"router policy {router_policy!r} ignores {routing_key_header}: session traffic kvgate leaves to the "
-            f"router is spread without session affinity; start smg with --policy manual, or let kvgate place "
-            f"sessions (session_placement: kvgate)")
+    return (f"router policy {router_policy!r} ignores {routing_key_header} without --sticky-sessions: session "
+            f"traffic kvgate leaves to the router is spread without session affinity; start smg with "
+            f"--sticky-sessions (any policy) or --policy consistent_hashing or manual (and set "
+            f"router_sticky_sessions: true or router_policy to match), or let kvgate place sessions "
+            f"(session_placement: auto with lifecycle or admission on, or kvgate)")
 
 
 def engine_warnings(server_info: dict[str, Any] | None, metrics_status: int | None) -> list[tuple[str, str]]:
