@@ -36,6 +36,17 @@ workload:
 """
 
 
+def run_scenario(tmp_path, text: str) -> tuple[dict, "Path"]:
+    """Run ``kvgate bench`` on the scenario ``text``; assert it exits 0; return (results.json, the out dir)."""
+    sc = tmp_path / "scenario.yaml"
+    sc.write_text(text)
+    out = tmp_path / "out"
+    p = argparse.ArgumentParser()
+    cli.add_arguments(p)
+    assert cli.run(p.parse_args(["--scenario", str(sc), "--out", str(out), "--no-progress"])) == 0
+    return json.loads((out / "results.json").read_text()), out
+
+
 def test_tiny_scenario_end_to_end(tmp_path):
     sc = tmp_path / "tiny.yaml"
     sc.write_text(TINY)
@@ -133,13 +144,7 @@ router_sweep:
 def test_router_sweep_best_becomes_direct(tmp_path):
     """The router-sweep arm runs each router configuration router-only; the one that finished soonest becomes
     ``direct`` (named in results.json and the report), and every configuration is in the sweep table."""
-    sc = tmp_path / "sweep.yaml"
-    sc.write_text(SWEEP)
-    out = tmp_path / "out"
-    p = argparse.ArgumentParser()
-    cli.add_arguments(p)
-    assert cli.run(p.parse_args(["--scenario", str(sc), "--out", str(out), "--no-progress"])) == 0
-    res = json.loads((out / "results.json").read_text())
+    res, out = run_scenario(tmp_path, SWEEP)
     best = res["best_router"]
     assert best["arm"] in ("router-round_robin", "router-consistent_hashing-noprot")
     other = ({"router-round_robin", "router-consistent_hashing-noprot"} - {best["arm"]}).pop()
