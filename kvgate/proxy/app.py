@@ -173,8 +173,9 @@ class Gateway:
             self.lifecycle.close_check = self.shared.close_wanted
         self.placed.shared = self.shared
         self.poller = None
-        # Where admission counts a session's request: the engine kvgate placed it on; a session kvgate did
-        # not place (the router routes it, or its first turn) counts against the fleet-wide rule.
+        # Where admission counts a session's request: the engine kvgate placed it on, or the one the router's
+        # answer named (x-smg-routed-worker-id); a session's first turn, and a router that names none, count
+        # against the fleet-wide rule.
         self.engine_of = self.placement.engine_of
         if gate is None and cfg.agentic_program_admission:
             from kvgate.admission.gate import AdmissionGate
