@@ -401,3 +401,30 @@ async def test_a_closed_session_reopened_goes_back_to_its_engine(sim_factory, ro
         assert view["placement"]["counts"]["reopened"] == 1 and view["placement"]["reopen_hints"] == 0
         m = gw.metrics.render()[0].decode()
     assert f'agentic_kv_session_placements_total{{engine="{home.url}",reason="reopened"}} 1.0' in m
+
+
+async def test_placed_calls_carry_the_engine_key_and_skip_the_router_only_with_the_routers_key(
+        recorders, kvgate_factory, monkeypatch, tmp_path):
+    """With the router's key given to kvgate, a session call is placed only when it carries that key (any other
+    goes to the router, which answers it); a placed call and kvgate's close carry the engines' key instead."""
+    router, engine = await recorders("router"), await recorders("engine")
+    (tmp_path / "engine.key").write_text("engine-key\n")
+    monkeypatch.setenv("KVGATE_TEST_ROUTER_KEY", "router-key")
+    gw, kv = await kvgate_factory(upstream=router.url, engines=[engine.url], agentic_session_lifecycle=True,
+                                  session_inference=False, router_api_key_env="KVGATE_TEST_ROUTER_KEY",
+                                  engine_api_key_file=str(tmp_path / "engine.key"))
+    await gw.directory.first_refresh.wait()
+    body = b'{"input_ids": [1, 2, 3]}'
+    async with aiohttp.ClientSession() as http:
+        for auth, to in ((None, "router"), ("Bearer wrong", "router"), ("Bearer router-key", "engine")):
+            hdr = {"X-Session-ID": "k", **({"Authorization": auth} if auth else {})}
+            async with http.post(kv + "/generate", data=body, headers=hdr) as r:
+                assert r.headers["X-From"] == to, auth
+        async with http.post(kv + "/kvgate/sessions/k/close?wait=1") as r:
+            assert (await r.json())["close_results"] == {engine.url: "ok"}
+    sent = [h for p, _, h in router.received if p == "/generate"]
+    assert [h.get("Authorization") for h in sent] == [None, "Bearer wrong"]  # the client's, as it came
+    placed = [h for p, _, h in engine.received if p == "/generate"]
+    assert [h["Authorization"] for h in placed] == ["Bearer engine-key"]
+    assert [h["Authorization"] for p, _, h in engine.received if p == "/close_session"] == ["Bearer engine-key"]
+    assert 'agentic_kv_placement_calls_total{outcome="router_auth"} 2.0' in gw.metrics.render()[0].decode()
