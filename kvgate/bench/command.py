@@ -88,6 +88,10 @@ def run(args: argparse.Namespace) -> int:
         arms = expand_arms(sc)
         if args.arms is not None:
             sc.arms, wanted = _pick_arms(args.arms)
+            missing = [a for a in sc.arms if "@" in a and a.partition("@")[2] not in sc.arm_settings]
+            if missing:
+                raise ValueError(f"--arms: {missing[0]!r}: the scenario's arm_settings has no "
+                                 f"{missing[0].partition('@')[2]!r}")
             arms = [a for a in expand_arms(sc) if a.name in wanted or a.group in wanted
                     or (a.group == "router-limit" and a.name.rsplit("-", 1)[0] in wanted)]
             if not arms:
@@ -162,7 +166,7 @@ def run(args: argparse.Namespace) -> int:
     if best is not None:
         spec = sweep_arms[best]
         best_router = {"arm": best, "policy": spec.router_policy,
-                       "extra": [str(x) for x in sc.router_extra] + list(spec.router_extra)}
+                       "extra": [str(x) for x in sc.router_extra] + list(spec.router_flags)}
         if "direct" not in metrics:
             metrics = {"direct": metrics.pop(best), **metrics}
             per_rep = {"direct": per_rep.pop(best), **per_rep}
@@ -239,9 +243,9 @@ def _pick_arms(spec: str) -> tuple[list[str], set[str]]:
         raise ValueError(f"--arms: no arm named in {spec!r}; choose from {list(ARMS)}")
     base = []
     for w in wanted:
-        b = (w if w in ARMS else "router-limit" if w.startswith("router-limit-")
-             else "router-sweep" if w.startswith("router-") else w)
-        if b not in ARMS:
+        b = (w if w in ARMS or w.partition("@")[0] in ARMS  # ARM@NAME: arm_settings
+             else "router-limit" if w.startswith("router-limit-") else "router-sweep" if w.startswith("router-") else w)
+        if b.partition("@")[0] not in ARMS:
             raise ValueError(f"--arms: unknown arm {w!r}; choose from {list(ARMS)} (router-limit-N for one limit, "
                              f"router-NAME for one router-sweep configuration)")
         if b not in base:

@@ -5,8 +5,9 @@ Forward: to the router, or, for a session's call on a route where kvgate places 
 straight to the engine kvgate.fleet.placement picks (the next one on a refused connection; the router when
 none is usable).
 kvgate's own routes: GET /metrics, GET /kvgate/health, GET /kvgate/engines, GET /kvgate/sessions,
-GET /kvgate/sessions/{id}, POST /kvgate/sessions/{id}/close, and (lifecycle on) GET|POST /close_session.
-Everything else is forwarded to the router unchanged.
+GET /kvgate/sessions/{id}, POST /kvgate/sessions/{id}/close, and (lifecycle on) GET|POST /close_session;
+any other path or method under /kvgate/ gets kvgate's own 404 or 405. Everything else is forwarded to the
+router unchanged.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import re
 import signal
 import sys
 import time
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -29,7 +31,7 @@ from aiohttp.http_exceptions import HttpProcessingError
 from kvgate import __version__
 from kvgate.common.classify import STEP_BOUNDARY_ROUTES, classify, parse_json_object, with_session_id
 from kvgate.config import PLACEMENT_ROUTES, Config, api_key
-from kvgate.fleet import compat
+from kvgate.fleet import compat, health
 from kvgate.fleet.placement import Placement, Target
 from kvgate.fleet.directory import EngineDirectory
 from kvgate.proxy.relay import MAX_FIELD_BYTES, MAX_LINE_BYTES, Upstream, forward_head, header_safe, \
@@ -173,15 +175,15 @@ class Gateway:
             self.lifecycle.close_check = self.shared.close_wanted
         self.placed.shared = self.shared
         self.poller = None
-        # Where admission counts a session's request: the engine kvgate placed it on, or the one the router's
-        # answer named (x-smg-routed-worker-id); a session's first turn, and a router that names none, count
-        # against the fleet-wide rule.
+        # Where admission counts a session's request: the engine kvgate placed it on (a first turn on a placed
+        # route is placed before admission: _place_first), or the one the router's answer named
+        # (x-smg-routed-worker-id); a session the router routes without naming it counts fleet-wide.
         self.engine_of = self.placement.engine_of
         if gate is None and cfg.agentic_program_admission:
             from kvgate.admission.gate import AdmissionGate
             from kvgate.admission.poller import CapacityPoller
             gate = AdmissionGate(cfg, self.metrics, engine_of=lambda sid: self.engine_of(sid) if self.engine_of else None,
-                                 pause_session=self._pause_session)
+                                 pause_session=self._pause_session, place_first=self._place_first)
             self.poller = CapacityPoller(gate, self.directory, cfg.admission_poll_interval_s,
                                          cfg.admission_capacity_source)
         elif any(m != "router" for m in self.placement_modes.values()):
@@ -204,6 +206,9 @@ class Gateway:
         self._join_max = max(cfg.body_parse_max_bytes, STEP_BODY_PARSE_LIMIT)
         self._parse_max = cfg.body_parse_max_bytes
         self._routing_key = cfg.routing_key_header if cfg.set_routing_key else None
+        # X-Kvgate-Session-Id value -> session id, for the ids that header cannot carry as they are
+        # (kvgate.proxy.relay.header_safe hashes them): /kvgate/sessions/<value> finds the session.
+        self._told_ids: OrderedDict[str, str] = OrderedDict()
         self.app = self._build_app()
         self._routes = self._build_routes()
 
@@ -228,6 +233,7 @@ class Gateway:
             r.add_route("POST", "/close_session", self.handle_close_session)
         for route in PLACEMENT_ROUTES:  # the generate routes by exact path: a dict lookup, not the catch-all's regex
             r.add_route("*", route, self.handle_proxy)
+        r.add_route("*", "/kvgate/{tail:.*}", self.handle_not_found)  # kvgate's own paths never reach the router
         r.add_route("*", "/{tail:.*}", self.handle_proxy)
         app.on_startup.append(self._on_startup)
         app.on_cleanup.append(self._on_cleanup)
@@ -264,6 +270,8 @@ class Gateway:
                 if (request.method == "POST") if close else (request.method in ("GET", "HEAD")):
                     request.match_info = {"sid": _unquote(m.group(1))}
                     return self.handle_session_close if close else self.handle_session
+        if path.startswith("/kvgate/"):
+            return self.handle_not_found
         return self.handle_proxy
 
     async def _on_startup(self, app: web.Application | None) -> None:
@@ -317,9 +325,19 @@ class Gateway:
     async def handle_worker_health(self, request: web.Request) -> web.Response:
         return _json({"status": "ok", "worker": self.worker.index, "pid": os.getpid()})
 
+    def health_checks(self) -> list[health.Check]:
+        """The checks /kvgate/health adds up (kvgate.fleet.health): the router, the engines. Append a
+        check here for anything else kvgate cannot serve without."""
+        return self.directory.checks()
+
     async def handle_health(self, request: web.Request) -> web.Response:
+        """kvgate and what it depends on: ``status`` ok | degraded (HTTP 200) or starting | down (HTTP 503),
+        ``reasons`` (every check not ok), ``checks`` (each with its reason), and the features in force."""
         workers = await self.worker.health() if self.worker is not None else None
-        return _json({"status": "ok", **({"workers": workers} if workers is not None else {}),
+        checks = self.health_checks()
+        status, code, reasons = health.summarize(checks)
+        return _json({"status": status, "reasons": reasons, "checks": [c.as_json() for c in checks],
+                      **({"workers": workers} if workers is not None else {}),
                       "version": __version__, "uptime_s": round(time.time() - self.started, 3),
                       "upstream": self.cfg.upstream, "engines": len(self.directory.engines),
                       "session_lifecycle": self.lifecycle_on,
@@ -331,7 +349,24 @@ class Gateway:
                       "session_placement_why": {r: self.directory.placement_why(r) for r in PLACEMENT_ROUTES},
                       "placement_modes": dict(self.placement_modes),
                       # the router's answer to kvgate's credentials: null (not asked yet), ok, 401 or 403
-                      "router_auth": self.directory.router_auth})
+                      "router_auth": self.directory.router_auth}, code)
+
+    async def handle_not_found(self, request: web.Request) -> web.Response:
+        """A /kvgate/ path or method kvgate does not serve: its own 404 or 405 (with Allow), never the
+        router's."""
+        path = request.path
+        methods = self._routes.get(path)
+        m = _SESSION_ROUTE.fullmatch(request.raw_path.partition("?")[0])
+        allowed = (sorted(methods) if methods is not None else
+                   (["POST"] if m.group(2) else ["GET", "HEAD"]) if m is not None else None)
+        if allowed is not None:
+            return web.Response(status=405, body=orjson.dumps({"error": {
+                "message": f"{request.method} is not allowed on {path}; allowed: {', '.join(allowed)}"}}),
+                content_type="application/json", headers={"Allow": ", ".join(allowed)})
+        own = sorted(p for p in self._routes if p.startswith("/kvgate/"))
+        return _json({"error": {"message": f"kvgate has no endpoint {path}; its endpoints: "
+                                           f"{', '.join([*own, '/kvgate/sessions/{id}', '/kvgate/sessions/{id}/close'])}"}},
+                     404)
 
     async def handle_engines(self, request: web.Request) -> web.Response:
         out = self.directory.as_json()
@@ -389,8 +424,28 @@ class Gateway:
                                                       "placed_by": self.placement.placed_by(sid)}
         return entry
 
+    def _session_named(self, name: str) -> str:
+        """The session id ``name`` stands for: itself, or the id kvgate told the client as ``name`` in
+        X-Kvgate-Session-Id (a hashed id)."""
+        if self.lifecycle.registry.get(name) is None:
+            return self._told_ids.get(name, name)
+        return name
+
+    def _told(self, sid: str) -> str:
+        """The X-Kvgate-Session-Id value for ``sid``; a hashed one is remembered (at most
+        max_tracked_sessions, the oldest dropped first) so /kvgate/sessions/<value> finds the session."""
+        value = header_safe(sid)
+        if value is not sid and value != sid:
+            told = self._told_ids
+            told[value] = sid
+            told.move_to_end(value)
+            if len(told) > self.cfg.max_tracked_sessions:
+                told.popitem(last=False)
+        return value
+
     async def handle_session(self, request: web.Request) -> web.Response:
-        s = self.lifecycle.registry.get(request.match_info["sid"])
+        sid = self._session_named(request.match_info["sid"])
+        s = self.lifecycle.registry.get(sid)
         if s is None:
             return _json({"error": {"message": f"unknown session {request.match_info['sid']!r}"}}, 404)
         return _json(self._augment(s.as_json(self.lifecycle.clock())))
@@ -398,7 +453,7 @@ class Gateway:
     async def handle_session_close(self, request: web.Request) -> web.Response:
         """Close a session (again: an unfinished close is retried at once); ``?wait=1`` answers once every
         engine has answered this round of calls, with the per-engine results and pending retries."""
-        sid = request.match_info["sid"]
+        sid = self._session_named(request.match_info["sid"])
         self._forget(sid)
         self.lifecycle.close(sid, "admin_api")
         if request.query.get("wait") in ("1", "true"):
@@ -490,8 +545,14 @@ class Gateway:
         self.placed.publish()
 
     def _capacity(self, snapshot) -> None:
-        self.placement.set_capacity({url: [(p.capacity, p.used) for p in cap.pools]
+        self.placement.set_capacity({url: [(p.capacity, p.used, p.requests) for p in cap.pools]
                                      for url, cap in snapshot.engines.items()}, snapshot.taken_at)
+
+    def _place_first(self, info: RequestInfo) -> tuple[str, int | None] | None:
+        """Place first, then admit: a call of a session on a route kvgate places is placed before admission,
+        so its turn reserves on the engine it will go to (kvgate.proxy.placed.PlacedRelay.place_first)."""
+        target = self.placed.place_first(info.classified, info.session_id)
+        return None if target is None else (target.engine, target.dp_rank)
 
     # --- the request path ------------------------------------------------------------------------
 
@@ -558,7 +619,7 @@ class Gateway:
         t1 = time.perf_counter()
         outcome = None
         try:  # from here on every exit path ends the request in the registry and the inference index
-            add = ticket.headers if tracked is None else [*ticket.headers, (SESSION_HEADER, header_safe(tracked))]
+            add = ticket.headers if tracked is None else [*ticket.headers, (SESSION_HEADER, self._told(tracked))]
             placed = None
             if self.placed.placed(c, plan.session_id):
                 placed = await self.placed.relay(request, c, plan.session_id, plan.body, observe, add)
@@ -572,6 +633,7 @@ class Gateway:
                                                           worker_header=ROUTED_WORKER if sid is not None else None)
                 if outcome.routed_worker is not None:
                     self._learn_routed(sid, outcome.routed_worker)
+                self._router_outcome(outcome)
             return resp
         except asyncio.CancelledError:
             self.metrics.client_disconnects.inc()
@@ -591,6 +653,15 @@ class Gateway:
                 self._step_boundary(c.path, raw, outcome)
             if self.lifecycle_on and c.method == "POST" and c.path == "/abort_request":
                 self._abort_requested(raw)
+
+    def _router_outcome(self, outcome) -> None:
+        # What a forwarded call says about the router: unreachable, or answering (502s logged per change).
+        d = self.directory
+        if outcome.status is not None:
+            if outcome.status >= 502 or d.router_gateway_error is not None or d.router.ok is not True:
+                d.router_answered(outcome.status)
+        elif outcome.ended == "unreachable":
+            self.directory.router_result(False, "a forwarded call could not connect")
 
     def _parse_body(self, request: web.Request, raw: bytes) -> dict | None:
         """The generate body as a JSON object, or None when kvgate leaves it alone: not an object, sent

@@ -136,11 +136,26 @@ class PlacedRelay:
                 log.warning("engine %s refused a connection; session %s goes to the next engine",
                             target.engine, session_id)
                 placement.mark_unreachable(target.engine, self.clock())
+                # kvgate's own call failed: the engine is unusable (health, /kvgate/engines) until it answers
+                self.directory.engine_call_failed(target.engine, "refused a placed call's connection")
                 self.metrics.placement_calls.labels("connect_retry").inc()
                 tried.append(target.engine)
                 continue
             self.metrics.placement_calls.labels("engine").inc()
+            if outcome.status is not None:
+                self.directory.engine_answered(target.engine)
             return resp, outcome
+
+    def place_first(self, c, session_id: str | None) -> Target | None:
+        """Place first, then admit: place a call of ``session_id`` (classified ``c``) before admission decides,
+        so admission reserves its turn on the engine it will go to; the relay then finds the session sticky
+        there. None when kvgate does not place the call, or when replicas share placement (the first replica
+        to place a session wins, at relay time). Raises what placement raises (the gate fails open)."""
+        if self.shared is not None or not self.placed(c, session_id):
+            return None
+        block_tokens, block_chars, _ = self.blocks
+        keys = prefix_keys(request_units(c.path, c.body), block_tokens, block_chars, memo=c.block_digests())
+        return self._place(session_id, keys, [])
 
     async def _adopt_shared(self, sid: str, where: tuple[str, int | None] | None) -> None:
         # The engine another replica placed the session on becomes its sticky engine here.
@@ -154,13 +169,20 @@ class PlacedRelay:
             self.metrics.faults.labels("placement").inc()
 
     def _pick(self, sid: str, raw, body_obj: dict, keys: list[int], tried: list[str]):
+        target = self._place(sid, keys, tried)
+        if target is None:
+            return None, None
+        return target, engine_body(raw, body_obj, target)
+
+    def _place(self, sid: str, keys: list[int], tried: list[str]) -> Target | None:
+        """Where ``sid``'s call goes by placement's rules, counted and its prompt indexed; None: no engine."""
         placement = self.placement
         target = placement.place(sid, keys, self.clock(), exclude=tried)
         if target is None:
-            return None, None
+            return None
         if placement.last_reason != "sticky":
             reason = "replaced" if placement.last_replaced else placement.last_reason
             self.metrics.child(self.metrics.placements, target.engine, reason).inc()
             self.publish()
         placement.remember_prefix(keys, target)
-        return target, engine_body(raw, body_obj, target)
+        return target
