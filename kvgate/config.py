@@ -169,6 +169,20 @@ KEYS: list[Key] = [
     Key("workers", (int, str), 1,
         "Worker processes serving the same host:port (SO_REUSEPORT), each a full kvgate, supervised by the "
         "process you start; auto = one per CPU. More than 1 needs state_backend: redis.", convert=_workers),
+    # --- credentials (the keys themselves are never logged, echoed or kept in the config) --------------
+    Key("router_api_key_file", str, None,
+        "A file holding the router's API key (smg --api-key): kvgate sends it as Authorization: Bearer on its "
+        "own calls to the router (discovery, the session_id probe, /v1/models). null = none.", nullable=True),
+    Key("router_api_key_env", str, None,
+        "The name of an environment variable holding the router's API key (instead of router_api_key_file).",
+        nullable=True),
+    Key("engine_api_key_file", str, None,
+        "A file holding the engines' API key (SGLang --api-key): sent on kvgate's own calls to the engines "
+        "(KV polls, server_info, /close_session) and on session calls kvgate places on them. null = none.",
+        nullable=True),
+    Key("engine_api_key_env", str, None,
+        "The name of an environment variable holding the engines' API key (instead of engine_api_key_file).",
+        nullable=True),
     # --- forwarding ----------------------------------------------------------------------------
     Key("connect_timeout_s", float, 5.0, "Timeout for opening a connection to the upstream router, seconds.",
         _pos, "> 0"),
@@ -236,7 +250,11 @@ KEYS: list[Key] = [
     Key("routing_key_header", str, "X-SMG-Routing-Key", "Header smg's manual policy reads (the others ignore it)."),
     Key("router_policy", str, None,
         "The --policy the router was started with (smg does not report it); kvgate warns at startup when it "
-        "ignores the routing key kvgate sets. null = not said.", nullable=True),
+        "ignores the routing key kvgate sets (every policy but manual and consistent_hashing, unless "
+        "router_sticky_sessions). null = not said.", nullable=True),
+    Key("router_sticky_sessions", bool, False,
+        "The router was started with --sticky-sessions (smg 1.13: a routing key stays on one worker on any "
+        "policy); silences the routing-key warning."),
     Key("session_inference", bool, True,
         "When body, header and field give no session id, infer it from the prompt's prefix."),
     Key("session_inference_block_tokens", int, 64, "Token ids per hashed block for prefix inference.", _pos, "> 0"),
@@ -489,6 +507,8 @@ def validate(raw: dict[str, Any]) -> Config:
         raise ConfigError(f"workers: {values['workers']} worker processes need state_backend: redis (with "
                           f"{values['state_backend']}, each process would keep its own sessions and admission ledger)")
     values["engines"] = [_url("engines", u) for u in values["engines"]]
+    for who in ("router", "engine"):
+        api_key(values, who)  # a key that cannot be read stops startup here, naming the key (never its value)
     api = config_checks.api_path(values["upstream"])
     if api is not None:
         raise ConfigError(f"upstream: {values['upstream']} ends in an API path ({api}); kvgate sends each request's "
@@ -508,6 +528,41 @@ def validate(raw: dict[str, Any]) -> Config:
     warnings = [w for w in [config_checks.upstream_path_warning(values["upstream"])] if w]
     warnings += config_checks.inert_warnings(values, {k.name: k.default for k in KEYS}, PLACEMENT_ROUTES)
     return Config(values, warnings)
+
+
+def api_key(values: "Config | dict[str, Any]", who: str) -> str | None:
+    """The ``who`` ("router" or "engine") API key named by ``{who}_api_key_file`` (the file's text, stripped)
+    or ``{who}_api_key_env`` (that environment variable), or None when neither is set. Raises ConfigError
+    naming the key (never the secret) when both are set, the file cannot be read or is empty, or the variable
+    is unset or empty."""
+    get = values.get if isinstance(values, dict) else values.values.get
+    path, env = get(f"{who}_api_key_file"), get(f"{who}_api_key_env")
+    if path is not None and env is not None:
+        raise ConfigError(f"{who}_api_key_file: set either it or {who}_api_key_env, not both")
+    if path is not None:
+        try:
+            with open(path, encoding="utf-8") as fh:
+                key = fh.read().strip()
+        except (OSError, UnicodeDecodeError) as exc:
+            raise ConfigError(f"{who}_api_key_file: cannot read {path} "
+                              f"({exc.strerror if isinstance(exc, OSError) else 'not UTF-8 text'})") from None
+        if not key:
+            raise ConfigError(f"{who}_api_key_file: {path} is empty")
+        return _header_key(f"{who}_api_key_file", key)
+    if env is not None:
+        key = os.environ.get(env, "").strip()
+        if not key:
+            raise ConfigError(f"{who}_api_key_env: the environment variable {env} is not set or empty")
+        return _header_key(f"{who}_api_key_env", key)
+    return None
+
+
+def _header_key(name: str, key: str) -> str:
+    # The key goes into an Authorization header: visible ASCII only (a newline would split the header).
+    if not all(33 <= ord(ch) <= 126 for ch in key):
+        raise ConfigError(f"{name}: the key holds a space, control or non-ASCII character, which an HTTP header "
+                          f"cannot carry")
+    return key
 
 
 def load_yaml(path: str) -> dict[str, Any]:

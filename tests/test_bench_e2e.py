@@ -36,6 +36,17 @@ workload:
 """
 
 
+def run_scenario(tmp_path, text: str) -> tuple[dict, "Path"]:
+    """Run ``kvgate bench`` on the scenario ``text``; assert it exits 0; return (results.json, the out dir)."""
+    sc = tmp_path / "scenario.yaml"
+    sc.write_text(text)
+    out = tmp_path / "out"
+    p = argparse.ArgumentParser()
+    cli.add_arguments(p)
+    assert cli.run(p.parse_args(["--scenario", str(sc), "--out", str(out), "--no-progress"])) == 0
+    return json.loads((out / "results.json").read_text()), out
+
+
 def test_tiny_scenario_end_to_end(tmp_path):
     sc = tmp_path / "tiny.yaml"
     sc.write_text(TINY)
@@ -120,3 +131,35 @@ def test_compare_with_an_earlier_run(tmp_path):
     (prev / "results.json").write_text("{}")
     with pytest.raises(ValueError, match="not a kvgate bench results.json"):
         cli._load_previous(str(prev))
+
+
+SWEEP = TINY.replace("replicates: 2", "replicates: 2").replace(
+    """arms: [direct, lifecycle+admission, lifecycle+admission-program, router-limit, unbounded-kv, proxy-placement,
+       smg-manual]""",
+    """arms: [router-sweep, lifecycle]
+router_sweep:
+  - {name: round_robin, policy: round_robin}
+  - {name: consistent_hashing-noprot, policy: consistent_hashing, extra: [--disable-worker-overload-protection]}""")
+
+
+def test_router_sweep_best_becomes_direct(tmp_path):
+    """The router-sweep arm runs each router configuration router-only; the one that finished soonest becomes
+    ``direct`` (named in results.json and the report), and every configuration is in the sweep table."""
+    res, out = run_scenario(tmp_path, SWEEP)
+    best = res["best_router"]
+    assert best["arm"] in ("router-round_robin", "router-consistent_hashing-noprot")
+    other = ({"router-round_robin", "router-consistent_hashing-noprot"} - {best["arm"]}).pop()
+    assert list(res["metrics"]) == ["direct", other, "lifecycle"]
+    assert res["metrics"]["direct"]["makespan_s"] <= res["metrics"][other]["makespan_s"]
+    assert best["renamed_to"] == "direct"
+    # each configuration's own flags reached smg: consistent hashing keeps a session on one engine by its
+    # routing key (every later turn hits its cache), round_robin alternates engines
+    ch = res["arms"]["direct" if best["arm"] == "router-consistent_hashing-noprot" else other]
+    for rep in ch:
+        later = [r for r in rep["requests"] if r["turn"] == 2]
+        assert all(r["cached_tokens"] >= 1500 + 12 + 32 - 1 for r in later)
+    assert best["policy"] == ("consistent_hashing" if best["arm"].startswith("router-consistent") else "round_robin")
+    md = (out / "report.md").read_text()
+    assert f"Router sweep (router only, no kvgate; best: {best['arm']}):" in md
+    assert f"| {other} |" in md and f"| {best['arm']} | " in md
+    assert f"`direct` is the best router configuration of the sweep, {best['arm']}" in md

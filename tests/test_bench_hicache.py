@@ -1,11 +1,8 @@
 """The bench's HiCache arms: engines started with SGLang's hierarchical cache, with and without kvgate."""
 
-import argparse
-import json
 
 import pytest
 
-from kvgate.bench import command as cli
 from kvgate.bench.runner import expand_arms
 from kvgate.bench.scenario import load_scenario
 from kvgate.tools import procs
@@ -45,16 +42,11 @@ def test_hicache_arms_expand_to_engines_with_the_host_tier(tmp_path):
 
 @pytest.mark.skipif(not procs.smg_installed(), reason="smg router not installed")
 def test_hicache_arm_runs_and_its_engines_hold_a_host_tier(tmp_path):
-    sc = tmp_path / "tiny.yaml"
     text = TINY.replace("arms: [hicache, hicache+lifecycle, hicache+lifecycle+admission, hicache+lifecycle+admission-program,\n"
                         "       hicache+lifecycle+admission-program-device]", "arms: [hicache]")
     assert "arms: [hicache]\n" in text
-    sc.write_text(text)
-    out = tmp_path / "out"
-    p = argparse.ArgumentParser()
-    cli.add_arguments(p)
-    assert cli.run(p.parse_args(["--scenario", str(sc), "--out", str(out), "--no-progress"])) == 0
-    res = json.loads((out / "results.json").read_text())
+    from test_bench_e2e import run_scenario
+    res, out = run_scenario(tmp_path, text)
     assert res["metrics"]["hicache"]["errors"] == 0 and res["metrics"]["hicache"]["requests"] == 12
     t = res["arms"]["hicache"][0]["sim_totals"]
     # --hicache-ratio 2.0 (SGLang's default) of the 4000-token pool; the working set (~4 x 2.5k) overflows the

@@ -245,3 +245,30 @@ def test_help_says_what_the_flags_do():
         "(default: false)")
     assert "  --admission-chars-per-token CHARS" in lines
     assert "as before" not in serve.stdout and "two simulated" not in top.stdout
+
+
+def test_api_keys_from_a_file_or_an_environment_variable_and_errors_never_name_the_key(tmp_path, monkeypatch):
+    from kvgate.config import api_key
+    f = tmp_path / "k"
+    f.write_text("  key-123\n")
+    assert api_key(validate({"router_api_key_file": str(f)}), "router") == "key-123"
+    monkeypatch.setenv("KVGATE_K", "env-key")
+    assert api_key(validate({"engine_api_key_env": "KVGATE_K"}), "engine") == "env-key"
+    assert api_key(validate({}), "router") is None
+    assert "key-123" not in repr(validate({"router_api_key_file": str(f)}).as_dict())  # the config holds the path
+    bad = tmp_path / "bad"
+    bad.write_text("two words\n")
+    empty = tmp_path / "empty"
+    empty.write_text("\n")
+    monkeypatch.setenv("KVGATE_EMPTY", "")
+    for raw, start in [({"router_api_key_file": str(tmp_path / "missing")}, "router_api_key_file: cannot read"),
+                       ({"router_api_key_file": str(empty)}, "router_api_key_file: "),
+                       ({"engine_api_key_file": str(bad)}, "engine_api_key_file: the key holds a space"),
+                       ({"router_api_key_env": "KVGATE_UNSET_VAR"}, "router_api_key_env: the environment variable"),
+                       ({"engine_api_key_env": "KVGATE_EMPTY"}, "engine_api_key_env: the environment variable"),
+                       ({"router_api_key_file": str(f), "router_api_key_env": "KVGATE_K"},
+                        "router_api_key_file: set either")]:
+        with pytest.raises(ConfigError) as err:
+            validate(raw)
+        assert str(err.value).startswith(start), str(err.value)
+        assert "two words" not in str(err.value) and "env-key" not in str(err.value)

@@ -171,3 +171,23 @@ def test_engine_warnings():
     assert kinds({"enable_session_radix_cache": True, "enable_cache_report": True}) == []
     assert kinds(None, None) == ["server_info_unreadable"]
     assert compat.parse_version("0.5.17rc1") == (0, 5, 17)
+
+
+def test_probe_is_unknown_unless_it_got_an_answer_it_knows():
+    """Only the engine's both-set 400 (forwarded) and what an engine answers without session_id (its
+    session-does-not-exist 400, an abort, a generation) are verdicts; a refused key, a router's own
+    validation error, a limiter or an unparsable 200 are unknown, and kvgate probes again."""
+    for status, body in [(401, b'{"error":{"message":"Unauthorized"}}'), (403, b"Forbidden"),
+                         (422, b'{"error":{"message":"invalid type: string"}}'), (415, b""),
+                         (400, b'{"error":{"message":"unknown field `session_id`"}}'), (429, b"{}"),
+                         (200, b"not json"), (200, b'{"ok": true}'), (404, b'{"error":{"code":"model_not_found"}}')]:
+        assert compat.classify_probe(status, body) == compat.UNKNOWN, (status, body)
+    assert compat.classify_probe(200, b'{"text":"a","meta_info":{"id":"x"}}') == compat.DROPPED
+    assert compat.classify_probe(200, b'[{"text":"a","meta_info":{}},{"text":"b","meta_info":{}}]') == compat.DROPPED
+    assert compat.classify_probe(200, b'{"id":"c","choices":[{"text":"a"}]}') == compat.DROPPED
+    assert compat.classify_probe(
+        400, b'{"error":{"message":"Invalid request: session id p does not exist"}}') == compat.DROPPED
+    # the routing-key warning: smg 1.13 keeps a key on one worker with consistent_hashing, manual, or sticky sessions
+    assert compat.routing_key_warning("consistent_hashing", "X-SMG-Routing-Key") is None
+    assert compat.routing_key_warning("cache_aware", "X-SMG-Routing-Key", sticky=True) is None
+    assert "--sticky-sessions" in compat.routing_key_warning("round_robin", "X-SMG-Routing-Key")

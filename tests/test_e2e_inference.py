@@ -86,7 +86,9 @@ async def test_only_an_abort_the_client_asked_for_closes_its_session(kvgate_fact
     await site.start()
     router = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
     try:
-        gw, kv = await kvgate_factory(upstream=router, agentic_session_lifecycle=True, engines=[e1.url])
+        # the turns go to the router (its answers are the aborts), not to the engine kvgate would place them on
+        gw, kv = await kvgate_factory(upstream=router, agentic_session_lifecycle=True, engines=[e1.url],
+                                      session_placement="router")
         async with aiohttp.ClientSession() as http:
             # An abort nobody asked kvgate for (a weight update, an engine fault): a step boundary.
             async with http.post(kv + "/generate", data=orjson.dumps({"input_ids": [1, 2], "rid": "r-1"}),

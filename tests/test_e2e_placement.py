@@ -42,9 +42,10 @@ def _sse_events(raw: bytes) -> list[dict]:
     return [orjson.loads(e[6:]) for e in raw.split(b"\n\n") if e.startswith(b"data: {")]
 
 
-async def test_auto_places_generate_and_chat_sessions_behind_a_router_that_drops_session_id(
+async def test_auto_places_every_generate_route_behind_a_router_that_drops_session_id(
         sim_factory, router_factory, kvgate_factory):
-    # sglang-router 0.3.2 drops session_id on /generate and chat and forwards it on /v1/completions
+    # sglang-router 0.3.2 drops session_id on /generate and chat and forwards it on /v1/completions; with
+    # lifecycle on, auto places the sessions of all three routes whatever the probe says
     e1 = await sim_factory(max_total_num_tokens=50_000, speed=50)
     e2 = await sim_factory(max_total_num_tokens=50_000, speed=50)
     router = await router_factory([e1.url, e2.url], legacy=True, policy="manual")
@@ -57,7 +58,8 @@ async def test_auto_places_generate_and_chat_sessions_behind_a_router_that_drops
         async with http.get(kv + "/kvgate/health") as r:
             health = await r.json()
         assert health["session_placement"] == {"/generate": "kvgate", "/v1/chat/completions": "kvgate",
-                                               "/v1/completions": "router"}
+                                               "/v1/completions": "kvgate"}
+        assert health["session_placement_why"]["/v1/completions"] == "auto: session lifecycle on"
         assert health["session_id_passthrough_by_route"]["/v1/completions"] == "forwarded"
         base_probe = [sum(s.values()) for s in _seen(e1, e2)]
         assert base_probe == [0, 0]  # the probe's session ids never tag anything
@@ -104,29 +106,28 @@ async def test_auto_places_generate_and_chat_sessions_behind_a_router_that_drops
             msgs = msgs + [{"role": "assistant", "content": text}, {"role": "user", "content": f"obs {turn}"}]
         assert sorted(_where("chat", e1, e2)) == [0, 3]
 
-        # /v1/completions: the router forwards session_id there, so auto leaves it to the router (manual policy:
-        # sticky by X-SMG-Routing-Key, which kvgate sets)
+        # /v1/completions: the router forwards session_id there; kvgate places it all the same
         for turn in range(3):
             st, body, _ = await _post(http, kv + "/v1/completions", {"model": "kvgate-sim", "prompt": "p" * 300,
                                                                      "max_tokens": 3}, {"X-Session-ID": "cmpl"})
             assert st == 200 and orjson.loads(body)["usage"]["completion_tokens"] == 3
         assert sorted(_where("cmpl", e1, e2)) == [0, 3]
-        assert gw.placement.engine_of("cmpl") is None  # the router placed it
+        assert gw.placement.engine_of("cmpl") is not None and gw.placement.placed_by("cmpl") == "kvgate"
 
         # kvgate's views name each placed session's engine
         async with http.get(kv + "/kvgate/sessions") as r:
             sessions = {s["session_id"]: s for s in (await r.json())["sessions"]}
-        assert sessions["gen"]["engine"] == {"url": home.url, "dp_rank": None}
-        assert sessions["cmpl"]["engine"] is None
+        assert sessions["gen"]["engine"] == {"url": home.url, "dp_rank": None, "placed_by": "kvgate"}
+        assert sessions["cmpl"]["engine"]["placed_by"] == "kvgate"
         async with http.get(kv + "/kvgate/engines") as r:
             engines = await r.json()
-        assert sum(e["placed_sessions"] for e in engines["engines"]) == 3
-        assert sum(e["placements"] for e in engines["engines"]) == 3
-        assert engines["placement"]["counts"]["free_kv"] == 3
+        assert sum(e["placed_sessions"] for e in engines["engines"]) == 4
+        assert sum(e["placements"] for e in engines["engines"]) == 4
+        assert engines["placement"]["counts"]["free_kv"] == 4
         m = gw.metrics.render()[0].decode()
     assert 'agentic_kv_router_session_id_passthrough{route="/generate",verdict="dropped"} 1.0' in m
-    assert 'agentic_kv_session_placement_active{route="/v1/completions"} 0.0' in m
-    assert 'agentic_kv_placement_calls_total{outcome="engine"} 9.0' in m  # 4 + 2 + 3 placed calls
+    assert 'agentic_kv_session_placement_active{route="/v1/completions"} 1.0' in m
+    assert 'agentic_kv_placement_calls_total{outcome="engine"} 12.0' in m  # 4 + 2 + 3 + 3 placed calls
     assert f'agentic_kv_placed_sessions{{engine="{home.url}"}}' in m
 
 
@@ -304,12 +305,21 @@ async def test_lifecycle_off_placement_on_sends_the_body_unchanged(recorders, kv
 async def test_routing_key_warning_when_the_router_policy_ignores_it(recorders, kvgate_factory, caplog):
     router = await recorders("router")
     caplog.set_level("WARNING", logger="kvgate")
+    # the router places session traffic: warned for a policy that spreads a routing key (smg 1.13)
+    await kvgate_factory(upstream=router.url, agentic_session_lifecycle=True, router_policy="cache_aware",
+                         session_placement="router")
+    for policy in ("manual", "consistent_hashing"):  # these keep a routing key on one worker
+        await kvgate_factory(upstream=router.url, agentic_session_lifecycle=True, router_policy=policy,
+                             session_placement="router")
+    # --sticky-sessions keeps a routing key on one worker on any policy
+    await kvgate_factory(upstream=router.url, agentic_session_lifecycle=True, router_policy="cache_aware",
+                         router_sticky_sessions=True, session_placement="router")
+    # kvgate places session traffic itself (auto with lifecycle on, or kvgate): the router's policy does not matter
     await kvgate_factory(upstream=router.url, agentic_session_lifecycle=True, router_policy="cache_aware")
-    await kvgate_factory(upstream=router.url, agentic_session_lifecycle=True, router_policy="manual")
     await kvgate_factory(upstream=router.url, agentic_session_lifecycle=True, router_policy="cache_aware",
                          session_placement="kvgate")
     lines = [r.getMessage() for r in caplog.records if "ignores X-SMG-Routing-Key" in r.getMessage()]
-    assert len(lines) == 1 and "'cache_aware'" in lines[0]
+    assert len(lines) == 1 and "'cache_aware'" in lines[0] and "--sticky-sessions" in lines[0]
 
 
 async def test_router_restart_is_probed_again_and_placed_sessions_ride_through_it(sim_factory, kvgate_factory,
@@ -392,3 +402,30 @@ async def test_a_closed_session_reopened_goes_back_to_its_engine(sim_factory, ro
         assert view["placement"]["counts"]["reopened"] == 1 and view["placement"]["reopen_hints"] == 0
         m = gw.metrics.render()[0].decode()
     assert f'agentic_kv_session_placements_total{{engine="{home.url}",reason="reopened"}} 1.0' in m
+
+
+async def test_placed_calls_carry_the_engine_key_and_skip_the_router_only_with_the_routers_key(
+        recorders, kvgate_factory, monkeypatch, tmp_path):
+    """With the router's key given to kvgate, a session call is placed only when it carries that key (any other
+    goes to the router, which answers it); a placed call and kvgate's close carry the engines' key instead."""
+    router, engine = await recorders("router"), await recorders("engine")
+    (tmp_path / "engine.key").write_text("engine-key\n")
+    monkeypatch.setenv("KVGATE_TEST_ROUTER_KEY", "router-key")
+    gw, kv = await kvgate_factory(upstream=router.url, engines=[engine.url], agentic_session_lifecycle=True,
+                                  session_inference=False, router_api_key_env="KVGATE_TEST_ROUTER_KEY",
+                                  engine_api_key_file=str(tmp_path / "engine.key"))
+    await gw.directory.first_refresh.wait()
+    body = b'{"input_ids": [1, 2, 3]}'
+    async with aiohttp.ClientSession() as http:
+        for auth, to in ((None, "router"), ("Bearer wrong", "router"), ("Bearer router-key", "engine")):
+            hdr = {"X-Session-ID": "k", **({"Authorization": auth} if auth else {})}
+            async with http.post(kv + "/generate", data=body, headers=hdr) as r:
+                assert r.headers["X-From"] == to, auth
+        async with http.post(kv + "/kvgate/sessions/k/close?wait=1") as r:
+            assert (await r.json())["close_results"] == {engine.url: "ok"}
+    sent = [h for p, _, h in router.received if p == "/generate"]
+    assert [h.get("Authorization") for h in sent] == [None, "Bearer wrong"]  # the client's, as it came
+    placed = [h for p, _, h in engine.received if p == "/generate"]
+    assert [h["Authorization"] for h in placed] == ["Bearer engine-key"]
+    assert [h["Authorization"] for p, _, h in engine.received if p == "/close_session"] == ["Bearer engine-key"]
+    assert 'agentic_kv_placement_calls_total{outcome="router_auth"} 2.0' in gw.metrics.render()[0].decode()

@@ -19,7 +19,8 @@ async def test_session_id_reaches_engine_through_smg_and_answers_are_identical(s
                                                                                kvgate_factory):
     e1 = await sim_factory(max_total_num_tokens=50_000, speed=50)
     router = await router_factory([e1.url])
-    gw, kv = await kvgate_factory(upstream=router, agentic_session_lifecycle=True)
+    # the router places session traffic here (auto would place it on the engine itself)
+    gw, kv = await kvgate_factory(upstream=router, agentic_session_lifecycle=True, session_placement="router")
     # greedy: identical answers direct and through the proxy (the default temperature 1.0 samples)
     req = {"input_ids": list(range(1, 301)),
            "sampling_params": {"max_new_tokens": 16, "ignore_eos": True, "temperature": 0}}
@@ -48,7 +49,7 @@ async def test_session_id_reaches_engine_through_smg_and_answers_are_identical(s
     assert (s.turns, s.in_flight, s.prompt_tokens, s.completion_tokens) == (2, 0, 600, 32)
     # Measured here: smg 1.13.0 re-serialises /generate and keeps the top-level session_id kvgate injected
     # (sglang-router 0.3.2 drops it: test_legacy_sglang_router_drops_session_id_and_kvgate_says_so); it
-    # forwards it on /v1/completions too. (No probe here: the router places.)
+    # forwards it on /v1/completions too. (No probe here: the router places, session_placement: router.)
     assert not gw.directory.placed("/generate")
     assert e1.stats()["sessions"] == {"sess-42": 2}
     async with aiohttp.ClientSession() as http:

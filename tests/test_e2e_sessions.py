@@ -358,8 +358,9 @@ async def test_idle_close_of_many_sessions_at_once_does_not_block_kvgate(sim_fac
 async def test_a_session_coming_back_waits_for_its_close_calls_on_the_wire(sim_factory, kvgate_factory):
     e = await sim_factory(**SIM)
     gate = await NetGate.open(e.port)
+    # the turn goes to the upstream (here the engine itself), not through the frozen gate kvgate would place it on
     gw, kv = await kvgate_factory(upstream=e.url, agentic_session_lifecycle=True, engines=[gate.url],
-                                  close_timeout_s=0.3, close_retry_backoff_s=30.0)
+                                  close_timeout_s=0.3, close_retry_backoff_s=30.0, session_placement="router")
     lc, reg = gw.lifecycle, gw.lifecycle.registry
     try:
         gate.freeze()  # the engine holds the close call without answering

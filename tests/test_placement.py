@@ -306,6 +306,33 @@ def test_reopen_elsewhere_counts_only_sessions_that_really_moved():
     assert p.place("s1", [], 4.0) == Target(B) and p.counts["reopen_elsewhere"] == 1
 
 
+def test_an_engine_learned_from_the_router_is_the_sessions_engine_and_its_sticky_target():
+    """learn(): the engine the router named for a session's call (x-smg-routed-worker-id) becomes the
+    session's engine for engine_of() (admission's lookup), follows the router when it moves the session, is
+    ignored for an engine kvgate does not know, and is where kvgate places the session if it places it later."""
+    from kvgate.fleet.placement import placement_active
+    p = fleet()
+    p.set_capacity({A: [(10_000, 9_000)], B: [(10_000, 0)], C: [(10_000, 0)]})
+    assert p.learn("s", Target(A), 0.0) is True
+    assert p.engine_of("s") == (A, None) and p.placed_by("s") == "router" and p.sessions_on(A) == 1
+    assert p.learn("s", Target(A), 1.0) is False                      # the same engine again: no change
+    assert p.learn("s", Target(C), 2.0) is True and p.engine_of("s") == (C, None)  # the router moved it
+    assert (p.sessions_on(A), p.sessions_on(C)) == (0, 1)
+    assert p.learn("x", Target("http://unknown:1"), 3.0) is False and p.engine_of("x") is None
+    # kvgate places it later (its route switched to kvgate): it stays on the router's engine, where its KV is
+    p.set_capacity({A: [(10_000, 0)], B: [(10_000, 0)], C: [(10_000, 8_000)]})
+    assert p.place("s", [], 4.0) == Target(C) and p.last_reason == "sticky" and p.placed_by("s") == "kvgate"
+    assert p.counts["routed"] == 2 and p.counts["free_kv"] == 0
+    # a closed session learned again is no longer a re-open hint
+    p.forget("s", 5.0)
+    assert p.reopen_hints(5.0) == 1
+    p.learn("s", Target(B), 6.0)
+    assert p.reopen_hints(6.0) == 0 and p.engine_of("s") == (B, None)
+    # auto places with either feature on, whatever the router does with session_id; router never; kvgate always
+    assert [placement_active(m, on) for m in ("auto", "kvgate", "router") for on in (True, False)] == [
+        True, False, True, True, False, False]
+
+
 def test_compute_load_breaks_free_kv_ties_and_counts_calls_the_figures_cannot_include():
     """Equal free KV: the engine with fewer running + waiting requests wins (reported, plus kvgate's calls sent
     since the figures were requested); the free-KV rule still comes first."""

@@ -44,7 +44,9 @@ def _cases() -> dict[str, bytes]:
 async def test_bad_input_gets_the_routers_own_answer(sim_factory, router_factory, kvgate_factory):
     engine = await sim_factory(max_total_num_tokens=50_000, speed=100)
     router = await router_factory([engine.url])
-    gw, kv = await kvgate_factory(upstream=router, agentic_session_lifecycle=True)
+    # the router's own answers: session calls stay on the router path (placed, they get the engine's answers:
+    # docs/placement.md)
+    gw, kv = await kvgate_factory(upstream=router, agentic_session_lifecycle=True, session_placement="router")
     port = lambda url: int(url.rsplit(":", 1)[1])  # noqa: E731
     for name, raw in _cases().items():
         direct = parse_answer(await send_raw(port(router), raw))

@@ -116,7 +116,7 @@ class CapacityPoller:
 
     async def start(self) -> None:
         timeout = aiohttp.ClientTimeout(total=scrape_timeout_s(self.interval_s))
-        self._session = aiohttp.ClientSession(timeout=timeout)
+        self._session = aiohttp.ClientSession(timeout=timeout, headers=getattr(self.directory, "engine_headers", None))
         self._task = asyncio.create_task(self._run(), name="kvgate-capacity-poller")
 
     async def stop(self) -> None:

@@ -92,7 +92,8 @@ def run(args: argparse.Namespace) -> int:
             if missing:
                 raise ValueError(f"--arms: {missing[0]!r}: the scenario's arm_settings has no "
                                  f"{missing[0].partition('@')[2]!r}")
-            arms = [a for a in expand_arms(sc) if a.name in wanted or a.name.rsplit("-", 1)[0] in wanted]
+            arms = [a for a in expand_arms(sc) if a.name in wanted or a.group in wanted
+                    or (a.group == "router-limit" and a.name.rsplit("-", 1)[0] in wanted)]
             if not arms:
                 raise ValueError(f"--arms {args.arms}: no arm to run (router-limit-N needs N in router_limits: "
                                  f"{sc.router_limits})")
@@ -157,6 +158,20 @@ def run(args: argparse.Namespace) -> int:
         bar.close()
     wall = time.monotonic() - t_all
     metrics = {a: report.aggregate(ms) for a, ms in per_rep.items()}
+    # smg at its best: the router configuration of the sweep that finished soonest becomes ``direct``, the
+    # baseline every kvgate arm is compared with (unless the run has a ``direct`` arm of its own)
+    sweep_arms = {a.name: a for a in arms if a.group == "router-sweep"}
+    sweep_md, best = report.router_sweep_markdown(metrics, list(sweep_arms))
+    best_router = None
+    if best is not None:
+        spec = sweep_arms[best]
+        best_router = {"arm": best, "policy": spec.router_policy,
+                       "extra": [str(x) for x in sc.router_extra] + list(spec.router_flags)}
+        if "direct" not in metrics:
+            metrics = {"direct": metrics.pop(best), **metrics}
+            per_rep = {"direct": per_rep.pop(best), **per_rep}
+            raws = {"direct": raws.pop(best), **raws}
+            best_router["renamed_to"] = "direct"
     tiers, se, se_df = report.ranked_tiers(metrics)
     order = report.ranking(metrics)  # plain order of the means (for Kendall tau against another run)
     summary = workloads[0][2] if len(workloads) == 1 else {"replicates": [w[2] for w in workloads]}
@@ -167,9 +182,14 @@ def run(args: argparse.Namespace) -> int:
               f"{sc.engines} engines x {sc.max_total_num_tokens:,} KV tokens "
               f"(unbounded-kv: {sc.unbounded_max_total_num_tokens:,}), smg policy {sc.router_policy}, turns sent "
               f"to {API_PATHS[sc.api]}; "
-              f"{per_seed}; bench wall time {wall:.0f} s on {platform.machine()} ({_cores()} cores)."
-              + _replicate_note(sc.workload["kind"], len(seeds)) + "\n")
+              f"{per_seed}; bench wall time {wall:.0f} s on {platform.machine()} ({_cores()} cores, load average "
+              f"{_load()})."
+              + _replicate_note(sc.workload["kind"], len(seeds))
+              + (f" `direct` is the best router configuration of the sweep, {best} (smg --policy "
+                 f"{best_router['policy']} {' '.join(best_router['extra'])})."
+                 if best_router and best_router.get("renamed_to") else "") + "\n")
     md = report.markdown(metrics, header)
+    md += sweep_md
     md += report.placement_markdown(metrics, sc.router_policy)
     md += _ranking_text(tiers, len(seeds), se, se_df, report.failed_arms(metrics))
     comparison = None
@@ -187,7 +207,7 @@ def run(args: argparse.Namespace) -> int:
     results = {"scenario": sc.__dict__, "speed": sc.speed, "seeds": seeds, "scaled": scaled.__dict__,
                "workload": summary, "ideal_prefill_tokens": [w[1] for w in workloads], "wall_s": wall,
                "metrics": metrics, "metrics_by_seed": per_rep, "tiers": tiers, "se_of_mean_s": se, "se_df": se_df,
-               "ranking": order,
+               "ranking": order, "best_router": best_router,
                "compare": comparison, "plots": files, "arms": raws}
     (out / "results.json").write_text(json.dumps(_clean(results), indent=1, default=str))
     print(md)
@@ -196,6 +216,15 @@ def run(args: argparse.Namespace) -> int:
     bad = any(m["errors"] for m in metrics.values()) or any(r.get("timed_out") or r.get("failed")
                                                             for rs in raws.values() for r in rs)
     return 1 if bad else 0
+
+
+def _load() -> str:
+    """The 1, 5 and 15 minute load averages (how busy the shared machine was), or "unknown"."""
+    try:
+        import os
+        return "/".join(f"{x:.1f}" for x in os.getloadavg())
+    except OSError:
+        return "unknown"
 
 
 def _replicate_note(kind: str, n: int) -> str:
@@ -214,9 +243,11 @@ def _pick_arms(spec: str) -> tuple[list[str], set[str]]:
         raise ValueError(f"--arms: no arm named in {spec!r}; choose from {list(ARMS)}")
     base = []
     for w in wanted:
-        b = w if w in ARMS or w.partition("@")[0] in ARMS else w.rsplit("-", 1)[0]  # ARM@NAME: arm_settings
-        if b.partition("@")[0] not in ARMS or (b != w and b != "router-limit"):
-            raise ValueError(f"--arms: unknown arm {w!r}; choose from {list(ARMS)} (router-limit-N for one limit)")
+        b = (w if w in ARMS or w.partition("@")[0] in ARMS  # ARM@NAME: arm_settings
+             else "router-limit" if w.startswith("router-limit-") else "router-sweep" if w.startswith("router-") else w)
+        if b.partition("@")[0] not in ARMS:
+            raise ValueError(f"--arms: unknown arm {w!r}; choose from {list(ARMS)} (router-limit-N for one limit, "
+                             f"router-NAME for one router-sweep configuration)")
         if b not in base:
             base.append(b)
     return base, set(wanted)

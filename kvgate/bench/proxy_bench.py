@@ -38,10 +38,10 @@ SHAPE_TOKENS = {"small": 16, "8k": 8192, "64k": 65536, "sse": 16}
 SSE_REQUEST_ID = "sse-bench"
 
 ALL_ARMS = ("direct", "smg", "nginx-proxy", "kvgate-off", "lifecycle", "lifecycle+admission", "placement",
-            "placement+admission", "kvgate-nosmg")
-# The lifecycle arms keep smg on the path (session_placement router): what the default (auto) gives behind smg
-# 1.13, which carries session_id. The placement arms have kvgate place the sessions and skip smg: what auto gives
-# behind a router that drops session_id (sglang-router 0.3.2), and session_placement: kvgate anywhere.
+            "placement+admission", "defaults+admission", "kvgate-nosmg")
+# The lifecycle arms keep smg on the path (session_placement router). The placement arms have kvgate place the
+# sessions and skip smg (session_placement kvgate); defaults+admission is both features with every placement key
+# at its default (auto places session traffic when a feature is on, so it should measure as placement+admission).
 KVGATE_FLAGS = {
     "kvgate-off": [],
     "lifecycle": ["--agentic-session-lifecycle", "--session-placement", "router"],
@@ -51,6 +51,8 @@ KVGATE_FLAGS = {
     # both features with kvgate placing sessions
     "placement+admission": ["--agentic-session-lifecycle", "--agentic-program-admission",
                             "--admission-poll-interval-s", "0.5", "--session-placement", "kvgate"],
+    "defaults+admission": ["--agentic-session-lifecycle", "--agentic-program-admission",
+                           "--admission-poll-interval-s", "0.5"],
     # features off, in front of the stand-in itself: kvgate's own hop without smg's (smg's SSE path stalls a
     # keep-alive client like wrk for a delayed ACK, ~40 ms a stream; kvgate's client to smg does not)
     "kvgate-nosmg": ["--no-compat-probe"],

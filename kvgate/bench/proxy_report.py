@@ -25,7 +25,7 @@ NOSMG = "kvgate-nosmg"
 NULL_PROXY = "nginx-proxy"
 #: Arms where kvgate places /generate sessions itself and sends them to the engine: smg is not on their path,
 #: so their hop replaces smg's and is compared with it (added over direct).
-PLACING = ("placement", "placement+admission")
+PLACING = ("placement", "placement+admission", "defaults+admission")
 KVGATE_ARMS = ("kvgate-off", "lifecycle", "lifecycle+admission", *PLACING, NOSMG)
 ARM_ORDER = (DIRECT, SMG, NULL_PROXY, *KVGATE_ARMS)
 SHAPE_ORDER = ("small", "8k", "64k", "sse")

@@ -261,6 +261,37 @@ def markdown(metrics: dict[str, dict], header: str = "") -> str:
     return "\n".join(lines) + "\n"
 
 
+def router_sweep_markdown(metrics: dict[str, dict], names: list[str]) -> tuple[str, str | None]:
+    """The router sweep's table (its arms by mean makespan, with the paired difference to the best and each
+    arm's tier) and the best arm's name, from ``metrics`` of the ``names`` router-sweep arms that finished.
+    ("", None) when fewer than one sweep arm finished."""
+    failed = set(failed_arms(metrics))
+    done = [a for a in names if a in metrics and a not in failed]
+    if not done:
+        return "", None
+    best = min(done, key=lambda a: metrics[a]["makespan_s"])
+    sub = {a: metrics[a] for a in done}
+    diffs = vs_base(sub, best)
+    tier_of = {a: i + 1 for i, t in enumerate(tiers({a: list(m["makespan_s_reps"]) for a, m in sub.items()}, []))
+               for a in t}
+    lines = ["", f"Router sweep (router only, no kvgate; best: {best}):", "",
+             "| router configuration | makespan s | vs best s (paired, 95%) | tier | cache hit | TTFT p99 s |",
+             "|---|---|---|---|---|---|"]
+    for a in sorted(done, key=lambda a: metrics[a]["makespan_s"]):
+        xs = [x for x in metrics[a]["makespan_s_reps"] if x is not None]
+        if len(xs) >= 2:
+            mean, hw = mean_ci(xs)
+            span = f"{mean:.1f} ± {hw:.1f}"
+        else:
+            span = f"{metrics[a]['makespan_s']:.1f}"
+        lines.append(f"| {a} | {span} | {'-' if a == best else _paired_cell(a, diffs)} | {tier_of.get(a, '-')} | "
+                     f"{_fmt('{:.1%}', metrics[a].get('cache_hit_rate'))} | {_fmt('{:.1f}', metrics[a].get('ttft_p99_s'))} |")
+    gone = [a for a in names if a not in done]
+    if gone:
+        lines.append(f"\nDid not finish: {', '.join(gone)}.")
+    return "\n".join(lines) + "\n", best
+
+
 def failed_arms(metrics: dict[str, dict]) -> list[str]:
     """Arms whose makespans cannot be compared: errors, or a seed without a makespan."""
     return [a for a, m in metrics.items() if m.get("errors") or m.get("failed") or not m.get("makespan_s_reps")

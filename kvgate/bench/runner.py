@@ -51,6 +51,8 @@ class ArmSpec:
     placement: bool = False
     # this arm's smg --policy (None: the scenario's router_policy)
     router_policy: str | None = None
+    # the scenario arm this one was expanded from when it differs from the name (router-sweep, router-limit)
+    group: str | None = None
     # kvgate replicas (> 1: they share state through a redis-server of the arm's own, state_backend: redis,
     # and the client's sessions are split between them, see replica_for)
     replicas: int = 1
@@ -129,7 +131,11 @@ def _expand_one(sc: Scenario, a: str, out: list[ArmSpec]) -> None:
         out.append(ArmSpec(a, kvgate=True, lifecycle=True, admission=True, admission_policy="program",
                            pool_tokens=pool, kvgate_flags=THUNDER_FLAGS))
     elif a == "router-limit":
-        out += [ArmSpec(f"router-limit-{n}", router_limit=n, pool_tokens=pool) for n in sc.router_limits]
+        out += [ArmSpec(f"router-limit-{n}", router_limit=n, pool_tokens=pool, group=a) for n in sc.router_limits]
+    elif a == "router-sweep":  # router only, one arm per router configuration
+        out += [ArmSpec(f"router-{c['name']}", pool_tokens=pool, router_policy=c["policy"],
+                        router_flags=tuple(str(x) for x in c.get("extra", [])), group=a)
+                for c in sc.router_sweep]
     elif a == "unbounded-kv":
         out.append(ArmSpec(a, pool_tokens=sc.unbounded_max_total_num_tokens))
     elif a == "hicache":
@@ -215,9 +221,8 @@ class Fleet:
             cmd += ["--config", str(extra_yaml)]
         cmd += ["--router-policy", self.policy]
         if self.arm.placement or (self.arm.lifecycle and self.sc.api in ("generate", "chat")):
-            # kvgate keeps each session on one engine, as auto did in the published runs (their router,
-            # sglang-router 0.3.2, drops session_id on /generate and chat); behind smg 1.13, which carries it,
-            # auto would leave these arms to the router's policy.
+            # kvgate keeps each session on one engine: what auto does with lifecycle on (said explicitly, so the
+            # arm means the same with a config that sets session_placement)
             cmd += ["--session-placement", "kvgate"]
         if self.arm.lifecycle:
             cmd.append("--agentic-session-lifecycle")

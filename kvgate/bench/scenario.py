@@ -20,7 +20,22 @@ ARMS = ("direct", "proxy-only", "lifecycle", "lifecycle-inferred", "admission", 
         "router-limit", "unbounded-kv", "hicache",
         "hicache+lifecycle", "hicache+lifecycle+admission", "hicache+lifecycle+admission-program",
         "hicache+lifecycle+admission-program-thunder",
-        "hicache+lifecycle+admission-program-device", "proxy-placement", "smg-manual", "direct-no-overload")
+        "hicache+lifecycle+admission-program-device", "proxy-placement", "smg-manual", "direct-no-overload",
+        "router-sweep")
+# The router configurations the ``router-sweep`` arm runs, router-only (no kvgate), each as arm router-<name>:
+# the policies and options a user of smg 1.13 would try for agentic sessions (router-compat.md). Worker
+# overload protection is on by default in smg 1.13; "-noprot" turns it off. Sticky sessions and the hashing
+# policies key on X-SMG-Routing-Key, which the bench's client sets to the session id.
+DEFAULT_ROUTER_SWEEP = [
+    {"name": name + ("-noprot" if off else ""), "policy": policy,
+     "extra": extra + (["--disable-worker-overload-protection"] if off else [])}
+    for name, policy, extra in (("cache_aware", "cache_aware", []),
+                                ("cache_aware+sticky", "cache_aware", ["--sticky-sessions"]),
+                                ("consistent_hashing", "consistent_hashing", []),
+                                ("prefix_hash", "prefix_hash", []),
+                                ("least_load", "least_load", []))
+    for off in (False, True)]
+_SWEEP_NAME = __import__("re").compile(r"[A-Za-z0-9_.+]+(-[A-Za-z0-9_.+]+)*")
 # How the client sends its turns (the route): token ids to /generate, chat messages, or completions text.
 APIS = ("generate", "chat", "completions")
 
@@ -57,6 +72,8 @@ class Scenario:
     router_policy: str = "cache_aware"
     # more smg flags, the same in every arm (e.g. ["--assignment-mode", "min_group"] for policy manual)
     router_extra: list[str] = field(default_factory=list)
+    # the router configurations of the router-sweep arm: [{name, policy, extra: [smg flags]}]
+    router_sweep: list[dict] = field(default_factory=lambda: [dict(c) for c in DEFAULT_ROUTER_SWEEP])
     router_limits: list[int] = field(default_factory=lambda: [8, 16])
     router_queue_size: int = 10_000
     router_queue_timeout_s: float = 3600.0
@@ -98,6 +115,10 @@ _CHECKS = {
     "router_policy": (lambda v: isinstance(v, str) and v != "", "an smg --policy name"),
     "router_extra": (lambda v: isinstance(v, list) and all(isinstance(x, (str, int, float)) for x in v),
                      "a list of smg flags and values"),
+    "router_sweep": (lambda v: isinstance(v, list) and v != [] and all(_sweep_entry_ok(c) for c in v)
+                     and len({c["name"] for c in v}) == len(v),
+                     "a non-empty list of {name, policy, extra} mappings with distinct names (letters, digits, "
+                     "_ . + -), a policy name and a list of smg flags"),
     "router_limits": (lambda v: isinstance(v, list) and v != [] and all(_is_int(x) and x >= 1 for x in v),
                       "a non-empty list of integers >= 1"),
     "router_queue_size": (lambda v: _is_int(v) and v >= 1, "an integer >= 1"),
@@ -112,6 +133,12 @@ _CHECKS = {
                                                           for k, x in v.items()),
                      "a mapping of names to mappings of kvgate config keys to values"),
 }
+
+
+def _sweep_entry_ok(c) -> bool:
+    return (isinstance(c, dict) and set(c) <= {"name", "policy", "extra"} and isinstance(c.get("name"), str)
+            and _SWEEP_NAME.fullmatch(c["name"]) is not None and isinstance(c.get("policy"), str) and c["policy"] != ""
+            and isinstance(c.get("extra", []), list) and all(isinstance(x, (str, int, float)) for x in c.get("extra", [])))
 
 
 def parse_scenario(obj: dict[str, Any], name: str = "scenario") -> Scenario:

@@ -236,7 +236,9 @@ class Metrics:
                                      ["engine"], registry=r)
         self.placement_calls = LoopCounter(p + "placement_calls", "Session calls on a placed route, by where "
                                            "they went (engine; router_fallback: no engine usable; connect_retry: "
-                                           "an engine refused the connection and the next was tried)",
+                                           "an engine refused the connection and the next was tried; "
+                                           "router_auth: the call lacked the router's API key, so the router "
+                                           "answered it)",
                                            ("outcome",), r)
         self.engine_warning = Gauge(p + "engine_warning", "1 when an engine is misconfigured for kvgate",
                                     ["engine", "kind"], registry=r)
@@ -263,7 +265,7 @@ class Metrics:
         self.session_close_skipped.labels("no_kv")
         self.session_close_skipped.labels("elsewhere")
         self.session_close_dropped.labels("engine_gone")
-        for outcome in ("engine", "router_fallback", "connect_retry"):
+        for outcome in ("engine", "router_fallback", "connect_retry", "router_auth"):
             self.placement_calls.labels(outcome)
         for result in ("ok", "error"):
             self.close_calls.labels(result)

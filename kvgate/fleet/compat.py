@@ -64,7 +64,8 @@ def probe_body(probe_id: str, route: str = "/generate", model: str | None = None
 
 def classify_probe(status: int | None, body: bytes) -> str:
     """Verdict (forwarded | dropped | unknown) from the probe's HTTP status (None = transport failure) and
-    response body; only an answer recognised as an engine's gives forwarded or dropped (module doc)."""
+    response body; only an answer recognised as an engine's gives forwarded or dropped (module doc): a refused
+    key (401/403), no worker, a limiter or a router's own validation error is unknown, and kvgate probes again."""
     if status is None:
         return UNKNOWN
     if status in (400, 422) and (_SESSION_ID_INVALID.search(body) or BOTH_SET_MESSAGE.encode() in body):
@@ -77,13 +78,15 @@ def classify_probe(status: int | None, body: bytes) -> str:
 
 
 def _generated(body: bytes) -> bool:
-    """Whether ``body`` is an engine's generate answer (it ran the request): /generate's ``meta_info``, the
-    OpenAI routes' ``choices``."""
+    """Whether ``body`` is an engine's generate answer (it ran the request): /generate's ``meta_info`` (a list of
+    them for n > 1), the OpenAI routes' ``choices``."""
     try:
         obj = orjson.loads(body)
     except orjson.JSONDecodeError:
         return False
-    return isinstance(obj, dict) and (isinstance(obj.get("meta_info"), dict) or isinstance(obj.get("choices"), list))
+    items = obj if isinstance(obj, list) and obj else [obj]
+    return all(isinstance(o, dict) and (isinstance(o.get("meta_info"), dict) or isinstance(o.get("choices"), list))
+               for o in items)
 
 
 def verdict_line(verdicts: dict[str, str], upstream: str, lifecycle_on: bool, placed: dict[str, bool]) -> str:
@@ -99,14 +102,23 @@ def verdict_line(verdicts: dict[str, str], upstream: str, lifecycle_on: bool, pl
     return f"compat: router {upstream} top-level session_id: " + ", ".join(parts) + tail
 
 
-def routing_key_warning(router_policy: str | None, routing_key_header: str) -> str | None:
-    """One line when the router's --policy ignores the routing key kvgate sets (everything but ``manual`` in
-    smg 1.13: router-compat.md), else None. None too when the policy is not known."""
-    if router_policy is None or router_policy == "manual":
+# smg 1.13's policies that keep one routing key (X-SMG-Routing-Key) on one worker without --sticky-sessions
+# (router-compat.md; tests/test_e2e_router.py measures manual and consistent_hashing).
+ROUTING_KEY_POLICIES = ("manual", "consistent_hashing")
+
+
+def routing_key_warning(router_policy: str | None, routing_key_header: str, sticky: bool = False) -> str | None:
+    """One line when the router, as started, spreads a session's calls although kvgate sends the session id in
+    ``routing_key_header``: a --policy other than manual or consistent_hashing, without --sticky-sessions
+    (``sticky``; smg 1.13 then keeps a routing key on one worker on any policy). None when the policy is not
+    known or keeps the key."""
+    if router_policy is None or sticky or router_policy in ROUTING_KEY_POLICIES:
         return None
-    return (f"router policy {router_policy!r} ignores {routing_key_header}: session traffic kvgate leaves to the "
-            f"router is spread without session affinity; start smg with --policy manual, or let kvgate place "
-            f"sessions (session_placement: kvgate)")
+    return (f"router policy {router_policy!r} ignores {routing_key_header} without --sticky-sessions: session "
+            f"traffic kvgate leaves to the router is spread without session affinity; start smg with "
+            f"--sticky-sessions (any policy) or --policy consistent_hashing or manual (and set "
+            f"router_sticky_sessions: true or router_policy to match), or let kvgate place sessions "
+            f"(session_placement: auto with lifecycle or admission on, or kvgate)")
 
 
 def engine_warnings(server_info: dict[str, Any] | None, metrics_status: int | None) -> list[tuple[str, str]]:

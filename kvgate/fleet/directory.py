@@ -36,6 +36,8 @@ from kvgate.common.metrics import Metrics
 
 log = logging.getLogger("kvgate.fleet.directory")
 
+_AUTH_WORDS = {401: "Unauthorized", 403: "Forbidden"}
+
 CONTROL_TIMEOUT_S = 2.0
 #: What a failed connection to the router or an engine raises (the peer is not there), as opposed to an
 #: answer kvgate cannot read.
@@ -53,13 +55,23 @@ class EngineDirectory:
 
     def __init__(self, upstream: str, static: list[str], interval_s: float, metrics: Metrics,
                  probe: bool = True, lifecycle_on: bool = False,
-                 placement_modes: dict[str, str] | None = None):
+                 placement_modes: dict[str, str] | None = None, admission_on: bool = False,
+                 router_key: str | None = None, engine_key: str | None = None):
         self.upstream = upstream.rstrip("/")
         self.static = static_engines(static) if static else None
         self.interval_s = interval_s
         self.metrics = metrics
         self.probe_enabled = probe
         self.lifecycle_on = lifecycle_on
+        self.admission_on = admission_on
+        # The Authorization headers of kvgate's own calls to the router and to the engines (the keys are
+        # never logged): the router's on discovery, /v1/models and the probe; the engines' on their checks,
+        # KV polls and closes (every aiohttp session that calls engines takes engine_headers).
+        self.router_headers = {"Authorization": f"Bearer {router_key}"} if router_key else {}
+        self.engine_headers = {"Authorization": f"Bearer {engine_key}"} if engine_key else {}
+        self.has_router_key = bool(router_key)
+        # The router's answer to kvgate's credentials: None (not asked yet), "ok", or "401"/"403" (refused).
+        self.router_auth: str | None = None
         self.engines: list[Engine] = list(self.static or [])
         self.source = "static" if self.static else "router"
         self.last_error: str | None = None
@@ -94,8 +106,17 @@ class EngineDirectory:
 
     def placed(self, route: str) -> bool:
         """Whether kvgate places ``route``'s session traffic now (mode and the route's probe verdict)."""
-        return placement_active(self.placement_modes.get(route, "router"), self.verdicts.get(route, compat.UNKNOWN),
-                                self.lifecycle_on)
+        return placement_active(self.placement_modes.get(route, "router"), self.lifecycle_on or self.admission_on)
+
+    def placement_why(self, route: str) -> str:
+        """Why ``route``'s session traffic goes where placed() says, in a few words (startup log, health)."""
+        mode = self.placement_modes.get(route, "router")
+        if mode != "auto":
+            return f"session_placement {mode}"
+        if self.placed(route):
+            return "auto: " + " and ".join(n for n, on in (("session lifecycle", self.lifecycle_on),
+                                                            ("admission", self.admission_on)) if on) + " on"
+        return "auto: session lifecycle and admission off"
 
     @property
     def urls(self) -> list[str]:
@@ -123,8 +144,8 @@ class EngineDirectory:
         if self._session is not None:
             await self._session.close()
 
-    async def _get_json(self, url: str) -> tuple[int, Any]:
-        async with self.session.get(url) as resp:
+    async def _get_json(self, url: str, headers: dict[str, str] | None = None) -> tuple[int, Any]:
+        async with self.session.get(url, headers=headers) as resp:
             body = await resp.read()
             if resp.status != 200:
                 return resp.status, None
@@ -139,12 +160,15 @@ class EngineDirectory:
             await self._ping_router()
             return self.engines
         try:
-            status, obj = await self._get_json(self.upstream + "/workers")
+            status, obj = await self._get_json(self.upstream + "/workers", self.router_headers)
+            self._note_auth(status, "GET /workers")
+            if status in (401, 403):
+                raise DiscoveryError(f"/workers answered {status} ({_AUTH_WORDS[status]}): {self._key_hint()}")
             if status == 200:
                 found = parse_workers(obj)
                 self._note_workers(obj)
             else:
-                status2, obj2 = await self._get_json(self.upstream + "/list_workers")
+                status2, obj2 = await self._get_json(self.upstream + "/list_workers", self.router_headers)
                 if status2 != 200:
                     raise DiscoveryError(f"/workers answered {status}, /list_workers answered {status2}")
                 found = parse_list_workers(obj2)
@@ -153,7 +177,7 @@ class EngineDirectory:
             text = f"{type(exc).__name__}: {exc}"
             unreachable = isinstance(exc, _UNREACHABLE)
             self.router_result(not unreachable, text if unreachable else None)
-            if self.last_error is None:
+            if self.last_error is None and self.router_auth not in ("401", "403"):  # a refusal has its own line
                 log.warning("engine discovery from %s failed (%s); keeping the last good list of %d engines",
                             self.upstream, text, len(self.engines))
             self.last_error = text
@@ -169,10 +193,25 @@ class EngineDirectory:
         self._set(found)
         return self.engines
 
+    def _note_auth(self, status: int, what: str) -> None:
+        """Record the router's answer to kvgate's credentials; a refusal is said in one line (once per change)."""
+        verdict = str(status) if status in (401, 403) else "ok"
+        if verdict != self.router_auth and verdict != "ok":
+            log.error("router %s answered %s %s to %s: %s", self.upstream, status, _AUTH_WORDS[status], what,
+                      self._key_hint())
+        elif verdict == "ok" and self.router_auth in ("401", "403"):
+            log.info("router %s accepts kvgate's credentials again", self.upstream)
+        self.router_auth = verdict
+
+    def _key_hint(self) -> str:
+        if self.has_router_key:
+            return "it refused kvgate's API key; check router_api_key_file / router_api_key_env"
+        return "the router needs an API key; give kvgate it with router_api_key_file or router_api_key_env"
+
     async def _ping_router(self) -> None:
         # A static engine list never asks the router for it: its liveness is asked on its own.
         try:
-            async with self.session.get(self.upstream + "/health") as resp:
+            async with self.session.get(self.upstream + "/health", headers=self.router_headers) as resp:
                 await resp.read()
             self.router_result(True)
         except _UNREACHABLE as exc:
@@ -329,8 +368,9 @@ class EngineDirectory:
         probe_id = "kvgate-probe-" + secrets.token_hex(8)
         try:
             async with self.session.post(self.upstream + route, data=compat.probe_body(probe_id, route, self.model_id),
-                                         headers={"Content-Type": "application/json"}) as resp:
+                                         headers={"Content-Type": "application/json", **self.router_headers}) as resp:
                 verdict = compat.classify_probe(resp.status, await resp.read())
+                self._note_auth(resp.status, f"the session_id probe on {route}")
         except (aiohttp.ClientError, asyncio.TimeoutError, OSError):
             verdict = compat.UNKNOWN
         if verdict != compat.UNKNOWN or self.verdicts[route] == compat.UNKNOWN:
@@ -343,7 +383,7 @@ class EngineDirectory:
         if self.model_id is not None:
             return
         try:
-            status, obj = await self._get_json(self.upstream + "/v1/models")
+            status, obj = await self._get_json(self.upstream + "/v1/models", self.router_headers)
         except (aiohttp.ClientError, asyncio.TimeoutError, orjson.JSONDecodeError, OSError):
             return
         data = obj.get("data") if status == 200 and isinstance(obj, dict) else None
@@ -355,14 +395,14 @@ class EngineDirectory:
         info = None
         for path in ("/server_info", "/get_server_info"):
             try:
-                status, obj = await self._get_json(url + path)
+                status, obj = await self._get_json(url + path, self.engine_headers)
             except (aiohttp.ClientError, asyncio.TimeoutError, orjson.JSONDecodeError, OSError):
                 continue
             if status == 200 and isinstance(obj, dict):
                 info = obj
                 break
         try:
-            async with self.session.get(url + "/metrics") as resp:
+            async with self.session.get(url + "/metrics", headers=self.engine_headers) as resp:
                 metrics_status = resp.status
                 await resp.read()
         except (aiohttp.ClientError, asyncio.TimeoutError, OSError):
@@ -433,4 +473,5 @@ class EngineDirectory:
             "session_id_passthrough": self.verdict,
             "session_id_passthrough_by_route": dict(self.verdicts),
             "session_placement": {r: ("kvgate" if self.placed(r) else "router") for r in compat.PROBE_ROUTES},
+            "router_auth": self.router_auth,
         }

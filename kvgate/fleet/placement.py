@@ -64,6 +64,7 @@ class _Session:
     target: Target
     last_used: float
     in_flight_tokens: int = 0
+    by_router: bool = False  # the router picked the engine (learned from its answer), not kvgate
 
 
 @dataclass
@@ -149,7 +150,7 @@ class Placement:
         # or prefix placement kept on a rank at the threshold because every usable rank was
         self.counts = {"sticky": 0, "reopened": 0, "prefix": 0, "free_kv": 0, "replaced": 0, "no_engine": 0,
                        "unreachable": 0, "dropped": 0, "adopted": 0, "reopen_elsewhere": 0, "pressed_stay": 0,
-                       "busier_moved": 0}
+                       "routed": 0, "busier_moved": 0}
 
     # --- the fleet ---------------------------------------------------------------------------------
 
@@ -219,6 +220,7 @@ class Placement:
                     self._set_target(session_id, s, self._target(e.url, self._best_rank(e) if e.dp_size > 1 else None))
                 self.counts["sticky"] += 1
                 self.last_reason = "sticky"
+                s.by_router = False
                 return s.target
             self.counts["replaced"] += 1
             self.last_replaced = True
@@ -244,6 +246,7 @@ class Placement:
         else:
             self._sessions.move_to_end(session_id)
             s.last_used = now
+            s.by_router = False
             self._set_target(session_id, s, target)
         return target
 
@@ -395,6 +398,35 @@ class Placement:
         self.counts["adopted"] += 1
         return True
 
+    def learn(self, session_id: str, target: Target, now: float) -> bool:
+        """The router sent ``session_id``'s call to ``target`` (smg 1.13 names the worker in its answer's
+        x-smg-routed-worker-id): record it as the session's engine, the sticky target should kvgate place the
+        session later and the engine admission counts its later turns on. Ignored for an engine not in the list.
+        Returns whether the session's engine changed (a new session, or the router moved it)."""
+        if target.engine not in self._engines:
+            return False
+        target = self._target(target.engine, target.dp_rank)
+        self._closed.pop(session_id, None)
+        s = self._sessions.get(session_id)
+        if s is None:
+            s = self._sessions[session_id] = _Session(target, now, by_router=True)
+            self._count_session(target, +1)
+            self._evict_over_cap()
+        else:
+            self._sessions.move_to_end(session_id)
+            s.last_used = now
+            if s.target == target:
+                return False
+            self._set_target(session_id, s, target)
+            s.by_router = True
+        self.counts["routed"] += 1
+        return True
+
+    def placed_by(self, session_id: str) -> str | None:
+        """Who picked ``session_id``'s engine: "kvgate", "router" (learned from its answer), or None."""
+        s = self._sessions.get(session_id)
+        return None if s is None else ("router" if s.by_router else "kvgate")
+
     def forget(self, session_id: str, now: float | None = None) -> bool:
         """The session closed at ``now`` (monotonic seconds): drop it, keeping its engine as the hint for a
         re-opening (module docstring) when ``now`` is given and ``reopen_hint_s`` > 0. Returns whether it
@@ -428,7 +460,8 @@ class Placement:
     # --- the read interface --------------------------------------------------------------------------
 
     def engine_of(self, session_id: str) -> tuple[str, int | None] | None:
-        """(engine base URL, DP rank or None) a session is placed on, or None when kvgate did not place it."""
+        """(engine base URL, DP rank or None) a session is on, placed by kvgate or learned from the router's
+        answer (learn()), or None when neither is known."""
         s = self._sessions.get(session_id)
         return None if s is None else (s.target.engine, s.target.dp_rank)
 
@@ -448,9 +481,8 @@ class Placement:
                 for url, e in self._engines.items()}
 
 
-def placement_active(mode: str, verdict: str, lifecycle_on: bool) -> bool:
+def placement_active(mode: str, features_on: bool) -> bool:
     """Whether kvgate places a route's session traffic: ``kvgate`` always, ``router`` never, ``auto`` when
-    session lifecycle is on and the route's probe verdict is ``dropped`` (the router would lose session_id)."""
-    if mode == "kvgate":
-        return True
-    return mode == "auto" and lifecycle_on and verdict == "dropped"
+    session lifecycle or admission is on (whatever the router does with session_id: kvgate then keeps each
+    session on one engine, admission knows that engine, and the router's hop is saved; docs/placement.md)."""
+    return mode == "kvgate" or (mode == "auto" and features_on)

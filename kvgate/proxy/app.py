@@ -32,9 +32,9 @@ from multidict import CIMultiDict
 
 from kvgate import __version__
 from kvgate.common.classify import STEP_BOUNDARY_ROUTES, classify, parse_json_object, with_session_id
-from kvgate.config import PLACEMENT_ROUTES, Config, read_admin_key
+from kvgate.config import PLACEMENT_ROUTES, Config, api_key, read_admin_key
 from kvgate.fleet import compat, health
-from kvgate.fleet.placement import Placement
+from kvgate.fleet.placement import Placement, Target
 from kvgate.fleet.directory import EngineDirectory
 from kvgate.proxy.relay import MAX_FIELD_BYTES, MAX_LINE_BYTES, Upstream, forward_head, header_safe, \
     BodyParts, preserve_header_bytes, read_body
@@ -60,6 +60,8 @@ ADMIN_HEADER = "X-Kvgate-Admin-Key"
 _PRIVILEGED_HEADERS = ("X-Kvgate-Protected", "X-Kvgate-Scope")
 # The session id kvgate gave a generate call (named or inferred), told to the client on the response.
 SESSION_HEADER = "X-Kvgate-Session-Id"
+# smg 1.13 names the worker it sent a call to in this response header (router-compat.md).
+ROUTED_WORKER = b"x-smg-routed-worker-id"
 # Step-boundary bodies larger than this (tensor payloads) are not parsed: they take SGLang's defaults.
 STEP_BODY_PARSE_LIMIT = 1 << 20
 # /kvgate/sessions/{sid} and /kvgate/sessions/{sid}/close on kvgate's own server (aiohttp's {sid} pattern).
@@ -124,9 +126,12 @@ class Gateway:
         self.metrics = Metrics()
         self.upstream = Upstream(cfg.upstream, cfg.connect_timeout_s, cfg.read_timeout_s, cfg.upstream_pool_size)
         self.placement_modes = {r: cfg.session_placement_routes.get(r, cfg.session_placement) for r in PLACEMENT_ROUTES}
+        router_key, engine_key = api_key(cfg, "router"), api_key(cfg, "engine")
         self.directory = EngineDirectory(cfg.upstream, cfg.engines, cfg.discovery_interval_s, self.metrics,
                                          probe=cfg.compat_probe, lifecycle_on=cfg.agentic_session_lifecycle,
-                                         placement_modes=self.placement_modes)
+                                         placement_modes=self.placement_modes,
+                                         admission_on=cfg.agentic_program_admission,
+                                         router_key=router_key, engine_key=engine_key)
         self.placement = Placement(pressure_threshold=cfg.placement_pressure_threshold,
                                    max_sessions=cfg.max_tracked_sessions, max_prefixes=cfg.max_tracked_sessions,
                                    reopen_hint_s=cfg.placement_reopen_hint_s)
@@ -135,7 +140,8 @@ class Gateway:
         self._placement_blocks = (cfg.session_inference_block_tokens, cfg.session_inference_block_chars,
                                   cfg.admission_chars_per_token)
         self.placed = PlacedRelay(self.placement, self.directory, self.upstream, self.metrics, None,
-                                  lambda: self.lifecycle.clock(), self._placement_blocks)
+                                  lambda: self.lifecycle.clock(), self._placement_blocks,
+                                  router_key=router_key, engine_key=engine_key)
         self.directory.on_change.append(self._engines_changed)
         self._engines_changed(self.directory.engines)  # a static list is there from the start
         for r in PLACEMENT_ROUTES:
@@ -178,8 +184,8 @@ class Gateway:
         self.placed.shared = self.shared
         self.poller = None
         # Where admission counts a session's request: the engine kvgate placed it on (a first turn on a placed
-        # route is placed before admission: _place_first); a session kvgate did not place (the router routes
-        # it) counts against the fleet-wide rule.
+        # route is placed before admission: _place_first), or the one the router's answer named
+        # (x-smg-routed-worker-id); a session the router routes without naming it counts fleet-wide.
         self.engine_of = self.placement.engine_of
         if gate is None and cfg.agentic_program_admission:
             from kvgate.admission.gate import AdmissionGate
@@ -285,6 +291,7 @@ class Gateway:
     async def _on_startup(self, app: web.Application | None) -> None:
         log.info("kvgate %s: upstream %s, session lifecycle %s, admission %s", __version__, self.cfg.upstream,
                  "on" if self.lifecycle_on else "off", "on" if self.cfg.agentic_program_admission else "off")
+        log.info(self._placement_line())
         warning = self._routing_key_warning()
         if warning is not None:
             log.warning(warning)
@@ -398,7 +405,10 @@ class Gateway:
                       "session_id_passthrough_by_route": dict(self.directory.verdicts),
                       "session_placement": {r: ("kvgate" if self.directory.placed(r) else "router")
                                             for r in PLACEMENT_ROUTES},
-                      "placement_modes": dict(self.placement_modes)}, code)
+                      "session_placement_why": {r: self.directory.placement_why(r) for r in PLACEMENT_ROUTES},
+                      "placement_modes": dict(self.placement_modes),
+                      # the router's answer to kvgate's credentials: null (not asked yet), ok, 401 or 403
+                      "router_auth": self.directory.router_auth}, code)
 
     async def handle_not_found(self, request: web.Request) -> web.Response:
         """A /kvgate/ path or method kvgate does not serve: its own 404 or 405 (with Allow), never the
@@ -469,7 +479,8 @@ class Gateway:
         entry["kv_step"] = self.lifecycle.steps.kv_step(sid)
         entry["idle_threshold_s"] = round(self.lifecycle.policy.threshold(sid), 3)
         where = self.placement.engine_of(sid)
-        entry["engine"] = None if where is None else {"url": where[0], "dp_rank": where[1]}
+        entry["engine"] = None if where is None else {"url": where[0], "dp_rank": where[1],
+                                                      "placed_by": self.placement.placed_by(sid)}
         return entry
 
     def _session_named(self, name: str) -> str:
@@ -575,8 +586,27 @@ class Gateway:
     def _routing_key_warning(self) -> str | None:
         # kvgate relies on the router's routing key for session traffic it leaves to the router.
         relies = (self.lifecycle_on and self.cfg.set_routing_key
-                  and any(m != "kvgate" for m in self.placement_modes.values()))
-        return compat.routing_key_warning(self.cfg.router_policy, self.cfg.routing_key_header) if relies else None
+                  and not all(self.directory.placed(r) for r in PLACEMENT_ROUTES))
+        return compat.routing_key_warning(self.cfg.router_policy, self.cfg.routing_key_header,
+                                          self.cfg.router_sticky_sessions) if relies else None
+
+    def _placement_line(self) -> str:
+        return "session placement: " + ", ".join(
+            f"{r} {'kvgate' if self.directory.placed(r) else 'router'} ({self.directory.placement_why(r)})"
+            for r in PLACEMENT_ROUTES)
+
+    def _learn_routed(self, sid: str, worker: str) -> None:
+        """The router named the worker it sent session ``sid``'s call to (x-smg-routed-worker-id: the worker
+        URL, ``@RANK`` appended under --dp-aware): that engine becomes the session's, for admission's per-engine
+        count of its later turns, /kvgate/sessions and the sticky hint. Never raises (counted as a fault)."""
+        try:
+            url, _, rank = worker.strip().rstrip("/").partition("@")
+            target = Target(url, int(rank) if rank.isdigit() else None)
+            if self.placement.learn(sid, target, self.lifecycle.clock()):
+                self.placed.publish()
+        except Exception:
+            log.exception("learning the router's engine for a session failed")
+            self.metrics.faults.labels("placement").inc()
 
     def _engines_changed(self, engines) -> None:
         self.placement.set_engines([(e.url, e.healthy) for e in engines if e.worker_type == "regular"])
@@ -608,7 +638,7 @@ class Gateway:
                 log.exception("session resolution failed; forwarding unchanged")
                 self.metrics.faults.labels("session").inc()
                 plan = SessionPlan(body=raw)
-        elif c.body is not None and self.placement_modes.get(c.path) == "kvgate":
+        elif c.body is not None and self.directory.placed(c.path):
             # Lifecycle off, placement on: the session only picks the engine; the body goes out unchanged.
             try:
                 res = self.resolver.resolve(c.body, request.headers)
@@ -667,9 +697,13 @@ class Gateway:
             if placed is not None:
                 resp, outcome = placed
             else:  # the router's headers (with the routing key) only for a request that goes to the router
+                sid = plan.session_id
                 resp, outcome = await self.upstream.relay(request, request.raw_path,
                                                           forward_head(request.raw_headers, plan.extra), plan.body,
-                                                          observe=observe, add_headers=add)
+                                                          observe=observe, add_headers=add,
+                                                          worker_header=ROUTED_WORKER if sid is not None else None)
+                if outcome.routed_worker is not None:
+                    self._learn_routed(sid, outcome.routed_worker)
                 self._router_outcome(outcome)
             return resp
         except asyncio.CancelledError:

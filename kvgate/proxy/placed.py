@@ -9,6 +9,7 @@ usable or placement itself failed (fail-open). docs/placement.md describes the r
 from __future__ import annotations
 
 import logging
+import secrets
 from typing import Any, Callable
 
 from kvgate.common.classify import inject_top_level
@@ -36,10 +37,16 @@ class PlacedRelay:
     block sizes (tokens, characters, characters per token). ``placed(c, session_id)`` says whether a call
     goes here; ``relay(...)`` sends it; ``forget(sid)`` drops a closed session; ``publish()`` updates the
     per-engine gauge.
+
+    router_key: the router's API key (smg --api-key), or None. A placed call skips the router, so it would skip
+    the router's key check too: with a key set, only a call that carries ``Authorization: Bearer <key>`` is
+    placed, and any other goes to the router, which answers it (401). engine_key: the engines' API key, sent as
+    the placed call's Authorization (the client's authenticated it to the router, not to the engine), or None
+    (the client's headers go as they came).
     """
 
     def __init__(self, placement: Placement, directory, upstream, metrics, shared, clock: Callable[[], float],
-                 blocks: tuple[int, int, float]):
+                 blocks: tuple[int, int, float], router_key: str | None = None, engine_key: str | None = None):
         self.placement = placement
         self.directory = directory
         self.upstream = upstream
@@ -47,11 +54,21 @@ class PlacedRelay:
         self.shared = shared
         self.clock = clock
         self.blocks = blocks
+        self._router_auth = f"Bearer {router_key}".encode("ascii") if router_key else None
+        self._engine_auth = {"Authorization": f"Bearer {engine_key}"} if engine_key else None
 
     def placed(self, c, session_id: str | None) -> bool:
         """True when a classified call ``c`` (with its parsed body) of session ``session_id`` goes to an
         engine kvgate picks: it has a session and a body, and kvgate places its route now."""
         return session_id is not None and c.body is not None and self.directory.placed(c.path)
+
+    def _authorized(self, request) -> bool:
+        """The call carries the router's key (or the router has none): it may skip the router's check."""
+        want = self._router_auth
+        if want is None:
+            return True
+        got = [v for k, v in request.raw_headers if k.lower() == b"authorization"]
+        return len(got) == 1 and secrets.compare_digest(got[0].strip(), want)
 
     def publish(self) -> None:
         """Set ``agentic_kv_placed_sessions{engine}`` for every engine the directory knows."""
@@ -71,7 +88,10 @@ class PlacedRelay:
         """Relay session ``session_id``'s call (classified ``c``, ``body`` the bytes to send) to the engine
         placement picks; on a refused connection (nothing sent) the next engine. ``observe`` and ``add`` are
         as for Upstream.relay. Returns (response, outcome), or None when no engine is usable or placement
-        itself failed (the caller then uses the router: fail-open)."""
+        itself failed (the caller then uses the router: fail-open), or when the call lacks the router's key."""
+        if not self._authorized(request):
+            self.metrics.placement_calls.labels("router_auth").inc()
+            return None
         try:
             units = request_units(c.path, c.body)
             block_tokens, block_chars, chars_per_token = self.blocks
@@ -82,7 +102,7 @@ class PlacedRelay:
             log.exception("session placement failed; forwarding to the router")
             self.metrics.faults.labels("placement").inc()
             return None
-        headers = forward_head(request.raw_headers)  # no routing key: it is for the router
+        headers = forward_head(request.raw_headers, self._engine_auth)  # no routing key: it is for the router
         tried: list[str] = []
         placement, shared = self.placement, self.shared
         if shared is not None and placement.engine_of(session_id) is None:

@@ -221,6 +221,14 @@ class _OneWriteResponse(web.StreamResponse):
 _HEADER_SAFE = re.compile(r"[\x21-\x7e](?:[\x20-\x7e]{0,254}[\x21-\x7e])?")
 
 
+def _header_value(raw: list[tuple[bytes, bytes]], name: bytes) -> str | None:
+    """The first value of header ``name`` (lower-case bytes) in raw (name, value) pairs, as text, or None."""
+    for k, v in raw:
+        if k.lower() == name:
+            return v.decode("latin-1")
+    return None
+
+
 def header_safe(value: str) -> str:
     """``value`` made fit for an HTTP header: unchanged when it is visible ASCII of at most 256 characters,
     else ``sha256:`` and the first 32 hex digits of the SHA-256 of its UTF-8 bytes. Stable (the same id
@@ -267,6 +275,9 @@ class RelayOutcome:
     # False only when the connection was never made, so no byte of the request went out (safe to resend).
     sent: bool = True
     observer_fault: bool = False  # the observer raised; it was switched off, the bytes went on
+    # the value of the response header relay() was asked to read (worker_header), e.g. smg 1.13's
+    # x-smg-routed-worker-id: the worker the router sent the call to
+    routed_worker: str | None = None
 
 
 class Upstream:
@@ -326,11 +337,12 @@ class Upstream:
     async def relay(self, request: web.Request, path_qs: str, headers: CIMultiDict | bytes, body: bytes | BodyParts,
                     observe: Callable[[bool], ResponseObserver] | None, add_headers: Iterable[tuple[str, str]] = (),
                     on_headers: Callable[[int], None] | None = None,
-                    base: str | None = None) -> tuple[web.StreamResponse, RelayOutcome]:
+                    base: str | None = None, worker_header: bytes | None = None) -> tuple[web.StreamResponse, RelayOutcome]:
         """Send ``body`` to base+``path_qs`` and stream the answer to ``request``'s client.
 
         headers: the request headers to send, as forward_head() bytes or a forward_headers() multidict.
         base: another base URL than the router's (an engine kvgate placed a session on); same pool.
+        worker_header: a response header name (lower-case bytes) whose value goes to outcome.routed_worker.
 
         observe: None, or a factory (is_sse -> ResponseObserver) for responses kvgate reads as they pass.
         Returns the response object (already prepared and finished, or an error Response to return)
@@ -342,7 +354,12 @@ class Upstream:
         if target is None:
             if isinstance(headers, bytes):
                 headers = _multidict_from_head(headers)
-            return await self._relay_aiohttp(request, path_qs, headers, body, observe, add_headers, on_headers, base)
+            seen: list[str | None] | None = [] if worker_header is not None else None
+            resp, outcome = await self._relay_aiohttp(request, path_qs, headers, body, observe, add_headers,
+                                                      on_headers, base, worker_header, seen)
+            if seen:
+                outcome.routed_worker = seen[0]
+            return resp, outcome
         method = request.method
         fields = headers if isinstance(headers, bytes) else _head_from_multidict(headers)
         size = len(body)
@@ -379,8 +396,12 @@ class Upstream:
             if early is not None:
                 if isinstance(early, Exception):  # raised answering from the data callback, nothing sent
                     raise early
-                return None, early
-            return await self._stream(request, path_qs, up, observe, add_headers, on_headers, base)
+                out = None, early
+            else:
+                out = await self._stream(request, path_qs, up, observe, add_headers, on_headers, base)
+            if worker_header is not None:
+                out[1].routed_worker = _header_value(up.headers, worker_header)
+            return out
         finally:
             up.release()
 
@@ -511,7 +532,8 @@ class Upstream:
         return err, outcome
 
     async def _relay_aiohttp(self, request: web.Request, path_qs: str, headers: CIMultiDict, body: bytes | BodyParts,
-                             observe, add_headers, on_headers, base: str) -> tuple[web.StreamResponse, RelayOutcome]:
+                             observe, add_headers, on_headers, base: str, worker_header: bytes | None = None,
+                             seen: list | None = None) -> tuple[web.StreamResponse, RelayOutcome]:
         """relay() through aiohttp's client: for upstreams the pool does not serve (https)."""
         # The raw path and query, not re-encoded: what the client sent is what the router gets.
         url = URL(base + path_qs, encoded=True)
@@ -530,6 +552,8 @@ class Upstream:
         try:
             async with self.session.request(request.method, url, headers=headers, data=data,
                                             allow_redirects=False) as up:
+                if seen is not None:
+                    seen.append(up.headers.get(worker_header.decode("latin-1")))
                 if on_headers is not None:
                     on_headers(up.status)
                 out_headers = response_headers(up.headers)

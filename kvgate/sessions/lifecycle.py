@@ -134,7 +134,9 @@ class SessionLifecycle:
     def session(self) -> aiohttp.ClientSession:
         if self._session is None:
             # No pool limit: each engine's workers bound its connections (close_concurrency).
-            self._session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
+            # The engines' API key (engine_api_key_file), when they need one.
+            self._session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0),
+                                                  headers=getattr(self.directory, "engine_headers", None))
         return self._session
 
     async def start(self) -> None:
