@@ -12,7 +12,8 @@ import sys
 
 from kvgate.sim.radix import SessionConfigError
 from kvgate.sim.radix import HICACHE_WRITE_POLICIES
-from kvgate.sim.scheduler import COMPUTE_PROFILES, DEFAULT_H2D_BYTES_PER_S, NEW_TOKEN_RATIO_SEMANTICS, PROFILE_CONTEXT
+from kvgate.sim.scheduler import (COMPUTE_PROFILES, DEFAULT_H2D_BYTES_PER_S, NEW_TOKEN_RATIO_SEMANTICS, PROFILE_CONTEXT,
+                                  PROFILE_OPTIONS)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -100,6 +101,7 @@ def options_from_args(args: argparse.Namespace) -> dict:
         prefill_attn_flops_per_ctx_token=attn_flops, prefill_weight_flops_per_token=weight_flops,
         forward_min_ms=forward_min_ms, kv_bytes_per_token=kv_bytes,
         hicache_h2d_bytes_per_s=args.hicache_h2d_gbps * 1e9,
+        **PROFILE_OPTIONS.get(args.compute_profile, {}),
         new_token_ratio_semantics=args.new_token_ratio_semantics,
         enable_priority_scheduling=args.enable_priority_scheduling, random_seed=args.random_seed,
         enable_hierarchical_cache=args.enable_hierarchical_cache, hicache_ratio=args.hicache_ratio,

@@ -74,6 +74,10 @@ COMPUTE_PROFILES = {
     "llama-3-8b-h100": (DEFAULT_PREFILL_TOKENS_PER_S, DEFAULT_DECODE_BASE_MS, DEFAULT_DECODE_PER_SEQ_MS,
                         DEFAULT_DECODE_PER_CTX_TOKEN_US),
     "qwen2.5-32b-h100": (5400.0, 23.0, 0.06, 0.1),
+    # MEASURED, not derived: SGLang 0.5.23 on one core of this project's 2-core machine, the `mlp` model
+    # (kvgate/tools/sglang_cpu/make_model.py) with random weights; fitted by scripts/fit_engine_profile.py,
+    # the samples and the fit in docs/simulator-fidelity.md. Set by CPU_PROFILE below.
+    "sglang-cpu-mlp": (0.0, 0.0, 0.0, 0.0),
 }
 
 # Context terms of the same profiles: (prefill attention FLOPs per extended token per attended context token,
@@ -87,7 +91,10 @@ COMPUTE_PROFILES = {
 PROFILE_CONTEXT = {
     "llama-3-8b-h100": (524288.0, 16e9, 5.3, 131072),
     "qwen2.5-32b-h100": (1310720.0, 65e9, 21.8, 262144),
+    "sglang-cpu-mlp": (0.0, 0.0, 0.0, 0.0),
 }
+# Options only some profiles set (SchedulerConfig field -> value); see the fields' comments.
+PROFILE_OPTIONS: dict[str, dict] = {"llama-3-8b-h100": {}, "qwen2.5-32b-h100": {}}
 
 
 class TokenModel:
@@ -179,6 +186,13 @@ class SchedulerConfig:
     prefill_weight_flops_per_token: float = 0.0
     # the weights are read at least once per forward pass: minimum time of any batch (ms)
     forward_min_ms: float = 0.0
+    # True: a prefill's attention covers each request's whole context, cached prefix included, (prefix +
+    # extend)^2 / 2 query-key pairs instead of extend x (prefix + extend / 2): SGLang's torch_native backend (the
+    # CPU engine) pads the query to the whole context (srt/layers/attention/torch_native_backend.py
+    # _run_sdpa_forward_extend, per_req_query_redudant of seq_len_kv rows)
+    prefill_attention_whole_context: bool = False
+    # fixed time of every prefill batch on top of its tokens (ms): the CPU engine's per-forward overhead
+    prefill_base_ms: float = 0.0
     # HiCache load-back: KV bytes per token of the model and the host-to-device bandwidth (bytes/s)
     kv_bytes_per_token: int = 131072
     hicache_h2d_bytes_per_s: float = DEFAULT_H2D_BYTES_PER_S
@@ -585,8 +599,11 @@ class Scheduler:
             attn = 0.0
             for r, t in items:
                 prefix = r.kv_len - t
-                attn += t * (prefix + t / 2.0) * cfg.prefill_attn_flops_per_ctx_token
+                pairs = r.kv_len * r.kv_len / 2.0 if cfg.prefill_attention_whole_context else t * (prefix + t / 2.0)
+                attn += pairs * cfg.prefill_attn_flops_per_ctx_token
             dur *= 1.0 + attn / (tokens * cfg.prefill_weight_flops_per_token)
+        if tokens:
+            dur += cfg.prefill_base_ms * 1e-3
         load = sum(r.loading for r, _ in items)
         if load:
             # layer-wise load-back overlaps the forward (cache_controller.py LayerDoneCounter: layer i
