@@ -4,9 +4,9 @@
 
 Starts one engine (kvgate.tools.engine, the ``mlp`` model by default, a pool large enough that nothing is
 evicted), then, one request at a time:
-- prefill: uncached prompts of 128-2,048 ids and cached prefixes of 256-2,048 ids extended by 32-512 ids, each
+- prefill: uncached prompts of 128-1,024 ids and cached prefixes of 256 and 1,024 ids extended by 32-512 ids, each
   with max_new_tokens 1 (the latency is the prefill's);
-- decode: B concurrent streamed requests (B = 1..32, contexts 200 and 1,000 ids) of 48 new tokens each; the step
+- decode: B concurrent streamed requests (B = 1..16, contexts 200 and 800 ids) of 24 new tokens each; the step
   time is the median over requests of (last chunk - first chunk) / (tokens - 1).
 and prints the least-squares fits (kvgate.sim.fit) as ``kvgate sim-engine`` flags, with every sample in --out.
 The machine's load average at start and end is recorded: the timings are only as steady as the machine.
@@ -69,10 +69,10 @@ async def measure(url: str, rng: random.Random, reps: int) -> dict:
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600)) as http:
         await _one(http, url, _ids(rng, 64), 1)  # warm
         for _ in range(reps):
-            for n in (128, 256, 512, 1024, 2048):
+            for n in (128, 256, 512, 1024):
                 r = await _one(http, url, _ids(rng, n), 1)
                 out["prefill"].append({"prefix": 0, "extend": n, "s": r["wall_s"], "cached": r["cached"]})
-            for p in (256, 1024, 2048):
+            for p in (256, 1024):
                 for e in (32, 128, 512):
                     base = _ids(rng, p)
                     await _one(http, url, base, 1)
@@ -80,11 +80,11 @@ async def measure(url: str, rng: random.Random, reps: int) -> dict:
                     out["prefill"].append({"prefix": r["cached"] or 0, "extend": r["prompt"] - (r["cached"] or 0),
                                            "s": r["wall_s"], "cached": r["cached"]})
             flush_cache(url)
-        for ctx in (200, 1000):
-            for b in (1, 2, 4, 8, 16, 32):
+        for ctx in (200, 800):
+            for b in (1, 2, 4, 8, 16):
                 if ctx * b > 20000:
                     continue
-                rs = await asyncio.gather(*(_one(http, url, _ids(rng, ctx), 48, stream=True) for _ in range(b)))
+                rs = await asyncio.gather(*(_one(http, url, _ids(rng, ctx), 24, stream=True) for _ in range(b)))
                 steps = [(r["last_s"] - r["first_s"]) / (r["n"] - 1) for r in rs if r["first_s"] and r["n"] > 1]
                 out["decode"].append({"batch": b, "ctx": ctx, "step_s": statistics.median(steps),
                                       "steps": sorted(steps)})
@@ -95,14 +95,16 @@ async def measure(url: str, rng: random.Random, reps: int) -> dict:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--profile", default="mlp")
-    ap.add_argument("--reps", type=int, default=2)
+    ap.add_argument("--reps", type=int, default=1)
+    ap.add_argument("--engine-extra", default="[]", help="more SGLang flags, a JSON list (as a scenario's engine_extra)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     rng = random.Random(0)
     log_dir = Path(tempfile.mkdtemp(prefix="kvgate-fit-"))
     load0 = Path("/proc/loadavg").read_text().split()[:3]
     eng = start_engine(EngineSpec(max_total_tokens=40000, profile=args.profile, session_cache=False,
-                                  served_model_name=f"kvgate-{args.profile}"), log_dir)
+                                  served_model_name=f"kvgate-{args.profile}",
+                                  extra=[str(x) for x in json.loads(args.engine_extra)]), log_dir, timeout_s=900)
     try:
         data = asyncio.run(measure(eng.url, rng, args.reps))
     finally:

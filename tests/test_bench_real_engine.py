@@ -38,16 +38,15 @@ def test_the_real_engine_scenario_parses_for_both_engines():
     assert off.router_flags == ("--disable-worker-overload-protection",)
 
 
-def test_run_order_restarts_real_engines_once_per_replicate():
+def test_run_order_starts_real_engines_once_per_pool_size():
     arms = [ArmSpec("direct", pool_tokens=9000), ArmSpec("unbounded-kv", pool_tokens=60000),
             ArmSpec("lifecycle", pool_tokens=9000)]
-    order = run_order(arms, [1, 2, 3], real=True)
-    pools = [a.pool_tokens for _, a in order]
-    assert pools == [9000, 9000, 60000, 60000, 9000, 9000, 9000, 9000, 60000]
-    assert sum(1 for x, y in zip(pools, pools[1:]) if x != y) == 3      # = replicates: 1 start each, + the first
-    assert [i for i, _ in order] == [0, 0, 0, 1, 1, 1, 2, 2, 2]        # replicate-major
-    # the simulator starts a fleet per arm anyway: the scenario's order
-    assert [a.name for _, a in run_order(arms, [1], real=False)] == ["direct", "unbounded-kv", "lifecycle"]
+    order = [(i, a.name) for i, a in run_order(arms, [1, 2, 3], real=True)]
+    assert order == [(0, "direct"), (0, "lifecycle"), (1, "direct"), (1, "lifecycle"), (2, "direct"),
+                     (2, "lifecycle"), (0, "unbounded-kv"), (1, "unbounded-kv"), (2, "unbounded-kv")]
+    # the simulator starts a fleet per arm anyway: replicate-major in the scenario's order
+    assert [(i, a.name) for i, a in run_order(arms, [1, 2], real=False)][:3] == [
+        (0, "direct"), (0, "unbounded-kv"), (0, "lifecycle")]
 
 
 def test_turns_without_ignore_eos_fix_the_length_with_min_new_tokens():
