@@ -102,3 +102,13 @@ def test_cpu_prefill_pays_attention_over_the_cached_prefix_too():
     # 100 / 1000 + attention pairs / (1000 x 1000) + 10 ms
     assert gpu.prefill_time_s([(r, 100)]) == pytest.approx(0.1 + 100 * (1000 + 50) / 1e6 + 0.01)
     assert cpu.prefill_time_s([(r, 100)]) == pytest.approx(0.1 + 1100 ** 2 / 2 / 1e6 + 0.01)
+
+
+def test_compute_scale_stretches_prefill_and_decode_alike():
+    kw = dict(prefill_tokens_per_s=1000.0, prefill_base_ms=10.0, decode_base_ms=40.0, decode_per_seq_ms=0.0,
+              decode_per_ctx_token_us=0.0)
+    one = Scheduler(RadixCache(10_000), SchedulerConfig(**kw))
+    two = Scheduler(RadixCache(10_000), SchedulerConfig(compute_scale=2.0, **kw))
+    r = Request("x", (), 1)
+    r.kv_len = 100
+    assert two.prefill_time_s([(r, 100)]) == pytest.approx(2 * one.prefill_time_s([(r, 100)])) == pytest.approx(0.22)

@@ -42,6 +42,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
       help="extra decode-step time per running request, milliseconds (default: the profile's)")
     a("--decode-per-ctx-token-us", type=float, default=None,
       help="extra decode-step time per token of context attended, microseconds (default: the profile's)")
+    a("--compute-scale", type=float, default=1.0,
+      help="multiply every prefill and decode time by this (a host slower than the profile's; default 1)")
     a("--max-running-requests", type=int, default=1024,
       help="most requests decoding at once per DP rank; more wait for a later batch (default: %(default)s)")
     a("--chunked-prefill-size", type=int, default=8192,
@@ -93,7 +95,7 @@ def options_from_args(args: argparse.Namespace) -> dict:
         prefill_tokens_per_s=pick(args.prefill_tokens_per_s, prefill),
         decode_base_ms=pick(args.decode_base_ms, base),
         decode_per_seq_ms=pick(args.decode_per_seq_ms, per_seq),
-        decode_per_ctx_token_us=pick(args.decode_per_ctx_token_us, per_ctx),
+        decode_per_ctx_token_us=pick(args.decode_per_ctx_token_us, per_ctx), compute_scale=args.compute_scale,
         max_running_requests=args.max_running_requests,
         chunked_prefill_size=args.chunked_prefill_size,
         max_prefill_tokens=args.max_prefill_tokens, eos_rate=args.eos_rate,

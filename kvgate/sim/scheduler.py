@@ -205,6 +205,9 @@ class SchedulerConfig:
     prefill_attention_whole_context: bool = False
     # fixed time of every prefill batch on top of its tokens (ms): the CPU engine's per-forward overhead
     prefill_base_ms: float = 0.0
+    # every compute time (prefill and decode, not HiCache copies) x this: a host this many times slower than
+    # the one the profile was measured on (a shared CPU machine's load changes by the hour)
+    compute_scale: float = 1.0
     # HiCache load-back: KV bytes per token of the model and the host-to-device bandwidth (bytes/s)
     kv_bytes_per_token: int = 131072
     hicache_h2d_bytes_per_s: float = DEFAULT_H2D_BYTES_PER_S
@@ -616,6 +619,7 @@ class Scheduler:
             dur *= 1.0 + attn / (tokens * cfg.prefill_weight_flops_per_token)
         if tokens:
             dur += cfg.prefill_base_ms * 1e-3
+        dur *= cfg.compute_scale
         load = sum(r.loading for r, _ in items)
         if load:
             # layer-wise load-back overlaps the forward (cache_controller.py LayerDoneCounter: layer i
@@ -650,7 +654,7 @@ class Scheduler:
         cfg = self.cfg
         ctx = sum(r.kv_len for r in self.running)
         dur = (cfg.decode_base_ms * 1e-3 + cfg.decode_per_seq_ms * 1e-3 * len(self.running)
-               + cfg.decode_per_ctx_token_us * 1e-6 * ctx)
+               + cfg.decode_per_ctx_token_us * 1e-6 * ctx) * cfg.compute_scale
         return Batch("decode", [(r, 1) for r in self.running],
                      max(dur, cfg.forward_min_ms * 1e-3) / cfg.speed)
 
