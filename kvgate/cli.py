@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import difflib
 import logging
 import sys
 
@@ -32,6 +33,9 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     from kvgate.proxy.workers import WorkerRole, supervise
     role = WorkerRole.from_env(cfg)
     _setup_logging(cfg.log_level, None if role is None else role.index)
+    if role is None:  # said once, by the process the user started (workers get the same config)
+        for line in cfg.warnings:
+            logging.getLogger("kvgate").warning("config: %s", line)
     if role is None and cfg.workers > 1:
         return supervise(cfg)  # starts cfg.workers worker processes on the port and supervises them
     from kvgate.proxy.app import serve
@@ -42,14 +46,65 @@ def _cmd_check_config(args: argparse.Namespace) -> int:
     cfg = _load_config(args)
     if cfg is None:
         return 2
+    for line in cfg.warnings:
+        print(f"kvgate: config warning: {line}", file=sys.stderr)
     print(f"{args.config or '(defaults)'}: ok (upstream {cfg.upstream}, session lifecycle "
           f"{'on' if cfg.agentic_session_lifecycle else 'off'}, admission "
           f"{'on' if cfg.agentic_program_admission else 'off'})")
     return 0
 
 
+class _DefaultsHelp(argparse.HelpFormatter):
+    """Help text that shows each flag's default, unless the text already says it or there is none."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if "default" in text or action.default in (None, argparse.SUPPRESS, False) or not action.option_strings:
+            return text
+        default = action.default
+        if isinstance(default, (list, tuple)):
+            default = " ".join(map(str, default)) or "none"
+        return f"{text} (default: {str(default).replace('%', '%%')})"
+
+
+class Parser(argparse.ArgumentParser):
+    """kvgate's argument parser: no abbreviated flags (``--por`` is not ``--port``), defaults in ``--help``,
+    and a "did you mean" for a mistyped flag, as for a mistyped YAML key. Subcommands get the same class."""
+
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault("allow_abbrev", False)
+        kwargs.setdefault("formatter_class", _DefaultsHelp)
+        super().__init__(*args, **kwargs)
+
+    def parse_args(self, args=None, namespace=None):  # type: ignore[override]
+        ns, extras = self.parse_known_args(args, namespace)
+        if extras:
+            parser = self._subparser(ns) or self
+            parser.error(unrecognized(extras, parser))
+        return ns
+
+    def _subparser(self, ns: argparse.Namespace) -> "argparse.ArgumentParser | None":
+        for action in self._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                return action.choices.get(getattr(ns, action.dest, None) or "")
+        return None
+
+
+def unrecognized(extras: list[str], parser: argparse.ArgumentParser) -> str:
+    """The error line for arguments ``parser`` does not know, with the closest flag for each mistyped one:
+    ``unrecognized arguments: --por 8080 (did you mean --port?)``."""
+    flags = [o for a in parser._actions for o in a.option_strings if o.startswith("--")]
+    hints = []
+    for arg in extras:
+        if arg.startswith("--"):
+            close = difflib.get_close_matches(arg.partition("=")[0], flags, n=2, cutoff=0.75)
+            if close:
+                hints.append(f"{arg.partition('=')[0]}: did you mean {' or '.join(close)}?")
+    return f"unrecognized arguments: {' '.join(extras)}" + (f" ({'; '.join(hints)})" if hints else "")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="kvgate", description="Session- and KV-aware proxy in front of the SGLang router")
+    p = Parser(prog="kvgate", description="Session- and KV-aware proxy in front of the SGLang router")
     p.add_argument("--version", action="version", version=f"kvgate {__version__}")
     sub = p.add_subparsers(dest="command", required=True)
 

@@ -21,6 +21,7 @@ from urllib.parse import urlsplit
 
 import yaml
 
+from kvgate import config_checks
 
 class ConfigError(ValueError):
     """A configuration problem; ``str(err)`` is one line that names the key."""
@@ -314,11 +315,23 @@ KEYS: list[Key] = [
     Key("admission_prefix_block_tokens", int, 64,
         "Prompt prefix block size in tokens: a prefix several live requests share is reserved once.", _pos, "> 0",
         only_when="agentic_program_admission"),
-    Key("admission_pause_victim", str, "smallest",
+    Key("admission_pause_victim", str, "ahead",
         "program policy: which in-tool program pauses first when an engine overflows.",
-        choices=("smallest", "largest", "longest-idle")),
-    Key("admission_resume_order", str, "smallest",
+        choices=("smallest", "largest", "longest-idle", "ahead")),
+    Key("admission_resume_order", str, "fifo",
         "program policy: which paused program resumes first as room frees.", choices=("smallest", "fifo")),
+    Key("admission_program_overdue_multiple", float, 3.0,
+        "program policy: a program in a tool call idle longer than this x the 90th percentile of its own and "
+        "its group's gaps between turns counts as ended and is the first to pause; 0 = off (the TTL only).",
+        _nonneg, ">= 0", only_when="agentic_program_admission"),
+    Key("admission_program_overdue_default_s", float, 60.0,
+        "program policy: before any gap between turns has been seen, a program idle this long counts as "
+        "ended, seconds.", _pos, "> 0", only_when="agentic_program_admission"),
+    Key("admission_resume_deadline_s", float, 0.0,
+        "program policy: a paused program's turn that has waited this long makes its own room, pausing "
+        "programs in a tool call on its engine (0 = off: it waits for room; either way at most "
+        "agentic_admission_max_wait_s), seconds.", _nonneg, ">= 0",
+        only_when="agentic_program_admission"),
     Key("admission_host_cache", bool, True,
         "program policy: count the KV room each engine's HiCache host pool adds (from its /server_info) for "
         "programs between turns; the fifo policy never counts it."),
@@ -368,6 +381,8 @@ class Config:
     """The validated configuration. Attribute names are the YAML keys."""
 
     values: dict[str, Any] = field(default_factory=dict)
+    # Lines about settings that are valid but will not do what they seem to (kvgate.config_checks).
+    warnings: list[str] = field(default_factory=list)
 
     def __getattr__(self, name: str) -> Any:
         try:
@@ -426,6 +441,11 @@ def validate(raw: dict[str, Any]) -> Config:
         raise ConfigError(f"workers: {values['workers']} worker processes need state_backend: redis (with "
                           f"{values['state_backend']}, each process would keep its own sessions and admission ledger)")
     values["engines"] = [_url("engines", u) for u in values["engines"]]
+    api = config_checks.api_path(values["upstream"])
+    if api is not None:
+        raise ConfigError(f"upstream: {values['upstream']} ends in an API path ({api}); kvgate sends each request's "
+                          f"own path (/v1/completions, /generate) to the router, so give its base URL "
+                          f"({values['upstream'].removesuffix(api)})")
     if values["agentic_program_admission"] and values["admission_tokenizer_file"] is not None:
         _tokenizer_file(values["admission_tokenizer_file"])
     from kvgate.admission.policy import MatchRule
@@ -435,14 +455,21 @@ def validate(raw: dict[str, Any]) -> Config:
                 MatchRule.from_config(rule)
             except ValueError as exc:
                 raise ConfigError(f"{name}: {exc} (a rule is {{path: GLOB, field: NAME, equals: VALUE}})") from None
-    return Config(values)
+    warnings = [w for w in [config_checks.upstream_path_warning(values["upstream"])] if w]
+    warnings += config_checks.inert_warnings(values, {k.name: k.default for k in KEYS}, PLACEMENT_ROUTES)
+    return Config(values, warnings)
 
 
 def load_yaml(path: str) -> dict[str, Any]:
     """Read a YAML config file into a flat mapping (empty file = no keys). Raises ConfigError."""
+    return load_yaml_checked(path)[0]
+
+
+def load_yaml_checked(path: str) -> tuple[dict[str, Any], list[str]]:
+    """:func:`load_yaml` and the warnings about the file itself (a key given twice). Raises ConfigError."""
     try:
         with open(path, encoding="utf-8") as fh:
-            data = yaml.safe_load(fh)
+            data, duplicates = config_checks.load_with_duplicates(fh)
     except OSError as exc:
         raise ConfigError(f"config file {path}: {exc.strerror}") from None
     except yaml.YAMLError as exc:
@@ -450,21 +477,29 @@ def load_yaml(path: str) -> dict[str, Any]:
         where = f" line {mark.line + 1}" if mark is not None else ""
         raise ConfigError(f"config file {path}{where}: not valid YAML") from None
     if data is None:
-        return {}
+        return {}, []
     if not isinstance(data, dict):
         raise ConfigError(f"config file {path}: expected a mapping of keys to values")
-    return data
+    return data, config_checks.duplicate_warnings(path, duplicates, data)
 
 
 def flag_name(key: str) -> str:
     return "--" + key.replace("_", "-")
 
 
+def _flag_help(key: Key) -> str:
+    """A key's help line with its built-in default in YAML terms (the flag's own default stays unset, so a
+    YAML file's value is not overridden)."""
+    default = yaml.safe_dump(key.default, default_flow_style=True, width=1 << 16).strip()
+    default = default.removesuffix("\n...")  # a plain scalar's document end marker
+    return f"{key.doc} (default: {default})".replace("%", "%%")
+
+
 def add_flags(parser: argparse.ArgumentParser) -> None:
     """Add ``--config`` and one flag per key (default: unset, so YAML values are not overridden)."""
     parser.add_argument("--config", metavar="FILE", help="YAML config file (see configs/kvgate.yaml)")
     for key in KEYS:
-        kwargs: dict[str, Any] = {"dest": key.name, "default": None, "help": key.doc}
+        kwargs: dict[str, Any] = {"dest": key.name, "default": None, "help": _flag_help(key)}
         if key.type is bool:
             kwargs["action"] = argparse.BooleanOptionalAction
         elif key.type is dict:
@@ -502,12 +537,14 @@ def _from_flag(key: Key, text: Any) -> Any:
 
 def from_args(args: argparse.Namespace) -> Config:
     """Merge defaults, the YAML file named by ``args.config`` and the flags; validate. Raises ConfigError."""
-    raw: dict[str, Any] = load_yaml(args.config) if getattr(args, "config", None) else {}
+    raw, file_warnings = load_yaml_checked(args.config) if getattr(args, "config", None) else ({}, [])
     for key in KEYS:
         value = getattr(args, key.name, None)
         if value is not None:
             raw[key.name] = _from_flag(key, value)
-    return validate(raw)
+    cfg = validate(raw)
+    cfg.warnings[:0] = file_warnings
+    return cfg
 
 
 __all__ = ["Config", "ConfigError", "KEYS", "add_flags", "from_args", "load_yaml", "validate",

@@ -2,6 +2,7 @@
 
 import math
 
+import orjson
 import pytest
 
 from kvgate.admission.capacity import (
@@ -91,7 +92,7 @@ def test_dp_ranks_summed_and_worst_pool_for_pressure():
 def test_usage_zero_with_used_falls_back_to_ratio():
     cap = parse_engine_metrics(sglang_metrics([(100_000, 46_000, 0.0)], tp=2))
     assert cap.worst_usage == pytest.approx(0.46)
-    assert cap.pools[0] == Pool(100_000, 46_000, 0.46)
+    assert cap.pools[0] == Pool(100_000, 46_000, 0.46, requests=12)  # 12 running (the extra families)
 
 
 def test_usage_zero_and_used_zero_stays_zero():
@@ -188,3 +189,20 @@ def test_stale_after():
     for bad in (0, -1, math.inf, "2"):
         with pytest.raises(ValueError):
             stale_after_s(bad)
+
+
+def test_running_and_waiting_requests_are_read_per_pool():
+    """The compute load session placement balances: num_running_reqs + waiting (num_waiting_reqs in
+    /v1/loads, num_queue_reqs in /metrics), per DP rank; 0 when an engine does not report them."""
+    cap = parse_engine_loads({"loads": [
+        {"dp_rank": 0, "max_total_num_tokens": 1000, "num_used_tokens": 10, "num_running_reqs": 3, "num_waiting_reqs": 4},
+        {"dp_rank": 1, "max_total_num_tokens": 1000, "num_used_tokens": 10, "num_running_reqs": 1}]})
+    assert [p.requests for p in cap.pools] == [7, 1]
+    assert parse_engine_loads({"loads": [{"max_total_num_tokens": 1000}]}).pools[0].requests == 0
+    text = sglang_metrics([(100_000, 25_000, 0.25)], tp=2, with_dp=False) + \
+        "# HELP sglang:num_queue_reqs q\n# TYPE sglang:num_queue_reqs gauge\n" \
+        'sglang:num_queue_reqs{engine_type="unified",model_name="m",tp_rank="0"} 5.0\n'
+    assert parse_engine_metrics(text).pools[0].requests == 12 + 5
+    snap = ClusterSnapshot.build({"http://e0": cap}, 1.0)
+    back = ClusterSnapshot.from_wire(orjson.loads(orjson.dumps(snap.to_wire())), 1.0)
+    assert [p.requests for p in back.engines["http://e0"].pools] == [7, 1]

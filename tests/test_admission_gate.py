@@ -189,3 +189,20 @@ async def test_a_release_wakes_the_timer_only_for_a_deadline_sooner_than_its_own
                 await _timer_asleep(g, until=g.cfg.admission_program_ttl_s)
         finally:
             await g.stop()
+
+
+def test_place_first_is_asked_only_for_an_unknown_engine_and_fails_open():
+    from kvgate.common.admit import RequestInfo
+    from kvgate.common.classify import classify
+
+    info = RequestInfo(classify("POST", "/generate", b'{"input_ids": [1, 2, 3]}'), {}, "new")
+    asked = []
+    g = _gate("program", engine_of=lambda sid: None, place_first=lambda i: asked.append(i) or ("http://e0", 1))
+    assert g._placed_now(info) == ("http://e0", 1) and asked == [info]
+
+    def broken(i):
+        raise RuntimeError("placement down")
+
+    g = _gate("program", place_first=broken)
+    assert g._placed_now(info) is None  # unknown engine: the fleet-wide rule
+    assert g.metrics.faults.labels("admission")._value.get() == 1

@@ -238,9 +238,9 @@ def test_places_are_independent_and_unknown_engines_share_the_fleet():
     assert c.submit(0.0).kind is Kind.WAIT  # e0 is full although the fleet has 1,000 more
     u = Prog(co, "u", 500, seed=4, place=None)
     assert u.submit(0.0).kind is Kind.ADMIT  # unknown engine: fleet rule, 17,000 + 1,000 <= 18,000
-    assert co.program_states() == {E0: {"live": 1, "in_tool": 0, "paused": 0},
-                                   E1: {"live": 1, "in_tool": 0, "paused": 0},
-                                   "fleet": {"live": 1, "in_tool": 0, "paused": 0}}
+    assert co.program_states() == {E0: {"live": 1, "in_tool": 0, "paused": 0, "ended": 0},
+                                   E1: {"live": 1, "in_tool": 0, "paused": 0, "ended": 0},
+                                   "fleet": {"live": 1, "in_tool": 0, "paused": 0, "ended": 0}}
     orjson.dumps(co.stats(1.0))
 
 
@@ -338,3 +338,77 @@ def test_victim_rules_trade_pauses_for_re_prefill_work():
     assert _victim_tradeoff("smallest") == (4, 6000, 10.8)  # 600 + 1,200 + 1,800 + 2,400
     assert _victim_tradeoff("largest") == (1, 6000, 36.0)  # 6,000
     assert _victim_tradeoff("longest-idle") == (1, 6000, 36.0)  # p9 (6,000) has been in its tool call longest
+
+
+def test_the_ahead_rule_pauses_the_program_furthest_ahead_of_its_group():
+    """Two groups of two siblings (a group: the same first prompt), all in a tool call: a1 has 4 turns done
+    and its sibling a2 1 (a1 is 1.5 ahead of its group's mean), b1 and b2 3 each (0 ahead). A live program's
+    next turn overflows the engine by one program's worth: "ahead" pauses a1, though it is not the smallest;
+    "smallest" pauses b2."""
+    def run(victim):
+        co, lg = make({E0: 20_000}, victim=victim, overdue_multiple=0)  # ceiling 18,000
+        tasks = {"a": list(range(1, 200)), "b": list(range(1000, 1199))}
+        sizes, turns = {"a1": 2000, "a2": 3000, "b1": 3000, "b2": 1500}, {"a1": 4, "a2": 1, "b1": 3, "b2": 3}
+        t = 0.0
+        for sid in sizes:
+            blocks = estimate_request("/generate", {"input_ids": tasks[sid[0]]}, expected_decode_cap=1).blocks
+            for n in range(turns[sid]):
+                co.submit(f"{sid}-{n}", sizes[sid], False, t, place=E0, blocks=blocks if n == 0 else (),
+                          session_id=sid, prompt_tokens=sizes[sid])
+                co.release(f"{sid}-{n}", t, {"prompt_tokens": sizes[sid], "completion_tokens": 0})
+                t += 0.1
+        co.submit("l0", 100, False, t, place=E0, session_id="live")
+        co.release("l0", t, {"prompt_tokens": 100, "completion_tokens": 0})
+        assert lg.reserved == 9600
+        co.submit("l1", 9000, False, t + 1, place=E0, session_id="live", prompt_tokens=8900)  # 18,500
+        return [a.session_id for a in co.take_actions()]
+
+    assert run("ahead") == ["a1"]
+    assert run("smallest") == ["b2"]
+
+
+def test_a_paused_turn_past_the_resume_deadline_makes_its_own_room():
+    """Ceiling 9,000. p (3,000) is paused; its next turn (4,000) arrives at t=10 while q (2,500) and r (2,000)
+    are in a tool call and s (1,500) is live: 6,000 + 4,000 > 9,000. Without a deadline it waits until room
+    frees (here: the max wait, t=40). With resume_deadline_s 5 it goes at t=15, pausing r (victim rule
+    smallest) to make its room; it never pauses the live s."""
+    def run(deadline):
+        co, lg = make(overdue_multiple=0, resume_deadline_s=deadline)
+        for sid, size in (("p", 3000), ("q", 2500), ("r", 2000)):
+            co.submit(f"{sid}0", size, False, 0.0, place=E0, session_id=sid)
+            co.release(f"{sid}0", 1.0, {"prompt_tokens": size, "completion_tokens": 0})
+        assert co.submit("s0", 1500, False, 2.0, place=E0, session_id="s").kind is Kind.ADMIT
+        co._pause(co._programs["p"], 3.0)
+        assert co.submit("p1", 4000, False, 10.0, place=E0, session_id="p").kind is Kind.WAIT
+        return co, lg
+
+    co, lg = run(None)
+    assert co.next_deadline(10.0) == 40.0 and co.pump(39.0) == []
+    co, lg = run(5.0)
+    assert co.next_deadline(10.0) == 15.0 and co.pump(14.9) == []
+    out = co.pump(15.0)
+    assert [(d.ticket, d.kind, d.waited_s) for d in out] == [("p1", Kind.ADMIT, 5.0)]
+    assert co.state_of("r") is ProgramState.PAUSED and co.state_of("q") is ProgramState.IN_TOOL
+    assert co.state_of("s") is ProgramState.LIVE and co.counters["resume_deadline"] == 1
+    assert lg.reserved == 2500 + 1500 + 4000
+
+
+def test_a_paused_turn_past_the_deadline_waits_for_running_programs():
+    co, lg = make(overdue_multiple=0, resume_deadline_s=5.0)
+    co.submit("p0", 4000, False, 0.0, place=E0, session_id="p")
+    co.release("p0", 1.0, {"prompt_tokens": 4000, "completion_tokens": 0})
+    assert co.submit("s0", 5000, False, 2.0, place=E0, session_id="s").kind is Kind.ADMIT
+    co._pause(co._programs["p"], 3.0)
+    assert co.submit("p1", 4500, False, 10.0, place=E0, session_id="p").kind is Kind.WAIT
+    assert co.pump(15.0) == [] and co.counters["pause"] == 1  # nothing in a tool call to pause
+    assert co.next_deadline(15.0) == 40.0  # no busy loop on the passed deadline: aging is next
+    out = co.release("s0", 16.0, {"prompt_tokens": 5000, "completion_tokens": 0})  # s's tool call starts
+    assert [(d.ticket, d.kind) for d in out] == [("p1", Kind.ADMIT)] and co.state_of("s") is ProgramState.PAUSED
+
+
+def test_new_args_are_checked():
+    lg = Ledger()
+    for kw in ({"overdue_multiple": -1}, {"overdue_quantile": 0}, {"overdue_default_s": 0},
+               {"resume_deadline_s": -1}, {"victim": "behind"}):
+        with pytest.raises(ValueError):
+            ProgramCoordinator(lg, **kw)

@@ -120,3 +120,32 @@ def test_a_failed_arm_is_shown_and_ranked_last():
     text = cli._ranking_text([["direct"], ["proxy-only"]], 2, None, 0, ["proxy-only"])
     assert "Did not finish" in text and "proxy-only" in text and "nothing to test" in text
     json.dumps(m)  # results.json stays serialisable
+
+
+def test_arm_settings_name_variants_of_an_arm_and_scale_their_durations():
+    from kvgate.bench.runner import THUNDER_FLAGS, expand_arms
+    sc = parse_scenario({"arms": ["direct-no-overload", "lifecycle+admission-program-thunder",
+                                  "lifecycle+admission-program@fast"], "workload": {"kind": "agentic"}, "speed": 4,
+                         "arm_settings": {"fast": {"admission_pause_victim": "ahead", "admission_resume_deadline_s": 20,
+                                                   "admission_host_cache": False}}})
+    arms = expand_arms(sc)
+    assert [a.name for a in arms] == ["direct-no-overload", "lifecycle+admission-program-thunder",
+                                      "lifecycle+admission-program@fast"]
+    assert arms[0].router_flags == ("--disable-worker-overload-protection",) and arms[1].kvgate_flags == THUNDER_FLAGS
+    assert arms[2].kvgate_flags == ("--admission-pause-victim", "ahead", "--admission-resume-deadline-s", "5.0",
+                                    "--no-admission-host-cache")
+    for bad, msg in ((["lifecycle@none"], "unknown"), (["direct@x"], "unknown")):
+        with pytest.raises(ValueError, match=msg):
+            parse_scenario({"arms": bad, "workload": {"kind": "agentic"}, "arm_settings": {"y": {}}})
+    with pytest.raises(ValueError, match="arm_settings.x: kvgate_extra"):
+        parse_scenario({"arms": ["lifecycle@x"], "workload": {"kind": "agentic"},
+                        "arm_settings": {"x": {"admission_pause_victim": "random"}}})
+
+
+def test_arms_flag_takes_a_settings_variant():
+    from kvgate.bench.command import _pick_arms
+    assert _pick_arms("direct,lifecycle+admission-program@fast,router-limit-8") == (
+        ["direct", "lifecycle+admission-program@fast", "router-limit"],
+        {"direct", "lifecycle+admission-program@fast", "router-limit-8"})
+    with pytest.raises(ValueError, match="unknown arm"):
+        _pick_arms("nothing@fast")

@@ -236,10 +236,11 @@ def test_help_says_what_the_flags_do():
     lines = serve.stdout.splitlines()
     assert ("  --http-server SERVER  The HTTP server kvgate answers its clients with: kvgate (kvgate's own, on "
             "httptools; less CPU per request and less memory per waiting connection) or aiohttp (aiohttp's "
-            "general-purpose web server).") in lines
+            "general-purpose web server). (default: kvgate)") in lines
     at = lines.index("  --agentic-program-admission, --no-agentic-program-admission")
     assert lines[at + 1].strip() == (
         "Hold each generate call until the engines' KV can take it, as admission_policy says: fifo (one global "
-        "queue in front of a token ledger) or program (started programs keep going, new ones wait for room).")
+        "queue in front of a token ledger) or program (started programs keep going, new ones wait for room). "
+        "(default: false)")
     assert "  --admission-chars-per-token CHARS" in lines
     assert "as before" not in serve.stdout and "two simulated" not in top.stdout

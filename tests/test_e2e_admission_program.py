@@ -123,3 +123,29 @@ async def test_an_idle_close_ends_the_program_and_frees_its_room(sim_factory, ro
     assert gw.gate.stats()["counters"]["programs_ended"] == 2
     assert gw.gate.ledger.reserved == 800  # C alone, in its tool call
     assert co.pauses == {}  # the room came from the idle closes, not from pausing anyone
+
+
+async def test_place_first_then_admit_through_the_proxy(sim_factory, router_factory, kvgate_factory):
+    """kvgate placing sessions (session_placement: kvgate) in front of two engines: a new session's first
+    turn is placed before admission, so its reservation and then its resident KV count on the engine it went
+    to, never fleet-wide (before, the first turn counted on the fleet until the session's next turn)."""
+    e0, e1 = await sim_factory(max_total_num_tokens=20_000), await sim_factory(max_total_num_tokens=20_000)
+    router = await router_factory([e0.url, e1.url])
+    gw, kv = await kvgate_factory(upstream=router, agentic_program_admission=True, admission_policy="program",
+                                  agentic_session_lifecycle=True, session_inference=False,
+                                  session_placement="kvgate", admission_poll_interval_s=POLL,
+                                  discovery_interval_s=0.2)
+    await gw.directory.first_refresh.wait()
+    while gw.gate.ledger.snapshot is None or len(gw.gate.ledger.snapshot.engines) < 2:
+        await gw.poller.round_done.wait()
+    co = gw.gate.coord
+    async with aiohttp.ClientSession() as http:
+        for sid, base in (("s0", 100_000), ("s1", 200_000)):
+            st, dec, q, _ = await _turn(http, kv, sid, list(range(base, base + 600)))
+            assert (st, dec, q) == (200, "admit", 0)
+    where = {sid: gw.placement.engine_of(sid)[0] for sid in ("s0", "s1")}
+    assert sorted(where.values()) == sorted([e0.url, e1.url])  # free KV, then fewer requests: one each
+    states = co.program_states()
+    assert "fleet" not in states
+    assert {url: s["in_tool"] for url, s in states.items()} == {e0.url: 1, e1.url: 1}
+    assert gw.gate.ledger.reserved_on(where["s0"]) == 800 and gw.gate.ledger.stats(0.0)["reserved_unplaced"] == 0

@@ -266,8 +266,9 @@ async def test_placed_calls_are_byte_preserving_and_other_traffic_goes_via_the_r
         assert router.received[-1][2]["X-SMG-Routing-Key"] == "s1"
     # a DP rank pin is injected the same byte-preserving way
     from kvgate.fleet.placement import Target
-    assert gw._engine_body(raw, orjson.loads(raw), Target(engine.url, 1)) == b'{"routed_dp_rank":1,' + raw[1:]
-    assert gw._engine_body(raw, {**orjson.loads(raw), "routed_dp_rank": 0}, Target(engine.url, 1)) == raw
+    from kvgate.proxy.placed import engine_body
+    assert engine_body(raw, orjson.loads(raw), Target(engine.url, 1)) == b'{"routed_dp_rank":1,' + raw[1:]
+    assert engine_body(raw, {**orjson.loads(raw), "routed_dp_rank": 0}, Target(engine.url, 1)) == raw
 
 
 async def test_no_usable_engine_falls_back_to_the_router_unchanged(recorders, kvgate_factory):
@@ -295,7 +296,8 @@ async def test_lifecycle_off_placement_on_sends_the_body_unchanged(recorders, kv
     async with aiohttp.ClientSession() as http:
         async with http.post(kv + "/generate", data=raw, headers={"X-Session-ID": "s"}) as r:
             assert r.headers["X-From"] == "engine" and "X-Kvgate-Session-Id" not in r.headers
-    assert engine.received[-1][1] == raw and router.received == []
+    # the router got nothing but kvgate's liveness check (a static engine list is not discovered from it)
+    assert engine.received[-1][1] == raw and [r[0] for r in router.received] == ["/health"]
     assert gw.lifecycle.registry.get("s") is None
 
 

@@ -304,3 +304,29 @@ def test_reopen_elsewhere_counts_only_sessions_that_really_moved():
     p.forget("s1", 3.0)
     p.set_engines([(B, True), (C, True)])
     assert p.place("s1", [], 4.0) == Target(B) and p.counts["reopen_elsewhere"] == 1
+
+
+def test_compute_load_breaks_free_kv_ties_and_counts_calls_the_figures_cannot_include():
+    """Equal free KV: the engine with fewer running + waiting requests wins (reported, plus kvgate's calls sent
+    since the figures were requested); the free-KV rule still comes first."""
+    p = fleet()
+    p.set_capacity({A: [(10_000, 1_000, 9)], B: [(10_000, 1_000, 2)], C: [(10_000, 1_000, 2)]}, 0.0)
+    assert p.place("s1", [], 1.0) == Target(B)        # A is busier; B before C in the list
+    call = p.call_started(Target(B), 10, 1.0)         # B: 2 reported + 1 sent since
+    assert p.place("s2", [], 1.0) == Target(C)
+    p.call_finished(Target(B), call)
+    p.set_capacity({A: [(10_000, 0, 30)], B: [(10_000, 5_000, 0)], C: [(10_000, 5_000, 0)]}, 2.0)
+    assert p.place("s3", [], 2.0) == Target(A)        # most free KV, however busy
+    assert p.as_json()[A]["requests"] == 30
+
+
+def test_a_prefix_engine_that_is_the_busier_one_takes_no_sibling():
+    p = fleet()
+    p.set_capacity({A: [(10_000, 0, 0)], B: [(10_000, 0, 0)], C: [(10_000, 0, 0)]}, 0.0)
+    keys = prefix_keys(list(range(1, 200)))
+    first = p.place("g0", keys, 0.0)
+    p.remember_prefix(keys, first)
+    p.set_capacity({A: [(10_000, 0, 3)], B: [(10_000, 0, 3)], C: [(10_000, 0, 3)]}, 1.0)
+    assert p.place("g1", keys, 1.0) == first           # as busy as the others: the prefix wins
+    p.set_capacity({A: [(10_000, 0, 4)], B: [(10_000, 0, 3)], C: [(10_000, 0, 3)]}, 2.0)
+    assert p.place("g2", keys, 2.0) == Target(B) and p.counts["busier_moved"] == 1

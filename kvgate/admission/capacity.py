@@ -41,6 +41,8 @@ __all__ = [
 METRIC_MAX_TOTAL = "sglang:max_total_num_tokens"
 METRIC_NUM_USED = "sglang:num_used_tokens"
 METRIC_TOKEN_USAGE = "sglang:token_usage"
+METRIC_RUNNING = "sglang:num_running_reqs"
+METRIC_QUEUED = "sglang:num_queue_reqs"
 _WANTED = (METRIC_MAX_TOTAL, METRIC_NUM_USED, METRIC_TOKEN_USAGE)
 
 #: No KV pool holds more tokens than this (2^40 ~ 1.1e12; today's largest pools hold ~1e7).
@@ -66,13 +68,16 @@ class Pool:
 
     capacity: max_total_num_tokens (tokens); used: num_used_tokens (tokens); usage: token_usage in [0, 1+]
     after the "0 while used > 0" fallback; host: the KV room the rank's HiCache host pool adds beyond the
-    device pool (tokens, 0 without HiCache; :func:`host_pool_tokens`).
+    device pool (tokens, 0 without HiCache; :func:`host_pool_tokens`); requests: the rank's running plus
+    waiting requests (num_running_reqs + num_waiting_reqs / num_queue_reqs; 0 when not reported), the
+    compute load session placement balances.
     """
 
     capacity: int
     used: int
     usage: float
     host: int = 0
+    requests: int = 0
 
 
 @dataclass(frozen=True)
@@ -111,7 +116,7 @@ class EngineCapacity:
         h = max(0, int(host_per_pool or 0))
         if all(p.host == h for p in self.pools):
             return self
-        return EngineCapacity(tuple(Pool(p.capacity, p.used, p.usage, h) for p in self.pools))
+        return EngineCapacity(tuple(Pool(p.capacity, p.used, p.usage, h, p.requests) for p in self.pools))
 
     @cached_property
     def worst_usage(self) -> float:
@@ -125,8 +130,9 @@ class EngineCapacity:
         return sum(p.usage * p.capacity for p in self.pools) / cap
 
 
-def _make_pool(capacity: float, used: float | None, usage: float | None) -> Pool:
+def _make_pool(capacity: float, used: float | None, usage: float | None, requests: float | None = None) -> Pool:
     cap = int(capacity)
+    reqs = max(0, int(requests)) if requests is not None else 0
     u = None if used is None else max(0, int(used))
     us = None if usage is None else max(0.0, float(usage))
     if u is None and us is None:
@@ -135,7 +141,7 @@ def _make_pool(capacity: float, used: float | None, usage: float | None) -> Pool
         us = (u / cap) if cap > 0 else 0.0
     elif u is None:
         u = int(round(us * cap))
-    return Pool(capacity=cap, used=u, usage=us)
+    return Pool(capacity=cap, used=u, usage=us, requests=reqs)
 
 
 def _num(v: Any) -> float | None:
@@ -161,7 +167,10 @@ def _pools_from_ranks(ranks: Mapping[str, dict[str, float]]) -> EngineCapacity |
             continue
         if not _plausible(cap, vals.get("used"), vals.get("usage")):
             return None  # one broken pool makes the whole engine's report untrustworthy
-        pools.append(_make_pool(cap, vals.get("used"), vals.get("usage")))
+        reqs = None
+        if "running" in vals or "waiting" in vals:
+            reqs = vals.get("running", 0.0) + vals.get("waiting", 0.0)
+        pools.append(_make_pool(cap, vals.get("used"), vals.get("usage"), reqs))
     return EngineCapacity(tuple(pools)) if pools else None
 
 
@@ -201,7 +210,8 @@ def parse_engine_metrics(text: str) -> EngineCapacity | None:
     if not isinstance(text, str) or not text:
         return None
     ranks: dict[str, dict[str, float]] = {}
-    short = {METRIC_MAX_TOTAL: "cap", METRIC_NUM_USED: "used", METRIC_TOKEN_USAGE: "usage"}
+    short = {METRIC_MAX_TOTAL: "cap", METRIC_NUM_USED: "used", METRIC_TOKEN_USAGE: "usage",
+             METRIC_RUNNING: "running", METRIC_QUEUED: "waiting"}
     try:
         for fam in text_string_to_metric_families(text):
             if fam.name not in short:
@@ -242,7 +252,9 @@ def parse_engine_loads(obj: Any) -> EngineCapacity | None:
         dp = entry.get("dp_rank", i)
         rank = str(int(dp)) if isinstance(dp, (int, float)) and not isinstance(dp, bool) and math.isfinite(dp) else str(dp)
         d = ranks.setdefault(rank, {})
-        for key, name in (("max_total_num_tokens", "cap"), ("num_used_tokens", "used"), ("token_usage", "usage")):
+        for key, name in (("max_total_num_tokens", "cap"), ("num_used_tokens", "used"), ("token_usage", "usage"),
+                          ("num_running_reqs", "running"), ("num_waiting_reqs", "waiting"),
+                          ("num_queue_reqs", "waiting")):
             v = _num(entry.get(key))
             if v is not None:
                 _merge_max(d, name, v)
@@ -355,8 +367,8 @@ class ClusterSnapshot:
 
     def to_wire(self) -> dict[str, Any]:
         """Everything but the time, JSON-able, for replicas that share one poller's snapshot:
-        {"engines": {url: [[capacity, used, usage, host] per pool]}, "unhealthy": [url, ...]}."""
-        return {"engines": {url: [[p.capacity, p.used, p.usage, p.host] for p in e.pools]
+        {"engines": {url: [[capacity, used, usage, host, requests] per pool]}, "unhealthy": [url, ...]}."""
+        return {"engines": {url: [[p.capacity, p.used, p.usage, p.host, p.requests] for p in e.pools]
                             for url, e in self.engines.items()},
                 "unhealthy": sorted(self.unhealthy)}
 
@@ -396,7 +408,7 @@ class ClusterSnapshot:
         }
 
 
-def _wire_pool(capacity: Any, used: Any, usage: Any, host: Any = 0) -> Pool:
-    # A replica of an earlier version writes three figures per pool (no host pool).
+def _wire_pool(capacity: Any, used: Any, usage: Any, host: Any = 0, requests: Any = 0) -> Pool:
+    # A replica of an earlier version writes three or four figures per pool (no host pool, no requests).
     p = _make_pool(float(capacity), float(used), float(usage))
-    return Pool(p.capacity, p.used, p.usage, max(0, int(host)))
+    return Pool(p.capacity, p.used, p.usage, max(0, int(host)), max(0, int(requests)))

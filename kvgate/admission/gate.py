@@ -11,7 +11,10 @@ released). Every decision comes from the pure core (kvgate.admission.coordinator
 fifo``, kvgate.admission.program for ``program``); this module only delivers them and executes the
 program policy's actions (closing a paused program's engine session through ``pause_session``).
 Where a session's requests go is asked of the injected ``engine_of(session_id) -> (engine URL, dp_rank) |
-None``; None (or no lookup) means unknown, and the fleet-wide rule applies.
+None`` (kvgate's placement, or the engine the router named for the session's earlier turns). Place first,
+then admit: when that says None, ``place_first(request info) -> (engine URL, dp_rank) | None`` is asked to
+place the call now (a new session's first turn on a route where kvgate places sessions), so the turn
+reserves on the engine it will go to. None from both means unknown, and the fleet-wide rule applies.
 """
 
 from __future__ import annotations
@@ -54,15 +57,19 @@ class AdmissionGate:
 
     cfg: the validated Config; metrics: the app's Metrics (series are added to its registry);
     clock: monotonic seconds; engine_of: session id -> (engine URL, dp_rank or None) or None when unknown;
-    pause_session: called with a session id whose engine session the program policy wants closed.
+    pause_session: called with a session id whose engine session the program policy wants closed;
+    place_first: places a call whose session ``engine_of`` does not know yet, before it is admitted (returns
+    where it will go, or None when kvgate does not place it).
     """
 
     def __init__(self, cfg, metrics: Metrics, clock: Callable[[], float] = time.monotonic, *,
                  engine_of: Callable[[str], tuple[str, int | None] | None] | None = None,
-                 pause_session: Callable[[str], Any] | None = None):
+                 pause_session: Callable[[str], Any] | None = None,
+                 place_first: Callable[[RequestInfo], tuple[str, int | None] | None] | None = None):
         self.cfg = cfg
         self.clock = clock
         self.engine_of = engine_of
+        self.place_first = place_first
         self.pause_session = pause_session
         self.policy = cfg.admission_policy
         self.ledger = Ledger(headroom=cfg.agentic_admission_headroom,
@@ -78,7 +85,10 @@ class AdmissionGate:
             self.coord = ProgramCoordinator(self.ledger, cfg.agentic_admission_max_wait_s,
                                             window_s=cfg.admission_window_s, victim=cfg.admission_pause_victim,
                                             resume=cfg.admission_resume_order,
-                                            program_ttl_s=cfg.admission_program_ttl_s)
+                                            program_ttl_s=cfg.admission_program_ttl_s,
+                                            overdue_multiple=cfg.admission_program_overdue_multiple,
+                                            overdue_default_s=cfg.admission_program_overdue_default_s,
+                                            resume_deadline_s=cfg.admission_resume_deadline_s)
         else:
             self.coord = AdmissionCoordinator(self.ledger, cfg.agentic_admission_max_wait_s,
                                               window_s=cfg.admission_window_s, backfill=cfg.admission_backfill)
@@ -132,7 +142,10 @@ class AdmissionGate:
         ticket = next(self._ids)
         paused = (self.shared is not None and self.policy == "program" and info.session_id is not None
                   and await self._shared_paused(info.session_id))
-        d = self.coord.submit(ticket, res.tokens, protected, self.clock(), place=self._place(info.session_id),
+        place = self._place(info.session_id)
+        if place is None and self.place_first is not None and info.session_id is not None:
+            place = self._placed_now(info)
+        d = self.coord.submit(ticket, res.tokens, protected, self.clock(), place=place,
                               blocks=res.blocks, session_id=info.session_id, prompt_tokens=res.prompt_tokens)
         if self._has_actions:
             self._run_actions()
@@ -267,10 +280,19 @@ class AdmissionGate:
         """Where the session's requests go: (engine URL, dp_rank) from the injected lookup, else None."""
         if session_id is None or self.engine_of is None:
             return None
+        return self._ask(self.engine_of, session_id, "engine lookup failed")
+
+    def _placed_now(self, info: RequestInfo) -> Any:
+        """Place first, then admit: where ``place_first`` puts this call now (None: unknown; a fault fails open)."""
+        return self._ask(self.place_first, info, "placing before admission failed")
+
+    def _ask(self, lookup: Callable[[Any], tuple[str, int | None] | None], arg: Any, fault: str) -> Any:
+        """``lookup(arg)`` as a place: engine URL, (URL, dp_rank), or None (unknown: the fleet-wide rule; also
+        when the lookup raises, which is logged and counted)."""
         try:
-            where = self.engine_of(session_id)
+            where = lookup(arg)
         except Exception:  # fail-open: an unknown engine means the fleet-wide rule
-            log.exception("engine lookup failed")
+            log.exception(fault)
             self.metrics.faults.labels("admission").inc()
             return None
         if where is None:

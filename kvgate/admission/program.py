@@ -24,12 +24,29 @@ that can only hold requests and close engine sessions):
 - fail-open as the fifo policy: protected work bypasses (reserving), a missing or stale capacity signal
   lets everything bypass and pauses nothing.
 
-Victim rule (``victim``): "smallest" (default) pauses the smallest in-tool program first, as ThunderAgent's
+Victim rule (``victim``): "smallest" pauses the smallest in-tool program first, as ThunderAgent's
 paper and code do: re-prefilling a context of c tokens costs ~c^2 attention work, so the smallest victim
 costs the least to bring back; "largest" frees the most per pause (fewest programs paused); "longest-idle"
 pauses the program whose tool call has run longest (the radix cache's LRU would evict it first anyway).
-Resume order (``resume``): "smallest" (default; ThunderAgent's greedy resume packs the most programs into
-the room freed) or "fifo" (longest paused first).
+"ahead" (default) aims at the step's makespan (the last program to finish): the in-tool program furthest ahead of its
+group (GRPO siblings: the programs whose first prompt is the same) in turns done pauses first, then the one
+with the most turns done, then the smallest; a program far along has the least work left, so delaying it is
+least likely to delay the step's last program (the programs with the most work left).
+Resume order (``resume``): "smallest" (ThunderAgent's greedy resume packs the most programs into the room
+freed) or "fifo" (default: longest waiting first, so no paused program starves behind smaller ones).
+
+A program's state comes from evidence, not only from the TTL:
+- live (a turn in flight), in a tool call, paused (held by kvgate), and ended: a program in a tool call
+  idle far past what its own gaps between turns and its group's predict (``overdue_multiple`` x the
+  ``overdue_quantile`` of those gaps; ``overdue_default_s`` until any gap has been seen; at most the TTL).
+  An ended program still holds its KV on the engine, so it is the first to pause: on overflow, and whenever a
+  waiting turn finds no room on its place (pausing closes its engine session, which frees its KV first). If
+  it was only slow and its next turn comes, that turn resumes it like any paused program's.
+- the TTL (``program_ttl_s``) stays as the backstop; a program whose session closed (the client, or
+  kvgate's idle close) leaves the working set at once (:meth:`ProgramCoordinator.forget`).
+Pauses are bounded (``resume_deadline_s``): a paused program's turn that has waited that long resumes
+ahead of everything, pausing in-tool programs on its place (ended ones first, then by the victim rule) to
+make its room; when only running programs hold the place it waits for them (aging still bounds it).
 
 The shell calls submit / pump / release / cancel / reconcile / invalidate like the fifo coordinator, and
 after each call executes ``take_actions()`` (close the engine session of each paused program).
@@ -40,6 +57,8 @@ from __future__ import annotations
 import enum
 import heapq
 import itertools
+import math
+from collections import deque
 from dataclasses import dataclass, field
 from collections.abc import Mapping
 from typing import Any, Hashable, Iterator
@@ -51,16 +70,25 @@ from .working_set import FLEET
 
 __all__ = ["ProgramCoordinator", "ProgramState", "Action", "VICTIM_RULES", "RESUME_ORDERS"]
 
-VICTIM_RULES = ("smallest", "largest", "longest-idle")
+VICTIM_RULES = ("smallest", "largest", "longest-idle", "ahead")
 RESUME_ORDERS = ("smallest", "fifo")
 
 
 class ProgramState(str, enum.Enum):
-    """live: a turn is in flight; in_tool: between turns (a tool call runs); paused: held by kvgate."""
+    """live: a turn is in flight; in_tool: between turns (a tool call runs); paused: held by kvgate; ended:
+    in a tool call far past what its own and its group's gaps predict (reported by program_states; inside the
+    coordinator such a program is IN_TOOL with an overdue deadline behind it)."""
 
     LIVE = "live"
     IN_TOOL = "in_tool"
     PAUSED = "paused"
+    ENDED = "ended"
+
+
+#: Gaps between turns remembered per program, per group, and for the whole fleet (the newest kept).
+OWN_GAPS, GROUP_GAPS, FLEET_GAPS = 16, 64, 512
+#: Gaps needed before a quantile is read from them (fewer: the next wider source, then the default).
+MIN_GAPS = 3
 
 
 @dataclass(frozen=True)
@@ -85,6 +113,10 @@ class _Program:
     ended: bool = False  # the session closed while a turn was in flight: drop it when the turn ends
     inflight: dict = field(default_factory=dict)  # ticket -> see _start_turn
     scale: float = 1.0  # engine prompt_tokens / kvgate's estimate, from the last answered turn
+    group: Hashable = None  # the chain hash of its first turn's prompt: GRPO siblings share it
+    last_end: float | None = None  # when its last turn ended (None: no turn has ended yet)
+    overdue_at: float = float("inf")  # idle past this: ended (from its and its group's gaps)
+    gaps: deque = field(default_factory=lambda: deque(maxlen=OWN_GAPS))
 
 
 @dataclass(slots=True)
@@ -106,11 +138,18 @@ class ProgramCoordinator:
 
     Args: ledger; max_wait_s (>= 0): aging bound, seconds; window_s: window for rates (default the ledger's);
     victim: one of VICTIM_RULES; resume: one of RESUME_ORDERS; program_ttl_s (> 0): a program idle this long
-    between turns (or paused without a waiting turn) is treated as ended. Raises ValueError on bad values.
+    between turns (or paused without a waiting turn) is treated as ended. overdue_multiple (>= 0; 0: off):
+    a program in a tool call idle longer than this x the ``overdue_quantile`` (0, 1] of its own and its
+    group's gaps between turns (the fleet's when they have too few; ``overdue_default_s`` (> 0) before any
+    gap is known) counts as ended, the first to pause. resume_deadline_s (None or 0: off; else > 0): a paused
+    program's turn waiting this long makes its own room (see the module doc), seconds. Raises ValueError on
+    bad values.
     """
 
     def __init__(self, ledger: Ledger, max_wait_s: float = 30.0, *, window_s: float | None = None,
-                 victim: str = "smallest", resume: str = "smallest", program_ttl_s: float = 600.0) -> None:
+                 victim: str = "ahead", resume: str = "fifo", program_ttl_s: float = 600.0,
+                 overdue_multiple: float = 3.0, overdue_quantile: float = 0.9, overdue_default_s: float = 60.0,
+                 resume_deadline_s: float | None = None) -> None:
         if isinstance(max_wait_s, bool) or not isinstance(max_wait_s, (int, float)) or not max_wait_s >= 0:
             raise ValueError(f"max_wait_s must be >= 0, got {max_wait_s!r}")
         if victim not in VICTIM_RULES:
@@ -125,6 +164,28 @@ class ProgramCoordinator:
         self.victim = victim
         self.resume = resume
         self.program_ttl_s = float(program_ttl_s)
+        if not (isinstance(overdue_multiple, (int, float)) and math.isfinite(overdue_multiple) and overdue_multiple >= 0):
+            raise ValueError(f"overdue_multiple must be >= 0, got {overdue_multiple!r}")
+        if not (isinstance(overdue_quantile, (int, float)) and 0 < overdue_quantile <= 1):
+            raise ValueError(f"overdue_quantile must be in (0, 1], got {overdue_quantile!r}")
+        if not (isinstance(overdue_default_s, (int, float)) and overdue_default_s > 0):
+            raise ValueError(f"overdue_default_s must be > 0, got {overdue_default_s!r}")
+        if resume_deadline_s is not None and not (isinstance(resume_deadline_s, (int, float))
+                                                  and resume_deadline_s >= 0):
+            raise ValueError(f"resume_deadline_s must be >= 0 or None, got {resume_deadline_s!r}")
+        self.overdue_multiple = float(overdue_multiple)
+        self.overdue_quantile = float(overdue_quantile)
+        self.overdue_default_s = float(overdue_default_s)
+        self.resume_deadline_s = float(resume_deadline_s) if resume_deadline_s else None
+        # gaps between turns (seconds): per group of programs and for the fleet, the newest kept
+        self._group_gaps: dict[Hashable, deque] = {}
+        self._fleet_gaps: deque = deque(maxlen=FLEET_GAPS)
+        self._fleet_bound: float | None = None  # the fleet's quantile, recomputed as gaps come in
+        self._fleet_fresh = 0
+        self._groups: dict[Hashable, set] = {}  # group -> its programs (for the "ahead" victim rule)
+        # per place: (overdue_at, n, sid, last_end) of its in-tool programs, earliest first; stale entries
+        # (the program moved on) are dropped when read
+        self._due: dict[Any, list] = {}
         self._programs: dict[Hashable, _Program] = {}
         # Idle programs' TTL deadlines, earliest first: (since + program_ttl_s, n, sid, since). An entry is
         # current while its program is idle (no turn in flight) with that ``since``; stale ones are dropped when
@@ -138,6 +199,7 @@ class ProgramCoordinator:
         self._queue: dict[Hashable, _Waiter] = {}  # in arrival order (each waiter joins once, at the end)
         self._waiting_on: dict[Any, int] = {}   # place -> waiters on it
         self._resuming_on: dict[Any, int] = {}  # place -> paused programs' turns waiting on it
+        self._resume_q: dict[Hashable, _Waiter] = {}  # paused programs' turns, in arrival order
         self._from_queue: set[Hashable] = set()
         self._seq = itertools.count(1)
         self._actions: list[Action] = []
@@ -145,7 +207,8 @@ class ProgramCoordinator:
         self.resumes: dict[str, int] = {}
         self.tally = DecisionTally((
             "admit", "wait", "bypass", "bypass_protected", "bypass_degraded", "bypass_aged", "cancelled",
-            "backfilled", "pause", "resume", "marked", "programs_ended", "prefix_miss_tokens"), self.window_s)
+            "backfilled", "pause", "resume", "marked", "programs_ended", "prefix_miss_tokens", "pause_overdue",
+            "resume_deadline"), self.window_s)
         self.counters = self.tally.counters  # the same dict: lifetime counters
 
     # ---------------------------------------------------------------- bookkeeping
@@ -187,6 +250,8 @@ class ProgramCoordinator:
         prompt = tokens if prompt_tokens is None else max(0, min(int(prompt_tokens), tokens))
         self._expire(now)
         p = self._programs.get(sid)
+        if p is not None and not p.inflight and p.last_end is not None:
+            self._gap(p, now - p.last_end)  # its tool call (or the client's think time) took this long
         place = self.ledger.resolve_place(place)
         if p is not None and p.state is not ProgramState.PAUSED and p.place != place and not p.inflight:
             self._move(p, place)  # placement learned (or changed) where this session goes
@@ -234,9 +299,12 @@ class ProgramCoordinator:
         self._waiting_on[w.place] = self._waiting_on.get(w.place, 0) + 1
         if w.resume:
             self._resuming_on[w.place] = self._resuming_on.get(w.place, 0) + 1
+            self._resume_q[w.ticket] = w
 
     def _drop(self, w: _Waiter) -> None:
         del self._queue[w.ticket]
+        if w.resume:
+            del self._resume_q[w.ticket]
         for counts in (self._waiting_on, self._resuming_on) if w.resume else (self._waiting_on,):
             n = counts[w.place] - 1
             if n:
@@ -257,6 +325,9 @@ class ProgramCoordinator:
         p = self._programs.get(sid)
         if p is None:
             p = self._programs[sid] = _Program(sid, place, ProgramState.LIVE, now)
+            if blocks and not (isinstance(sid, tuple) and sid and sid[0] == "one-turn"):
+                p.group = blocks[-1]  # its whole first prompt: GRPO siblings start from the same one
+                self._groups.setdefault(p.group, set()).add(sid)
         elif p.state is ProgramState.PAUSED:
             resumed = True
         if resumed:
@@ -268,6 +339,7 @@ class ProgramCoordinator:
         p.state = ProgramState.LIVE
         p.ended = False
         p.since = now
+        p.overdue_at = math.inf
         # (reservation, prompt, blocks, resident before, prefix expected cached: none after a pause)
         p.inflight[ticket] = (tokens, prompt, tuple(blocks), p.resident, 0 if resumed else p.resident)
         self._ticket_sid[ticket] = sid
@@ -278,6 +350,8 @@ class ProgramCoordinator:
         p.place = place
         if size:
             self.ledger.hold(p.sid, place, p.blocks, size)
+        if p.state is ProgramState.IN_TOOL and p.last_end is not None:
+            self._push_due(p)
 
     def release(self, ticket: Hashable, now: float, observed: Mapping[str, Any] | None = None) -> list[Decision]:
         """The upstream attempt for ``ticket`` ended; ``observed`` is the response's meta_info (prompt_tokens,
@@ -298,7 +372,7 @@ class ProgramCoordinator:
             return
         tokens, prompt, blocks, before, expected_prefix = p.inflight.pop(ticket)
         if isinstance(sid, tuple) and sid and sid[0] == "one-turn":
-            del self._programs[sid]
+            self._remove(p)
             return
         if cancelled:
             resident = before
@@ -323,15 +397,20 @@ class ProgramCoordinator:
             return
         p.since = now
         if p.ended:
-            del self._programs[p.sid]
+            self._remove(p)
             self._count("programs_ended", now)
             return
+        if not cancelled:
+            p.last_end = now
         if p.marked:
             self._pause(p, now)  # idle from now on: _pause keeps its end
         else:
             self._idle_from(p, now)
             p.state = ProgramState.IN_TOOL
             self.ledger.hold(p.sid, p.place, p.blocks, p.resident)
+            if p.last_end is not None:
+                p.overdue_at = p.last_end + self._overdue_after(p)
+                self._push_due(p)
             self._relieve(p.place, now)
 
     def cancel(self, ticket: Hashable, now: float) -> bool:
@@ -383,7 +462,7 @@ class ProgramCoordinator:
             p.marked = False
             p.ended = True
             return
-        del self._programs[session_id]
+        self._remove(p)
         self._count("programs_ended", now)
 
     # ---------------------------------------------------------------- pausing
@@ -410,11 +489,27 @@ class ProgramCoordinator:
             over -= sum(t for t, *_ in p.inflight.values())
 
     def _victims(self, progs: list[_Program], now: float) -> list[_Program]:
-        size = (lambda p: p.resident) if self.victim != "longest-idle" else (lambda p: -(now - p.since))
-        return sorted(progs, key=size, reverse=self.victim == "largest")
+        """``progs`` in pause order: ended ones (idle past their predicted gap) first, then the victim rule."""
+        if self.victim == "ahead":
+            def ahead(p: _Program) -> float:
+                g = self._groups.get(p.group) if p.group is not None else None
+                if not g or len(g) < 2:
+                    return 0.0
+                return p.turns - sum(self._programs[s].turns for s in g) / len(g)
+            key = lambda p: (-ahead(p), -p.turns, p.resident)  # noqa: E731
+        elif self.victim == "longest-idle":
+            key = lambda p: -(now - p.since)  # noqa: E731
+        elif self.victim == "largest":
+            key = lambda p: -p.resident  # noqa: E731
+        else:
+            key = lambda p: p.resident  # noqa: E731
+        return sorted(progs, key=lambda p: (p.overdue_at > now, key(p)))
 
     def _pause(self, p: _Program, now: float) -> int:
+        if p.overdue_at <= now:
+            self._count("pause_overdue", now)
         freed = self.ledger.unhold(p.sid)
+        p.overdue_at = math.inf
         p.state = ProgramState.PAUSED
         p.marked = False
         p.since = now
@@ -454,13 +549,28 @@ class ProgramCoordinator:
             out.append(self._leave(w, Kind.BYPASS_AGED, g.lease, waited, now))
             self._relieve(w.place, now)
         stopped: set[Any] = set()
+        if self.resume_deadline_s is not None:
+            for w in list(self._resume_q.values()):
+                waited = max(0.0, now - w.enqueued_at)
+                if waited < self.resume_deadline_s:
+                    break  # arrival order: the rest waited less
+                if w.place in stopped:
+                    continue
+                r = self._room_for(w, now, overdue_only=False)
+                if isinstance(r, Grant):
+                    self._count("resume_deadline", now)
+                    out.append(self._leave(w, Kind.ADMIT, r.lease, waited, now))
+                else:  # only running programs hold its place: it waits for them (aging still bounds it)
+                    w.reason = r.reason
+                    stopped.add(w.place)
+        stopped.clear()
         places = len(self._waiting_on)
         for w in self._ordered():
             if len(stopped) >= places:
                 break
             if w.place in stopped:
                 continue
-            r = self.ledger.try_acquire(w.ticket, w.tokens, now, place=w.place, blocks=w.blocks)
+            r = self._room_for(w, now, overdue_only=True)
             if isinstance(r, Grant):
                 out.append(self._leave(w, Kind.ADMIT, r.lease, max(0.0, now - w.enqueued_at), now))
             else:
@@ -468,10 +578,108 @@ class ProgramCoordinator:
                 stopped.add(w.place)
         return out
 
+    def _room_for(self, w: _Waiter, now: float, overdue_only: bool):
+        """try_acquire for ``w``; refused for room, pause in-tool programs on its place until it fits: only
+        ended ones (idle past their predicted gap) when ``overdue_only``, else ended ones first and then the
+        victim rule (a paused program's turn past the resume deadline). Returns the last Grant or Refusal."""
+        r = self.ledger.try_acquire(w.ticket, w.tokens, now, place=w.place, blocks=w.blocks)
+        if isinstance(r, Grant) or r.reason != "capacity_exhausted":
+            return r
+        if overdue_only:
+            victims: Iterator[_Program] = self._overdue_on(w.place, now)
+        else:
+            victims = iter(self._victims([p for p in self._programs.values() if p.state is ProgramState.IN_TOOL
+                                          and (w.place is FLEET or p.place == w.place) and p.sid != w.sid], now))
+        for p in victims:
+            if p.state is not ProgramState.IN_TOOL:
+                continue
+            self._pause(p, now)
+            r = self.ledger.try_acquire(w.ticket, w.tokens, now, place=w.place, blocks=w.blocks)
+            if isinstance(r, Grant) or r.reason != "capacity_exhausted":
+                return r
+        return r
+
+    # ---------------------------------------------------------------- evidence: gaps between turns
+    def _gap(self, p: _Program, gap: float) -> None:
+        """Record one gap between ``p``'s turns (seconds) for it, its group and the fleet."""
+        if gap < 0 or not self.overdue_multiple:
+            return
+        p.gaps.append(gap)
+        if p.group is not None:
+            g = self._group_gaps.get(p.group)
+            if g is None:
+                g = self._group_gaps[p.group] = deque(maxlen=GROUP_GAPS)
+            g.append(gap)
+        self._fleet_gaps.append(gap)
+        self._fleet_fresh += 1
+        if self._fleet_fresh >= 16 or self._fleet_bound is None and len(self._fleet_gaps) >= MIN_GAPS:
+            self._fleet_fresh = 0
+            self._fleet_bound = _quantile(self._fleet_gaps, self.overdue_quantile)
+
+    def _overdue_after(self, p: _Program) -> float:
+        """Seconds after its last turn ended at which ``p`` counts as ended: overdue_multiple x the larger of
+        the quantile of its own gaps and of its group's (the fleet's when its group has too few;
+        overdue_default_s before any gap is known), at most program_ttl_s; inf when off."""
+        if not self.overdue_multiple:
+            return math.inf
+        own = _quantile(p.gaps, self.overdue_quantile) if len(p.gaps) >= MIN_GAPS else 0.0
+        g = self._group_gaps.get(p.group) if p.group is not None else None
+        if g is not None and len(g) >= MIN_GAPS:
+            wide = _quantile(g, self.overdue_quantile)
+        elif self._fleet_bound is not None:
+            wide = self._fleet_bound
+        else:
+            return min(self.overdue_default_s, self.program_ttl_s)
+        return min(self.overdue_multiple * max(own, wide), self.program_ttl_s)
+
+    def _push_due(self, p: _Program) -> None:
+        if p.overdue_at == math.inf:
+            return
+        heap = self._due.setdefault(p.place, [])
+        heapq.heappush(heap, (p.overdue_at, next(self._idle_n), p.sid, p.last_end))
+        if len(heap) > 2 * len(self._programs) + 64:
+            heap[:] = [e for e in heap if self._due_current(e, p.place)]
+            heapq.heapify(heap)
+
+    def _due_current(self, e: tuple, place: Any) -> bool:
+        p = self._programs.get(e[2])
+        return (p is not None and p.state is ProgramState.IN_TOOL and not p.inflight and p.place == place
+                and p.last_end == e[3] and p.overdue_at == e[0])
+
+    def _next_due(self, place: Any) -> float | None:
+        heap = self._due.get(place)
+        while heap and not self._due_current(heap[0], place):
+            heapq.heappop(heap)
+        if not heap:
+            if heap is not None:
+                del self._due[place]
+            return None
+        return heap[0][0]
+
+    def _overdue_on(self, place: Any, now: float) -> Iterator[_Program]:
+        """Ended programs (past their overdue time at ``now``) on ``place`` (every place for FLEET), earliest
+        first; each is taken off the index as it is yielded."""
+        for pl in (list(self._due) if place is FLEET else [place]):
+            while True:
+                due = self._next_due(pl)
+                if due is None or due > now:
+                    break
+                e = heapq.heappop(self._due[pl])
+                yield self._programs[e[2]]
+
+    def _remove(self, p: _Program) -> None:
+        del self._programs[p.sid]
+        g = self._groups.get(p.group) if p.group is not None else None
+        if g is not None:
+            g.discard(p.sid)
+            if not g:
+                del self._groups[p.group]
+                self._group_gaps.pop(p.group, None)
+
     def _ordered(self) -> Iterator[_Waiter]:
         """Paused programs' turns (resume order), then new programs' in arrival order; safe to leave from."""
         if self._resuming_on:
-            res = [w for w in self._queue.values() if w.resume]
+            res = list(self._resume_q.values())
             res.sort(key=(lambda w: (w.tokens, w.seq)) if self.resume == "smallest" else (lambda w: w.seq))
             yield from res
         for w in list(self._queue.values()):
@@ -571,16 +779,32 @@ class ProgramCoordinator:
             heapq.heappop(idle)
         if idle:
             cands.append(idle[0][0])
+        if self._queue and self.overdue_multiple:
+            # a waiter refused for room is looked at again when a program on its place turns ended
+            for place in (list(self._due) if FLEET in self._waiting_on else list(self._waiting_on)):
+                due = self._next_due(place)
+                if due is not None:
+                    cands.append(due)
+        if self._resume_q and self.resume_deadline_s is not None:
+            for w in self._resume_q.values():  # arrival order: those past the deadline first (pumped on events)
+                due = w.enqueued_at + self.resume_deadline_s
+                if due > now:
+                    cands.append(due)
+                    break
         return max(now, min(cands)) if cands else None
 
-    def program_states(self) -> dict[str, dict[str, int]]:
-        """{place label: {state: programs}} (one-turn requests without a session are not programs)."""
+    def program_states(self, now: float | None = None) -> dict[str, dict[str, int]]:
+        """{place label: {state: programs}} (one-turn requests without a session are not programs); with
+        ``now``, programs in a tool call past their predicted gap count as ``ended``."""
         out: dict[str, dict[str, int]] = {}
         for p in self._programs.values():
             if isinstance(p.sid, tuple) and p.sid and p.sid[0] == "one-turn":
                 continue
             d = out.setdefault(self._label(p.place), {s.value: 0 for s in ProgramState})
-            d[p.state.value] += 1
+            state = p.state
+            if state is ProgramState.IN_TOOL and now is not None and p.overdue_at <= now:
+                state = ProgramState.ENDED
+            d[state.value] += 1
         return out
 
     def stats(self, now: float) -> dict[str, Any]:
@@ -596,11 +820,19 @@ class ProgramCoordinator:
             "max_wait_s": self.max_wait_s,
             "victim": self.victim,
             "resume_order": self.resume,
-            "programs": self.program_states(),
+            "programs": self.program_states(now),
+            "overdue_multiple": self.overdue_multiple,
+            "resume_deadline_s": self.resume_deadline_s,
             "pauses": dict(self.pauses),
             "resumes": dict(self.resumes),
             "ledger": self.ledger.stats(now),
         }
+
+
+def _quantile(values, q: float) -> float:
+    """The ``q`` quantile (0 < q <= 1) of a non-empty collection of numbers (the nearest-rank value)."""
+    xs = sorted(values)
+    return xs[min(len(xs) - 1, max(0, math.ceil(q * len(xs)) - 1))]
 
 
 def _nonneg_int(v: Any) -> int | None:

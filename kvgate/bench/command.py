@@ -95,6 +95,10 @@ def run(args: argparse.Namespace) -> int:
         arms = expand_arms(sc)
         if args.arms is not None:
             sc.arms, wanted = _pick_arms(args.arms)
+            missing = [a for a in sc.arms if "@" in a and a.partition("@")[2] not in sc.arm_settings]
+            if missing:
+                raise ValueError(f"--arms: {missing[0]!r}: the scenario's arm_settings has no "
+                                 f"{missing[0].partition('@')[2]!r}")
             arms = [a for a in expand_arms(sc) if a.name in wanted or a.name.rsplit("-", 1)[0] in wanted]
             if not arms:
                 raise ValueError(f"--arms {args.arms}: no arm to run (router-limit-N needs N in router_limits: "
@@ -254,8 +258,8 @@ def _pick_arms(spec: str) -> tuple[list[str], set[str]]:
         raise ValueError(f"--arms: no arm named in {spec!r}; choose from {list(ARMS)}")
     base = []
     for w in wanted:
-        b = w if w in ARMS else w.rsplit("-", 1)[0]
-        if b not in ARMS or (b != w and b != "router-limit"):
+        b = w if w in ARMS or w.partition("@")[0] in ARMS else w.rsplit("-", 1)[0]  # ARM@NAME: arm_settings
+        if b.partition("@")[0] not in ARMS or (b != w and b != "router-limit"):
             raise ValueError(f"--arms: unknown arm {w!r}; choose from {list(ARMS)} (router-limit-N for one limit)")
         if b not in base:
             base.append(b)

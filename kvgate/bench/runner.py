@@ -16,7 +16,7 @@ import asyncio
 import json
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable
 
@@ -57,57 +57,97 @@ class ArmSpec:
     replicas: int = 1
     # the program policy counts the engines' HiCache host pools (admission_host_cache); False: the device only
     host_cache: bool = True
-    # more smg flags for this arm alone (after the scenario's router_extra)
+    # more kvgate flags for this arm alone (after the scenario's: they win)
+    kvgate_flags: tuple[str, ...] = ()
+    # more smg flags for this arm alone
     router_flags: tuple[str, ...] = ()
+
+
+#: The program policy as ThunderAgent runs it: the smallest program in a tool call pauses first, the smallest
+#: paused one resumes first, a program ends only at its close or TTL, and a paused program waits for room.
+THUNDER_FLAGS = ("--admission-pause-victim", "smallest", "--admission-resume-order", "smallest",
+                 "--admission-program-overdue-multiple", "0", "--admission-resume-deadline-s", "0")
 
 
 def expand_arms(sc: Scenario) -> list[ArmSpec]:
     """The scenario's arms in run order; router-limit becomes one arm per limit (router-limit-N)."""
     out = []
-    for a in sc.arms:
-        pool = sc.max_total_num_tokens
-        if a == "direct":
-            out.append(ArmSpec(a, pool_tokens=pool))
-        elif a == "direct-overload-off":  # smg without its worker overload protection (on by default in 1.13)
-            out.append(ArmSpec(a, pool_tokens=pool, router_flags=("--disable-worker-overload-protection",)))
-        elif a == "proxy-only":
-            out.append(ArmSpec(a, kvgate=True, pool_tokens=pool))
-        elif a == "proxy-placement":
-            out.append(ArmSpec(a, kvgate=True, placement=True, pool_tokens=pool))
-        elif a == "smg-manual":
-            out.append(ArmSpec(a, pool_tokens=pool, router_policy="manual"))
-        elif a == "lifecycle":
-            out.append(ArmSpec(a, kvgate=True, lifecycle=True, pool_tokens=pool))
-        elif a == "lifecycle-inferred":
-            out.append(ArmSpec(a, kvgate=True, lifecycle=True, pool_tokens=pool, named_sessions=False))
-        elif a == "admission":
-            out.append(ArmSpec(a, kvgate=True, admission=True, pool_tokens=pool))
-        elif a == "lifecycle+admission":
-            out.append(ArmSpec(a, kvgate=True, lifecycle=True, admission=True, pool_tokens=pool))
-        elif a == "lifecycle+admission-2replicas":
-            out.append(ArmSpec(a, kvgate=True, lifecycle=True, admission=True, pool_tokens=pool, replicas=2))
-        elif a == "admission-program":
-            out.append(ArmSpec(a, kvgate=True, admission=True, admission_policy="program", pool_tokens=pool))
-        elif a == "lifecycle+admission-program":
-            out.append(ArmSpec(a, kvgate=True, lifecycle=True, admission=True, admission_policy="program",
-                               pool_tokens=pool))
-        elif a == "router-limit":
-            out += [ArmSpec(f"router-limit-{n}", router_limit=n, pool_tokens=pool) for n in sc.router_limits]
-        elif a == "unbounded-kv":
-            out.append(ArmSpec(a, pool_tokens=sc.unbounded_max_total_num_tokens))
-        elif a == "hicache":
-            out.append(ArmSpec(a, pool_tokens=pool, hicache=True))
-        elif a == "hicache+lifecycle":
-            out.append(ArmSpec(a, kvgate=True, lifecycle=True, pool_tokens=pool, hicache=True))
-        elif a == "hicache+lifecycle+admission":
-            out.append(ArmSpec(a, kvgate=True, lifecycle=True, admission=True, pool_tokens=pool, hicache=True))
-        elif a == "hicache+lifecycle+admission-program":
-            out.append(ArmSpec(a, kvgate=True, lifecycle=True, admission=True, admission_policy="program",
-                               pool_tokens=pool, hicache=True))
-        elif a == "hicache+lifecycle+admission-program-device":  # the policy sees the device pools only
-            out.append(ArmSpec(a, kvgate=True, lifecycle=True, admission=True, admission_policy="program",
-                               pool_tokens=pool, hicache=True, host_cache=False))
+    for name in sc.arms:
+        a, _, variant = name.partition("@")
+        n = len(out)
+        _expand_one(sc, a, out)
+        if variant:  # ARM@NAME: the same arm with the named settings on top
+            flags = tuple(_setting_flags(sc.arm_settings[variant], sc.speed))
+            out[n:] = [replace(x, name=f"{x.name}@{variant}", kvgate_flags=x.kvgate_flags + flags) for x in out[n:]]
     return out
+
+
+def _setting_flags(settings: dict, speed: float) -> list[str]:
+    """``kvgate serve`` flags for one arm's settings: durations (the keys kvgate_times knows) divided by the
+    speed factor, booleans as --key / --no-key."""
+    from kvgate.bench.scenario import KVGATE_TIME_DEFAULTS
+    out: list[str] = []
+    for k, v in settings.items():
+        flag = "--" + k.replace("_", "-")
+        if isinstance(v, bool):
+            out.append(flag if v else "--no-" + k.replace("_", "-"))
+            continue
+        if k in KVGATE_TIME_DEFAULTS and v:
+            v = float(v) / speed
+        out += [flag, str(v)]
+    return out
+
+
+def _expand_one(sc: Scenario, a: str, out: list[ArmSpec]) -> None:
+    """Append arm ``a``'s specs to ``out`` (router-limit becomes one per limit)."""
+    pool = sc.max_total_num_tokens
+    if a == "direct":
+        out.append(ArmSpec(a, pool_tokens=pool))
+    elif a in ("direct-no-overload", "direct-overload-off"):  # the router without its worker overload protection
+        out.append(ArmSpec(a, pool_tokens=pool, router_flags=("--disable-worker-overload-protection",)))
+    elif a == "proxy-only":
+        out.append(ArmSpec(a, kvgate=True, pool_tokens=pool))
+    elif a == "proxy-placement":
+        out.append(ArmSpec(a, kvgate=True, placement=True, pool_tokens=pool))
+    elif a == "smg-manual":
+        out.append(ArmSpec(a, pool_tokens=pool, router_policy="manual"))
+    elif a == "lifecycle":
+        out.append(ArmSpec(a, kvgate=True, lifecycle=True, pool_tokens=pool))
+    elif a == "lifecycle-inferred":
+        out.append(ArmSpec(a, kvgate=True, lifecycle=True, pool_tokens=pool, named_sessions=False))
+    elif a == "admission":
+        out.append(ArmSpec(a, kvgate=True, admission=True, pool_tokens=pool))
+    elif a == "lifecycle+admission":
+        out.append(ArmSpec(a, kvgate=True, lifecycle=True, admission=True, pool_tokens=pool))
+    elif a == "lifecycle+admission-2replicas":
+        out.append(ArmSpec(a, kvgate=True, lifecycle=True, admission=True, pool_tokens=pool, replicas=2))
+    elif a == "admission-program":
+        out.append(ArmSpec(a, kvgate=True, admission=True, admission_policy="program", pool_tokens=pool))
+    elif a == "lifecycle+admission-program":
+        out.append(ArmSpec(a, kvgate=True, lifecycle=True, admission=True, admission_policy="program",
+                           pool_tokens=pool))
+    elif a == "lifecycle+admission-program-thunder":
+        out.append(ArmSpec(a, kvgate=True, lifecycle=True, admission=True, admission_policy="program",
+                           pool_tokens=pool, kvgate_flags=THUNDER_FLAGS))
+    elif a == "router-limit":
+        out += [ArmSpec(f"router-limit-{n}", router_limit=n, pool_tokens=pool) for n in sc.router_limits]
+    elif a == "unbounded-kv":
+        out.append(ArmSpec(a, pool_tokens=sc.unbounded_max_total_num_tokens))
+    elif a == "hicache":
+        out.append(ArmSpec(a, pool_tokens=pool, hicache=True))
+    elif a == "hicache+lifecycle":
+        out.append(ArmSpec(a, kvgate=True, lifecycle=True, pool_tokens=pool, hicache=True))
+    elif a == "hicache+lifecycle+admission":
+        out.append(ArmSpec(a, kvgate=True, lifecycle=True, admission=True, pool_tokens=pool, hicache=True))
+    elif a == "hicache+lifecycle+admission-program":
+        out.append(ArmSpec(a, kvgate=True, lifecycle=True, admission=True, admission_policy="program",
+                           pool_tokens=pool, hicache=True))
+    elif a == "hicache+lifecycle+admission-program-thunder":
+        out.append(ArmSpec(a, kvgate=True, lifecycle=True, admission=True, admission_policy="program",
+                           pool_tokens=pool, hicache=True, kvgate_flags=THUNDER_FLAGS))
+    elif a == "hicache+lifecycle+admission-program-device":  # the policy sees the device pools only
+        out.append(ArmSpec(a, kvgate=True, lifecycle=True, admission=True, admission_policy="program",
+                           pool_tokens=pool, hicache=True, host_cache=False))
 
 
 class Fleet:
@@ -190,6 +230,7 @@ class Fleet:
             cmd += ["--agentic-program-admission", "--admission-policy", self.arm.admission_policy]
             if not self.arm.host_cache:
                 cmd.append("--no-admission-host-cache")
+        cmd += list(self.arm.kvgate_flags)
         name = "kvgate" if self.arm.replicas == 1 else f"kvgate{index}"
         kv = procs.start(name, cmd, self.log_dir, url=f"http://127.0.0.1:{kport}")
         self.procs.append(kv)

@@ -16,9 +16,11 @@ import yaml
 
 ARMS = ("direct", "direct-overload-off", "proxy-only", "lifecycle", "lifecycle-inferred", "admission", "lifecycle+admission",
         "lifecycle+admission-2replicas",
-        "admission-program", "lifecycle+admission-program", "router-limit", "unbounded-kv", "hicache",
+        "admission-program", "lifecycle+admission-program", "lifecycle+admission-program-thunder",
+        "router-limit", "unbounded-kv", "hicache",
         "hicache+lifecycle", "hicache+lifecycle+admission", "hicache+lifecycle+admission-program",
-        "hicache+lifecycle+admission-program-device", "proxy-placement", "smg-manual")
+        "hicache+lifecycle+admission-program-thunder",
+        "hicache+lifecycle+admission-program-device", "proxy-placement", "smg-manual", "direct-no-overload")
 # How the client sends its turns (the route): token ids to /generate, chat messages, or completions text.
 APIS = ("generate", "chat", "completions")
 # What serves the turns: kvgate's simulated engines, or real SGLang engines (CPU, kvgate.tools.engine)
@@ -34,6 +36,8 @@ KVGATE_TIME_DEFAULTS = {
     "admission_window_s": 60.0,
     "admission_lease_ttl_s": 3600.0,
     "admission_program_ttl_s": 600.0,
+    "admission_program_overdue_default_s": 60.0,
+    "admission_resume_deadline_s": 0.0,
 }
 
 
@@ -73,6 +77,9 @@ class Scenario:
     # false: min_new_tokens = max_new_tokens instead (the same output length, but SGLang reserves only
     # new_token_ratio of it for a running request, so decode can run out of KV and retract)
     ignore_eos: bool = True
+    # named sets of kvgate settings: arm "ARM@NAME" is arm ARM (one with kvgate) with NAME's settings on top
+    # (durations among them in seconds at speed 1, scaled like kvgate_times), to compare settings side by side
+    arm_settings: dict = field(default_factory=dict)
 
 
 WORKLOAD_KEYS = {
@@ -117,6 +124,9 @@ _CHECKS = {
     "kvgate_extra": (lambda v: isinstance(v, dict), "a mapping of kvgate config keys to values"),
     "sim_extra": (lambda v: isinstance(v, dict), "a mapping of kvgate sim-engine flags (as keys) to values"),
     "kvgate_times": (lambda v: isinstance(v, dict), "a mapping of kvgate time keys to seconds"),
+    "arm_settings": (lambda v: isinstance(v, dict) and all(isinstance(k, str) and isinstance(x, dict)
+                                                          for k, x in v.items()),
+                     "a mapping of names to mappings of kvgate config keys to values"),
 }
 
 
@@ -138,7 +148,14 @@ def parse_scenario(obj: dict[str, Any], name: str = "scenario") -> Scenario:
     arms = data.get("arms")
     if not isinstance(arms, list) or not arms:
         raise ValueError(f"arms: must be a non-empty list of arms, got {arms!r}")
-    bad = [a for a in arms if a not in ARMS]
+    settings = data.get("arm_settings") or {}
+    for sname, keys in settings.items():
+        try:
+            _check_kvgate_extra(keys)
+        except ValueError as exc:
+            raise ValueError(f"arm_settings.{sname}: {exc}") from None
+    bad = [a for a in arms if a.partition("@")[0] not in ARMS
+           or "@" in a and a.partition("@")[2] not in settings]
     if bad:
         raise ValueError(f"arms: unknown {bad}; choose from {list(ARMS)}")
     wl = data.get("workload")

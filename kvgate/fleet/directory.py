@@ -5,6 +5,12 @@ GET /list_workers), refreshed every ``discovery_interval_s``. A failed refresh k
 list, is counted (agentic_kv_discovery_failures_total) and logged once per failure streak.
 The session_id probe runs per generate route at start, and again when the router comes back after a
 failed refresh or lists other workers (new URLs, or new worker ids: a restarted router re-registers them).
+
+Health (kvgate.fleet.health, /kvgate/health): the router is reachable or not from each refresh (with a
+static engine list, a GET /health of the router each interval) and from every forwarded call's result
+(:meth:`router_result`); an engine is usable when the router reports it healthy and kvgate's own calls
+to it (closes, placed calls, KV polls) do not fail to connect (:meth:`engine_call_failed`; an engine so
+marked is asked GET /health each interval, and any answer clears it). Each change is one log line.
 Parsing and verdicts are pure (kvgate.fleet.discovery, kvgate.fleet.compat); this module only moves bytes.
 """
 
@@ -16,6 +22,8 @@ import secrets
 import time
 from typing import Any, Callable
 
+import dataclasses
+
 import aiohttp
 import orjson
 
@@ -23,11 +31,17 @@ from kvgate.common.aio import cancel_tasks
 from kvgate.fleet import compat
 from kvgate.fleet.placement import placement_active
 from kvgate.fleet.discovery import DiscoveryError, Engine, parse_list_workers, parse_workers, static_engines
+from kvgate.fleet.health import Check, Reachability, engines_check, router_check
 from kvgate.common.metrics import Metrics
 
 log = logging.getLogger("kvgate.fleet.directory")
 
 CONTROL_TIMEOUT_S = 2.0
+#: What a failed connection to the router or an engine raises (the peer is not there), as opposed to an
+#: answer kvgate cannot read.
+_UNREACHABLE = (aiohttp.ClientConnectionError, asyncio.TimeoutError, OSError)
+#: Router answers to a forwarded call that mean it could not reach an engine (logged once per change).
+GATEWAY_ERRORS = frozenset({502, 503, 504})
 
 
 class EngineDirectory:
@@ -68,6 +82,10 @@ class EngineDirectory:
         self.probed = asyncio.Event()  # replaced after each probe round: await it to see the next one
         for r in compat.PROBE_ROUTES:
             metrics.set_passthrough(r, compat.UNKNOWN)
+        self.router = Reachability()  # does the router answer (discovery, forwarded calls)
+        self.router_gateway_error: int | None = None  # the 502/503/504 the router answers forwarded calls with
+        self.own_failures: dict[str, str] = {}  # engine URL -> why kvgate's own calls to it fail to connect
+        self._verdict_line: str | None = None  # the last compatibility line logged
 
     @property
     def verdict(self) -> str:
@@ -90,7 +108,14 @@ class EngineDirectory:
         return self._session
 
     async def start(self) -> None:
+        """Start discovery; returns after the first refresh (at most CONTROL_TIMEOUT_S for each call it
+        makes), so /kvgate/health has an answer as soon as kvgate listens."""
         self._task = asyncio.create_task(self._run(), name="kvgate-discovery")
+        try:
+            async with asyncio.timeout(2 * CONTROL_TIMEOUT_S + 0.5):  # not wait_for: see kvgate.common.aio
+                await self.first_refresh.wait()
+        except TimeoutError:
+            pass
 
     async def stop(self) -> None:
         # The probe loop too: left running, it would use the closed session (and log an unretrieved error).
@@ -111,6 +136,7 @@ class EngineDirectory:
             self._set(self.static)
             self.last_success = time.time()
             self.metrics.discovery_last_success.set(self.last_success)
+            await self._ping_router()
             return self.engines
         try:
             status, obj = await self._get_json(self.upstream + "/workers")
@@ -125,11 +151,14 @@ class EngineDirectory:
         except (aiohttp.ClientError, asyncio.TimeoutError, orjson.JSONDecodeError, DiscoveryError, OSError) as exc:
             self.metrics.discovery_failures.inc()
             text = f"{type(exc).__name__}: {exc}"
+            unreachable = isinstance(exc, _UNREACHABLE)
+            self.router_result(not unreachable, text if unreachable else None)
             if self.last_error is None:
                 log.warning("engine discovery from %s failed (%s); keeping the last good list of %d engines",
                             self.upstream, text, len(self.engines))
             self.last_error = text
             return self.engines
+        self.router_result(True)
         if self.last_error is not None:
             log.info("engine discovery from %s recovered", self.upstream)
             self._reprobe = True  # the router may have restarted: probe again
@@ -139,6 +168,102 @@ class EngineDirectory:
         self.metrics.discovery_last_success.set(self.last_success)
         self._set(found)
         return self.engines
+
+    async def _ping_router(self) -> None:
+        # A static engine list never asks the router for it: its liveness is asked on its own.
+        try:
+            async with self.session.get(self.upstream + "/health") as resp:
+                await resp.read()
+            self.router_result(True)
+        except _UNREACHABLE as exc:
+            self.router_result(False, f"{type(exc).__name__}: {exc}")
+        except aiohttp.ClientError:  # an answer kvgate cannot read is still an answer
+            self.router_result(True)
+
+    # --- health ----------------------------------------------------------------------------------
+
+    def router_result(self, ok: bool, reason: str | None = None) -> None:
+        """One call to the router answered (``ok``) or could not connect (``reason``); logs a change."""
+        change = self.router.note(ok, reason, time.monotonic())
+        if change == "down":
+            log.warning("router %s unreachable (%s): forwarded calls get kvgate's 502 and /kvgate/health says "
+                        "down until it answers again", self.upstream, reason)
+        elif change == "up":
+            log.info("router %s answers again", self.upstream)
+
+    def router_answered(self, status: int) -> None:
+        """The router answered a forwarded call with ``status``: a 502/503/504 (it could not reach an engine)
+        is logged when the router starts answering it and when it stops, never per request. Cheap: called
+        on every forwarded call."""
+        if self.router.ok is not True:
+            self.router_result(True)
+        if status in GATEWAY_ERRORS:
+            if self.router_gateway_error is None:
+                self.router_gateway_error = status
+                log.warning("router %s answers %d to forwarded calls (it cannot reach an engine); said again "
+                            "when it answers otherwise", self.upstream, status)
+        elif self.router_gateway_error is not None:
+            log.info("router %s answers %d again (after %d)", self.upstream, status, self.router_gateway_error)
+            self.router_gateway_error = None
+
+    def engine_call_failed(self, url: str, reason: str) -> None:
+        """kvgate's own call to engine ``url`` could not connect: the engine is unusable (placement moves its
+        sessions, /kvgate/engines and /kvgate/health say why) until it answers again. Logged once."""
+        if url in self.own_failures or url not in self.urls:
+            return
+        self.own_failures[url] = reason
+        log.warning("engine %s: kvgate's own calls to it fail (%s); marked unhealthy until it answers again",
+                    url, reason)
+        self._notify_change()
+
+    def engine_answered(self, url: str) -> None:
+        """kvgate's own call to engine ``url`` got an answer: it is usable again if it was marked."""
+        if self.own_failures.pop(url, None) is not None:
+            log.info("engine %s answers kvgate's calls again", url)
+            self._notify_change()
+
+    def usable(self, e: Engine) -> bool:
+        """Healthy by the router's checks and by kvgate's own calls."""
+        return e.healthy and e.url not in self.own_failures
+
+    def effective(self) -> list[Engine]:
+        """The engines with ``healthy`` as :meth:`usable` says (what on_change callbacks get)."""
+        if not self.own_failures:
+            return self.engines
+        return [e if self.usable(e) else dataclasses.replace(e, healthy=False) for e in self.engines]
+
+    def checks(self) -> list[Check]:
+        """The router and engines checks of /kvgate/health (kvgate.fleet.health)."""
+        def why(e: Engine) -> str | None:
+            if e.url in self.own_failures:
+                return f"(kvgate's calls fail: {self.own_failures[e.url]})"
+            return None if e.healthy else "(the router reports it unhealthy)"
+        engines = [(e.url, self.usable(e), why(e)) for e in self.engines if e.worker_type != "decode"]
+        if self.first_refresh.is_set():
+            engines_ = engines_check(engines, self.static is None,
+                                     self.last_error if self.router.ok is not False else None)
+        else:
+            engines_ = Check("engines", None, "not listed yet")
+        return [router_check(self.router, self.upstream, time.monotonic()), engines_]
+
+    async def _recheck_failed(self) -> None:
+        # Engines kvgate's own calls failed on: any answer to GET /health makes them usable again.
+        for url in list(self.own_failures):
+            try:
+                async with self.session.get(url + "/health") as resp:
+                    await resp.read()
+            except _UNREACHABLE:
+                continue
+            except aiohttp.ClientError:
+                pass
+            self.engine_answered(url)
+
+    def _notify_change(self) -> None:
+        for cb in self.on_change:
+            try:
+                cb(self.effective())
+            except Exception:  # a consumer's fault must not stop discovery
+                log.exception("engine-change callback failed")
 
     def _set(self, engines: list[Engine]) -> None:
         changed = [e.url for e in engines] != self.urls
@@ -162,12 +287,10 @@ class EngineDirectory:
         if changed:
             log.info("engines (%s): %s", self.source, ", ".join(self.urls) or "none")
             self._changed.set()
+            for url in [u for u in self.own_failures if u not in self.urls]:
+                del self.own_failures[url]  # it left the fleet
         if changed or health_changed:
-            for cb in self.on_change:
-                try:
-                    cb(self.engines)
-                except Exception:  # a consumer's fault must not stop discovery
-                    log.exception("engine-change callback failed")
+            self._notify_change()
 
     def _refreshed(self) -> None:
         self.refreshed.set()
@@ -182,6 +305,8 @@ class EngineDirectory:
         while True:
             await asyncio.sleep(self.interval_s)
             await self.refresh()
+            if self.own_failures:
+                await self._recheck_failed()
             self._refreshed()
 
     # --- compatibility ---------------------------------------------------------------------------
@@ -243,11 +368,13 @@ class EngineDirectory:
         except (aiohttp.ClientError, asyncio.TimeoutError, OSError):
             metrics_status = None
         warnings = compat.engine_warnings(info, metrics_status)
-        for kind, _ in self.warnings.get(url, []):
+        before = self.warnings.get(url, [])
+        for kind, _ in before:
             self.metrics.engine_warning.labels(url, kind).set(0)
         for kind, text in warnings:
             self.metrics.engine_warning.labels(url, kind).set(1)
-            log.warning("engine %s: %s", url, text)
+            if (kind, text) not in before:  # said once, not on every probe round
+                log.warning("engine %s: %s", url, text)
         self.warnings[url] = warnings
         return warnings
 
@@ -263,7 +390,9 @@ class EngineDirectory:
         placed = {r: self.placed(r) for r in compat.PROBE_ROUTES}
         line = compat.verdict_line(self.verdicts, self.upstream, self.lifecycle_on, placed)
         dropped = [r for r, v in self.verdicts.items() if v == compat.DROPPED and not placed[r]]
-        (log.warning if dropped and self.lifecycle_on else log.info)(line)
+        if line != self._verdict_line:  # a probe repeated while the router is down says nothing new
+            (log.warning if dropped and self.lifecycle_on else log.info)(line)
+            self._verdict_line = line
         self.probes += 1
         self.compat_checked.set()
         self._probed()
@@ -292,8 +421,12 @@ class EngineDirectory:
             "source": self.source,
             "upstream": self.upstream,
             # healthy is the router's verdict; a static list has none (null)
+            # healthy: usable by the router's verdict (a static list has none) and by kvgate's own calls
             "engines": [{"url": e.url, "worker_type": e.worker_type,
-                         "healthy": e.healthy if self.static is None else None,
+                         "healthy": None if self.static is not None and e.url not in self.own_failures
+                         else self.usable(e),
+                         "router_healthy": e.healthy if self.static is None else None,
+                         "kvgate_calls_failing": self.own_failures.get(e.url),
                          "warnings": [k for k, _ in self.warnings.get(e.url, [])]} for e in self.engines],
             "last_error": self.last_error,
             "last_success_unix": self.last_success,

@@ -14,11 +14,16 @@ Rules (docs/placement.md):
     rank, while that rank is below ``pressure_threshold`` (engine-reported usage plus the prompt tokens of
     kvgate's calls that the engine's figures cannot include yet: see "in flight" below), or while no other
     usable rank is below it (every rank is under pressure: moving would re-prefill the prefix on an engine
-    as pressed, and gain no room). Prompts are matched by chain hashes over fixed blocks (kvgate.sessions.inference's
+    as pressed, and gain no room), and while that engine is not the busier one in compute: its running plus
+    waiting requests (engine-reported, plus kvgate's calls its figures cannot include yet) are at most the
+    least busy other usable engine's. Otherwise siblings over one long shared prompt pile onto one engine
+    while another idles: a shared prefix saves one prefill, a queue costs every call behind it. Prompts are matched by chain hashes over fixed blocks (kvgate.sessions.inference's
     fingerprint), at block granularity: the longest indexed prefix wins.
   - free KV: otherwise the usable engine (then rank) with the most free KV tokens (capacity - used - in-flight
     prompt tokens), free KV within ``tie_fraction`` of the largest pool counting as a tie; ties by fewest
     active sessions, then by the engine list order. Engines with no KV figures yet count as fully free.
+    Ties (within ``tie_fraction``) go to the engine with the fewest running plus waiting requests first, then
+    by fewest active sessions, then by the engine list order.
   - an engine that leaves the router's list, is marked unhealthy there or refuses a connection: its sessions are re-placed on
     their next call (counted in ``replaced``); a refused connection keeps the engine out for
     ``unreachable_s`` seconds.
@@ -72,6 +77,8 @@ class _Engine:
     in_flight: dict[int, int] = field(default_factory=dict)
     # call handle -> (sent at, rank, prompt tokens), oldest first; dropped once figures requested later arrive
     fresh: dict[int, tuple[float, int, int]] = field(default_factory=dict)
+    # running + waiting requests the engine reported (all ranks; 0 until reported)
+    reported_requests: int = 0
     sessions: dict[int, int] = field(default_factory=dict)   # rank -> active sessions
     unreachable_until: float = float("-inf")
 
@@ -98,6 +105,11 @@ class _Engine:
 
     def n_sessions(self) -> int:
         return sum(self.sessions.values())
+
+    def load(self) -> int:
+        """Compute load: the engine's reported running + waiting requests, plus kvgate's calls sent since the
+        figures were requested (the figures cannot include those yet)."""
+        return self.reported_requests + len(self.fresh)
 
 
 class Placement:
@@ -136,7 +148,8 @@ class Placement:
         # reopen_elsewhere: a fresh reopen hint whose session went to another engine; pressed_stay: a reopened
         # or prefix placement kept on a rank at the threshold because every usable rank was
         self.counts = {"sticky": 0, "reopened": 0, "prefix": 0, "free_kv": 0, "replaced": 0, "no_engine": 0,
-                       "unreachable": 0, "dropped": 0, "adopted": 0, "reopen_elsewhere": 0, "pressed_stay": 0}
+                       "unreachable": 0, "dropped": 0, "adopted": 0, "reopen_elsewhere": 0, "pressed_stay": 0,
+                       "busier_moved": 0}
 
     # --- the fleet ---------------------------------------------------------------------------------
 
@@ -154,16 +167,17 @@ class Placement:
         for s in self._sessions.values():  # an engine that left and came back gets its sessions counted again
             self._count_session(s.target, +1)
 
-    def set_capacity(self, pools: Mapping[str, Sequence[tuple[int, int]]], taken_at: float | None = None) -> None:
-        """Engine-reported KV figures: engine URL -> one (max_total_num_tokens, num_used_tokens) per DP rank,
-        requested at ``taken_at`` (the clock of ``now``, seconds; None: unknown). Calls sent at or before
+    def set_capacity(self, pools: Mapping[str, Sequence[tuple[int, ...]]], taken_at: float | None = None) -> None:
+        """Engine-reported KV figures: engine URL -> one (max_total_num_tokens, num_used_tokens[, running +
+        waiting requests]) per DP rank, requested at ``taken_at`` (the clock of ``now``, seconds; None: unknown). Calls sent at or before
         ``taken_at`` stop counting as in flight on those engines: the figures include their KV once the engine
         runs them. An engine missing here keeps its last figures (a failed scrape is not a dead engine: health
         comes from the router's list and from refused connections)."""
         for url, p in pools.items():
             e = self._engines.get(url)
             if e is not None and p:
-                e.pools = [(int(c), int(u)) for c, u in p]
+                e.pools = [(int(f[0]), int(f[1])) for f in p]
+                e.reported_requests = sum(int(f[2]) for f in p if len(f) > 2)
                 if taken_at is not None:
                     while e.fresh:
                         handle, (sent, rank, tokens) = next(iter(e.fresh.items()))
@@ -297,6 +311,9 @@ class Placement:
                 rank = t.dp_rank if e.dp_size > 1 else None
                 if rank is not None and rank >= e.dp_size:
                     rank = self._best_rank(e)
+                if self._busier(e, usable):
+                    self.counts["busier_moved"] += 1
+                    break
                 if e.rank_usage(rank or 0) < self.pressure_threshold:
                     return self._target(e.url, rank), "prefix"
                 if not self._room_elsewhere(e, rank or 0, now, excluded, usable):
@@ -305,6 +322,12 @@ class Placement:
             break  # the longest known prefix sits on a busy or gone engine: place by free KV
         e = min(usable, key=lambda x: self._engine_key(x, usable))
         return self._target(e.url, self._best_rank(e) if e.dp_size > 1 else None), "free_kv"
+
+    @staticmethod
+    def _busier(e: _Engine, usable: Sequence[_Engine]) -> bool:
+        """Whether ``e`` has more running + waiting requests than the least busy other usable engine."""
+        others = [o.load() for o in usable if o is not e]
+        return bool(others) and e.load() > min(others)
 
     def _tie_unit(self, engines: Sequence[_Engine]) -> int:
         largest = max((c for e in engines for c, _ in (e.pools or [])), default=0)
@@ -315,7 +338,7 @@ class Placement:
         unit = self._tie_unit(usable)
         # No figures yet: count as fully free (an engine that just joined is as good as an idle one).
         free_q = (free // unit) if free is not None else float("inf")
-        return (-free_q, e.n_sessions(), e.order)
+        return (-free_q, e.load(), e.n_sessions(), e.order)
 
     def _best_rank(self, e: _Engine) -> int:
         unit = self._tie_unit([e])
@@ -421,7 +444,7 @@ class Placement:
         """Per-engine figures for /kvgate/engines: sessions, placements, in-flight prompt tokens, free KV."""
         return {url: {"sessions": e.n_sessions(), "sessions_by_rank": {str(r): n for r, n in sorted(e.sessions.items())},
                       "placements": self.placements.get(url, 0), "in_flight_prompt_tokens": sum(e.in_flight.values()),
-                      "free_tokens": e.free(), "dp_size": e.dp_size, "usable": e.healthy}
+                      "free_tokens": e.free(), "requests": e.load(), "dp_size": e.dp_size, "usable": e.healthy}
                 for url, e in self._engines.items()}
 
 

@@ -5,8 +5,9 @@ Forward: to the router, or, for a session's call on a route where kvgate places 
 straight to the engine kvgate.fleet.placement picks (the next one on a refused connection; the router when
 none is usable).
 kvgate's own routes: GET /metrics, GET /kvgate/health, GET /kvgate/engines, GET /kvgate/sessions,
-GET /kvgate/sessions/{id}, POST /kvgate/sessions/{id}/close, and (lifecycle on) GET|POST /close_session.
-Everything else is forwarded to the router unchanged.
+GET /kvgate/sessions/{id}, POST /kvgate/sessions/{id}/close, and (lifecycle on) GET|POST /close_session;
+any other path or method under /kvgate/ gets kvgate's own 404 or 405. Everything else is forwarded to the
+router unchanged.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import re
 import signal
 import sys
 import time
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -27,18 +29,18 @@ from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
 
 from kvgate import __version__
-from kvgate.common.classify import (STEP_BOUNDARY_ROUTES, classify, inject_top_level, parse_json_object,
-                                   with_session_id)
+from kvgate.common.classify import STEP_BOUNDARY_ROUTES, classify, parse_json_object, with_session_id
 from kvgate.config import PLACEMENT_ROUTES, Config
-from kvgate.fleet import compat
-from kvgate.fleet.placement import Placement, Target
+from kvgate.fleet import compat, health
+from kvgate.fleet.placement import Placement
 from kvgate.fleet.directory import EngineDirectory
 from kvgate.proxy.relay import MAX_FIELD_BYTES, MAX_LINE_BYTES, Upstream, forward_head, header_safe, \
     BodyParts, preserve_header_bytes, read_body
 from kvgate.common.admit import Gate, OpenGate, RequestInfo, Ticket
+from kvgate.proxy.placed import PlacedRelay
 from kvgate.proxy.server import HttpServer
 from kvgate.sessions.idle_policy import IdlePolicy, StepTracker
-from kvgate.sessions.inference import SessionInference, prefix_keys, request_units
+from kvgate.sessions.inference import SessionInference, request_units
 from kvgate.sessions.lifecycle import SessionLifecycle
 from kvgate.common.metrics import Metrics
 from kvgate.sessions.observe import ResponseObserver
@@ -120,6 +122,12 @@ class Gateway:
         self.placement = Placement(pressure_threshold=cfg.placement_pressure_threshold,
                                    max_sessions=cfg.max_tracked_sessions, max_prefixes=cfg.max_tracked_sessions,
                                    reopen_hint_s=cfg.placement_reopen_hint_s)
+        # The relay of placed session calls straight to their engine; shared state and the clock set below.
+        # read per placed or shared-inference request: looked up once (Config reads go through __getattr__)
+        self._placement_blocks = (cfg.session_inference_block_tokens, cfg.session_inference_block_chars,
+                                  cfg.admission_chars_per_token)
+        self.placed = PlacedRelay(self.placement, self.directory, self.upstream, self.metrics, None,
+                                  lambda: self.lifecycle.clock(), self._placement_blocks)
         self.directory.on_change.append(self._engines_changed)
         self._engines_changed(self.directory.engines)  # a static list is there from the start
         for r in PLACEMENT_ROUTES:
@@ -141,7 +149,7 @@ class Gateway:
                                           close_max_rate=cfg.close_max_rate, policy=policy,
                                           steps=StepTracker(cfg.max_tracked_sessions),
                                           close_on_abort=cfg.session_close_on_abort)
-        self.lifecycle.on_close.append(self._placement_forget)
+        self.lifecycle.on_close.append(self.placed.forget)
         self.lifecycle.on_close.append(self._program_ended)
         self.inference: SessionInference | None = None
         if self.lifecycle_on and cfg.session_inference:
@@ -159,15 +167,17 @@ class Gateway:
             self.lifecycle.idle_check = self.shared.idle_claim
             self.lifecycle.on_close.append(self.shared.session_closed)
             self.lifecycle.close_check = self.shared.close_wanted
+        self.placed.shared = self.shared
         self.poller = None
-        # Where admission counts a session's request: the engine kvgate placed it on; a session kvgate did
-        # not place (the router routes it, or its first turn) counts against the fleet-wide rule.
+        # Where admission counts a session's request: the engine kvgate placed it on (a first turn on a placed
+        # route is placed before admission: _place_first); a session kvgate did not place (the router routes
+        # it) counts against the fleet-wide rule.
         self.engine_of = self.placement.engine_of
         if gate is None and cfg.agentic_program_admission:
             from kvgate.admission.gate import AdmissionGate
             from kvgate.admission.poller import CapacityPoller
             gate = AdmissionGate(cfg, self.metrics, engine_of=lambda sid: self.engine_of(sid) if self.engine_of else None,
-                                 pause_session=self._pause_session)
+                                 pause_session=self._pause_session, place_first=self._place_first)
             self.poller = CapacityPoller(gate, self.directory, cfg.admission_poll_interval_s,
                                          cfg.admission_capacity_source)
         elif any(m != "router" for m in self.placement_modes.values()):
@@ -190,9 +200,9 @@ class Gateway:
         self._join_max = max(cfg.body_parse_max_bytes, STEP_BODY_PARSE_LIMIT)
         self._parse_max = cfg.body_parse_max_bytes
         self._routing_key = cfg.routing_key_header if cfg.set_routing_key else None
-        # read per placed or shared-inference request: looked up once (Config reads go through __getattr__)
-        self._placement_blocks = (cfg.session_inference_block_tokens, cfg.session_inference_block_chars,
-                                  cfg.admission_chars_per_token)
+        # X-Kvgate-Session-Id value -> session id, for the ids that header cannot carry as they are
+        # (kvgate.proxy.relay.header_safe hashes them): /kvgate/sessions/<value> finds the session.
+        self._told_ids: OrderedDict[str, str] = OrderedDict()
         self.app = self._build_app()
         self._routes = self._build_routes()
 
@@ -217,6 +227,7 @@ class Gateway:
             r.add_route("POST", "/close_session", self.handle_close_session)
         for route in PLACEMENT_ROUTES:  # the generate routes by exact path: a dict lookup, not the catch-all's regex
             r.add_route("*", route, self.handle_proxy)
+        r.add_route("*", "/kvgate/{tail:.*}", self.handle_not_found)  # kvgate's own paths never reach the router
         r.add_route("*", "/{tail:.*}", self.handle_proxy)
         app.on_startup.append(self._on_startup)
         app.on_cleanup.append(self._on_cleanup)
@@ -253,6 +264,8 @@ class Gateway:
                 if (request.method == "POST") if close else (request.method in ("GET", "HEAD")):
                     request.match_info = {"sid": _unquote(m.group(1))}
                     return self.handle_session_close if close else self.handle_session
+        if path.startswith("/kvgate/"):
+            return self.handle_not_found
         return self.handle_proxy
 
     async def _on_startup(self, app: web.Application | None) -> None:
@@ -305,9 +318,19 @@ class Gateway:
     async def handle_worker_health(self, request: web.Request) -> web.Response:
         return _json({"status": "ok", "worker": self.worker.index, "pid": os.getpid()})
 
+    def health_checks(self) -> list[health.Check]:
+        """The checks /kvgate/health adds up (kvgate.fleet.health): the router, the engines. Append a
+        check here for anything else kvgate cannot serve without."""
+        return self.directory.checks()
+
     async def handle_health(self, request: web.Request) -> web.Response:
+        """kvgate and what it depends on: ``status`` ok | degraded (HTTP 200) or starting | down (HTTP 503),
+        ``reasons`` (every check not ok), ``checks`` (each with its reason), and the features in force."""
         workers = await self.worker.health() if self.worker is not None else None
-        return _json({"status": "ok", **({"workers": workers} if workers is not None else {}),
+        checks = self.health_checks()
+        status, code, reasons = health.summarize(checks)
+        return _json({"status": status, "reasons": reasons, "checks": [c.as_json() for c in checks],
+                      **({"workers": workers} if workers is not None else {}),
                       "version": __version__, "uptime_s": round(time.time() - self.started, 3),
                       "upstream": self.cfg.upstream, "engines": len(self.directory.engines),
                       "session_lifecycle": self.lifecycle_on,
@@ -316,7 +339,24 @@ class Gateway:
                       "session_id_passthrough_by_route": dict(self.directory.verdicts),
                       "session_placement": {r: ("kvgate" if self.directory.placed(r) else "router")
                                             for r in PLACEMENT_ROUTES},
-                      "placement_modes": dict(self.placement_modes)})
+                      "placement_modes": dict(self.placement_modes)}, code)
+
+    async def handle_not_found(self, request: web.Request) -> web.Response:
+        """A /kvgate/ path or method kvgate does not serve: its own 404 or 405 (with Allow), never the
+        router's."""
+        path = request.path
+        methods = self._routes.get(path)
+        m = _SESSION_ROUTE.fullmatch(request.raw_path.partition("?")[0])
+        allowed = (sorted(methods) if methods is not None else
+                   (["POST"] if m.group(2) else ["GET", "HEAD"]) if m is not None else None)
+        if allowed is not None:
+            return web.Response(status=405, body=orjson.dumps({"error": {
+                "message": f"{request.method} is not allowed on {path}; allowed: {', '.join(allowed)}"}}),
+                content_type="application/json", headers={"Allow": ", ".join(allowed)})
+        own = sorted(p for p in self._routes if p.startswith("/kvgate/"))
+        return _json({"error": {"message": f"kvgate has no endpoint {path}; its endpoints: "
+                                           f"{', '.join([*own, '/kvgate/sessions/{id}', '/kvgate/sessions/{id}/close'])}"}},
+                     404)
 
     async def handle_engines(self, request: web.Request) -> web.Response:
         out = self.directory.as_json()
@@ -373,8 +413,28 @@ class Gateway:
         entry["engine"] = None if where is None else {"url": where[0], "dp_rank": where[1]}
         return entry
 
+    def _session_named(self, name: str) -> str:
+        """The session id ``name`` stands for: itself, or the id kvgate told the client as ``name`` in
+        X-Kvgate-Session-Id (a hashed id)."""
+        if self.lifecycle.registry.get(name) is None:
+            return self._told_ids.get(name, name)
+        return name
+
+    def _told(self, sid: str) -> str:
+        """The X-Kvgate-Session-Id value for ``sid``; a hashed one is remembered (at most
+        max_tracked_sessions, the oldest dropped first) so /kvgate/sessions/<value> finds the session."""
+        value = header_safe(sid)
+        if value is not sid and value != sid:
+            told = self._told_ids
+            told[value] = sid
+            told.move_to_end(value)
+            if len(told) > self.cfg.max_tracked_sessions:
+                told.popitem(last=False)
+        return value
+
     async def handle_session(self, request: web.Request) -> web.Response:
-        s = self.lifecycle.registry.get(request.match_info["sid"])
+        sid = self._session_named(request.match_info["sid"])
+        s = self.lifecycle.registry.get(sid)
         if s is None:
             return _json({"error": {"message": f"unknown session {request.match_info['sid']!r}"}}, 404)
         return _json(self._augment(s.as_json(self.lifecycle.clock())))
@@ -382,7 +442,7 @@ class Gateway:
     async def handle_session_close(self, request: web.Request) -> web.Response:
         """Close a session (again: an unfinished close is retried at once); ``?wait=1`` answers once every
         engine has answered this round of calls, with the per-engine results and pending retries."""
-        sid = request.match_info["sid"]
+        sid = self._session_named(request.match_info["sid"])
         self._forget(sid)
         self.lifecycle.close(sid, "admin_api")
         if request.query.get("wait") in ("1", "true"):
@@ -415,7 +475,7 @@ class Gateway:
         if self.inference is not None:
             self.inference.forget(sid)
         self.lifecycle.forget(sid)
-        self._placement_forget(sid)
+        self.placed.forget(sid)
         self._admission_forget(sid)
 
     def _program_ended(self, sid: str) -> None:
@@ -452,109 +512,17 @@ class Gateway:
 
     def _engines_changed(self, engines) -> None:
         self.placement.set_engines([(e.url, e.healthy) for e in engines if e.worker_type == "regular"])
-        self._publish_placed()
+        self.placed.publish()
 
     def _capacity(self, snapshot) -> None:
-        self.placement.set_capacity({url: [(p.capacity, p.used) for p in cap.pools]
+        self.placement.set_capacity({url: [(p.capacity, p.used, p.requests) for p in cap.pools]
                                      for url, cap in snapshot.engines.items()}, snapshot.taken_at)
 
-    def _placement_forget(self, sid: str) -> None:
-        try:
-            if self.placement.forget(sid, self.lifecycle.clock()):
-                self._publish_placed()
-        except Exception:
-            log.exception("placement forget failed")
-            self.metrics.faults.labels("placement").inc()
-
-    def _publish_placed(self) -> None:
-        for url in self.directory.urls:
-            self.metrics.placed_sessions.labels(url).set(self.placement.sessions_on(url))
-
-    def _placed_route(self, c, plan: SessionPlan) -> bool:
-        return (plan.session_id is not None and c.body is not None and c.path in self.placement_modes
-                and self.directory.placed(c.path))
-
-    async def _relay_placed(self, request: web.Request, c, plan: SessionPlan, observe, add):
-        """Relay a session's call to the engine placement picks; on a refused connection (nothing sent) the
-        next engine. Returns (response, outcome), or None when no engine is usable or placement itself failed
-        (the caller then uses the router: fail-open)."""
-        try:
-            units = request_units(c.path, c.body)
-            block_tokens, block_chars, chars_per_token = self._placement_blocks
-            keys = prefix_keys(units, block_tokens, block_chars, memo=c.block_digests())
-            tokens = (len(units) if isinstance(units, list) else
-                      int(len(units) / chars_per_token) if isinstance(units, str) else 0)
-        except Exception:
-            log.exception("session placement failed; forwarding to the router")
-            self.metrics.faults.labels("placement").inc()
-            return None
-        headers = forward_head(request.raw_headers)  # no routing key: it is for the router
-        tried: list[str] = []
-        if self.shared is not None and self.placement.engine_of(plan.session_id) is None:
-            await self._adopt_shared(plan.session_id, await self.shared.engine_of(plan.session_id))
-        while True:
-            try:
-                target, body = self._pick(plan, c.body, keys, tried)
-                if target is not None and self.shared is not None and self.placement.last_reason != "sticky":
-                    # Another replica may have placed it meanwhile: the first placement wins.
-                    won = await self.shared.claim_engine(plan.session_id, target.engine, target.dp_rank,
-                                                         replace=self.placement.last_replaced)
-                    if won is not None and won != (target.engine, target.dp_rank) and not tried:
-                        await self._adopt_shared(plan.session_id, won)
-                        target, body = self._pick(plan, c.body, keys, tried)
-                if target is not None:
-                    call = self.placement.call_started(target, tokens, self.lifecycle.clock())
-            except Exception:  # fail-open: nothing went out yet
-                log.exception("session placement failed; forwarding to the router")
-                self.metrics.faults.labels("placement").inc()
-                return None
-            if target is None:
-                self.metrics.placement_calls.labels("router_fallback").inc()
-                return None
-            try:
-                resp, outcome = await self.upstream.relay(request, request.raw_path, headers, body, observe=observe,
-                                                          add_headers=add, base=target.engine)
-            finally:
-                self.placement.call_finished(target, call)
-            if outcome.ended == "unreachable" and not outcome.sent:
-                # Refused before any byte went out: safe to try the next engine (never after the body went out).
-                log.warning("engine %s refused a connection; session %s goes to the next engine",
-                            target.engine, plan.session_id)
-                self.placement.mark_unreachable(target.engine, self.lifecycle.clock())
-                self.metrics.placement_calls.labels("connect_retry").inc()
-                tried.append(target.engine)
-                continue
-            self.metrics.placement_calls.labels("engine").inc()
-            return resp, outcome
-
-    async def _adopt_shared(self, sid: str, where: tuple[str, int | None] | None) -> None:
-        # The engine another replica placed the session on becomes its sticky engine here.
-        if where is None:
-            return
-        try:
-            if self.placement.adopt(sid, Target(where[0], where[1]), self.lifecycle.clock()):
-                self._publish_placed()
-        except Exception:
-            log.exception("adopting a shared placement failed")
-            self.metrics.faults.labels("placement").inc()
-
-    def _pick(self, plan: SessionPlan, body_obj: dict, keys: list[int], tried: list[str]):
-        target = self.placement.place(plan.session_id, keys, self.lifecycle.clock(), exclude=tried)
-        if target is None:
-            return None, None
-        if self.placement.last_reason != "sticky":
-            reason = "replaced" if self.placement.last_replaced else self.placement.last_reason
-            self.metrics.child(self.metrics.placements, target.engine, reason).inc()
-            self._publish_placed()
-        self.placement.remember_prefix(keys, target)
-        return target, self._engine_body(plan.body, body_obj, target)
-
-    @staticmethod
-    def _engine_body(raw: bytes, body_obj: dict, target: Target) -> bytes:
-        # routed_dp_rank pins the DP rank that holds the session's prefix; a client's own pin is kept.
-        if target.dp_rank is None or "routed_dp_rank" in body_obj or "data_parallel_rank" in body_obj:
-            return raw
-        return inject_top_level(raw, "routed_dp_rank", target.dp_rank)
+    def _place_first(self, info: RequestInfo) -> tuple[str, int | None] | None:
+        """Place first, then admit: a call of a session on a route kvgate places is placed before admission,
+        so its turn reserves on the engine it will go to (kvgate.proxy.placed.PlacedRelay.place_first)."""
+        target = self.placed.place_first(info.classified, info.session_id)
+        return None if target is None else (target.engine, target.dp_rank)
 
     # --- the request path ------------------------------------------------------------------------
 
@@ -621,16 +589,17 @@ class Gateway:
         t1 = time.perf_counter()
         outcome = None
         try:  # from here on every exit path ends the request in the registry and the inference index
-            add = ticket.headers if tracked is None else [*ticket.headers, (SESSION_HEADER, header_safe(tracked))]
+            add = ticket.headers if tracked is None else [*ticket.headers, (SESSION_HEADER, self._told(tracked))]
             placed = None
-            if self._placed_route(c, plan):
-                placed = await self._relay_placed(request, c, plan, observe, add)
+            if self.placed.placed(c, plan.session_id):
+                placed = await self.placed.relay(request, c, plan.session_id, plan.body, observe, add)
             if placed is not None:
                 resp, outcome = placed
             else:  # the router's headers (with the routing key) only for a request that goes to the router
                 resp, outcome = await self.upstream.relay(request, request.raw_path,
                                                           forward_head(request.raw_headers, plan.extra), plan.body,
                                                           observe=observe, add_headers=add)
+                self._router_outcome(outcome)
             return resp
         except asyncio.CancelledError:
             self.metrics.client_disconnects.inc()
@@ -650,6 +619,15 @@ class Gateway:
                 self._step_boundary(c.path, raw, outcome)
             if self.lifecycle_on and c.method == "POST" and c.path == "/abort_request":
                 self._abort_requested(raw)
+
+    def _router_outcome(self, outcome) -> None:
+        # What a forwarded call says about the router: unreachable, or answering (502s logged per change).
+        d = self.directory
+        if outcome.status is not None:
+            if outcome.status >= 502 or d.router_gateway_error is not None or d.router.ok is not True:
+                d.router_answered(outcome.status)
+        elif outcome.ended == "unreachable":
+            self.directory.router_result(False, "a forwarded call could not connect")
 
     def _parse_body(self, request: web.Request, raw: bytes) -> dict | None:
         """The generate body as a JSON object, or None when kvgate leaves it alone: not an object, sent

@@ -408,12 +408,16 @@ class SessionLifecycle:
         if dropped:  # the engine left the fleet: no retry
             state = FAILED
             self.metrics.session_close_dropped.labels("engine_gone").inc()
+        self._engine_seen(q.url, result)
         if result == "ok":
             self.metrics.close_calls.labels("ok").inc()
             if q.failing:
                 q.failing = False
                 n = self.registry.engine_back(q.url, now)
-                log.warning("engine %s answers /close_session again; retrying its %d pending closes now", q.url, n)
+                # this call was one of the pending closes: it went through; n counts the others
+                log.warning("engine %s answers /close_session again: the close of %s went through%s", q.url,
+                            session_id, f"; retrying its {n} other pending closes now" if n else
+                            " (no other close was pending)")
                 self._retry_wake.set()
         else:
             self.metrics.close_calls.labels("error").inc()
@@ -435,6 +439,16 @@ class SessionLifecycle:
         if s is not None and s.state == CLOSED and s.close_gen == gen:
             self._finished(session_id)
         self._notify()
+
+    def _engine_seen(self, url: str, result: str) -> None:
+        # kvgate's own calls say whether the engine is there, sooner than the router's health checks.
+        try:
+            if result.startswith("connect error"):
+                self.directory.engine_call_failed(url, f"/close_session: {result}")
+            elif result == "ok" or result.startswith("http "):
+                self.directory.engine_answered(url)
+        except Exception:
+            log.exception("engine health update failed")
 
     def _finished(self, session_id: str) -> None:
         s = self.registry.get(session_id)

@@ -41,7 +41,7 @@ LINGER_S = 0.005
 @dataclass(eq=False, slots=True)
 class Op:
     """One queued Redis write (or read-modify-write). ``kind``: the batch script's op name (see
-    redis_state's _BATCH); ``label``: the metrics op it falls back as (turn, idle, admission, inference);
+    kvgate.shared.scripts' BATCH); ``label``: the metrics op it falls back as (turn, idle, admission, inference);
     ``keys``: the Redis keys it touches, in the order the script reads them; ``args``: its other arguments
     (JSON-able); ``session``: the session a turn write merges on (None: never merged); ``delta``,
     ``started``, ``at``: a turn write's net in-flight change, whether a start is among its turns, and its

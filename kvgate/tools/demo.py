@@ -96,6 +96,35 @@ class CloseFigures:
     placed_by: str = "router"
 
 
+def _n(count: int, noun: str, plural: str | None = None) -> str:
+    """``1 session``, ``2 sessions``."""
+    return f"{count} {noun if count == 1 else plural or noun + 's'}"
+
+
+def router_line(path: str, verdict: str, placed_by: str) -> str:
+    """The summary's line on who took each session's turns to an engine, and what the router's probe found.
+    Pure."""
+    said = {"forwarded": "forwards", "dropped": "drops"}.get(verdict)
+    probe = (f"kvgate's probe found the router {said} a top-level session_id on {path}" if said else
+             f"kvgate's probe could not tell whether the router keeps a top-level session_id on {path} ({verdict})")
+    if placed_by == "kvgate":
+        return (f"router     turns sent to {path}; kvgate picked each session's engine and sent its turns there "
+                f"itself, past the router (session placement; the router served the other calls). {probe}")
+    return (f"router     turns sent to {path}; the router picked each turn's engine (kvgate placed none). {probe}, "
+            f"so the engine got each session's id")
+
+
+def placement_line(counts: dict[str, int]) -> str:
+    """The summary's line on kvgate's session placement counts (kvgate.fleet.placement ``counts``). Pure."""
+    placed = counts["free_kv"] + counts["prefix"] + counts["reopened"] + counts["replaced"]
+    return (f"placement  {_n(placed, 'session placement')} (a session's first turn, or its first turn after a close "
+            f"or after its engine left): {counts['free_kv']} on the engine with the most free KV, {counts['prefix']} "
+            f"with the engine holding their prompt's prefix, {counts['reopened']} re-opened on their old engine, "
+            f"{counts['replaced']} moved off an engine that left; of these, {counts['reopen_elsewhere']} re-opened "
+            f"elsewhere (their old engine at the pressure threshold); then {_n(counts['sticky'], 'later turn')} "
+            f"went to their session's engine, where its prefix is cached")
+
+
 def reconcile(f: CloseFigures) -> tuple[list[str], list[str]]:
     """The summary's session, fan-out and engine lines, each sum shown so it can be checked, and the list of
     figures that do not add up (empty when every one does). Pure: no I/O.
@@ -121,14 +150,14 @@ def reconcile(f: CloseFigures) -> tuple[list[str], list[str]]:
         f"{sum(f.engine_closes)}",
         f"engines    session_id reached an engine for {len(seen)} sessions; per engine "
         f"{' + '.join(str(len(e)) for e in f.engine_sessions)} = {per_engine}"
-        + ((f" ({on_many} sessions had turns on more than one engine: the router's policy does not keep a session "
-            f"on one engine)" if f.placed_by == "router" else
-            f" ({on_many} sessions had turns on more than one engine: re-opened after a close while their engine "
-            f"was at the placement pressure threshold)") if on_many else ""),
+        + ((f" ({_n(on_many, 'session')} had turns on more than one engine: the router's policy does not keep a "
+            f"session on one engine)" if f.placed_by == "router" else
+            f" ({_n(on_many, 'session')} had turns on more than one engine: re-opened after a close while their "
+            f"engine was at the placement pressure threshold)") if on_many else ""),
     ]
     off = []
     if f.closed != f.sessions:
-        off.append(f"{f.sessions - f.closed} sessions not closed at the end")
+        off.append(f"{_n(f.sessions - f.closed, 'session')} not closed at the end")
     if total - again != len([c for c in f.session_closes if c > 0]):
         off.append(f"{total} closes by reason, but the registry has {sum(f.session_closes)} closes of "
                    f"{len([c for c in f.session_closes if c > 0])} sessions")
@@ -376,15 +405,9 @@ def _run_once(args: argparse.Namespace, records, sessions, admission: bool, log_
     for line in off:
         print(f"  DOES NOT ADD UP: {line}")
     verdict = health["session_id_passthrough_by_route"].get(path, health["session_id_passthrough"])
-    who = "kvgate places the sessions on the engines" if placed_by == "kvgate" else "the router places the sessions"
-    print(f"  router     turns sent to {path}; kvgate's probe says the router {verdict} top-level session_id "
-          f"there; {who}")
+    print(f"  {router_line(path, verdict, placed_by)}")
     if placed_by == "kvgate" and placement.get("counts"):
-        pc = placement["counts"]
-        print(f"  placement  {pc['free_kv'] + pc['prefix'] + pc['reopened'] + pc['replaced']} placements: free KV "
-              f"{pc['free_kv']}, prefix {pc['prefix']}, re-opened on their engine {pc['reopened']}, replaced "
-              f"{pc['replaced']}; {pc['sticky']} later turns stayed on their engine; {pc['reopen_elsewhere']} "
-              f"re-opened elsewhere (their engine at the pressure threshold)")
+        print(f"  {placement_line(placement['counts'])}")
     if admission:
         c = stats["counters"]
         print(f"  admission  admit {c['admit']}, wait {c['wait']}, bypass {c['bypass_protected'] + c['bypass_degraded'] + c['bypass_aged']} "

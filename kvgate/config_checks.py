@@ -1,0 +1,156 @@
+"""Configuration warnings: settings that are valid but will not do what they seem to (pure).
+
+``kvgate check-config`` prints each warning and still answers ok; ``kvgate serve`` logs each at WARNING when
+it starts. A warning never stops startup: an error does (kvgate.config.ConfigError). Three kinds:
+
+  - a key given twice in the YAML file (YAML loaders keep the last value without a word),
+  - an ``upstream`` with a path: kvgate puts the path in front of every request's own path (a router
+    mounted under a prefix behind another proxy works); one that ends in an API path (``/v1``) is refused
+    instead (kvgate.config), since no router serves ``/v1/v1/completions``,
+  - a key set to something other than its default while the feature it tunes is off (placement settings
+    with no route placed by kvgate, admission numbers with admission off, Redis settings with
+    ``state_backend: memory`` ...). A key left at its default is never warned about: the example config
+    lists every key.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Iterable
+from urllib.parse import urlsplit
+
+import yaml
+
+# API paths an OpenAI-style base URL ends with: an upstream with one of them is a doubled path, always.
+API_PATH_SUFFIXES = ("/v1", "/generate", "/v1/completions", "/v1/chat/completions", "/v1/responses")
+
+
+class DuplicateKeyLoader(yaml.SafeLoader):
+    """A safe YAML loader that records keys given twice in one mapping: ``duplicates`` holds
+    (key, first line, repeated line), lines from 1. The last value wins, as in yaml.safe_load."""
+
+    def __init__(self, stream):
+        super().__init__(stream)
+        self.duplicates: list[tuple[Any, int, int]] = []
+
+    def construct_mapping(self, node, deep=False):
+        seen: dict[Any, int] = {}
+        for key_node, _ in node.value:
+            try:
+                key = self.construct_object(key_node, deep=True)
+                hash(key)
+            except (TypeError, yaml.YAMLError):
+                continue  # an unhashable key: SafeLoader's own error says so below
+            line = key_node.start_mark.line + 1
+            if key in seen:
+                self.duplicates.append((key, seen[key], line))
+            seen.setdefault(key, line)
+        return super().construct_mapping(node, deep=deep)
+
+
+def load_with_duplicates(stream) -> tuple[Any, list[tuple[Any, int, int]]]:
+    """yaml.safe_load of ``stream`` and the keys it gives twice (see DuplicateKeyLoader). Raises YAMLError."""
+    loader = DuplicateKeyLoader(stream)
+    try:
+        return loader.get_single_data(), loader.duplicates
+    finally:
+        loader.dispose()
+
+
+def duplicate_warnings(path: str, duplicates: Iterable[tuple[Any, int, int]], data: Any) -> list[str]:
+    """One line per key given twice in ``path``, naming both lines and the value kvgate uses (the last)."""
+    out = []
+    for key, first, again in duplicates:
+        used = data.get(key) if isinstance(data, dict) else None
+        out.append(f"{key}: given twice in {path} (lines {first} and {again}); the last value, {used!r}, is used")
+    return out
+
+
+def upstream_path(url: str) -> str:
+    """The path of an upstream URL, without its trailing slash ("" for a base URL)."""
+    return urlsplit(url).path.rstrip("/")
+
+
+def api_path(url: str) -> str | None:
+    """The API path an upstream URL ends with (``/v1``, ``/v1/completions`` ...), or None."""
+    path = upstream_path(url)
+    ends = [p for p in API_PATH_SUFFIXES if path.endswith(p)]
+    return max(ends, key=len) if ends and url.rstrip("/").endswith(path) else None
+
+
+def upstream_path_warning(url: str) -> str | None:
+    """The warning for an upstream with a path kvgate honours as a prefix, or None for a plain base URL."""
+    path = upstream_path(url)
+    if not path:
+        return None
+    return (f"upstream: {url} has a path ({path}): every request goes to {path} + its own path "
+            f"({path}/v1/completions, {path}/generate) and engines are discovered at {path}/workers; "
+            f"a router's base URL has no path (http://HOST:PORT)")
+
+
+def placeable(values: dict[str, Any], routes: Iterable[str]) -> bool:
+    """Whether kvgate may place some route's session traffic itself (kvgate.fleet.placement.placement_active
+    for a verdict that may come: ``kvgate`` always, ``auto`` with lifecycle on)."""
+    modes = [values["session_placement_routes"].get(r, values["session_placement"]) for r in routes]
+    return any(m == "kvgate" or (m == "auto" and values["agentic_session_lifecycle"]) for m in modes)
+
+
+def _rules(values: dict[str, Any], routes: tuple[str, ...]) -> list[tuple[Callable[[str], bool], str]]:
+    """(which keys, why they do nothing now) for the current values; the first rule that names a key wins."""
+    lifecycle = values["agentic_session_lifecycle"]
+    admission = values["agentic_program_admission"]
+    places = placeable(values, routes)
+    names_session = lifecycle or any(
+        values["session_placement_routes"].get(r, values["session_placement"]) == "kvgate" for r in routes)
+    rules: list[tuple[Callable[[str], bool], str]] = []
+    if not places:
+        why = ("agentic_session_lifecycle is off and no route has session_placement: kvgate" if not lifecycle
+               else "session_placement is router on every route")
+        rules.append((lambda k: k in ("placement_pressure_threshold", "placement_reopen_hint_s"),
+                      f"kvgate places no session traffic ({why})"))
+    if not lifecycle:
+        off = "agentic_session_lifecycle is off"
+        rules.append((lambda k: k in ("session_placement", "session_placement_routes") and not places,
+                      f"{off} (session_placement: auto places sessions only with lifecycle on)"))
+        rules.append((lambda k: k == "placement_reopen_hint_s", f"{off} (no session is ever closed)"))
+        rules.append((lambda k: k in ("session_resolution_order", "session_header", "session_field",
+                                      "session_field_regex") and not names_session,
+                      f"{off} and no route has session_placement: kvgate"))
+        rules.append((lambda k: k.startswith(("session_inference", "session_idle", "session_close", "close_"))
+                      or k in ("set_routing_key", "routing_key_header", "router_policy"), off))
+    else:
+        if not values["session_inference"]:
+            rules.append((lambda k: k.startswith("session_inference_"), "session_inference is off"))
+        if values["session_idle_close_mode"] == "fixed":
+            rules.append((lambda k: k in ("session_idle_quantile", "session_idle_multiple", "session_idle_floor_s",
+                                          "session_idle_ceiling_s", "session_idle_min_samples"),
+                          "session_idle_close_mode is fixed"))
+        if not values["set_routing_key"]:
+            rules.append((lambda k: k in ("routing_key_header", "router_policy"), "set_routing_key is off"))
+    if not admission:
+        polled = places  # the KV poller also runs for session placement
+        rules.append((lambda k: (k.startswith(("agentic_admission_", "admission_")) or k == "max_response_length")
+                      and not (polled and k in ("admission_poll_interval_s", "admission_capacity_source")),
+                      "agentic_program_admission is off"))
+    elif values["admission_policy"] == "fifo":
+        rules.append((lambda k: k in ("admission_pause_victim", "admission_resume_order", "admission_host_cache",
+                                      "admission_program_ttl_s"), "admission_policy is fifo (a program policy key)"))
+    else:
+        rules.append((lambda k: k == "admission_backfill", "admission_policy is program (a fifo policy key)"))
+    if values["state_backend"] == "memory":
+        rules.append((lambda k: k.startswith("redis_"), "state_backend is memory"))
+    return rules
+
+
+def inert_warnings(values: dict[str, Any], defaults: dict[str, Any], routes: tuple[str, ...]) -> list[str]:
+    """One line per key set away from its default that does nothing with the other values, in key order."""
+    rules = _rules(values, routes)
+    out = []
+    for key, default in defaults.items():
+        value = values.get(key, default)
+        if value == default:
+            continue
+        for applies, why in rules:
+            if applies(key):
+                out.append(f"{key}: set to {value!r}, but it does nothing while {why}")
+                break
+    return out

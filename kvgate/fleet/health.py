@@ -1,0 +1,119 @@
+"""What /kvgate/health says: checks, each with its reason, and the status they add up to (pure).
+
+A check is one thing kvgate depends on (the router, the engines, ...) with ``ok`` True, False or None (not
+known yet) and a reason a user can act on. The status:
+
+  - ``down`` (HTTP 503): a check kvgate cannot serve without failed: the router is unreachable (every
+    forwarded call gets kvgate's 502), or no engine is usable (the router lists none, or every one is
+    unhealthy by the router's checks or kvgate's own calls),
+  - ``starting`` (HTTP 503): a check has no answer yet,
+  - ``degraded`` (HTTP 200): kvgate serves, but a check that is not fatal failed (an engine of several is
+    down, the router's answer to /workers has a shape kvgate does not know),
+  - ``ok`` (HTTP 200): every check passed.
+
+Other parts of kvgate add their checks to the list; the status rule does not change. The router's state is
+kept by :class:`Reachability` (one line logged per change, never per request).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Iterable
+
+OK, DEGRADED, STARTING, DOWN = "ok", "degraded", "starting", "down"
+
+
+@dataclass
+class Check:
+    """One health check: ``name``, ``ok`` (None: not known yet), ``reason`` (why not ok; a short summary when
+    ok), ``fatal`` (a failure means kvgate cannot serve: status down) and extra JSON fields in ``detail``."""
+
+    name: str
+    ok: bool | None
+    reason: str | None = None
+    fatal: bool = True
+    detail: dict[str, Any] = field(default_factory=dict)
+
+    def as_json(self) -> dict[str, Any]:
+        return {"check": self.name, "ok": self.ok, "reason": self.reason, **self.detail}
+
+
+def summarize(checks: Iterable[Check]) -> tuple[str, int, list[str]]:
+    """(status, HTTP status, reasons) for ``checks``: see the module docstring; reasons are "name: reason"
+    for every check not ok, in order."""
+    checks = list(checks)
+    reasons = [f"{c.name}: {c.reason or 'not known yet'}" for c in checks if c.ok is not True]
+    if any(c.ok is False and c.fatal for c in checks):
+        return DOWN, 503, reasons
+    if any(c.ok is None for c in checks):
+        return STARTING, 503, reasons
+    if any(c.ok is False for c in checks):
+        return DEGRADED, 200, reasons
+    return OK, 200, reasons
+
+
+class Reachability:
+    """Whether something kvgate calls (the router) answers, from every attempt's result; ``since`` the last
+    change (the caller's clock, seconds). :meth:`note` returns "down" or "up" on a change (the caller logs
+    that one line) and None otherwise, so a failing router costs one log line, not one per request."""
+
+    def __init__(self) -> None:
+        self.ok: bool | None = None
+        self.reason: str | None = None
+        self.since: float | None = None
+        self.failures = 0  # attempts failed since the last success
+
+    def note(self, ok: bool, reason: str | None, now: float) -> str | None:
+        """One attempt's result: ``ok`` (it answered) or not, with ``reason`` (what failed). Returns the
+        change ("down", "up") or None; the first result is a change only when it is a failure."""
+        before = self.ok
+        if ok:
+            self.failures = 0
+            self.ok, self.reason = True, None
+        else:
+            self.failures += 1
+            self.ok, self.reason = False, reason
+        if before is not self.ok:
+            self.since = now
+            if ok:
+                return "up" if before is False else None
+            return "down"
+        return None
+
+
+def router_check(r: Reachability, upstream: str, now: float) -> Check:
+    """The router check: fatal when the router is unreachable."""
+    if r.ok is None:
+        return Check("router", None, f"{upstream} not asked yet")
+    detail = {"upstream": upstream, "since_s": None if r.since is None else round(now - r.since, 3)}
+    if r.ok:
+        return Check("router", True, f"{upstream} answers", detail=detail)
+    return Check("router", False, f"{upstream} unreachable ({r.reason}); forwarded calls get kvgate's 502",
+                 detail=detail)
+
+
+def engines_check(engines: Iterable[tuple[str, bool, str | None]], discovered: bool,
+                  discovery_error: str | None) -> Check:
+    """The engines check from (url, usable, why not) per engine. Fatal when none is usable; not fatal when
+    some are down or the engine list could not be read (the last good list is kept)."""
+    engines = list(engines)
+    down = [(u, why) for u, usable, why in engines if not usable]
+    detail: dict[str, Any] = {"engines": len(engines), "usable": len(engines) - len(down),
+                              "unusable": {u: why for u, why in down}}
+    if discovery_error is not None and not engines:
+        # the router answers (its own check says when it does not) but not with a list kvgate reads
+        return Check("engines", False, f"engine discovery failed ({discovery_error}) and no engine is known",
+                     fatal=False, detail=detail)
+    if not engines:
+        return Check("engines", False, "the router lists no engine" if discovered else "no engine configured",
+                     detail=detail)
+    if len(down) == len(engines):
+        return Check("engines", False, "no engine is usable: " + "; ".join(f"{u} {why}" for u, why in down),
+                     detail=detail)
+    if down:
+        return Check("engines", False, f"{len(down)} of {len(engines)} engines unusable: "
+                     + "; ".join(f"{u} {why}" for u, why in down), fatal=False, detail=detail)
+    if discovery_error is not None:
+        return Check("engines", False, f"engine discovery failed ({discovery_error}); the last good list of "
+                     f"{len(engines)} is kept", fatal=False, detail=detail)
+    return Check("engines", True, f"{len(engines)} of {len(engines)} usable", detail=detail)

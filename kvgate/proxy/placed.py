@@ -1,0 +1,168 @@
+"""The placed relay: a session's generate call sent straight to the engine kvgate placed it on (I/O edge).
+
+The decisions (which engine, sticky, prefix, free KV, re-opened) are kvgate.fleet.placement's; this module
+asks it, relays the call to that engine over the gateway's pooled client, tries the next engine on a
+connection refused before any byte went out, and falls back to the router (returns None) when no engine is
+usable or placement itself failed (fail-open). docs/placement.md describes the rules and the modes.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Callable
+
+from kvgate.common.classify import inject_top_level
+from kvgate.fleet.placement import Placement, Target
+from kvgate.proxy.relay import forward_head
+from kvgate.sessions.inference import prefix_keys, request_units
+
+log = logging.getLogger("kvgate")
+
+
+def engine_body(raw: bytes, body_obj: dict, target: Target) -> bytes:
+    """The body for ``target``: ``raw`` with a top-level ``routed_dp_rank`` pinning the DP rank that holds the
+    session's prefix (SGLang's DP controller round-robins without it); unchanged when the engine has no DP
+    rank or the client set its own pin (``routed_dp_rank`` or ``data_parallel_rank``)."""
+    if target.dp_rank is None or "routed_dp_rank" in body_obj or "data_parallel_rank" in body_obj:
+        return raw
+    return inject_top_level(raw, "routed_dp_rank", target.dp_rank)
+
+
+class PlacedRelay:
+    """Relays session calls on the routes kvgate places to the engine kvgate.fleet.placement picks.
+
+    Takes the gateway's placement rules, engine directory (which routes are placed, the engine URLs), pooled
+    upstream client, metrics, shared state (replicas on Redis, or None), a clock (seconds) and the prompt's
+    block sizes (tokens, characters, characters per token). ``placed(c, session_id)`` says whether a call
+    goes here; ``relay(...)`` sends it; ``forget(sid)`` drops a closed session; ``publish()`` updates the
+    per-engine gauge.
+    """
+
+    def __init__(self, placement: Placement, directory, upstream, metrics, shared, clock: Callable[[], float],
+                 blocks: tuple[int, int, float]):
+        self.placement = placement
+        self.directory = directory
+        self.upstream = upstream
+        self.metrics = metrics
+        self.shared = shared
+        self.clock = clock
+        self.blocks = blocks
+
+    def placed(self, c, session_id: str | None) -> bool:
+        """True when a classified call ``c`` (with its parsed body) of session ``session_id`` goes to an
+        engine kvgate picks: it has a session and a body, and kvgate places its route now."""
+        return session_id is not None and c.body is not None and self.directory.placed(c.path)
+
+    def publish(self) -> None:
+        """Set ``agentic_kv_placed_sessions{engine}`` for every engine the directory knows."""
+        for url in self.directory.urls:
+            self.metrics.placed_sessions.labels(url).set(self.placement.sessions_on(url))
+
+    def forget(self, sid: str) -> None:
+        """A closed session: placement keeps only its re-open hint. Never raises (counted as a fault)."""
+        try:
+            if self.placement.forget(sid, self.clock()):
+                self.publish()
+        except Exception:
+            log.exception("placement forget failed")
+            self.metrics.faults.labels("placement").inc()
+
+    async def relay(self, request, c, session_id: str, body: Any, observe, add) -> tuple[Any, Any] | None:
+        """Relay session ``session_id``'s call (classified ``c``, ``body`` the bytes to send) to the engine
+        placement picks; on a refused connection (nothing sent) the next engine. ``observe`` and ``add`` are
+        as for Upstream.relay. Returns (response, outcome), or None when no engine is usable or placement
+        itself failed (the caller then uses the router: fail-open)."""
+        try:
+            units = request_units(c.path, c.body)
+            block_tokens, block_chars, chars_per_token = self.blocks
+            keys = prefix_keys(units, block_tokens, block_chars, memo=c.block_digests())
+            tokens = (len(units) if isinstance(units, list) else
+                      int(len(units) / chars_per_token) if isinstance(units, str) else 0)
+        except Exception:
+            log.exception("session placement failed; forwarding to the router")
+            self.metrics.faults.labels("placement").inc()
+            return None
+        headers = forward_head(request.raw_headers)  # no routing key: it is for the router
+        tried: list[str] = []
+        placement, shared = self.placement, self.shared
+        if shared is not None and placement.engine_of(session_id) is None:
+            await self._adopt_shared(session_id, await shared.engine_of(session_id))
+        while True:
+            try:
+                target, out = self._pick(session_id, body, c.body, keys, tried)
+                if target is not None and shared is not None and placement.last_reason != "sticky":
+                    # Another replica may have placed it meanwhile: the first placement wins.
+                    won = await shared.claim_engine(session_id, target.engine, target.dp_rank,
+                                                    replace=placement.last_replaced)
+                    if won is not None and won != (target.engine, target.dp_rank) and not tried:
+                        await self._adopt_shared(session_id, won)
+                        target, out = self._pick(session_id, body, c.body, keys, tried)
+                if target is not None:
+                    call = placement.call_started(target, tokens, self.clock())
+            except Exception:  # fail-open: nothing went out yet
+                log.exception("session placement failed; forwarding to the router")
+                self.metrics.faults.labels("placement").inc()
+                return None
+            if target is None:
+                self.metrics.placement_calls.labels("router_fallback").inc()
+                return None
+            try:
+                resp, outcome = await self.upstream.relay(request, request.raw_path, headers, out, observe=observe,
+                                                          add_headers=add, base=target.engine)
+            finally:
+                placement.call_finished(target, call)
+            if outcome.ended == "unreachable" and not outcome.sent:
+                # Refused before any byte went out: safe to try the next engine (never after the body went out).
+                log.warning("engine %s refused a connection; session %s goes to the next engine",
+                            target.engine, session_id)
+                placement.mark_unreachable(target.engine, self.clock())
+                # kvgate's own call failed: the engine is unusable (health, /kvgate/engines) until it answers
+                self.directory.engine_call_failed(target.engine, "refused a placed call's connection")
+                self.metrics.placement_calls.labels("connect_retry").inc()
+                tried.append(target.engine)
+                continue
+            self.metrics.placement_calls.labels("engine").inc()
+            if outcome.status is not None:
+                self.directory.engine_answered(target.engine)
+            return resp, outcome
+
+    def place_first(self, c, session_id: str | None) -> Target | None:
+        """Place first, then admit: place a call of ``session_id`` (classified ``c``) before admission decides,
+        so admission reserves its turn on the engine it will go to; the relay then finds the session sticky
+        there. None when kvgate does not place the call, or when replicas share placement (the first replica
+        to place a session wins, at relay time). Raises what placement raises (the gate fails open)."""
+        if self.shared is not None or not self.placed(c, session_id):
+            return None
+        block_tokens, block_chars, _ = self.blocks
+        keys = prefix_keys(request_units(c.path, c.body), block_tokens, block_chars, memo=c.block_digests())
+        return self._place(session_id, keys, [])
+
+    async def _adopt_shared(self, sid: str, where: tuple[str, int | None] | None) -> None:
+        # The engine another replica placed the session on becomes its sticky engine here.
+        if where is None:
+            return
+        try:
+            if self.placement.adopt(sid, Target(where[0], where[1]), self.clock()):
+                self.publish()
+        except Exception:
+            log.exception("adopting a shared placement failed")
+            self.metrics.faults.labels("placement").inc()
+
+    def _pick(self, sid: str, raw, body_obj: dict, keys: list[int], tried: list[str]):
+        target = self._place(sid, keys, tried)
+        if target is None:
+            return None, None
+        return target, engine_body(raw, body_obj, target)
+
+    def _place(self, sid: str, keys: list[int], tried: list[str]) -> Target | None:
+        """Where ``sid``'s call goes by placement's rules, counted and its prompt indexed; None: no engine."""
+        placement = self.placement
+        target = placement.place(sid, keys, self.clock(), exclude=tried)
+        if target is None:
+            return None
+        if placement.last_reason != "sticky":
+            reason = "replaced" if placement.last_replaced else placement.last_reason
+            self.metrics.child(self.metrics.placements, target.engine, reason).inc()
+            self.publish()
+        placement.remember_prefix(keys, target)
+        return target

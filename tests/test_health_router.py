@@ -1,0 +1,116 @@
+"""/kvgate/health tells the truth about the router and the engines, with the reason, and kvgate says each change
+in one log line: a real smg 1.13 (``python -m smg``) in front of two ``kvgate sim-engine`` processes, kvgate
+in-process; the router and an engine are killed and restarted on their ports. Every wait is on an event (a
+discovery refresh, a close's answer, a process ready), never a sleep."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+import aiohttp
+import pytest
+
+from kvgate.fleet.directory import CONTROL_TIMEOUT_S
+from test_chaos import Fleet
+
+pytestmark = pytest.mark.router
+
+INTERVAL_S = 1.0
+
+
+async def _health(http, kv) -> tuple[int, dict]:
+    async with http.get(kv + "/kvgate/health") as r:
+        return r.status, await r.json()
+
+
+def _lines(caplog, text: str) -> list[str]:
+    return [r.getMessage() for r in caplog.records if text in r.getMessage()]
+
+
+async def test_health_follows_the_router_and_the_engines_with_the_reason(kvgate_factory, log_dir, caplog):
+    from kvgate.tools import procs
+    if not procs.smg_installed():
+        pytest.skip("the smg router is not installed (pip install smg)")
+    fleet = Fleet(log_dir)
+    caplog.set_level(logging.INFO, logger="kvgate")
+    try:
+        await asyncio.gather(fleet.start_engine(0), fleet.start_engine(1))
+        await fleet.start_router(healthy=2)
+        router = fleet.router.url
+        gw, kv = await kvgate_factory(upstream=router, discovery_interval_s=INTERVAL_S, agentic_session_lifecycle=True,
+                                      session_inference=False, close_retry_backoff_s=0.1,
+                                      close_retry_max_backoff_s=0.3, close_retries=1000)
+        d = gw.directory
+        async with aiohttp.ClientSession() as http:
+            status, h = await _health(http, kv)
+            assert (status, h["status"], h["reasons"]) == (200, "ok", [])
+            assert [(c["check"], c["ok"]) for c in h["checks"]] == [("router", True), ("engines", True)]
+            assert h["checks"][1]["reason"] == "2 of 2 usable"
+
+            # --- an engine dies: kvgate's own close to it fails, and marks it at once ---------------------
+            async with http.post(kv + "/generate", json={"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 2}},
+                                 headers={"X-Session-ID": "s1"}) as r:
+                assert r.status == 200
+            dead = fleet.engine_urls[0]
+            fleet.kill(fleet.engines[0])
+            async with http.post(kv + "/kvgate/sessions/s1/close?wait=1") as r:
+                closed = await r.json()
+            assert closed["close_results"][dead].startswith("connect error")
+            async with http.get(kv + "/kvgate/engines") as r:
+                engines = {e["url"]: e for e in (await r.json())["engines"]}
+            assert (engines[dead]["healthy"], engines[dead]["router_healthy"]) == (False, True)
+            assert engines[dead]["kvgate_calls_failing"].startswith("/close_session: connect error")
+            assert engines[fleet.engine_urls[1]]["healthy"] is True
+            status, h = await _health(http, kv)
+            assert (status, h["status"]) == (200, "degraded")
+            assert h["reasons"] == [f"engines: 1 of 2 engines unusable: {dead} (kvgate's calls fail: "
+                                    f"{engines[dead]['kvgate_calls_failing']})"]
+            assert h["checks"][1]["usable"] == 1
+
+            # it comes back: the pending close goes through, the engine is usable again, each said once
+            await fleet.start_engine(0)
+            await gw.lifecycle.wait_until(lambda: gw.lifecycle.registry.get("s1").state == "closed", 30)
+            await gw.lifecycle.wait_until(lambda: dead not in d.own_failures, 30)
+            assert gw.lifecycle.registry.get("s1").as_json(0)["close_results"][dead] == "ok"
+            assert _lines(caplog, "kvgate's own calls to it fail") == [
+                f"engine {dead}: kvgate's own calls to it fail (/close_session: "
+                f"{closed['close_results'][dead]}); marked unhealthy until it answers again"]
+            assert _lines(caplog, "answers kvgate's calls again") == [f"engine {dead} answers kvgate's calls again"]
+            assert _lines(caplog, "answers /close_session again") == [
+                f"engine {dead} answers /close_session again: the close of s1 went through (no other close "
+                f"was pending)"]
+            status, h = await _health(http, kv)
+            assert (status, h["status"]) == (200, "ok")
+
+            # --- the router dies: down within one discovery interval, its 502s said once -----------------
+            fleet.kill(fleet.router)
+            killed = time.monotonic()
+            refreshes = 0
+            while (await _health(http, kv))[1]["status"] != "down":
+                assert refreshes < 2, "still not down after a full discovery interval began after the kill"
+                await d.refreshed.wait()
+                refreshes += 1
+            elapsed = time.monotonic() - killed
+            assert elapsed <= INTERVAL_S + CONTROL_TIMEOUT_S, elapsed
+            status, h = await _health(http, kv)
+            assert (status, h["status"]) == (503, "down")
+            assert h["reasons"][0].startswith(f"router: {router} unreachable (")
+            assert h["reasons"][0].endswith("); forwarded calls get kvgate's 502")
+            assert h["checks"][0]["ok"] is False
+            for _ in range(5):
+                async with http.post(kv + "/v1/completions", json={"model": "kvgate-sim", "prompt": "hi", "max_tokens": 1}) as r:
+                    assert r.status == 502
+            assert len(_lines(caplog, f"router {router} unreachable")) == 1
+
+            # --- it comes back: ok again at the next refresh, said once --------------------------------
+            await fleet.start_router(healthy=2)
+            while (await _health(http, kv))[1]["status"] != "ok":
+                await d.refreshed.wait()
+            assert _lines(caplog, f"router {router} answers again") == [f"router {router} answers again"]
+            async with http.post(kv + "/v1/completions", json={"model": "kvgate-sim", "prompt": "hi", "max_tokens": 1}) as r:
+                assert r.status == 200
+        print(f"health down {elapsed:.2f} s after the router was killed (discovery interval {INTERVAL_S} s)")
+    finally:
+        fleet.stop_all()
