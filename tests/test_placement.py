@@ -357,3 +357,31 @@ def test_a_prefix_engine_that_is_the_busier_one_takes_no_sibling():
     assert p.place("g1", keys, 1.0) == first           # as busy as the others: the prefix wins
     p.set_capacity({A: [(10_000, 0, 4)], B: [(10_000, 0, 3)], C: [(10_000, 0, 3)]}, 2.0)
     assert p.place("g2", keys, 2.0) == Target(B) and p.counts["busier_moved"] == 1
+
+
+def test_a_call_that_ended_after_the_figures_counted_it_no_longer_makes_its_engine_busier():
+    """Turns sent one after the other: the engine's figures, requested while the first sibling's call ran, say
+    one request running there. Once that call ends it runs there no more, so the next sibling follows the shared
+    prompt to that engine (its radix cache) instead of being moved off a "busier" engine that is idle; so too
+    when those figures arrive only after the call ended. Before, the stale figure held until the next poll."""
+    task = list(range(1, 257))
+    for figures_arrive_late in (False, True):
+        p = Placement()
+        p.set_engines([(A, True), (B, True)])
+        p.set_capacity({A: [(200_000, 0, 0)], B: [(200_000, 0, 0)]}, 0.0)
+        keys = prefix_keys(task)
+        t = p.place("a", keys, 1.0)
+        p.remember_prefix(keys, t)
+        h = p.call_started(t, 256, 1.0)
+        other = B if t.engine == A else A
+        running = {t.engine: [(200_000, 256, 1)], other: [(200_000, 0, 0)]}  # requested at 2.0, a's call running
+        if figures_arrive_late:
+            p.call_finished(t, h, 3.0)
+            p.set_capacity(running, 2.0)
+        else:
+            p.set_capacity(running, 2.0)
+            assert p.place("probe", keys, 2.5).engine == other  # a's engine is the busier one now
+            p.forget("probe")
+            p.call_finished(t, h, 3.0)
+        assert p.as_json()[t.engine]["requests"] == 0
+        assert p.place("b", keys, 3.5).engine == t.engine

@@ -17,9 +17,10 @@ from importlib import resources
 from pathlib import Path
 
 from kvgate.tools import procs
+from kvgate.tools.engine import SGLANG_VERSION
 from kvgate.bench import ranking, report
 from kvgate.bench.runner import API_PATHS, expand_arms, run_arm
-from kvgate.bench.scenario import ARMS, load_scenario
+from kvgate.bench.scenario import ARMS, check_engine, load_scenario
 from kvgate.bench.speed import scale
 from kvgate.bench.workload import (ideal_prefill_agentic, ideal_prefill_mooncake, plan_agentic, plan_mooncake,
                                    plan_summary)
@@ -39,6 +40,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="an earlier run's output directory: say whether this run ranks the arms the same")
     p.add_argument("--arm-timeout-s", type=float, default=600.0, help="wall-clock limit per arm, seconds")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--engine", choices=["sim", "sglang"], default=None,
+                   help="override the scenario's engine: sim (kvgate sim-engine) or sglang (real CPU SGLang engines, "
+                        "speed 1; needs the engine environment, scripts/setup-engine.sh)")
 
 
 def _workload(sc, seed: int):
@@ -80,6 +84,9 @@ def run(args: argparse.Namespace) -> int:
             sc.speed = args.speed
         if args.seed is not None:
             sc.seed = args.seed
+        if getattr(args, "engine", None) is not None:
+            sc.engine = args.engine
+        check_engine(sc.engine, sc.speed, sc.arms, sc.api)
         if not args.arm_timeout_s > 0:
             raise ValueError(f"--arm-timeout-s: must be > 0, got {args.arm_timeout_s}")
         if Path(args.out).exists() and not Path(args.out).is_dir():
@@ -109,6 +116,34 @@ def run(args: argparse.Namespace) -> int:
     if not procs.smg_installed():
         print("kvgate bench: the smg router is not installed (pip install smg)", file=sys.stderr)
         return 2
+    pool = None
+    if sc.engine == "sglang":
+        from kvgate.bench.engines import EnginePool
+        from kvgate.tools.engine import unavailable_reason
+        why = unavailable_reason()
+        if why:
+            print(f"kvgate bench: engine: sglang needs a real engine here: {why}", file=sys.stderr)
+            return 2
+        pool = EnginePool(sc.engines, sc.engine_profile, Path(args.out) / "logs" / "engines", sc.engine_extra)
+    try:
+        return _run(args, sc, arms, seeds, workloads, previous, pool)
+    finally:
+        if pool is not None:
+            pool.stop()
+
+
+def run_order(arms: list, seeds: list[int], real: bool) -> list[tuple[int, object]]:
+    """(seed index, arm) in run order: replicate-major, so every arm sees replicate i before any sees i+1 and a
+    slow drift of the machine spreads over all arms. On real engines (a start takes 20 s on a quiet machine,
+    minutes on a busy one) the runs are grouped by KV pool size first, smallest first, replicate-major within
+    a group, so the engines start once per pool size (unbounded-kv's runs come last)."""
+    out = [(i, a) for i, _ in enumerate(seeds) for a in arms]
+    if real:
+        out.sort(key=lambda p: p[1].pool_tokens)  # stable: replicate-major within a pool size
+    return out
+
+
+def _run(args, sc, arms, seeds, workloads, previous, pool) -> int:
     scaled = scale(sc.speed, sc.kvgate_times, sc.router_queue_timeout_s, sc.sample_interval_s)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -132,28 +167,28 @@ def run(args: argparse.Namespace) -> int:
     t_all = time.monotonic()
     # replicate-major order: every arm sees replicate i before any arm sees replicate i+1, so a slow drift of
     # the machine spreads over all arms instead of landing on the last ones
-    for seed, (plan, ideal, _) in zip(seeds, workloads):
-        for arm in arms:
-            label = arm.name if len(seeds) == 1 else f"{arm.name} seed {seed}"
-            if bar is not None:
-                bar.set_description(label)
-            else:
-                print(f"  arm {label} ...", flush=True)
-            log_dir = out / "logs" / (arm.name if len(seeds) == 1 else f"{arm.name}-seed{seed}")
-            t = time.monotonic()
-            try:
-                raw = run_arm(sc, arm, scaled, plan, log_dir, progress, args.arm_timeout_s)
-            except (RuntimeError, TimeoutError, OSError) as exc:
-                print(f"kvgate bench: arm {label} failed to run: {exc}", file=sys.stderr)
-                raw = {"arm": arm.name, "failed": str(exc), "requests": [], "sessions": [], "steps": [],
-                       "samples": [], "sim_totals": {}, "kvgate_counters": None, "wall_s": 0.0, "timed_out": False}
-            if raw.get("timed_out"):
-                print(f"kvgate bench: arm {label} timed out after {args.arm_timeout_s:g} s wall (--arm-timeout-s); "
-                      "its figures cover only what finished and it ranks last", file=sys.stderr)
-            raw["arm_wall_s"] = time.monotonic() - t
-            raw["seed"] = seed
-            raws[arm.name].append(raw)
-            per_rep[arm.name].append(report.summarize(raw, sc.speed, ideal))
+    for i, arm in run_order(arms, seeds, pool is not None):
+        seed, (plan, ideal, _) = seeds[i], workloads[i]
+        label = arm.name if len(seeds) == 1 else f"{arm.name} seed {seed}"
+        if bar is not None:
+            bar.set_description(label)
+        else:
+            print(f"  arm {label} ...", flush=True)
+        log_dir = out / "logs" / (arm.name if len(seeds) == 1 else f"{arm.name}-seed{seed}")
+        t = time.monotonic()
+        try:
+            raw = run_arm(sc, arm, scaled, plan, log_dir, progress, args.arm_timeout_s, pool)
+        except (RuntimeError, TimeoutError, OSError) as exc:
+            print(f"kvgate bench: arm {label} failed to run: {exc}", file=sys.stderr)
+            raw = {"arm": arm.name, "failed": str(exc), "requests": [], "sessions": [], "steps": [],
+                   "samples": [], "sim_totals": {}, "kvgate_counters": None, "wall_s": 0.0, "timed_out": False}
+        if raw.get("timed_out"):
+            print(f"kvgate bench: arm {label} timed out after {args.arm_timeout_s:g} s wall (--arm-timeout-s); "
+                  "its figures cover only what finished and it ranks last", file=sys.stderr)
+        raw["arm_wall_s"] = time.monotonic() - t
+        raw["seed"] = seed
+        raws[arm.name].append(raw)
+        per_rep[arm.name].append(report.summarize(raw, sc.speed, ideal))
     if bar is not None:
         bar.close()
     wall = time.monotonic() - t_all
@@ -177,8 +212,11 @@ def run(args: argparse.Namespace) -> int:
     summary = workloads[0][2] if len(workloads) == 1 else {"replicates": [w[2] for w in workloads]}
     per_seed = (f"{'/'.join(str(w[2]['requests']) for w in workloads)} requests per arm for the seeds"
                 if len(seeds) > 1 else f"{n_req} requests per arm")
-    header = (f"Scenario `{sc.name}`: speed factor {sc.speed:g} (times below are simulated seconds = wall x "
-              f"{sc.speed:g}), seed{'s' if len(seeds) > 1 else ''} {', '.join(map(str, seeds))}, "
+    clock = (f"real SGLang {SGLANG_VERSION} engines on the CPU (model profile `{sc.engine_profile}`), times in wall "
+             f"seconds; {pool.starts if pool else 0} engine starts, flushed between runs; load average (1 min) "
+             f"{_load_range(raws)} over the runs" if sc.engine == "sglang" else
+             f"speed factor {sc.speed:g} (times below are simulated seconds = wall x {sc.speed:g})")
+    header = (f"Scenario `{sc.name}`: {clock}, seed{'s' if len(seeds) > 1 else ''} {', '.join(map(str, seeds))}, "
               f"{sc.engines} engines x {sc.max_total_num_tokens:,} KV tokens "
               f"(unbounded-kv: {sc.unbounded_max_total_num_tokens:,}), smg policy {sc.router_policy}, turns sent "
               f"to {API_PATHS[sc.api]}; "
@@ -225,6 +263,12 @@ def _load() -> str:
         return "/".join(f"{x:.1f}" for x in os.getloadavg())
     except OSError:
         return "unknown"
+
+
+def _load_range(raws: dict) -> str:
+    """The lowest and highest 1-minute load average sampled at the start and end of the runs."""
+    xs = [la[0] for rs in raws.values() for r in rs for la in (r.get("loadavg") or []) if la]
+    return f"{min(xs):.1f}-{max(xs):.1f}" if xs else "unknown"
 
 
 def _replicate_note(kind: str, n: int) -> str:

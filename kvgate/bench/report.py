@@ -28,6 +28,7 @@ COLUMNS = [
     ("output_tok_per_s", "out tok/s", "{:.0f}"),
     ("cache_hit_rate", "prefix hit", "{:.1%}"),
     ("recomputed_prefill_tokens", "recomputed prefill", "{:,.0f}"),
+    ("cached_per_turn", "cached tok/turn", "{:.0f}"),
     ("evicted_tokens", "evicted tok", "{:,.0f}"),
     ("retractions", "retract", "{:.0f}"),
     ("errors", "errors", "{:.0f}"),
@@ -89,6 +90,9 @@ def summarize(raw: dict, speed: float, ideal_prefill_tokens: int) -> dict:
         "cache_hit_rate": cached / prompt if prompt else float("nan"),
         "prefill_computed_tokens": computed,
         "recomputed_prefill_tokens": max(0, computed - ideal_prefill_tokens),
+        # what the engines answered each turn (meta_info.cached_tokens), the same on a real and a simulated engine
+        "cached_per_turn": (sum(r["cached_tokens"] for r in ok if r.get("cached_tokens") is not None) / len(ok))
+        if ok else float("nan"),
         "evicted_tokens": totals.get("evicted_tokens", 0),
         "retractions": totals.get("retractions", 0),
         # HiCache arms: prompt tokens loaded back from host memory instead of prefilled (counted as cached)

@@ -25,6 +25,7 @@ import orjson
 import yaml
 
 from kvgate.tools import procs
+from kvgate.bench import engines
 from kvgate.bench.scenario import Scenario, sim_extra_flags
 from kvgate.bench.speed import Scaled, kvgate_flags
 from kvgate.bench.workload import SessionPlan, TraceRequest, next_prompt
@@ -104,7 +105,7 @@ def _expand_one(sc: Scenario, a: str, out: list[ArmSpec]) -> None:
     pool = sc.max_total_num_tokens
     if a == "direct":
         out.append(ArmSpec(a, pool_tokens=pool))
-    elif a == "direct-no-overload":  # the router without its worker overload protection
+    elif a in ("direct-no-overload", "direct-overload-off"):  # the router without its worker overload protection
         out.append(ArmSpec(a, pool_tokens=pool, router_flags=("--disable-worker-overload-protection",)))
     elif a == "proxy-only":
         out.append(ArmSpec(a, kvgate=True, pool_tokens=pool))
@@ -158,8 +159,10 @@ def _expand_one(sc: Scenario, a: str, out: list[ArmSpec]) -> None:
 class Fleet:
     """Engines + smg (+ kvgate) for one arm. ``base`` is where the client sends requests."""
 
-    def __init__(self, sc: Scenario, arm: ArmSpec, scaled: Scaled, log_dir: Path):
+    def __init__(self, sc: Scenario, arm: ArmSpec, scaled: Scaled, log_dir: Path, engine_pool=None):
         self.sc, self.arm, self.scaled, self.log_dir = sc, arm, scaled, log_dir
+        # real engines (scenario engine: sglang): a kvgate.bench.engines.EnginePool the bench owns, reused
+        self.engine_pool = engine_pool
         self.procs: list[procs.Proc] = []
         self.engine_urls: list[str] = []
         self.router_url = ""
@@ -178,7 +181,9 @@ class Fleet:
 
     def start(self) -> None:
         """Start everything and wait until it is ready. Raises RuntimeError/TimeoutError with a log tail."""
-        for i in range(self.sc.engines):
+        if self.engine_pool is not None:  # real engines, flushed (or new for another pool size)
+            self.engine_urls = self.engine_pool.urls(self.arm.pool_tokens)
+        for i in range(0 if self.engine_pool is not None else self.sc.engines):
             port = procs.free_port()
             url = f"http://127.0.0.1:{port}"
             cmd = [sys.executable, "-m", "kvgate", "sim-engine", "--port", str(port),
@@ -283,13 +288,17 @@ RETRY_STATUSES = (408, 429)   # smg's own limiter: queue timeout / queue full
 RETRY_BACKOFF_S = 1.0          # seconds at speed 1 between retries of a rejected turn
 
 
-def turn_body(api: str, prompt: str | list[dict], max_tokens: int, rid: str | None) -> bytes:
-    """One streamed turn's request body for ``api`` (generate | chat | completions); ``prompt`` is text, or the
-    message list for chat."""
+def turn_body(api: str, prompt: str | list, max_tokens: int, rid: str | None, ignore_eos: bool = True) -> bytes:
+    """One streamed turn's request body for ``api`` (generate | chat | completions); ``prompt`` is text, token
+    ids (generate), or the message list for chat. ignore_eos=False asks for min_new_tokens = max_tokens instead
+    (/generate only): the same output length, but the engine's scheduler treats the turn as one that may stop
+    early (it reserves new_token_ratio of the rest, so decode can retract)."""
     extra = {"rid": rid} if rid else {}
     if api == "generate":
-        return orjson.dumps({"input_ids": encode(prompt), "stream": True,
-                             "sampling_params": {"max_new_tokens": max_tokens, "ignore_eos": True}, **extra})
+        ids = prompt if isinstance(prompt, list) else encode(prompt)
+        stop = {"ignore_eos": True} if ignore_eos else {"min_new_tokens": max_tokens}
+        return orjson.dumps({"input_ids": ids, "stream": True,
+                             "sampling_params": {"max_new_tokens": max_tokens, **stop}, **extra})
     if api == "chat":
         msgs = prompt if isinstance(prompt, list) else [{"role": "user", "content": prompt}]
         return orjson.dumps({"model": "kvgate-sim", "messages": msgs, "max_tokens": max_tokens, "ignore_eos": True,
@@ -301,22 +310,26 @@ def turn_body(api: str, prompt: str | list[dict], max_tokens: int, rid: str | No
 API_PATHS = {"generate": "/generate", "chat": "/v1/chat/completions", "completions": "/v1/completions"}
 
 
-def prompt_length(prompt: str | list[dict]) -> int:
-    """Characters of a prompt (= simulator tokens for text), or of a chat's message contents."""
-    return len(prompt) if isinstance(prompt, str) else sum(len(m["content"]) for m in prompt)
+def prompt_length(prompt: str | list) -> int:
+    """Characters of a prompt (= simulator tokens for text), token ids, or a chat's message contents."""
+    if isinstance(prompt, str) or (prompt and not isinstance(prompt[0], dict)):
+        return len(prompt)
+    return sum(len(m["content"]) for m in prompt)
 
 
 async def send_turn(http: aiohttp.ClientSession, base: str, rec: Recorder, sid: str, turn: int,
-                    prompt: str | list[dict], max_tokens: int, scaled: Scaled | None = None, named: bool = True,
-                    api: str = "generate") -> tuple[bool, str]:
+                    prompt: str | list, max_tokens: int, scaled: Scaled | None = None, named: bool = True,
+                    api: str = "generate", ignore_eos: bool = True) -> tuple[bool, str | list[int]]:
     """One streamed turn to ``api``'s route; appends a request record; returns (ok, output text).
 
     A 408/429 (smg's limiter shedding the request) is retried after RETRY_BACKOFF_S (scaled), as a rollout
     client behind that limiter must; the turn's latency and TTFT count from the first attempt and ``retries``
     counts the rejections. kvgate never answers 408/429 itself, so only router-limit arms retry.
     named=False sends no X-Session-ID (and no rid naming the session); the session kvgate assigned comes
-    back in X-Kvgate-Session-Id and is recorded as ``kv_session`` for precision/recall."""
-    body = turn_body(api, prompt, max_tokens, f"{sid}-turn{turn}" if named else None)
+    back in X-Kvgate-Session-Id and is recorded as ``kv_session`` for precision/recall.
+    A prompt of token ids (a list, /generate) gets the output token ids back instead of the text."""
+    body = turn_body(api, prompt, max_tokens, f"{sid}-turn{turn}" if named else None, ignore_eos)
+    out_ids: list[int] = []
     r = {"session": sid, "turn": turn, "start": rec.now(), "ttft": None, "end": None, "ok": False,
          "status": None, "error": None, "output_tokens": 0, "prompt_tokens": None, "cached_tokens": None,
          "admission": None, "queue_ms": None, "prompt_len": prompt_length(prompt), "retries": 0, "kv_session": None}
@@ -351,10 +364,12 @@ async def send_turn(http: aiohttp.ClientSession, base: str, rec: Recorder, sid: 
                             if obj.get("text") and r["ttft"] is None:
                                 r["ttft"] = rec.now()
                             parts = [obj.get("text") or ""]
+                            out_ids = obj.get("output_ids") or out_ids  # cumulative, as the text
                             meta = obj.get("meta_info") or {}
                             r["prompt_tokens"] = meta.get("prompt_tokens")
                             r["output_tokens"] = meta.get("completion_tokens", 0)
                             r["cached_tokens"] = meta.get("cached_tokens")
+                            r["retractions"] = meta.get("num_retractions")
                             continue
                         for ch in obj.get("choices") or []:
                             piece = ch.get("text") if api == "completions" else (ch.get("delta") or {}).get("content")
@@ -376,6 +391,8 @@ async def send_turn(http: aiohttp.ClientSession, base: str, rec: Recorder, sid: 
     if r["ok"] and not r["output_tokens"]:
         r["output_tokens"] = len(text)
     rec.requests.append(r)
+    if isinstance(prompt, list) and api == "generate":
+        return r["ok"], list(out_ids)
     return r["ok"], text
 
 
@@ -409,8 +426,11 @@ def replica_for(index: int, turn: int, replicas: int) -> int:
 
 async def run_agentic(base: str | list[str], plans: list[SessionPlan], scaled: Scaled, rec: Recorder,
                       explicit_close: bool, progress: Callable[[], None], named: bool = True,
-                      api: str = "generate") -> None:
-    """Closed loop: each step starts all its sessions at once and ends when the last one ends.
+                      api: str = "generate", ignore_eos: bool = True) -> None:
+    """Closed loop: each step starts all its sessions at once and ends when the last one ends. On /generate
+    the client keeps token ids, as an RL rollout does: the next prompt is the previous prompt's ids + the output
+    ids the engine returned + the observation's ids (a real engine's output text need not re-tokenize to the
+    ids it generated).
     named=False: no session ids and no closes from the client (kvgate infers and ends sessions).
     ``base``: one URL, or several kvgate replicas' URLs that the sessions are split between (replica_for)."""
     bases = [base] if isinstance(base, str) else list(base)
@@ -420,19 +440,20 @@ async def run_agentic(base: str | list[str], plans: list[SessionPlan], scaled: S
         async def session(i: int, p: SessionPlan) -> None:
             s = {"id": p.session_id, "step": p.step, "start": rec.now(), "end": None, "ok": False}
             rec.sessions.append(s)
-            prompt = p.first_prompt
+            prompt: str | list[int] = encode(p.first_prompt) if api == "generate" else p.first_prompt
             msgs = [{"role": "user", "content": p.first_prompt}]
             ok = True
             for k, t in enumerate(p.turns):
                 url = bases[replica_for(i, k, len(bases))]
                 ok, out = await send_turn(http, url, rec, p.session_id, k + 1, msgs if api == "chat" else prompt,
-                                          t.max_tokens, scaled, named, api)
+                                          t.max_tokens, scaled, named, api, ignore_eos)
                 progress()
                 if not ok:
                     break
                 if k < len(p.turns) - 1:
                     await asyncio.sleep(scaled.wall(t.gap_s))  # the tool runs (the closed loop's idle window)
-                    prompt = next_prompt(prompt, out, t.observation)
+                    prompt = (prompt + out + encode(t.observation) if api == "generate"
+                              else next_prompt(prompt, out, t.observation))
                     msgs = msgs + [{"role": "assistant", "content": out}, {"role": "user", "content": t.observation}]
             s["end"], s["ok"] = rec.now(), ok
             if explicit_close and named:
@@ -502,13 +523,16 @@ async def _get_json(url: str):
 async def run_arm_async(fleet: Fleet, workload, scaled: Scaled, sc: Scenario, progress, timeout_s: float) -> dict:
     """Drive the workload against a started fleet; returns the raw record of the arm (see report.summarize)."""
     rec = Recorder()
+    real = fleet.engine_pool is not None
+    before = [engines.scrape(u) for u in fleet.engine_urls] if real else None
+    loadavg = [_loadavg()]
     stop = asyncio.Event()
     sampler = asyncio.create_task(sample_loop(fleet.engine_urls, scaled, rec, stop))
     timed_out = False
     try:
         if sc.workload["kind"] == "agentic":
             coro = run_agentic(fleet.bases, workload, scaled, rec, sc.explicit_close, progress,
-                               fleet.arm.named_sessions, sc.api)
+                               fleet.arm.named_sessions, sc.api, sc.ignore_eos)
         else:
             coro = run_trace(fleet.base, workload, scaled, rec, progress, fleet.arm.named_sessions, sc.api)
         await asyncio.wait_for(coro, timeout=timeout_s)
@@ -518,11 +542,17 @@ async def run_arm_async(fleet: Fleet, workload, scaled: Scaled, sc: Scenario, pr
         stop.set()
         await sampler
     wall = rec.now()
-    sims = [await _get_json(u + "/sim/stats") for u in fleet.engine_urls]
-    totals: dict[str, float] = {}
-    for s in sims:
-        for k, v in s["totals"].items():
-            totals[k] = totals.get(k, 0) + v
+    loadavg.append(_loadavg())
+    if real:  # a real engine's counters, before and after this run (it has no /sim/stats)
+        after = [engines.scrape(u) for u in fleet.engine_urls]
+        sims = [{"totals": {k: a[k] - b[k] for k in a}, "sessions": []} for a, b in zip(after, before)]
+        totals = engines.totals_delta(before, after)
+    else:
+        sims = [await _get_json(u + "/sim/stats") for u in fleet.engine_urls]
+        totals = {}
+        for s in sims:
+            for k, v in s["totals"].items():
+                totals[k] = totals.get(k, 0) + v
     kv_stats = None
     replicas: list[dict] | None = None
     if fleet.arm.admission and fleet.kvgate_url:
@@ -538,8 +568,9 @@ async def run_arm_async(fleet: Fleet, workload, scaled: Scaled, sc: Scenario, pr
             for k, v in ((await _get_json(u + "/kvgate/engines")).get("placement") or {}).get("counts", {}).items():
                 placement[k] = placement.get(k, 0) + v
     return {"arm": fleet.arm.name, "wall_s": wall, "timed_out": timed_out, "requests": rec.requests,
+            "loadavg": loadavg, "engine": "sglang" if real else "sim",
             "sessions": rec.sessions, "steps": rec.steps, "samples": rec.samples, "closes": rec.closes,
-            "sim_totals": totals, "sim_engines_sessions_seen": [len(s["sessions"]) for s in sims],
+            "sim_totals": totals, "sim_engines_sessions_seen": None if real else [len(s["sessions"]) for s in sims],
             "sim_engines_prompt_tokens": [s["totals"]["prompt_tokens"] for s in sims],
             "sim_engines_session_ids": [sorted(s["sessions"]) for s in sims],
             "kvgate_counters": kv_stats["counters"] if kv_stats else None,
@@ -558,10 +589,19 @@ def _sum_stats(every: list[dict]) -> dict:
     return {"counters": counters, "ledger": every[0]["ledger"]}
 
 
+def _loadavg() -> list[float]:
+    """The machine's 1, 5 and 15 minute load averages (/proc/loadavg; [] where there is none)."""
+    try:
+        return [float(x) for x in Path("/proc/loadavg").read_text().split()[:3]]
+    except OSError:
+        return []
+
+
 def run_arm(sc: Scenario, arm: ArmSpec, scaled: Scaled, workload, log_dir: Path, progress,
-            timeout_s: float) -> dict:
-    """Start a fresh fleet for ``arm``, run the workload, collect, stop everything. Returns the raw record."""
-    fleet = Fleet(sc, arm, scaled, log_dir)
+            timeout_s: float, engine_pool=None) -> dict:
+    """Start a fresh fleet for ``arm`` (real engines: the pool's, flushed), run the workload, collect, stop
+    what the arm started. Returns the raw record."""
+    fleet = Fleet(sc, arm, scaled, log_dir, engine_pool)
     t = time.monotonic()
     try:
         fleet.start()

@@ -14,7 +14,7 @@ from typing import Any
 
 import yaml
 
-ARMS = ("direct", "proxy-only", "lifecycle", "lifecycle-inferred", "admission", "lifecycle+admission",
+ARMS = ("direct", "direct-overload-off", "proxy-only", "lifecycle", "lifecycle-inferred", "admission", "lifecycle+admission",
         "lifecycle+admission-2replicas",
         "admission-program", "lifecycle+admission-program", "lifecycle+admission-program-thunder",
         "router-limit", "unbounded-kv", "hicache",
@@ -38,6 +38,8 @@ DEFAULT_ROUTER_SWEEP = [
 _SWEEP_NAME = __import__("re").compile(r"[A-Za-z0-9_.+]+(-[A-Za-z0-9_.+]+)*")
 # How the client sends its turns (the route): token ids to /generate, chat messages, or completions text.
 APIS = ("generate", "chat", "completions")
+# What serves the turns: kvgate's simulated engines, or real SGLang engines (CPU, kvgate.tools.engine)
+ENGINES = ("sim", "sglang")
 
 # kvgate settings that are durations (seconds at speed 1); speed.scale() divides every one by the factor.
 KVGATE_TIME_DEFAULTS = {
@@ -83,6 +85,15 @@ class Scenario:
     sim_extra: dict = field(default_factory=dict)
     explicit_close: bool = True
     api: str = "generate"
+    # sim: `kvgate sim-engine`; sglang: real SGLang engines (speed 1 only; started once, reused across runs with
+    # a /flush_cache between them, restarted for another pool size), serving engine_profile's model
+    engine: str = "sim"
+    engine_profile: str = "mlp"
+    engine_extra: list[str] = field(default_factory=list)   # more SGLang server flags, every engine
+    # true: every turn sends ignore_eos (the engine reserves its whole max_new_tokens, so it never retracts);
+    # false: min_new_tokens = max_new_tokens instead (the same output length, but SGLang reserves only
+    # new_token_ratio of it for a running request, so decode can run out of KV and retract)
+    ignore_eos: bool = True
     # named sets of kvgate settings: arm "ARM@NAME" is arm ARM (one with kvgate) with NAME's settings on top
     # (durations among them in seconds at speed 1, scaled like kvgate_times), to compare settings side by side
     arm_settings: dict = field(default_factory=dict)
@@ -126,6 +137,11 @@ _CHECKS = {
     "sample_interval_s": (lambda v: _is_num(v) and v > 0, "a number of seconds > 0"),
     "explicit_close": (lambda v: isinstance(v, bool), "true or false"),
     "api": (lambda v: v in APIS, "one of " + ", ".join(APIS)),
+    "engine": (lambda v: v in ENGINES, "one of " + ", ".join(ENGINES)),
+    "engine_profile": (lambda v: v in ("tiny", "mlp"), "tiny or mlp (kvgate/tools/sglang_cpu/make_model.py)"),
+    "engine_extra": (lambda v: isinstance(v, list) and all(isinstance(x, (str, int, float)) for x in v),
+                     "a list of SGLang server flags and values"),
+    "ignore_eos": (lambda v: isinstance(v, bool), "true or false"),
     "kvgate_extra": (lambda v: isinstance(v, dict), "a mapping of kvgate config keys to values"),
     "sim_extra": (lambda v: isinstance(v, dict), "a mapping of kvgate sim-engine flags (as keys) to values"),
     "kvgate_times": (lambda v: isinstance(v, dict), "a mapping of kvgate time keys to seconds"),
@@ -188,9 +204,24 @@ def parse_scenario(obj: dict[str, Any], name: str = "scenario") -> Scenario:
             raise ValueError(f"kvgate_times.{k}: must be a number of seconds >= 0, got {v!r}")
     times.update({k: float(v) for k, v in extra_times.items()})
     data["kvgate_times"] = times
+    check_engine(data.get("engine", "sim"), data.get("speed", 1.0), arms, data.get("api", "generate"))
     _check_kvgate_extra(data.get("kvgate_extra") or {})
     _check_sim_extra(data.get("sim_extra") or {})
     return Scenario(**data)
+
+
+def check_engine(engine: str, speed: float, arms: list[str], api: str) -> None:
+    """Real engines run at their own pace (speed 1), with the arms and route they support here. Raises
+    ValueError naming the key."""
+    if engine != "sglang":
+        return
+    if speed != 1:
+        raise ValueError(f"speed: must be 1 with engine: sglang (a real engine cannot run faster), got {speed!r}")
+    hicache = [a for a in arms if a.startswith("hicache")]
+    if hicache:
+        raise ValueError(f"arms: {hicache} need HiCache engines, not run on the CPU engine (engine: sglang)")
+    if api != "generate":
+        raise ValueError(f"api: engine: sglang runs token ids to /generate, got {api!r}")
 
 
 def _check_kvgate_extra(extra: dict) -> None:

@@ -59,6 +59,10 @@ class Target:
     dp_rank: int | None = None
 
 
+# Calls remembered per engine as ended, awaiting figures that may still count them (bounded without figures).
+_MAX_ENDED = 10_000
+
+
 @dataclass(slots=True)
 class _Session:
     target: Target
@@ -80,6 +84,12 @@ class _Engine:
     fresh: dict[int, tuple[float, int, int]] = field(default_factory=dict)
     # running + waiting requests the engine reported (all ranks; 0 until reported)
     reported_requests: int = 0
+    # call handle -> sent at, for kvgate's calls the last figures include (sent before they were requested):
+    # one that ends before the next figures runs there no more, so it comes off reported_requests
+    counted: dict[int, float] = field(default_factory=dict)
+    # call handle -> (sent at, ended at) of calls that ended lately: figures requested between the two count a
+    # call that is gone by the time they arrive (a poll answered after the call's end); pruned as figures come
+    ended: dict[int, tuple[float, float]] = field(default_factory=dict)
     sessions: dict[int, int] = field(default_factory=dict)   # rank -> active sessions
     unreachable_until: float = float("-inf")
 
@@ -179,13 +189,20 @@ class Placement:
             if e is not None and p:
                 e.pools = [(int(f[0]), int(f[1])) for f in p]
                 e.reported_requests = sum(int(f[2]) for f in p if len(f) > 2)
-                if taken_at is not None:
+                e.counted.clear()
+                if taken_at is None:
+                    e.ended.clear()
+                else:
                     while e.fresh:
                         handle, (sent, rank, tokens) = next(iter(e.fresh.items()))
                         if sent > taken_at:
                             break
                         del e.fresh[handle]
+                        e.counted[handle] = sent
                         e.in_flight[rank] = e.in_flight.get(rank, 0) - tokens
+                    gone = sum(1 for sent, end in e.ended.values() if sent <= taken_at < end)
+                    e.reported_requests = max(0, e.reported_requests - gone)
+                    e.ended = {h: se for h, se in e.ended.items() if se[1] > taken_at}
 
     def mark_unreachable(self, engine: str, now: float) -> None:
         """A connection to ``engine`` was refused before any byte went out: keep it out for a while."""
@@ -372,13 +389,25 @@ class Placement:
             e.in_flight[r] = e.in_flight.get(r, 0) + tokens
         return self._calls
 
-    def call_finished(self, target: Target, handle: int) -> None:
-        """The call :meth:`call_started` returned ``handle`` for ended (any outcome)."""
+    def call_finished(self, target: Target, handle: int, now: float | None = None) -> None:
+        """The call :meth:`call_started` returned ``handle`` for ended (any outcome) at ``now`` (seconds, the
+        clock of ``call_started``). Figures that counted it running stop counting it: the last ones at once, and
+        those requested before ``now`` that arrive later (given ``now``)."""
         e = self._engines.get(target.engine)
-        if e is not None:
-            call = e.fresh.pop(handle, None)
-            if call is not None:
-                e.in_flight[call[1]] = e.in_flight.get(call[1], 0) - call[2]
+        if e is None:
+            return
+        call = e.fresh.pop(handle, None)
+        if call is not None:
+            e.in_flight[call[1]] = e.in_flight.get(call[1], 0) - call[2]
+            sent = call[0]
+        else:
+            sent = e.counted.pop(handle, None)
+            if sent is not None:  # the last figures counted it running; it no longer is
+                e.reported_requests = max(0, e.reported_requests - 1)
+        if now is not None and sent is not None:
+            e.ended[handle] = (sent, now)
+            if len(e.ended) > _MAX_ENDED:  # no figures for a long while: forget the oldest
+                del e.ended[next(iter(e.ended))]
 
     def adopt(self, session_id: str, target: Target, now: float) -> bool:
         """Another kvgate replica placed ``session_id`` on ``target``: make it this session's sticky target

@@ -130,7 +130,7 @@ class PlacedRelay:
                 resp, outcome = await self.upstream.relay(request, request.raw_path, headers, out, observe=observe,
                                                           add_headers=add, base=target.engine)
             finally:
-                placement.call_finished(target, call)
+                placement.call_finished(target, call, self.clock())
             if outcome.ended == "unreachable" and not outcome.sent:
                 # Refused before any byte went out: safe to try the next engine (never after the body went out).
                 log.warning("engine %s refused a connection; session %s goes to the next engine",

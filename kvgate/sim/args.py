@@ -12,7 +12,8 @@ import sys
 
 from kvgate.sim.radix import SessionConfigError
 from kvgate.sim.radix import HICACHE_WRITE_POLICIES
-from kvgate.sim.scheduler import COMPUTE_PROFILES, DEFAULT_H2D_BYTES_PER_S, NEW_TOKEN_RATIO_SEMANTICS, PROFILE_CONTEXT
+from kvgate.sim.scheduler import (COMPUTE_PROFILES, DEFAULT_H2D_BYTES_PER_S, NEW_TOKEN_RATIO_SEMANTICS, PROFILE_CONTEXT,
+                                  PROFILE_OPTIONS)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -41,6 +42,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
       help="extra decode-step time per running request, milliseconds (default: the profile's)")
     a("--decode-per-ctx-token-us", type=float, default=None,
       help="extra decode-step time per token of context attended, microseconds (default: the profile's)")
+    a("--compute-scale", type=float, default=1.0,
+      help="multiply every prefill and decode time by this (a host slower than the profile's; default 1)")
     a("--max-running-requests", type=int, default=1024,
       help="most requests decoding at once per DP rank; more wait for a later batch (default: %(default)s)")
     a("--chunked-prefill-size", type=int, default=8192,
@@ -92,7 +95,7 @@ def options_from_args(args: argparse.Namespace) -> dict:
         prefill_tokens_per_s=pick(args.prefill_tokens_per_s, prefill),
         decode_base_ms=pick(args.decode_base_ms, base),
         decode_per_seq_ms=pick(args.decode_per_seq_ms, per_seq),
-        decode_per_ctx_token_us=pick(args.decode_per_ctx_token_us, per_ctx),
+        decode_per_ctx_token_us=pick(args.decode_per_ctx_token_us, per_ctx), compute_scale=args.compute_scale,
         max_running_requests=args.max_running_requests,
         chunked_prefill_size=args.chunked_prefill_size,
         max_prefill_tokens=args.max_prefill_tokens, eos_rate=args.eos_rate,
@@ -100,6 +103,7 @@ def options_from_args(args: argparse.Namespace) -> dict:
         prefill_attn_flops_per_ctx_token=attn_flops, prefill_weight_flops_per_token=weight_flops,
         forward_min_ms=forward_min_ms, kv_bytes_per_token=kv_bytes,
         hicache_h2d_bytes_per_s=args.hicache_h2d_gbps * 1e9,
+        **PROFILE_OPTIONS.get(args.compute_profile, {}),
         new_token_ratio_semantics=args.new_token_ratio_semantics,
         enable_priority_scheduling=args.enable_priority_scheduling, random_seed=args.random_seed,
         enable_hierarchical_cache=args.enable_hierarchical_cache, hicache_ratio=args.hicache_ratio,

@@ -74,6 +74,12 @@ COMPUTE_PROFILES = {
     "llama-3-8b-h100": (DEFAULT_PREFILL_TOKENS_PER_S, DEFAULT_DECODE_BASE_MS, DEFAULT_DECODE_PER_SEQ_MS,
                         DEFAULT_DECODE_PER_CTX_TOKEN_US),
     "qwen2.5-32b-h100": (5400.0, 23.0, 0.06, 0.1),
+    # * sglang-cpu-mlp: MEASURED, not derived: SGLang 0.5.23 on one core of this project's shared 2-core machine
+    #   (load average 9-14), the `mlp` model (kvgate/tools/sglang_cpu/make_model.py) cut to 2 layers, float32,
+    #   random weights, as configs/bench/real-programs.yaml runs it; least-squares fits of
+    #   scripts/fit_engine_profile.py (samples in docs/simulator-fidelity.md): prefill 493 tokens/s, decode
+    #   41.5 ms + 4.35 ms per running request + 3.19 us per context token.
+    "sglang-cpu-mlp": (493.0, 41.5, 4.35, 3.19),
 }
 
 # Context terms of the same profiles: (prefill attention FLOPs per extended token per attended context token,
@@ -87,7 +93,20 @@ COMPUTE_PROFILES = {
 PROFILE_CONTEXT = {
     "llama-3-8b-h100": (524288.0, 16e9, 5.3, 131072),
     "qwen2.5-32b-h100": (1310720.0, 65e9, 21.8, 262144),
+    # * sglang-cpu-mlp: weights 2 x 13.9M params (2 layers of 4 x 512 x 256 attention + 3 x 512 x 4096 MLP, the
+    #   lm_head 512 x 512) = 2.8e7 FLOPs per token; the attention constant is the fit's 4.39e-7 s per
+    #   (context)^2 / 2 query-key pairs x 493 tokens/s x 2.8e7 = 6,060 (the FLOP count is 4 x 2 x 4 x 64 = 2,048:
+    #   the CPU's SDPA runs at a third of its matmuls' rate); no minimum pass time (the per-batch cost is
+    #   PROFILE_OPTIONS' prefill_base_ms); KV 2 x 2 layers x 4 heads x 64 x 4 B (float32) = 4,096 bytes a token.
+    "sglang-cpu-mlp": (6060.0, 2.8e7, 0.0, 4096),
 }
+# Options only some profiles set (SchedulerConfig field -> value); see the fields' comments.
+# * sglang-cpu-mlp: the CPU engine's torch_native attention covers the whole context of every prefilled request;
+#   every prefill batch costs 274 ms on top (the fit's intercept: scheduling, the forward's fixed cost and the
+#   HTTP and tokenizer-manager hops of a request, on a busy machine).
+PROFILE_OPTIONS: dict[str, dict] = {"llama-3-8b-h100": {}, "qwen2.5-32b-h100": {},
+                                    "sglang-cpu-mlp": {"prefill_attention_whole_context": True,
+                                                       "prefill_base_ms": 274.0}}
 
 
 class TokenModel:
@@ -179,6 +198,16 @@ class SchedulerConfig:
     prefill_weight_flops_per_token: float = 0.0
     # the weights are read at least once per forward pass: minimum time of any batch (ms)
     forward_min_ms: float = 0.0
+    # True: a prefill's attention covers each request's whole context, cached prefix included, (prefix +
+    # extend)^2 / 2 query-key pairs instead of extend x (prefix + extend / 2): SGLang's torch_native backend (the
+    # CPU engine) pads the query to the whole context (srt/layers/attention/torch_native_backend.py
+    # _run_sdpa_forward_extend, per_req_query_redudant of seq_len_kv rows)
+    prefill_attention_whole_context: bool = False
+    # fixed time of every prefill batch on top of its tokens (ms): the CPU engine's per-forward overhead
+    prefill_base_ms: float = 0.0
+    # every compute time (prefill and decode, not HiCache copies) x this: a host this many times slower than
+    # the one the profile was measured on (a shared CPU machine's load changes by the hour)
+    compute_scale: float = 1.0
     # HiCache load-back: KV bytes per token of the model and the host-to-device bandwidth (bytes/s)
     kv_bytes_per_token: int = 131072
     hicache_h2d_bytes_per_s: float = DEFAULT_H2D_BYTES_PER_S
@@ -585,8 +614,12 @@ class Scheduler:
             attn = 0.0
             for r, t in items:
                 prefix = r.kv_len - t
-                attn += t * (prefix + t / 2.0) * cfg.prefill_attn_flops_per_ctx_token
+                pairs = r.kv_len * r.kv_len / 2.0 if cfg.prefill_attention_whole_context else t * (prefix + t / 2.0)
+                attn += pairs * cfg.prefill_attn_flops_per_ctx_token
             dur *= 1.0 + attn / (tokens * cfg.prefill_weight_flops_per_token)
+        if tokens:
+            dur += cfg.prefill_base_ms * 1e-3
+        dur *= cfg.compute_scale
         load = sum(r.loading for r, _ in items)
         if load:
             # layer-wise load-back overlaps the forward (cache_controller.py LayerDoneCounter: layer i
@@ -621,7 +654,7 @@ class Scheduler:
         cfg = self.cfg
         ctx = sum(r.kv_len for r in self.running)
         dur = (cfg.decode_base_ms * 1e-3 + cfg.decode_per_seq_ms * 1e-3 * len(self.running)
-               + cfg.decode_per_ctx_token_us * 1e-6 * ctx)
+               + cfg.decode_per_ctx_token_us * 1e-6 * ctx) * cfg.compute_scale
         return Batch("decode", [(r, 1) for r in self.running],
                      max(dur, cfg.forward_min_ms * 1e-3) / cfg.speed)
 

@@ -15,7 +15,7 @@ async def test_unnamed_turns_are_linked_into_sessions_on_one_engine(fleet, kvgat
                                   discovery_interval_s=0.5)
     await gw.directory.first_refresh.wait()
     task = ids(256, 5)  # four 64-id blocks: what inference hashes
-    prompts = [task + ids(64, 6), task + ids(64, 7)]  # two siblings of one task
+    prompts = [list(task), list(task)]  # two GRPO siblings: one task prompt, then each its own continuation
     seen: list[list[tuple[int, int]]] = [[], []]
     async with aiohttp.ClientSession() as http:
         for turn in range(TURNS):
@@ -25,11 +25,12 @@ async def test_unnamed_turns_are_linked_into_sessions_on_one_engine(fleet, kvgat
                 prompts[i] = prompts[i] + a["output_ids"] + ids(64, 100 * i + turn)
     sessions = gw.lifecycle.registry.as_json(0.0)["sessions"]
     assert sorted((s["source"], s["turns"]) for s in sessions) == [("inferred", TURNS), ("inferred", TURNS)]
-    # Sibling A's first turn found nothing; sibling B's first turn found the task prompt (kvgate placed it on
-    # A's engine by prefix); every later turn found its own last prompt and output.
+    # Sibling A's first turn found nothing; sibling B's first turn found the task prompt but its last token
+    # (kvgate placed it on A's engine by prefix: A's call had ended, so that engine was not the busier one);
+    # every later turn found its own last prompt and output.
     (a1, a_c1), *a_rest = seen[0]
     (b1, b_c1), *b_rest = seen[1]
-    assert a_c1 == 0 and len(task) <= b_c1 < b1
+    assert a_c1 == 0 and b1 == len(task) and b_c1 == len(task) - 1
     for turns in (seen[0], seen[1]):
         for (p_prev, _), (p, c) in zip(turns, turns[1:]):
             assert p_prev <= c < p, turns

@@ -1,0 +1,128 @@
+"""Measure a real CPU SGLang engine's compute and fit the simulator's compute constants to it.
+
+    KVGATE_ENGINE_VENV=... python scripts/fit_engine_profile.py [--profile mlp] [--out FILE.json]
+
+Starts one engine (kvgate.tools.engine, the ``mlp`` model by default, a pool large enough that nothing is
+evicted), then, one request at a time:
+- prefill: uncached prompts of 128-1,024 ids and cached prefixes of 256 and 1,024 ids extended by 32-512 ids, each
+  with max_new_tokens 1 (the latency is the prefill's);
+- decode: B concurrent streamed requests (B = 1..16, contexts 200 and 800 ids) of 24 new tokens each; the step
+  time is the median over requests of (last chunk - first chunk) / (tokens - 1).
+and prints the least-squares fits (kvgate.sim.fit) as ``kvgate sim-engine`` flags, with every sample in --out.
+The machine's load average at start and end is recorded: the timings are only as steady as the machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import aiohttp
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from kvgate.sim.fit import fit_decode, fit_prefill  # noqa: E402
+from kvgate.tools.engine import EngineSpec, flush_cache, start_engine  # noqa: E402
+
+
+def _ids(rng: random.Random, n: int) -> list[int]:
+    return [rng.randrange(3, 500) for _ in range(n)]
+
+
+async def _one(http: aiohttp.ClientSession, url: str, ids: list[int], new: int, stream: bool = False) -> dict:
+    body = {"input_ids": ids, "stream": stream,
+            "sampling_params": {"max_new_tokens": new, "min_new_tokens": new, "temperature": 0}}
+    t0 = time.monotonic()
+    first = last = None
+    n = 0
+    meta = {}
+    async with http.post(url + "/generate", json=body) as resp:
+        if not stream:
+            obj = await resp.json()
+            meta = obj["meta_info"]
+        else:
+            async for line in resp.content:
+                if not line.startswith(b"data: ") or line.startswith(b"data: [DONE]"):
+                    continue
+                obj = json.loads(line[6:])
+                k = len(obj.get("output_ids") or [])
+                now = time.monotonic()
+                if k and first is None:
+                    first = now
+                if k > n:
+                    last, n = now, k
+                meta = obj.get("meta_info") or meta
+    t1 = time.monotonic()
+    return {"wall_s": t1 - t0, "first_s": (first - t0) if first else None, "last_s": (last - t0) if last else None,
+            "n": n, "cached": meta.get("cached_tokens"), "prompt": meta.get("prompt_tokens")}
+
+
+async def measure(url: str, rng: random.Random, reps: int) -> dict:
+    out = {"prefill": [], "decode": []}
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600)) as http:
+        await _one(http, url, _ids(rng, 64), 1)  # warm
+        for _ in range(reps):
+            for n in (128, 256, 512, 1024):
+                r = await _one(http, url, _ids(rng, n), 1)
+                out["prefill"].append({"prefix": 0, "extend": n, "s": r["wall_s"], "cached": r["cached"]})
+            for p in (256, 1024):
+                for e in (32, 128, 512):
+                    base = _ids(rng, p)
+                    await _one(http, url, base, 1)
+                    r = await _one(http, url, base + _ids(rng, e), 1)
+                    out["prefill"].append({"prefix": r["cached"] or 0, "extend": r["prompt"] - (r["cached"] or 0),
+                                           "s": r["wall_s"], "cached": r["cached"]})
+            flush_cache(url)
+        for ctx in (200, 800):
+            for b in (1, 2, 4, 8, 16):
+                if ctx * b > 20000:
+                    continue
+                rs = await asyncio.gather(*(_one(http, url, _ids(rng, ctx), 24, stream=True) for _ in range(b)))
+                steps = [(r["last_s"] - r["first_s"]) / (r["n"] - 1) for r in rs if r["first_s"] and r["n"] > 1]
+                out["decode"].append({"batch": b, "ctx": ctx, "step_s": statistics.median(steps),
+                                      "steps": sorted(steps)})
+                flush_cache(url)
+    return out
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--profile", default="mlp")
+    ap.add_argument("--reps", type=int, default=1)
+    ap.add_argument("--engine-extra", default="[]", help="more SGLang flags, a JSON list (as a scenario's engine_extra)")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args(argv)
+    rng = random.Random(0)
+    log_dir = Path(tempfile.mkdtemp(prefix="kvgate-fit-"))
+    load0 = Path("/proc/loadavg").read_text().split()[:3]
+    eng = start_engine(EngineSpec(max_total_tokens=40000, profile=args.profile, session_cache=False,
+                                  served_model_name=f"kvgate-{args.profile}",
+                                  extra=[str(x) for x in json.loads(args.engine_extra)]), log_dir, timeout_s=900)
+    try:
+        data = asyncio.run(measure(eng.url, rng, args.reps))
+    finally:
+        eng.stop()
+    data["loadavg_start"], data["loadavg_end"] = load0, Path("/proc/loadavg").read_text().split()[:3]
+    pf = fit_prefill([(d["prefix"], d["extend"], d["s"]) for d in data["prefill"]])
+    df = fit_decode([(d["batch"], d["batch"] * d["ctx"], d["step_s"]) for d in data["decode"]])
+    data["fit"] = {"prefill": pf, "decode": df}
+    if args.out:
+        Path(args.out).write_text(json.dumps(data, indent=1))
+    for d in data["prefill"]:
+        print(f"prefill prefix {d['prefix']:5d} extend {d['extend']:5d}: {d['s'] * 1000:8.1f} ms")
+    for d in data["decode"]:
+        print(f"decode batch {d['batch']:3d} ctx {d['ctx']:5d}: step {d['step_s'] * 1000:7.2f} ms")
+    print("fit:", json.dumps(data["fit"], indent=1))
+    print(f"load average {' '.join(data['loadavg_start'])} -> {' '.join(data['loadavg_end'])}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
