@@ -193,7 +193,9 @@ async def _one(fleet: Fleet, raw: bytes, answer: bytes):
     fleet.upstream.answer = lambda rec: answer
     n0 = len(fleet.upstream.received)
     direct_raw = await send_raw(fleet.up_port, raw)
-    canary = Canary(fleet.kvgate.url + "/kvgate/health")
+    # kvgate's own /metrics, not /kvgate/health: health turns 503 while the router looks unreachable, which the
+    # fuzzed upstream's broken answers (a closed connection, no bytes) rightly make it.
+    canary = Canary(fleet.kvgate.url + "/metrics")
     via_raw = await canary.around(send_raw(fleet.kv_port, raw))
     return direct_raw, via_raw, fleet.upstream.received[n0:], max(canary.latencies)
 
