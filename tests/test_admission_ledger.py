@@ -25,6 +25,16 @@ def test_ceiling_is_capacity_times_headroom_over_healthy_engines():
     assert lg.available_tokens == 18_000 and lg.reserved == 0
 
 
+def test_pools_of_counts_the_kv_pools_of_a_place():
+    lg = ledger()
+    assert lg.pools_of(None) == 0  # no snapshot yet
+    lg.reconcile(snap(0.0, {"a": [(10_000, 0, 0.0)], "b": [(5000, 0, 0.0), (5000, 0, 0.0)], "c": None}), 0.0)
+    assert (lg.pools_of("a"), lg.pools_of("b"), lg.pools_of(("b", 1)), lg.pools_of(None)) == (1, 2, 1, 3)
+    assert lg.pools_of("c") == 3  # not in the snapshot: the fleet
+    lg.reconcile(snap(1.0, {"a": [(10_000, 0, 0.0)]}), 1.0)
+    assert lg.pools_of(None) == 1  # counted again for the new snapshot
+
+
 def test_acquire_release_figures():
     lg = ledger()
     lg.reconcile(snap(0.0), 0.0)  # ceiling 9000

@@ -199,6 +199,7 @@ class Ledger:
         self._resolved: dict[Any, Any] = {}
         # (max_tokens, usage_of, ceiling_of) per resolved place: bounded by the places resolve_place keeps
         self._figures: dict[Any, tuple[int, float, int]] = {}
+        self._fleet_pools: int | None = None  # pools_of(FLEET), counted once per snapshot
 
     @property
     def snapshot(self) -> ClusterSnapshot | None:
@@ -342,6 +343,19 @@ class Ledger:
         (the fleet's ceiling for FLEET / unknown)."""
         place = self.resolve_place(place)
         return self._ceiling if place is FLEET else self._figures_of(place)[2]
+
+    def pools_of(self, place: Any) -> int:
+        """KV pools at ``place``: 1 for one data-parallel rank, an engine's pool count (its DP ranks), every
+        healthy engine's pools together for FLEET / unknown; 0 without a snapshot."""
+        s = self._snapshot
+        if s is None:
+            return 0
+        place = self.resolve_place(place)
+        if place is FLEET:
+            if self._fleet_pools is None:
+                self._fleet_pools = sum(len(e.pools) for e in s.engines.values())
+            return self._fleet_pools
+        return 1 if isinstance(place, tuple) else len(s.engines[place].pools)
 
     def max_tokens(self, place: Any) -> int:
         """The most one reservation can count on ``place``: that engine's (or pool's) max_total_num_tokens;
