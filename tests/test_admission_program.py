@@ -412,3 +412,177 @@ def test_new_args_are_checked():
                {"resume_deadline_s": -1}, {"victim": "behind"}):
         with pytest.raises(ValueError):
             ProgramCoordinator(lg, **kw)
+
+
+# ---------------------------------------------------------------- the resident bound (max_resident)
+
+def _turn(co, sid, tokens, now, place=E0, protected=False, n=0):
+    """Submit one turn of ``tokens`` (all prompt) for ``sid``; returns its decision."""
+    return co.submit(f"{sid}{n}", tokens, protected, now, place=place, session_id=sid, prompt_tokens=tokens)
+
+
+def _answer(co, sid, tokens, now, n=0):
+    return co.release(f"{sid}{n}", now, {"prompt_tokens": tokens, "completion_tokens": 0})
+
+
+def test_the_resident_bound_holds_n_programs_and_the_next_waits_until_one_closes():
+    """Room for all, bound 2: the third new program waits with reason resident-bound although its turn fits,
+    a fourth waits behind it (arrival order), and each goes when a resident program's session closes."""
+    co, lg = make({E0: 100_000}, max_resident=2)
+    assert _turn(co, "a", 1000, 0.0).kind is Kind.ADMIT and _turn(co, "b", 1000, 0.0).kind is Kind.ADMIT
+    w = _turn(co, "c", 1000, 1.0)
+    assert (w.kind, w.reason) == (Kind.WAIT, "resident-bound")
+    assert _answer(co, "a", 1000, 2.0) == []  # in a tool call, a still holds its KV and its seat
+    d = _turn(co, "d", 1000, 3.0)
+    assert (d.kind, d.reason) == (Kind.WAIT, "fifo")  # c waits ahead of it on e0
+    assert co.counters["wait_resident_bound"] == 1 and co.stats(3.0)["waiting_bound"] == 1
+    assert co.seats(3.0) == {E0: {"resident": 2, "kept_for_paused": 0, "limit": 2}}
+    co.forget("a", 4.0)
+    assert [(x.ticket, x.kind, x.waited_s) for x in co.pump(4.0)] == [("c0", Kind.ADMIT, 3.0)]
+    assert co.is_waiting("d0") and co.counters["wait_resident_bound"] == 2  # d now waits for a seat itself
+    _answer(co, "b", 1000, 5.0)
+    co.forget("b", 6.0)
+    assert [x.ticket for x in co.pump(6.0)] == ["d0"]
+    assert co.seats(6.0)[E0]["resident"] == 2 and lg.reserved == 2000
+    # off (the default): all four start at once
+    co, lg = make({E0: 100_000})
+    assert all(_turn(co, s, 1000, 0.0).kind is Kind.ADMIT for s in "abcd") and co.seats(0.0) == {}
+
+
+def test_the_bound_is_per_kv_pool_and_the_fleet_has_n_per_pool():
+    co, lg = make({E0: 100_000, E1: 100_000}, max_resident=1)
+    assert _turn(co, "a", 1000, 0.0, place=E0).kind is Kind.ADMIT
+    assert _turn(co, "b", 1000, 0.0, place=E0).reason == "resident-bound"  # e0's one seat is taken
+    assert _turn(co, "c", 1000, 0.0, place=E1).kind is Kind.ADMIT  # e1 has its own
+    # a program whose engine is unknown counts against the fleet's 1 x 2 pools: both taken
+    assert _turn(co, "u", 1000, 0.0, place=None).reason == "resident-bound"
+    _answer(co, "c", 1000, 1.0)
+    co.forget("c", 1.0)
+    assert [x.ticket for x in co.pump(1.0)] == ["u0"]
+    assert co.seats(1.0) == {E0: {"resident": 1, "kept_for_paused": 0, "limit": 1},
+                             "fleet": {"resident": 1, "kept_for_paused": 0, "limit": 2}}
+    # e1 now holds no program but the fleet's two seats are taken (a on e0, u unplaced): b still waits
+    assert co.is_waiting("b0") and _turn(co, "e", 1000, 1.0, place=E1).reason == "resident-bound"
+
+
+def test_an_ended_program_is_paused_to_free_its_seat():
+    """Bound 1. a answered at t=1 and is in a tool call; no gap between turns has been seen, so it counts as
+    ended 10 s later (overdue_default_s). b waits for the seat until then, and goes at t=11 with a paused
+    (its engine session closed); a keeps no seat. a was only slow: its next turn resumes when b's ends."""
+    co, lg = make({E0: 100_000}, max_resident=1, overdue_default_s=10.0, max_wait_s=100.0)
+    _turn(co, "a", 2000, 0.0)
+    _answer(co, "a", 2000, 1.0)
+    assert _turn(co, "b", 1000, 2.0).reason == "resident-bound"
+    assert co.next_deadline(2.0) == 11.0 and co.pump(10.9) == []
+    assert [(x.ticket, x.kind) for x in co.pump(11.0)] == [("b0", Kind.ADMIT)]
+    assert co.take_actions() == [Action("close", "a", E0)] and co.counters["pause_overdue"] == 1
+    assert co.seats(11.0) == {E0: {"resident": 1, "kept_for_paused": 0, "limit": 1}}
+    assert _turn(co, "a", 2500, 12.0, n=1).reason == "resident-bound"  # its resume waits for b's seat
+    _answer(co, "b", 1000, 13.0)
+    co.forget("b", 13.0)
+    assert [x.ticket for x in co.pump(13.0)] == ["a1"] and co.state_of("a") is ProgramState.LIVE
+
+
+def _paused_with_a_kept_seat(max_resident, **kw):
+    """Ceiling 9,000, bound 2 (or off). a (2,000) in a tool call and b (3,000) resident; b's next turn grows to
+    7,500: 9,500 > 9,000 pauses a at t=2 (expected back: no gap known, overdue_default_s after its last turn)."""
+    co, lg = make(max_resident=max_resident, **kw)
+    for sid, size in (("a", 2000), ("b", 3000)):
+        assert _turn(co, sid, size, 0.0).kind is Kind.ADMIT
+        _answer(co, sid, size, 1.0)
+    assert _turn(co, "b", 7500, 2.0, n=1).kind is Kind.ADMIT
+    assert co.state_of("a") is ProgramState.PAUSED and co.take_actions() == [Action("close", "a", E0)]
+    return co, lg
+
+
+def test_a_paused_program_keeps_its_seat_against_new_programs_and_resumes_first():
+    """Without the bound, new program c takes the room a's pause freed (7,500 + 1,000 fit); with it, c waits:
+    one resident (b) + one seat kept for a = 2. a's resume counts resident programs only; when b's session
+    closes, a resumes first and c goes after it."""
+    co, lg = _paused_with_a_kept_seat(None)
+    assert _turn(co, "c", 1000, 3.0).kind is Kind.ADMIT
+    co, lg = _paused_with_a_kept_seat(2)
+    assert co.seats(2.0) == {E0: {"resident": 1, "kept_for_paused": 1, "limit": 2}}
+    assert _turn(co, "c", 1000, 3.0).reason == "resident-bound"
+    w = _turn(co, "a", 2500, 4.0, n=1)
+    assert (w.kind, w.reason) == (Kind.WAIT, "capacity_exhausted")  # a seat is there for it; room is not
+    _answer(co, "b", 7500, 5.0, n=1)
+    co.forget("b", 6.0)
+    assert [(x.ticket, x.kind) for x in co.pump(6.0)] == [("a1", Kind.ADMIT), ("c0", Kind.ADMIT)]
+    assert co.resumes == {E0: 1} and co.seats(6.0) == {E0: {"resident": 2, "kept_for_paused": 0, "limit": 2}}
+
+
+def test_the_seat_kept_for_a_paused_program_lapses_when_its_predicted_gap_has_passed():
+    """a's last turn ended at t=1 and nothing is known of its gaps: it is expected back within
+    overdue_default_s (20 s). Its kept seat lapses at t=21 and c, waiting since t=3, goes then."""
+    co, lg = _paused_with_a_kept_seat(2, overdue_default_s=20.0, max_wait_s=100.0)
+    assert _turn(co, "c", 1000, 3.0).reason == "resident-bound"
+    assert co.next_deadline(3.0) == 21.0 and co.pump(20.9) == []
+    assert [x.ticket for x in co.pump(21.0)] == ["c0"]
+    assert co.state_of("a") is ProgramState.PAUSED  # still paused; a turn of its own would resume it
+
+
+def test_the_resume_deadline_makes_a_seat_and_aging_bounds_the_wait():
+    """Bound 1, ceiling 9,000, overdue off. p (4,000) is in a tool call; protected q (6,000) overflows e0 and
+    p pauses; q answers and holds the seat. p's next turn waits for the seat: without a resume deadline until
+    it ages (t=40, bypass-aged, still reserving); with resume_deadline_s 5 it goes at t=15, pausing q."""
+    def run(deadline):
+        co, lg = make(max_resident=1, overdue_multiple=0, resume_deadline_s=deadline)
+        _turn(co, "p", 4000, 0.0)
+        _answer(co, "p", 4000, 1.0)
+        assert _turn(co, "q", 6000, 2.0, protected=True).kind is Kind.BYPASS_PROTECTED
+        assert co.state_of("p") is ProgramState.PAUSED
+        _answer(co, "q", 6000, 3.0)
+        assert _turn(co, "p", 4500, 10.0, n=1).reason == "resident-bound"
+        return co, lg
+
+    co, lg = run(None)
+    assert co.next_deadline(10.0) == 40.0 and co.pump(39.9) == []
+    assert [(x.ticket, x.kind) for x in co.pump(40.0)] == [("p1", Kind.BYPASS_AGED)]
+    co, lg = run(5.0)
+    assert co.next_deadline(10.0) == 15.0 and co.pump(14.9) == []
+    assert [(x.ticket, x.kind, x.waited_s) for x in co.pump(15.0)] == [("p1", Kind.ADMIT, 5.0)]
+    assert co.state_of("q") is ProgramState.PAUSED and co.counters["resume_deadline"] == 1
+    assert lg.reserved == 4500
+    # q paused while expected back (overdue off: until its session closes): a new program waits for p or q
+    assert co.seats(15.0) == {E0: {"resident": 1, "kept_for_paused": 1, "limit": 1}}
+    assert _turn(co, "r", 100, 16.0).reason == "resident-bound"
+    co.forget("q", 17.0)
+    _answer(co, "p", 4500, 18.0, n=1)
+    co.forget("p", 18.0)
+    assert [x.ticket for x in co.pump(18.0)] == ["r0"]
+
+
+def test_protected_and_degraded_turns_bypass_the_bound():
+    co, lg = make({E0: 100_000}, max_resident=1, stale_after_s=6.0)
+    assert _turn(co, "a", 1000, 0.0).kind is Kind.ADMIT
+    assert _turn(co, "p", 1000, 0.0, protected=True).kind is Kind.BYPASS_PROTECTED
+    assert co.seats(0.0)[E0] == {"resident": 2, "kept_for_paused": 0, "limit": 1}  # the documented excess
+    assert _turn(co, "b", 1000, 1.0).reason == "resident-bound"
+    assert [(x.ticket, x.kind) for x in co.pump(6.0)] == [("b0", Kind.BYPASS_DEGRADED)]  # the figures are stale
+    assert _turn(co, "c", 1000, 7.0).kind is Kind.BYPASS_DEGRADED
+
+
+def test_a_program_whose_only_turn_was_cancelled_holds_no_seat():
+    co, lg = make({E0: 100_000}, max_resident=1)
+    _turn(co, "a", 1000, 0.0)
+    assert _turn(co, "b", 1000, 1.0).reason == "resident-bound"
+    co.forget("a", 2.0)  # a's turn is in flight: its seat goes when the turn ends
+    assert co.pump(2.0) == []
+    assert [x.ticket for x in co.release("a0", 3.0, None)] == ["b0"]
+    assert co.cancel("b0", 3.0)  # b's client left in the same instant: b never answered a turn
+    assert co.state_of("b") is ProgramState.IN_TOOL and co.seats(3.0) == {}
+    assert _turn(co, "c", 1000, 4.0).kind is Kind.ADMIT
+    # b's client tries again: b holds nothing, so its turn waits for a seat like a new program's
+    assert _turn(co, "b", 1000, 5.0, n=1).reason == "resident-bound"
+    _answer(co, "c", 1000, 6.0)
+    co.forget("c", 6.0)
+    assert [x.ticket for x in co.pump(6.0)] == ["b1"] and co.resumes == {}
+
+
+def test_the_resident_bound_is_checked():
+    lg = Ledger()
+    for bad in (0, -1, True, 1.5, "auto", "2"):
+        with pytest.raises(ValueError, match="max_resident"):
+            ProgramCoordinator(lg, max_resident=bad)
+    assert ProgramCoordinator(lg, max_resident=3).max_resident == 3

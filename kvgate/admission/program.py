@@ -48,6 +48,35 @@ Pauses are bounded (``resume_deadline_s``): a paused program's turn that has wai
 ahead of everything, pausing in-tool programs on its place (ended ones first, then by the victim rule) to
 make its room; when only running programs hold the place it waits for them (aging still bounds it).
 
+The resident bound (``max_resident`` N, off by default) is for programs that each grow to a large part of an
+engine's KV pool: admitted when their first turn fits, they outgrow the pool together, get paused and
+re-prefilled, and thrash. With the bound, at most N programs per KV pool (an engine, or one data-parallel
+rank of it; N x every pool for the fleet) hold KV. A program is resident while it is live, or in a tool call
+having answered a turn (one whose only turn was cancelled holds nothing); paused programs and one-turn
+requests are not. Rules:
+- a new program's first turn starts only while its place has a free seat; otherwise it waits with reason
+  "resident-bound" and goes, in arrival order, when a seat frees: a resident program's session closes, it
+  ends (TTL; or idle past its predicted gap: an ended program is paused to free its seat, as it is for room),
+  or the seat kept for a paused program lapses;
+- a program paused while it is expected back (not as ended) keeps its seat against new programs until its
+  predicted gap has passed (``overdue_multiple`` x the quantile of its own and its group's gaps after its
+  last turn, at most the TTL; until its session closes or the TTL when ``overdue_multiple`` is 0), so a new
+  program never takes the seat of a paused one about to ask for it, and the bound keeps the same N programs
+  to their end;
+- a paused program's resume counts resident programs only (the seat kept for it is its own) and goes before
+  any new program on its place, so resumes are never starved by new programs; at ``resume_deadline_s`` it
+  makes its own seat as it makes its own room, pausing in-tool programs (ended ones first, then the victim
+  rule); aging bounds every wait;
+- protected, aged and degraded turns bypass the bound as they bypass the ledger (still counted as resident
+  once they run), and a program placement moves to another engine counts there: the only ways a place holds
+  more than N.
+There is no automatic N. N = capacity / the final context of the programs seen to end is unsound within one
+rollout step: every program of the step starts at once, so the decision is taken before any program has ended,
+and the first to end are the shortest, so the evidence understates the final contexts exactly while most
+programs are being admitted. The user sets N from what the step's programs grow to:
+floor(max_total_num_tokens x headroom / a long program's final context) keeps every resident program's KV
+to its end.
+
 The shell calls submit / pump / release / cancel / reconcile / invalidate like the fifo coordinator, and
 after each call executes ``take_actions()`` (close the engine session of each paused program).
 """
@@ -65,13 +94,17 @@ from typing import Any, Hashable, Iterator
 
 from .capacity import ClusterSnapshot
 from .coordinator import Decision, DecisionTally, Kind
-from .ledger import Grant, Ledger, check_tokens
+from .ledger import Grant, Ledger, Refusal, check_tokens
 from .working_set import FLEET
 
-__all__ = ["ProgramCoordinator", "ProgramState", "Action", "VICTIM_RULES", "RESUME_ORDERS"]
+__all__ = ["ProgramCoordinator", "ProgramState", "Action", "VICTIM_RULES", "RESUME_ORDERS", "BOUND_REASON"]
 
 VICTIM_RULES = ("smallest", "largest", "longest-idle", "ahead")
 RESUME_ORDERS = ("smallest", "fifo")
+#: The reason a waiter gives while its place has no free seat under the resident bound.
+BOUND_REASON = "resident-bound"
+_NO_SEAT = object()  # _Program.seat of a program that holds no seat
+_SEAT_FREE = object()  # _seat_short: a seat is free
 
 
 class ProgramState(str, enum.Enum):
@@ -117,6 +150,8 @@ class _Program:
     last_end: float | None = None  # when its last turn ended (None: no turn has ended yet)
     overdue_at: float = float("inf")  # idle past this: ended (from its and its group's gaps)
     gaps: deque = field(default_factory=lambda: deque(maxlen=OWN_GAPS))
+    seat: Any = _NO_SEAT  # the place whose resident seat it holds (resident bound on)
+    claim: tuple | None = None  # paused, expected back: (until, n) of the seat kept for it against new programs
 
 
 @dataclass(slots=True)
@@ -131,6 +166,7 @@ class _Waiter:
     resume: bool
     seq: int
     reason: str | None = None
+    bound: bool = False  # counted once in wait_resident_bound
 
 
 class ProgramCoordinator:
@@ -142,14 +178,15 @@ class ProgramCoordinator:
     a program in a tool call idle longer than this x the ``overdue_quantile`` (0, 1] of its own and its
     group's gaps between turns (the fleet's when they have too few; ``overdue_default_s`` (> 0) before any
     gap is known) counts as ended, the first to pause. resume_deadline_s (None or 0: off; else > 0): a paused
-    program's turn waiting this long makes its own room (see the module doc), seconds. Raises ValueError on
-    bad values.
+    program's turn waiting this long makes its own room (see the module doc), seconds. max_resident (None:
+    off; else an int >= 1): at most this many programs resident per KV pool, new programs waiting for a seat
+    (the module doc's resident bound). Raises ValueError on bad values.
     """
 
     def __init__(self, ledger: Ledger, max_wait_s: float = 30.0, *, window_s: float | None = None,
                  victim: str = "smallest", resume: str = "smallest", program_ttl_s: float = 600.0,
                  overdue_multiple: float = 3.0, overdue_quantile: float = 0.9, overdue_default_s: float = 60.0,
-                 resume_deadline_s: float | None = None) -> None:
+                 resume_deadline_s: float | None = None, max_resident: int | None = None) -> None:
         if isinstance(max_wait_s, bool) or not isinstance(max_wait_s, (int, float)) or not max_wait_s >= 0:
             raise ValueError(f"max_wait_s must be >= 0, got {max_wait_s!r}")
         if victim not in VICTIM_RULES:
@@ -177,6 +214,18 @@ class ProgramCoordinator:
         self.overdue_quantile = float(overdue_quantile)
         self.overdue_default_s = float(overdue_default_s)
         self.resume_deadline_s = float(resume_deadline_s) if resume_deadline_s else None
+        if max_resident is not None and (isinstance(max_resident, bool) or not isinstance(max_resident, int)
+                                         or max_resident < 1):
+            raise ValueError(f"max_resident must be an int >= 1 or None, got {max_resident!r}")
+        self.max_resident = max_resident
+        # the resident bound's books (kept only while it is on): seats held per place and in all, seats kept
+        # for paused programs per place and in all, and when those keeps lapse, earliest first:
+        # (until, n, sid), current while the program's claim is (until, n)
+        self._resident_on: dict[Any, int] = {}
+        self._resident_n = 0
+        self._claims_on: dict[Any, int] = {}
+        self._claims_n = 0
+        self._claim_due: list[tuple[float, int, Hashable]] = []
         # gaps between turns (seconds): per group of programs and for the fleet, the newest kept
         self._group_gaps: dict[Hashable, deque] = {}
         self._fleet_gaps: deque = deque(maxlen=FLEET_GAPS)
@@ -208,7 +257,7 @@ class ProgramCoordinator:
         self.tally = DecisionTally((
             "admit", "wait", "bypass", "bypass_protected", "bypass_degraded", "bypass_aged", "cancelled",
             "backfilled", "pause", "resume", "marked", "programs_ended", "prefix_miss_tokens", "pause_overdue",
-            "resume_deadline"), self.window_s)
+            "resume_deadline", "wait_resident_bound"), self.window_s)
         self.counters = self.tally.counters  # the same dict: lifetime counters
 
     # ---------------------------------------------------------------- bookkeeping
@@ -268,27 +317,159 @@ class ProgramCoordinator:
             if lease is not None:
                 self._relieve(place, now)
             return d
-        if p is not None and p.state is not ProgramState.PAUSED:
-            # a continuing turn of a live program: never held (its KV is resident; holding it would thrash)
+        if p is not None and p.state is not ProgramState.PAUSED and not (
+                p.seat is _NO_SEAT and p.state is ProgramState.IN_TOOL and self.max_resident is not None):
+            # a continuing turn of a live program: never held (its KV is resident; holding it would thrash).
+            # Under the resident bound, a program whose only turn was cancelled holds no KV and no seat: its
+            # next turn waits for a seat like a new program's.
             self.ledger.unhold(sid)
             lease = self.ledger.try_acquire(ticket, tokens, now, place=place, blocks=blocks, force=True).lease
             self._start_turn(sid, ticket, place, tokens, prompt, blocks, now, resumed=False)
             d = self._record(Decision(ticket, Kind.ADMIT, tokens, 0.0, False, lease), now)
             self._relieve(place, now)
             return d
-        resume = p is not None  # paused
+        resume = p is not None and p.state is ProgramState.PAUSED
         w = _Waiter(ticket, sid, tokens, prompt, place, tuple(blocks), float(now), resume, next(self._seq))
         self._ticket_sid[ticket] = sid
-        if not self._blocked(w):
+        if self._blocked(w):
+            w.reason = "paused-first" if not resume and self._resuming_on.get(place) else "fifo"
+        elif self.max_resident is not None and self._seat_short(w) is not _SEAT_FREE:
+            self._bound_reason(w, now)  # the pump that follows pauses ended programs to free a seat
+        else:
             r = self.ledger.try_acquire(ticket, tokens, now, place=place, blocks=blocks)
             if isinstance(r, Grant):
                 self._start_turn(sid, ticket, place, tokens, prompt, blocks, now, resumed=resume)
                 return self._record(Decision(ticket, Kind.ADMIT, tokens, 0.0, False, r.lease), now)
             w.reason = r.reason
-        else:
-            w.reason = "paused-first" if not resume else "fifo"
         self._join(w)
         return self._record(Decision(ticket, Kind.WAIT, tokens, 0.0, True, None, w.reason), now)
+
+    # ---------------------------------------------------------------- the resident bound
+    def _wait_reason(self, w: _Waiter, reason: str, now: float) -> None:
+        if reason == BOUND_REASON:
+            self._bound_reason(w, now)
+        else:
+            w.reason = reason
+
+    def _bound_reason(self, w: _Waiter, now: float) -> None:
+        w.reason = BOUND_REASON
+        if not w.bound:
+            w.bound = True
+            self._count("wait_resident_bound", now)
+
+    @staticmethod
+    def _one_turn(sid: Hashable) -> bool:
+        return isinstance(sid, tuple) and bool(sid) and sid[0] == "one-turn"
+
+    def _sync_seat(self, p: _Program) -> None:
+        """Bring ``p``'s seat in line with its state: held on its place while it is resident (live, or in a
+        tool call having answered a turn; not one-turn), else none. Call after every change of its state or
+        place (idempotent)."""
+        if self.max_resident is None:
+            return
+        if p.state is ProgramState.LIVE or p.state is ProgramState.IN_TOOL and p.last_end is not None:
+            want = _NO_SEAT if self._one_turn(p.sid) else p.place
+        else:
+            want = _NO_SEAT
+        if p.seat is want or p.seat == want:
+            return
+        if p.seat is not _NO_SEAT:
+            self._resident_n -= 1
+            n = self._resident_on[p.seat] - 1
+            if n:
+                self._resident_on[p.seat] = n
+            else:
+                del self._resident_on[p.seat]
+        if want is not _NO_SEAT:
+            self._resident_n += 1
+            self._resident_on[want] = self._resident_on.get(want, 0) + 1
+        p.seat = want
+
+    def _claim(self, p: _Program, until: float) -> None:
+        """Keep a seat on ``p``'s place for the paused ``p`` against new programs until ``until``."""
+        self._unclaim(p)
+        n = next(self._idle_n)
+        p.claim = (until, n)
+        self._claims_n += 1
+        self._claims_on[p.place] = self._claims_on.get(p.place, 0) + 1
+        if until < math.inf:
+            heapq.heappush(self._claim_due, (until, n, p.sid))
+            if len(self._claim_due) > 2 * len(self._programs) + 64:  # mostly stale: keep the current ones
+                self._claim_due = [e for e in self._claim_due if self._claim_current(e)]
+                heapq.heapify(self._claim_due)
+
+    def _unclaim(self, p: _Program) -> None:
+        if p.claim is None:
+            return
+        p.claim = None
+        self._claims_n -= 1
+        n = self._claims_on[p.place] - 1
+        if n:
+            self._claims_on[p.place] = n
+        else:
+            del self._claims_on[p.place]
+
+    def _claim_current(self, e: tuple[float, int, Hashable]) -> bool:
+        p = self._programs.get(e[2])
+        return p is not None and p.claim == (e[0], e[1])
+
+    def _expire_claims(self, now: float) -> None:
+        """Drop the seats kept for paused programs whose predicted gap has passed: they count as ended."""
+        due = self._claim_due
+        while due and due[0][0] <= now:
+            e = heapq.heappop(due)
+            if self._claim_current(e):
+                self._unclaim(self._programs[e[2]])
+
+    def _next_claim_end(self) -> float | None:
+        due = self._claim_due
+        while due and not self._claim_current(due[0]):
+            heapq.heappop(due)
+        return due[0][0] if due else None
+
+    def _seats(self, place: Any) -> int:
+        return self.max_resident * self.ledger.pools_of(place)
+
+    def _seat_short(self, w: _Waiter) -> Any:
+        """Where ``w``'s program finds no free seat: its place (full), FLEET (the fleet's N x pools are all
+        taken), or _SEAT_FREE. A new program counts the seats kept for paused programs; a resume does not
+        (the kept seat is its own, and resumes go before new programs)."""
+        new = not w.resume
+        place = self.ledger.resolve_place(w.place)
+        if place is not FLEET:
+            used = self._resident_on.get(place, 0) + (self._claims_on.get(place, 0) if new else 0)
+            if used >= self._seats(place):
+                return place
+        if self._resident_n + (self._claims_n if new else 0) >= self._seats(FLEET):
+            return FLEET
+        return _SEAT_FREE
+
+    def _seat_for(self, w: _Waiter, now: float, overdue_only: bool) -> bool:
+        """Whether a seat is free for ``w`` (resident bound), after pausing resident in-tool programs where
+        the seats are short to free one: only ended ones when ``overdue_only``, else ended ones first and then
+        the victim rule (a paused program's turn past the resume deadline)."""
+        short = self._seat_short(w)
+        while short is not _SEAT_FREE:
+            scope = short
+            for p in self._seat_victims(scope, w, now, overdue_only):
+                self._pause(p, now)
+                short = self._seat_short(w)
+                if short is _SEAT_FREE or short != scope:
+                    break
+            else:
+                return False  # nobody left to pause where the seats are short
+        return True
+
+    def _seat_victims(self, scope: Any, w: _Waiter, now: float, overdue_only: bool) -> Iterator[_Program]:
+        """Resident in-tool programs on ``scope`` (every place for FLEET) in the order _seat_for pauses them."""
+        if overdue_only:
+            yield from self._overdue_on(scope, now)  # ended programs hold their seat until paused
+            return
+        for p in self._victims([p for p in self._programs.values() if p.state is ProgramState.IN_TOOL
+                                and p.seat is not _NO_SEAT and (scope is FLEET or p.place == scope)
+                                and p.sid != w.sid], now):
+            if p.state is ProgramState.IN_TOOL:
+                yield p
 
     def _blocked(self, w: _Waiter) -> bool:
         """An earlier waiter on the same place goes first (resumes before new programs)."""
@@ -330,6 +511,7 @@ class ProgramCoordinator:
                 self._groups.setdefault(p.group, set()).add(sid)
         elif p.state is ProgramState.PAUSED:
             resumed = True
+            self._unclaim(p)  # resident again: the seat kept for it is the one it takes
         if resumed:
             lab = self._label(p.place)
             self.resumes[lab] = self.resumes.get(lab, 0) + 1
@@ -343,11 +525,13 @@ class ProgramCoordinator:
         # (reservation, prompt, blocks, resident before, prefix expected cached: none after a pause)
         p.inflight[ticket] = (tokens, prompt, tuple(blocks), p.resident, 0 if resumed else p.resident)
         self._ticket_sid[ticket] = sid
+        self._sync_seat(p)
 
     def _move(self, p: _Program, place: Any) -> None:
         size = self.ledger.holding(p.sid)
         self.ledger.unhold(p.sid)
         p.place = place
+        self._sync_seat(p)  # it counts where placement moved it (which may hold N already)
         if size:
             self.ledger.hold(p.sid, place, p.blocks, size)
         if p.state is ProgramState.IN_TOOL and p.last_end is not None:
@@ -407,6 +591,7 @@ class ProgramCoordinator:
         else:
             self._idle_from(p, now)
             p.state = ProgramState.IN_TOOL
+            self._sync_seat(p)  # a program whose only turn so far was cancelled holds no KV, hence no seat
             self.ledger.hold(p.sid, p.place, p.blocks, p.resident)
             if p.last_end is not None:
                 p.overdue_at = p.last_end + self._overdue_after(p)
@@ -506,12 +691,18 @@ class ProgramCoordinator:
         return sorted(progs, key=lambda p: (p.overdue_at > now, key(p)))
 
     def _pause(self, p: _Program, now: float) -> int:
-        if p.overdue_at <= now:
+        ended = p.overdue_at <= now
+        if ended:
             self._count("pause_overdue", now)
         freed = self.ledger.unhold(p.sid)
         p.overdue_at = math.inf
         p.state = ProgramState.PAUSED
         p.marked = False
+        if self.max_resident is not None:
+            self._sync_seat(p)
+            until = (p.last_end if p.last_end is not None else now) + self._overdue_after(p)
+            if not ended and until > now and not self._one_turn(p.sid):
+                self._claim(p, until)  # expected back: its seat is kept until its predicted gap has passed
         p.since = now
         if not p.inflight:
             self._idle_from(p, now)
@@ -561,7 +752,7 @@ class ProgramCoordinator:
                     self._count("resume_deadline", now)
                     out.append(self._leave(w, Kind.ADMIT, r.lease, waited, now))
                 else:  # only running programs hold its place: it waits for them (aging still bounds it)
-                    w.reason = r.reason
+                    self._wait_reason(w, r.reason, now)
                     stopped.add(w.place)
         stopped.clear()
         places = len(self._waiting_on)
@@ -574,14 +765,17 @@ class ProgramCoordinator:
             if isinstance(r, Grant):
                 out.append(self._leave(w, Kind.ADMIT, r.lease, max(0.0, now - w.enqueued_at), now))
             else:
-                w.reason = r.reason
+                self._wait_reason(w, r.reason, now)
                 stopped.add(w.place)
         return out
 
     def _room_for(self, w: _Waiter, now: float, overdue_only: bool):
         """try_acquire for ``w``; refused for room, pause in-tool programs on its place until it fits: only
         ended ones (idle past their predicted gap) when ``overdue_only``, else ended ones first and then the
-        victim rule (a paused program's turn past the resume deadline). Returns the last Grant or Refusal."""
+        victim rule (a paused program's turn past the resume deadline). Under the resident bound a seat comes
+        first, freed the same way (refused: reason BOUND_REASON). Returns the last Grant or Refusal."""
+        if self.max_resident is not None and not self._seat_for(w, now, overdue_only):
+            return Refusal(w.ticket, w.tokens, BOUND_REASON)  # the coordinator's own reason, not the ledger's
         r = self.ledger.try_acquire(w.ticket, w.tokens, now, place=w.place, blocks=w.blocks)
         if isinstance(r, Grant) or r.reason != "capacity_exhausted":
             return r
@@ -668,6 +862,10 @@ class ProgramCoordinator:
                 yield self._programs[e[2]]
 
     def _remove(self, p: _Program) -> None:
+        if self.max_resident is not None:
+            p.state = ProgramState.ENDED  # leaves its seat, and any seat kept for it
+            self._sync_seat(p)
+            self._unclaim(p)
         del self._programs[p.sid]
         g = self._groups.get(p.group) if p.group is not None else None
         if g is not None:
@@ -712,6 +910,8 @@ class ProgramCoordinator:
         for t in self.ledger.expire(now):
             self._from_queue.discard(t)
             self._end_turn(t, now, None, cancelled=False)
+        if self._claim_due:
+            self._expire_claims(now)
         idle = self._idle
         waiting: set | None = None
         again = []
@@ -763,7 +963,8 @@ class ProgramCoordinator:
 
     def next_deadline(self, now: float) -> float | None:
         """Earliest time pump() could decide without another event: a waiter's aging, staleness while someone
-        waits, a lease expiry, a program's TTL."""
+        waits, a lease expiry, a program's TTL, a program turning ended or a seat kept for a paused one lapsing
+        while someone waits."""
         cands: list[float] = []
         if self._queue:
             # the queue is in arrival order (monotonic clock): its first waiter ages first
@@ -780,11 +981,18 @@ class ProgramCoordinator:
         if idle:
             cands.append(idle[0][0])
         if self._queue and self.overdue_multiple:
-            # a waiter refused for room is looked at again when a program on its place turns ended
-            for place in (list(self._due) if FLEET in self._waiting_on else list(self._waiting_on)):
+            # a waiter refused for room is looked at again when a program on its place turns ended (any place
+            # under the resident bound: the fleet's seats may be what it waits for)
+            wide = FLEET in self._waiting_on or self.max_resident is not None
+            for place in (list(self._due) if wide else list(self._waiting_on)):
                 due = self._next_due(place)
                 if due is not None:
                     cands.append(due)
+        if self._queue and self._claims_n:
+            # a new program waiting for a seat goes when the seat kept for a paused program lapses
+            due = self._next_claim_end()
+            if due is not None:
+                cands.append(due)
         if self._resume_q and self.resume_deadline_s is not None:
             for w in self._resume_q.values():  # arrival order: those past the deadline first (pumped on events)
                 due = w.enqueued_at + self.resume_deadline_s
@@ -807,9 +1015,22 @@ class ProgramCoordinator:
             d[state.value] += 1
         return out
 
+    def seats(self, now: float) -> dict[str, dict[str, int]]:
+        """The resident bound by place label: {resident: programs holding KV there, kept_for_paused: seats kept
+        for paused programs expected back, limit: max_resident x the place's KV pools}; {} while it is off."""
+        if self.max_resident is None:
+            return {}
+        out: dict[str, dict[str, int]] = {}
+        for place in set(self._resident_on) | set(self._claims_on):
+            out[self._label(place)] = {"resident": self._resident_on.get(place, 0),
+                                       "kept_for_paused": self._claims_on.get(place, 0),
+                                       "limit": self._seats(place)}
+        return out
+
     def stats(self, now: float) -> dict[str, Any]:
-        """JSON-able figures: counters, waiting (resumes / new), programs by place and state, pauses and resumes
-        by place, window rates and the ledger's figures."""
+        """JSON-able figures: counters, waiting (resumes / new; waiting_bound: for a seat), programs by place and
+        state, pauses and resumes by place, the resident bound's seats by place, window rates and the ledger's
+        figures."""
         return {
             "policy": "program",
             "counters": dict(self.counters),
@@ -823,6 +1044,9 @@ class ProgramCoordinator:
             "programs": self.program_states(now),
             "overdue_multiple": self.overdue_multiple,
             "resume_deadline_s": self.resume_deadline_s,
+            "max_resident": self.max_resident,
+            "waiting_bound": sum(1 for w in self._queue.values() if w.reason == BOUND_REASON),
+            "seats": self.seats(now),
             "pauses": dict(self.pauses),
             "resumes": dict(self.resumes),
             "ledger": self.ledger.stats(now),
