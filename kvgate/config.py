@@ -398,6 +398,11 @@ KEYS: list[Key] = [
         "programs in a tool call on its engine (0 = off: it waits for room; either way at most "
         "agentic_admission_max_wait_s), seconds.", _nonneg, ">= 0",
         only_when="agentic_program_admission"),
+    Key("admission_program_max_resident", int, None,
+        "program policy: at most this many programs hold KV on each engine (each data-parallel rank) at once; a "
+        "new program waits in kvgate for a seat, a paused one takes the next free seat first; null = off.",
+        lambda x: x >= 1, ">= 1 (or null: off)", nullable=True, only_when="agentic_program_admission",
+        metavar="N"),
     Key("admission_host_cache", bool, True,
         "program policy: count the KV room each engine's HiCache host pool adds (from its /server_info) for "
         "programs between turns; the fifo policy never counts it."),

@@ -133,7 +133,8 @@ def _rules(values: dict[str, Any], routes: tuple[str, ...]) -> list[tuple[Callab
                       "agentic_program_admission is off"))
     elif values["admission_policy"] == "fifo":
         rules.append((lambda k: k in ("admission_pause_victim", "admission_resume_order", "admission_host_cache",
-                                      "admission_program_ttl_s"), "admission_policy is fifo (a program policy key)"))
+                                      "admission_program_ttl_s", "admission_program_max_resident"),
+                      "admission_policy is fifo (a program policy key)"))
     else:
         rules.append((lambda k: k == "admission_backfill", "admission_policy is program (a fifo policy key)"))
     if values["state_backend"] == "memory":

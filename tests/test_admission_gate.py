@@ -27,6 +27,23 @@ def test_engine_lookup_is_injected_and_fails_open():
     assert _gate()._place("a") is None  # no lookup at all
 
 
+def test_the_resident_bound_reaches_the_program_policy_and_its_series():
+    from prometheus_client import generate_latest
+
+    cfg = validate({"agentic_program_admission": True, "admission_policy": "program",
+                    "admission_program_max_resident": 1})
+    g = AdmissionGate(cfg, Metrics(), clock=lambda: 0.0)
+    co = g.coord
+    assert co.max_resident == 1 and _gate("program").coord.max_resident is None
+    co.reconcile(ClusterSnapshot.build({"http://e0": EngineCapacity.from_pools([(10_000, 0, 0.0)])}, 0.0), 0.0)
+    co.submit(1, 1000, False, 0.0, place="http://e0", session_id="a")
+    assert co.submit(2, 1000, False, 0.0, place="http://e0", session_id="b").reason == "resident-bound"
+    text = generate_latest(g.metrics.registry).decode()
+    assert "agentic_kv_program_waiting_bound 1.0" in text
+    assert "agentic_kv_program_resident_bound_waits_total 1.0" in text
+    assert g.stats()["seats"] == {"http://e0": {"resident": 1, "kept_for_paused": 0, "limit": 1}}
+
+
 def test_pause_actions_reach_the_closer_and_a_failing_closer_is_contained():
     closed = []
     g = _gate("program", pause_session=closed.append)

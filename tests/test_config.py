@@ -51,6 +51,11 @@ def test_shipped_config_documents_every_key_and_is_valid():
     ({"session_placement_routes": ["/generate"]}, "session_placement_routes: expected a mapping"),
     ({"placement_pressure_threshold": 0}, "placement_pressure_threshold: must be in (0, 1]"),
     ({"placement_reopen_hint_s": -1}, "placement_reopen_hint_s: must be >= 0"),
+    ({"agentic_program_admission": True, "admission_program_max_resident": 0},
+     "admission_program_max_resident: must be >= 1 (or null: off), got 0"),
+    ({"admission_program_max_resident": "auto"}, "admission_program_max_resident: expected an integer, got 'auto'"),
+    ({"admission_program_max_resident": 2.5}, "admission_program_max_resident: expected an integer, got 2.5"),
+    ({"admission_program_max_resident": True}, "admission_program_max_resident: expected an integer, got True"),
 ])
 def test_bad_values_name_the_key_in_one_line(raw, message):
     with pytest.raises(ConfigError) as err:
@@ -85,6 +90,27 @@ def test_placement_route_overrides_from_yaml_and_flag(tmp_path):
     assert (cfg.session_placement, cfg.session_placement_routes) == ("router", {"/generate": "kvgate"})
     cfg = from_args(build_parser().parse_args(["serve", "--session-placement-routes", "{/v1/completions: router}"]))
     assert cfg.session_placement_routes == {"/v1/completions": "router"} and cfg.session_placement == "auto"
+
+
+def test_the_resident_bound_from_yaml_and_flag(tmp_path):
+    f = tmp_path / "c.yaml"
+    f.write_text("agentic_program_admission: true\nadmission_policy: program\nadmission_program_max_resident: 2\n")
+    assert from_args(build_parser().parse_args(["serve", "--config", str(f)])).admission_program_max_resident == 2
+    for flag, value in (("3", 3), ("null", None)):
+        cfg = from_args(build_parser().parse_args(["serve", "--config", str(f), "--admission-program-max-resident",
+                                                   flag]))
+        assert cfg.admission_program_max_resident == value
+    assert validate({}).admission_program_max_resident is None  # off by default
+    with pytest.raises(ConfigError) as err:
+        from_args(build_parser().parse_args(["serve", "--config", str(f), "--admission-program-max-resident", "0"]))
+    assert str(err.value) == "admission_program_max_resident: must be >= 1 (or null: off), got 0"
+    with pytest.raises(ConfigError) as err:
+        from_args(build_parser().parse_args(["serve", "--admission-program-max-resident", "auto"]))
+    assert str(err.value) == "admission_program_max_resident: expected an integer, got 'auto'"
+    # set under the fifo policy it does nothing: said so
+    assert validate({"agentic_program_admission": True, "admission_program_max_resident": 2}).warnings == [
+        "admission_program_max_resident: set to 2, but it does nothing while admission_policy is fifo "
+        "(a program policy key)"]
 
 
 def test_bad_rule_flag_is_one_line(tmp_path):

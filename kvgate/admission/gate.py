@@ -88,7 +88,8 @@ class AdmissionGate:
                                             program_ttl_s=cfg.admission_program_ttl_s,
                                             overdue_multiple=cfg.admission_program_overdue_multiple,
                                             overdue_default_s=cfg.admission_program_overdue_default_s,
-                                            resume_deadline_s=cfg.admission_resume_deadline_s)
+                                            resume_deadline_s=cfg.admission_resume_deadline_s,
+                                            max_resident=cfg.admission_program_max_resident)
         else:
             self.coord = AdmissionCoordinator(self.ledger, cfg.agentic_admission_max_wait_s,
                                               window_s=cfg.admission_window_s, backfill=cfg.admission_backfill)
@@ -491,6 +492,19 @@ def _program_metrics(s: dict[str, Any], p: str):
         yield m
     m = GaugeMetricFamily(p + "program_waiting_resume", "Turns of paused programs waiting to resume")
     m.add_metric([], s["waiting_resume"])
+    yield m
+    m = GaugeMetricFamily(p + "program_waiting_bound", "Turns waiting for a seat under "
+                          "admission_program_max_resident (reason resident-bound)")
+    m.add_metric([], s["waiting_bound"])
+    yield m
+    m = CounterMetricFamily(p + "program_resident_bound_waits", "Turns that had to wait for a seat under "
+                            "admission_program_max_resident")
+    m.add_metric([], s["counters"]["wait_resident_bound"])
+    yield m
+    m = GaugeMetricFamily(p + "program_seats_kept", "Seats kept for paused programs expected back, by engine "
+                          "(admission_program_max_resident)", labels=["engine"])
+    for engine, seat in sorted(s["seats"].items()):
+        m.add_metric([engine], seat["kept_for_paused"])
     yield m
     m = CounterMetricFamily(p + "program_prefix_miss_tokens", "Tokens of a live program's own prefix the engine "
                             "no longer had cached at its next turn (evicted during the tool call)")

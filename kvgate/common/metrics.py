@@ -245,7 +245,9 @@ class Metrics:
 
         # admission (the counters and budget gauges are read from the core at scrape time: admission/gate.py;
         # so are the program policy's agentic_kv_programs{engine,state}, agentic_kv_program_pauses_total{engine},
-        # agentic_kv_program_resumes_total{engine}, agentic_kv_program_waiting_resume)
+        # agentic_kv_program_resumes_total{engine}, agentic_kv_program_waiting_resume, and the resident bound's
+        # agentic_kv_program_waiting_bound, agentic_kv_program_resident_bound_waits_total,
+        # agentic_kv_program_seats_kept{engine})
         self.admission_wait = Histogram(p + "admission_wait_seconds", "Time requests waited in the admission "
                                         "FIFO before admit or bypass", buckets=LATENCY_BUCKETS, registry=r)
 

@@ -32,6 +32,8 @@ SUMMED_GAUGES = frozenset({
     "agentic_kv_admission_waiting",
     "agentic_kv_session_close_pending",
     "agentic_kv_program_waiting_resume",
+    "agentic_kv_program_waiting_bound",
+    "agentic_kv_program_seats_kept",
 })
 WORKER_LABEL = "worker"
 _SUMMED_TYPES = ("counter", "histogram", "summary", "gaugehistogram")

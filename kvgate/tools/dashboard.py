@@ -201,9 +201,10 @@ ROWS: tuple[RowSpec, ...] = (
                    Target(f"sum by (engine) (rate(agentic_kv_program_resumes_total{{{KV}}}[{RI}])) or vector(0)",
                           "resume {{engine}}")), width=12),
         PanelSpec("Paused turns waiting",
-                  "Turns of paused programs held in kvgate now; if it never drains the engines cannot hold even "
-                  "one more program's context: check engine token usage.",
-                  (Target(f"sum(agentic_kv_program_waiting_resume{{{KV}}}) or vector(0)", "waiting"),)),
+                  "Turns of paused programs held in kvgate now (never draining: the engines cannot hold one more "
+                  "context); for a seat: turns waiting under admission_program_max_resident.",
+                  (Target(f"sum(agentic_kv_program_waiting_resume{{{KV}}}) or vector(0)", "waiting"),
+                   Target(f"sum(agentic_kv_program_waiting_bound{{{KV}}}) or vector(0)", "for a seat"))),
         PanelSpec("Own-prefix cache misses",
                   "Tokens of a live program's own context the engine no longer had cached at its next turn "
                   "(evicted during the tool call); rising means thrash: the program policy should pause sooner.",
