@@ -149,3 +149,23 @@ def test_arms_flag_takes_a_settings_variant():
         {"direct", "lifecycle+admission-program@fast", "router-limit-8"})
     with pytest.raises(ValueError, match="unknown arm"):
         _pick_arms("nothing@fast")
+
+
+def test_the_kv_bound_scenario_runs_the_program_policy_under_resident_bounds():
+    """configs/bench/agentic-kv-bound.yaml names arm settings resident-1..4: each runs the program arm with
+    admission_program_max_resident N, a flag `kvgate serve` takes."""
+    from pathlib import Path
+
+    from kvgate.bench.runner import expand_arms
+    from kvgate.bench.scenario import load_scenario
+    from kvgate.cli import build_parser
+    from kvgate.config import from_args
+
+    sc = load_scenario(Path(__file__).resolve().parents[1] / "configs" / "bench" / "agentic-kv-bound.yaml")
+    sc.arms = [f"lifecycle+admission-program@resident-{n}" for n in (1, 2, 3, 4)]
+    for n, arm in enumerate(expand_arms(sc), start=1):
+        assert arm.name == f"lifecycle+admission-program@resident-{n}"
+        assert arm.kvgate_flags == ("--admission-program-max-resident", str(n))
+        cfg = from_args(build_parser().parse_args(["serve", "--agentic-program-admission", "--admission-policy",
+                                                   "program", *arm.kvgate_flags]))
+        assert cfg.admission_program_max_resident == n

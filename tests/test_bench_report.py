@@ -139,6 +139,9 @@ def test_pauses_and_resumes_survive_the_mean_over_seeds():
     assert m["pause_resume"] == "500/500" and m["pauses"] == 500.0
     fifo = aggregate([summarize(RAW, 1.0, 0), summarize(RAW, 1.0, 0)])   # fifo counters have no "pause"
     assert fifo["pause_resume"] == "-" and fifo["pauses"] is None
+    # the resident bound's waits, where the policy counts them
+    bound = [summarize({**RAW, "kvgate_counters": {**prog, "wait_resident_bound": n}}, 1.0, 0) for n in (30, 40)]
+    assert aggregate(bound)["bound_waits"] == 35.0 and m["bound_waits"] is None and fifo["bound_waits"] is None
 
 
 def test_reopened_sessions_home_or_elsewhere_from_kvgates_placement_counters():

@@ -115,6 +115,8 @@ def summarize(raw: dict, speed: float, ideal_prefill_tokens: int) -> dict:
     m["pauses"] = counters["pause"] if counters and "pause" in counters else None
     m["resumes"] = counters["resume"] if counters and "resume" in counters else None
     m["pause_resume"] = (f"{m['pauses']}/{m['resumes']}" if m["pauses"] is not None else "-")
+    # the resident bound (admission_program_max_resident): turns that waited for a seat
+    m["bound_waits"] = counters.get("wait_resident_bound") if counters else None
     # the arm did not run to the end (its fleet failed to start, or --arm-timeout-s cut it): not comparable
     m["failed"] = bool(raw.get("failed") or raw.get("timed_out"))
     m["session_precision"], m["session_recall"] = session_accuracy(reqs)
