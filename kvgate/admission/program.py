@@ -375,11 +375,7 @@ class ProgramCoordinator:
             return
         if p.seat is not _NO_SEAT:
             self._resident_n -= 1
-            n = self._resident_on[p.seat] - 1
-            if n:
-                self._resident_on[p.seat] = n
-            else:
-                del self._resident_on[p.seat]
+            _decrement(self._resident_on, p.seat)
         if want is not _NO_SEAT:
             self._resident_n += 1
             self._resident_on[want] = self._resident_on.get(want, 0) + 1
@@ -403,11 +399,7 @@ class ProgramCoordinator:
             return
         p.claim = None
         self._claims_n -= 1
-        n = self._claims_on[p.place] - 1
-        if n:
-            self._claims_on[p.place] = n
-        else:
-            del self._claims_on[p.place]
+        _decrement(self._claims_on, p.place)
 
     def _claim_current(self, e: tuple[float, int, Hashable]) -> bool:
         p = self._programs.get(e[2])
@@ -487,11 +479,7 @@ class ProgramCoordinator:
         if w.resume:
             del self._resume_q[w.ticket]
         for counts in (self._waiting_on, self._resuming_on) if w.resume else (self._waiting_on,):
-            n = counts[w.place] - 1
-            if n:
-                counts[w.place] = n
-            else:
-                del counts[w.place]
+            _decrement(counts, w.place)
 
     def _corrected(self, p: _Program | None, tokens: int, prompt: int) -> tuple[int, int]:
         """Scale the prompt part by what the engine reported for this program's last turn (text estimates are
@@ -1057,6 +1045,15 @@ def _quantile(values, q: float) -> float:
     """The ``q`` quantile (0 < q <= 1) of a non-empty collection of numbers (the nearest-rank value)."""
     xs = sorted(values)
     return xs[min(len(xs) - 1, max(0, math.ceil(q * len(xs)) - 1))]
+
+
+def _decrement(counts: dict, key: Any) -> None:
+    """counts[key] -= 1, the key dropped at 0 (the per-place counts hold only places with something)."""
+    n = counts[key] - 1
+    if n:
+        counts[key] = n
+    else:
+        del counts[key]
 
 
 def _nonneg_int(v: Any) -> int | None:
