@@ -152,8 +152,8 @@ def test_arms_flag_takes_a_settings_variant():
 
 
 def test_the_kv_bound_scenario_runs_the_program_policy_under_resident_bounds():
-    """configs/bench/agentic-kv-bound.yaml names arm settings resident-1..4: each runs the program arm with
-    admission_program_max_resident N, a flag `kvgate serve` takes."""
+    """configs/bench/agentic-kv-bound.yaml names arm settings resident-N: each runs the program arm with
+    admission_program_max_resident N and a 900 s wait bound (30 s at speed 30), flags `kvgate serve` takes."""
     from pathlib import Path
 
     from kvgate.bench.runner import expand_arms
@@ -162,10 +162,12 @@ def test_the_kv_bound_scenario_runs_the_program_policy_under_resident_bounds():
     from kvgate.config import from_args
 
     sc = load_scenario(Path(__file__).resolve().parents[1] / "configs" / "bench" / "agentic-kv-bound.yaml")
-    sc.arms = [f"lifecycle+admission-program@resident-{n}" for n in (1, 2, 3, 4)]
-    for n, arm in enumerate(expand_arms(sc), start=1):
+    sizes = (1, 2, 3, 4, 6)
+    sc.arms = [f"lifecycle+admission-program@resident-{n}" for n in sizes]
+    for n, arm in zip(sizes, expand_arms(sc)):
         assert arm.name == f"lifecycle+admission-program@resident-{n}"
-        assert arm.kvgate_flags == ("--admission-program-max-resident", str(n))
+        assert arm.kvgate_flags == ("--admission-program-max-resident", str(n),
+                                    "--agentic-admission-max-wait-s", str(900 / sc.speed))
         cfg = from_args(build_parser().parse_args(["serve", "--agentic-program-admission", "--admission-policy",
                                                    "program", *arm.kvgate_flags]))
         assert cfg.admission_program_max_resident == n
