@@ -74,12 +74,13 @@ COMPUTE_PROFILES = {
     "llama-3-8b-h100": (DEFAULT_PREFILL_TOKENS_PER_S, DEFAULT_DECODE_BASE_MS, DEFAULT_DECODE_PER_SEQ_MS,
                         DEFAULT_DECODE_PER_CTX_TOKEN_US),
     "qwen2.5-32b-h100": (5400.0, 23.0, 0.06, 0.1),
-    # * sglang-cpu-mlp: MEASURED, not derived: SGLang 0.5.23 on one core of this project's shared 2-core machine
-    #   (load average 9-14), the `mlp` model (kvgate/tools/sglang_cpu/make_model.py) cut to 2 layers, float32,
-    #   random weights, as configs/bench/real-programs.yaml runs it; least-squares fits of
-    #   scripts/fit_engine_profile.py (samples in docs/simulator-fidelity.md): prefill 493 tokens/s, decode
-    #   41.5 ms + 4.35 ms per running request + 3.19 us per context token.
-    "sglang-cpu-mlp": (493.0, 41.5, 4.35, 3.19),
+    # * sglang-cpu-mlp: MEASURED, not derived: SGLang 0.5.23 on one core of this project's 2-core machine with
+    #   nothing else running (load average 0.8-1.4), the `mlp` model (kvgate/tools/sglang_cpu/make_model.py) cut
+    #   to 2 layers, float32, random weights, as configs/bench/real-programs.yaml runs it; least-squares fits of
+    #   scripts/fit_engine_profile.py (samples in docs/simulator-fidelity.md): prefill 2,138 tokens/s, decode
+    #   18.2 ms + 0.71 ms per running request + 3.42 us per context token. (The same fit at load 9-14 gave
+    #   493 tokens/s and 41.5 ms + 4.35 ms + 3.19 us: on a busy host scale it with --compute-scale.)
+    "sglang-cpu-mlp": (2138.0, 18.2, 0.71, 3.42),
 }
 
 # Context terms of the same profiles: (prefill attention FLOPs per extended token per attended context token,
@@ -94,19 +95,19 @@ PROFILE_CONTEXT = {
     "llama-3-8b-h100": (524288.0, 16e9, 5.3, 131072),
     "qwen2.5-32b-h100": (1310720.0, 65e9, 21.8, 262144),
     # * sglang-cpu-mlp: weights 2 x 13.9M params (2 layers of 4 x 512 x 256 attention + 3 x 512 x 4096 MLP, the
-    #   lm_head 512 x 512) = 2.8e7 FLOPs per token; the attention constant is the fit's 4.39e-7 s per
-    #   (context)^2 / 2 query-key pairs x 493 tokens/s x 2.8e7 = 6,060 (the FLOP count is 4 x 2 x 4 x 64 = 2,048:
-    #   the CPU's SDPA runs at a third of its matmuls' rate); no minimum pass time (the per-batch cost is
+    #   lm_head 512 x 512) = 2.8e7 FLOPs per token; the attention constant is the fit's 2.34e-8 s per
+    #   (context)^2 / 2 query-key pairs x 2,138 tokens/s x 2.8e7 = 1,400 (the FLOP count is 4 x 2 x 4 x 64 =
+    #   2,048: the CPU's SDPA runs near its matmuls' rate); no minimum pass time (the per-batch cost is
     #   PROFILE_OPTIONS' prefill_base_ms); KV 2 x 2 layers x 4 heads x 64 x 4 B (float32) = 4,096 bytes a token.
-    "sglang-cpu-mlp": (6060.0, 2.8e7, 0.0, 4096),
+    "sglang-cpu-mlp": (1400.0, 2.8e7, 0.0, 4096),
 }
 # Options only some profiles set (SchedulerConfig field -> value); see the fields' comments.
 # * sglang-cpu-mlp: the CPU engine's torch_native attention covers the whole context of every prefilled request;
-#   every prefill batch costs 274 ms on top (the fit's intercept: scheduling, the forward's fixed cost and the
-#   HTTP and tokenizer-manager hops of a request, on a busy machine).
+#   every prefill batch costs 59.5 ms on top (the fit's intercept: scheduling, the forward's fixed cost and the
+#   HTTP and tokenizer-manager hops of a request).
 PROFILE_OPTIONS: dict[str, dict] = {"llama-3-8b-h100": {}, "qwen2.5-32b-h100": {},
                                     "sglang-cpu-mlp": {"prefill_attention_whole_context": True,
-                                                       "prefill_base_ms": 274.0}}
+                                                       "prefill_base_ms": 59.5}}
 
 
 class TokenModel:
