@@ -650,25 +650,27 @@ class _Conn(asyncio.Protocol):
         self._trailer_bytes = 0
         self._upgrade = False
 
+    def _refusal(self, *answer) -> BadRequest:
+        """Record the answer (status, reason) for a request refused inside a parser callback and return it to
+        raise: httptools wraps the raise, so feed() reads the answer back from ``_limit_error``."""
+        self._limit_error = err = BadRequest(*answer)
+        return err
+
     def on_url(self, url: bytes) -> None:
         self._url += url
         if len(self._url) > self._max_line:
-            self._limit_error = BadRequest(400, f"request line over {self._max_line} bytes")
-            raise self._limit_error
+            raise self._refusal(400, f"request line over {self._max_line} bytes")
 
     def on_header(self, name: bytes, value: bytes) -> None:
         if not self._in_head:  # a trailer (after a chunked body): counted, never kept (nginx drops them too)
             self._trailer_bytes += len(name) + len(value) + 4
             if self._trailer_bytes > self.server.limits.trailer_bytes:
-                self._limit_error = BadRequest(400, f"trailer section over {self.server.limits.trailer_bytes} bytes")
-                raise self._limit_error
+                raise self._refusal(400, f"trailer section over {self.server.limits.trailer_bytes} bytes")
             return
         if len(name) + len(value) > self._max_field:
-            self._limit_error = BadRequest(431, f"a header line over {self._max_field} bytes")
-            raise self._limit_error
+            raise self._refusal(431, f"a header line over {self._max_field} bytes")
         if len(self._fields) >= self._max_fields:
-            self._limit_error = BadRequest(431, f"more than {self._max_fields // 2} header lines")
-            raise self._limit_error
+            raise self._refusal(431, f"more than {self._max_fields // 2} header lines")
         n = len(name)
         if n == 6 or n == 14 or n == 17 or n == 7:
             lname = name.lower()
@@ -700,27 +702,23 @@ class _Conn(asyncio.Protocol):
             return
         url = self._url
         if not url.isascii():
-            self._limit_error = BadRequest(400, "a byte that is not ASCII in the URL")
-            raise self._limit_error
+            raise self._refusal(400, "a byte that is not ASCII in the URL")
         v = p.get_http_version()
         if v == "1.1":
             version = (1, 1)
         elif v == "1.0":
             version = (1, 0)
         else:  # HTTP/0.9 (no version) or 2.0 and above on an HTTP/1 connection: as smg answers them
-            self._limit_error = BadRequest(*_BAD_VERSION.get(v[:1], _BAD_VERSION["2"]))
-            raise self._limit_error
+            raise self._refusal(*_BAD_VERSION.get(v[:1], _BAD_VERSION["2"]))
         method = p.get_method()
         keep_alive = p.should_keep_alive()
         if method == b"CONNECT":  # kvgate tunnels nothing; smg answers CONNECT the same way
-            self._limit_error = BadRequest(*_CONNECT_ANSWER)
-            raise self._limit_error
+            raise self._refusal(*_CONNECT_ANSWER)
         if self._upgrade:  # an Upgrade header: llhttp stops at the head only when Connection names it too
             self._upgrade = p.should_upgrade()
         if self._chunked_in and version == (1, 0):
             # RFC 9112 6.1: Transfer-Encoding on HTTP/1.0 is faulty framing; smg and nginx answer 400
-            self._limit_error = BadRequest(400, "Transfer-Encoding on an HTTP/1.0 request")
-            raise self._limit_error
+            raise self._refusal(400, "Transfer-Encoding on an HTTP/1.0 request")
         if url[0] != 0x2F and url != b"*":  # not origin-form (/...): absolute-form
             url = _origin_form(url)
         req = Request(self, _METHODS.get(method) or method.decode("ascii"), url.decode("ascii"), tuple(self._fields),
