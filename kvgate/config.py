@@ -331,6 +331,10 @@ KEYS: list[Key] = [
     Key("placement_pressure_threshold", float, 0.85,
         "A new session joins the engine holding its prefix only while that engine's KV usage is below this.",
         _unit, "in (0, 1]"),
+    Key("placement_busier_margin", int, 4,
+        "A new session joins the engine holding its prefix only while that engine's running + waiting requests "
+        "exceed the least busy other engine's by at most this many; null: load never moves it.",
+        lambda x: x >= 0, ">= 0 (or null: load never moves it)", nullable=True, metavar="N"),
     Key("placement_reopen_hint_s", float, 600.0,
         "Seconds a closed session's engine is remembered, so a re-opened session goes back to it (0: off).",
         _nonneg, ">= 0"),

@@ -105,7 +105,8 @@ def _rules(values: dict[str, Any], routes: tuple[str, ...]) -> list[tuple[Callab
     if not places:
         why = ("agentic_session_lifecycle is off and no route has session_placement: kvgate" if not lifecycle
                else "session_placement is router on every route")
-        rules.append((lambda k: k in ("placement_pressure_threshold", "placement_reopen_hint_s"),
+        rules.append((lambda k: k in ("placement_pressure_threshold", "placement_reopen_hint_s",
+                                      "placement_busier_margin"),
                       f"kvgate places no session traffic ({why})"))
     if not lifecycle:
         off = "agentic_session_lifecycle is off"

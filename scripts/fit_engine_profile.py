@@ -9,6 +9,8 @@ evicted), then, one request at a time:
 - decode: B concurrent streamed requests (B = 1..16, contexts 200 and 800 ids) of 24 new tokens each; the step
   time is the median over requests of (last chunk - first chunk) / (tokens - 1).
 and prints the least-squares fits (kvgate.sim.fit) as ``kvgate sim-engine`` flags, with every sample in --out.
+``--engines N`` starts N engines and measures them all at once (each its own random prompts), pooling the samples:
+the fit then describes an engine that shares the host's cores with N - 1 busy others, as the bench's engines do.
 The machine's load average at start and end is recorded: the timings are only as steady as the machine.
 """
 
@@ -97,18 +99,31 @@ def main(argv=None) -> int:
     ap.add_argument("--profile", default="mlp")
     ap.add_argument("--reps", type=int, default=1)
     ap.add_argument("--engine-extra", default="[]", help="more SGLang flags, a JSON list (as a scenario's engine_extra)")
+    ap.add_argument("--engines", type=int, default=1,
+                    help="engines measured at once on this host (samples pooled); default 1")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
-    rng = random.Random(0)
+    if args.engines < 1:
+        ap.error("--engines must be >= 1")
     log_dir = Path(tempfile.mkdtemp(prefix="kvgate-fit-"))
     load0 = Path("/proc/loadavg").read_text().split()[:3]
-    eng = start_engine(EngineSpec(max_total_tokens=40000, profile=args.profile, session_cache=False,
-                                  served_model_name=f"kvgate-{args.profile}",
-                                  extra=[str(x) for x in json.loads(args.engine_extra)]), log_dir, timeout_s=900)
+    engines = []
     try:
-        data = asyncio.run(measure(eng.url, rng, args.reps))
+        for _ in range(args.engines):
+            engines.append(start_engine(EngineSpec(max_total_tokens=40000, profile=args.profile, session_cache=False,
+                                                   served_model_name=f"kvgate-{args.profile}",
+                                                   extra=[str(x) for x in json.loads(args.engine_extra)]),
+                                        log_dir, timeout_s=900))
+
+        async def _all():
+            return await asyncio.gather(*(measure(e.url, random.Random(i), args.reps)
+                                          for i, e in enumerate(engines)))
+        parts = asyncio.run(_all())
     finally:
-        eng.stop()
+        for e in engines:
+            e.stop()
+    data = {"engines": args.engines, "prefill": [d for p in parts for d in p["prefill"]],
+            "decode": [d for p in parts for d in p["decode"]]}
     data["loadavg_start"], data["loadavg_end"] = load0, Path("/proc/loadavg").read_text().split()[:3]
     pf = fit_prefill([(d["prefix"], d["extend"], d["s"]) for d in data["prefill"]])
     df = fit_decode([(d["batch"], d["batch"] * d["ctx"], d["step_s"]) for d in data["decode"]])

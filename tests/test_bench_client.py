@@ -103,7 +103,9 @@ def test_router_command_per_arm(tmp_path):
     f = Fleet(sc, direct, scaled, tmp_path)
     f.engine_urls = ["http://127.0.0.1:1", "http://127.0.0.1:2"]
     cmd = f.router_command(5, 6)
-    assert cmd[cmd.index("--policy") + 1] == "manual" and cmd[-2:] == ["--assignment-mode", "min_group"]
+    assert cmd[cmd.index("--policy") + 1] == "manual"
+    assert cmd[cmd.index("--assignment-mode") + 1] == "min_group"
+    assert cmd[cmd.index("--load-monitor-interval") + 1] == "2"      # smg's 10 s at speed 4, whole seconds
     assert "--max-concurrent-requests" not in cmd
     f.arm = limit8
     cmd = f.router_command(5, 6)

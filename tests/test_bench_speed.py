@@ -112,3 +112,25 @@ def test_many_programs_stays_in_the_regime_its_comment_claims():
         assert s["final_context_tokens_mean"] <= 0.05 * sc.max_total_num_tokens
         assert s["final_context_tokens_max"] <= 0.07 * sc.max_total_num_tokens
         assert s["tool_gap_s_max"] <= 30.0
+
+
+def test_smgs_load_monitor_interval_scales_in_whole_seconds_and_reaches_smgs_command(tmp_path):
+    """smg polls each engine's /v1/loads every --load-monitor-interval seconds (10 by default); its worker
+    overload protection acts on those figures. Before, the bench left it at 10 s of wall time, so at speed 6
+    smg saw the simulated engines once a simulated minute (real engines: every 10 s)."""
+    from kvgate.bench.runner import Fleet, expand_arms
+    from kvgate.bench.speed import split_load_monitor_interval
+    assert [scale(s, {}, 60.0, 1.0).router_load_monitor_interval_s for s in (1, 2, 4, 6, 8, 20, 40)] == \
+        [10, 5, 2, 2, 1, 1, 1]  # 10 / 4 = 2.5 rounds to even (2); never below smg's minimum of 1
+    assert split_load_monitor_interval(["--x", 1, "--load-monitor-interval", "30"]) == (["--x", "1"], 30.0)
+    assert split_load_monitor_interval(["--load-monitor-interval=4"]) == ([], 4.0)
+    assert split_load_monitor_interval([]) == ([], 10)
+    for bad in (["--load-monitor-interval"], ["--load-monitor-interval", "x"], ["--load-monitor-interval", "0"]):
+        with pytest.raises(ValueError, match="load-monitor-interval"):
+            split_load_monitor_interval(bad)
+    sc = parse_scenario({"name": "t", "speed": 6, "arms": ["direct"], "router_extra": ["--load-monitor-interval", 30],
+                         "workload": {"kind": "agentic"}})
+    scaled = scale(sc.speed, sc.kvgate_times, sc.router_queue_timeout_s, sc.sample_interval_s,
+                   split_load_monitor_interval(sc.router_extra)[1])
+    cmd = Fleet(sc, expand_arms(sc)[0], scaled, tmp_path).router_command(1, 2)
+    assert cmd.count("--load-monitor-interval") == 1 and cmd[cmd.index("--load-monitor-interval") + 1] == "5"

@@ -435,6 +435,42 @@ def test_pipelined_mixtures_answer_every_valid_request_before_the_first_malforme
     assert "Traceback" not in pipeline_fleet.kvgate.log_path.read_text(errors="replace")
 
 
+async def test_a_connection_close_answer_half_closes_and_drops_what_follows_so_no_reset_discards_it(monkeypatch):
+    """Before: after answering a ``Connection: close`` request kvgate closed the socket at once; a pipelined
+    request behind it still in flight (GET /v0, GET /end with Connection: close, GET /after, sent in pieces)
+    made the kernel reset the connection, and the client lost the /end answer (seen on a loaded machine)."""
+    closed = asyncio.Event()
+    closed_hook = server.HttpServer._closed
+
+    def spy(self, conn):
+        closed_hook(self, conn)
+        closed.set()
+
+    monkeypatch.setattr(server.HttpServer, "_closed", spy)
+    seen = []
+
+    async def handler(req):
+        seen.append(req.path)
+        return web.Response(body=b"ok " + req.path.encode())
+
+    srv = server.HttpServer(lambda req: handler, client_max_size=MiB)
+    port = await srv.listen("127.0.0.1", 0)
+    try:
+        r, w = await asyncio.open_connection("127.0.0.1", port)
+        w.write(b"GET /end HTTP/1.1\r\nHost: k\r\nConnection: close\r\n\r\n")
+        head, body = await asyncio.wait_for(read_response(r), 10)
+        assert await asyncio.wait_for(r.read(), 10) == b""  # kvgate half-closed after its answer ...
+        assert len(srv._lingering) == 1 and not closed.is_set()  # ... and still reads, so late bytes meet no reset
+        w.write(b"GET /after HTTP/1.1\r\nHost: k\r\n\r\n")
+        await w.drain()
+        w.write_eof()
+        await asyncio.wait_for(closed.wait(), 10)  # the client's own close ends the linger at once
+    finally:
+        await srv.cleanup()
+    assert head.startswith(b"HTTP/1.1 200 ") and body == b"ok /end"
+    assert seen == ["/end"] and not srv._lingering  # /after was dropped, never served
+
+
 # --- 6. Upgrade ---------------------------------------------------------------------------------------------
 
 async def test_an_upgrade_request_is_served_as_a_plain_one_with_its_body(kvgate_factory, scripted):

@@ -1,5 +1,7 @@
 """Session placement rules (kvgate.fleet.placement): pure, deterministic, no I/O."""
 
+import pytest
+
 from kvgate.fleet.placement import Placement, Target
 from kvgate.sessions.inference import prefix_keys
 
@@ -355,8 +357,33 @@ def test_a_prefix_engine_that_is_the_busier_one_takes_no_sibling():
     p.remember_prefix(keys, first)
     p.set_capacity({A: [(10_000, 0, 3)], B: [(10_000, 0, 3)], C: [(10_000, 0, 3)]}, 1.0)
     assert p.place("g1", keys, 1.0) == first           # as busy as the others: the prefix wins
-    p.set_capacity({A: [(10_000, 0, 4)], B: [(10_000, 0, 3)], C: [(10_000, 0, 3)]}, 2.0)
-    assert p.place("g2", keys, 2.0) == Target(B) and p.counts["busier_moved"] == 1
+    p.set_capacity({A: [(10_000, 0, 7)], B: [(10_000, 0, 3)], C: [(10_000, 0, 3)]}, 2.0)
+    assert p.place("g2", keys, 2.0) == first           # 4 more than the least busy: within the default margin
+    p.set_capacity({A: [(10_000, 0, 8)], B: [(10_000, 0, 3)], C: [(10_000, 0, 3)]}, 3.0)
+    assert p.place("g3", keys, 3.0) == Target(B) and p.counts["busier_moved"] == 1
+
+
+def test_the_busier_margin_lets_a_prefix_engine_take_siblings_up_to_that_many_more_requests():
+    """busier_margin N: the prefix's engine keeps its siblings while it runs + queues at most N more requests
+    than the least busy other engine; None: load never moves them (only KV pressure does)."""
+    keys = prefix_keys(list(range(1, 200)))
+    for margin, moved_at in ((0, 1), (2, 3), (5, 6), (None, None)):
+        p = Placement(busier_margin=margin)
+        p.set_engines([(A, True), (B, True)])
+        p.set_capacity({A: [(10_000, 0, 0)], B: [(10_000, 0, 0)]}, 0.0)
+        first = p.place("g0", keys, 0.0)
+        p.remember_prefix(keys, first)
+        other = B if first.engine == A else A
+        got = []
+        for extra in range(0, 8):
+            p.set_capacity({first.engine: [(10_000, 0, extra)], other: [(10_000, 0, 0)]}, 1.0 + extra)
+            got.append(p.place(f"probe{extra}", keys, 1.0 + extra).engine)
+            p.forget(f"probe{extra}")
+        want = [first.engine if moved_at is None or extra < moved_at else other for extra in range(0, 8)]
+        assert got == want, (margin, got)
+        assert p.counts["busier_moved"] == (0 if moved_at is None else 8 - moved_at)
+    with pytest.raises(ValueError):
+        Placement(busier_margin=-1)
 
 
 def test_a_call_that_ended_after_the_figures_counted_it_no_longer_makes_its_engine_busier():
@@ -366,7 +393,7 @@ def test_a_call_that_ended_after_the_figures_counted_it_no_longer_makes_its_engi
     when those figures arrive only after the call ended. Before, the stale figure held until the next poll."""
     task = list(range(1, 257))
     for figures_arrive_late in (False, True):
-        p = Placement()
+        p = Placement(busier_margin=0)  # one request more makes an engine the busier one
         p.set_engines([(A, True), (B, True)])
         p.set_capacity({A: [(200_000, 0, 0)], B: [(200_000, 0, 0)]}, 0.0)
         keys = prefix_keys(task)

@@ -21,7 +21,7 @@ from kvgate.tools.engine import SGLANG_VERSION
 from kvgate.bench import ranking, report
 from kvgate.bench.runner import API_PATHS, expand_arms, run_arm
 from kvgate.bench.scenario import ARMS, check_engine, load_scenario
-from kvgate.bench.speed import scale
+from kvgate.bench.speed import scale, split_load_monitor_interval
 from kvgate.bench.workload import (ideal_prefill_agentic, ideal_prefill_mooncake, plan_agentic, plan_mooncake,
                                    plan_summary)
 from kvgate.bench.trace import read_trace
@@ -144,7 +144,8 @@ def run_order(arms: list, seeds: list[int], real: bool) -> list[tuple[int, objec
 
 
 def _run(args, sc, arms, seeds, workloads, previous, pool) -> int:
-    scaled = scale(sc.speed, sc.kvgate_times, sc.router_queue_timeout_s, sc.sample_interval_s)
+    scaled = scale(sc.speed, sc.kvgate_times, sc.router_queue_timeout_s, sc.sample_interval_s,
+                   split_load_monitor_interval(sc.router_extra)[1])
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     n_req = sum(w[2]["requests"] for w in workloads)

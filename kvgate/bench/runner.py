@@ -27,7 +27,7 @@ import yaml
 from kvgate.tools import procs
 from kvgate.bench import engines
 from kvgate.bench.scenario import Scenario, sim_extra_flags
-from kvgate.bench.speed import Scaled, kvgate_flags
+from kvgate.bench.speed import Scaled, kvgate_flags, split_load_monitor_interval
 from kvgate.bench.workload import SessionPlan, TraceRequest, next_prompt
 from kvgate.sim.tokenizer import encode
 
@@ -252,8 +252,10 @@ class Fleet:
 
     def router_command(self, port: int, prometheus_port: int) -> list[str]:
         """smg's command line for this arm: the scenario's policy and router_extra in every arm, the limiter
-        flags in router-limit arms (queue timeout scaled by the speed factor)."""
-        extra = [str(x) for x in self.sc.router_extra] + list(self.arm.router_flags)
+        flags in router-limit arms (queue timeout scaled by the speed factor), and the load-monitor interval
+        scaled by it (kvgate.bench.speed)."""
+        extra = split_load_monitor_interval(self.sc.router_extra)[0] + list(self.arm.router_flags)
+        extra += ["--load-monitor-interval", str(self.scaled.router_load_monitor_interval_s)]
         if self.arm.router_limit:
             extra += ["--max-concurrent-requests", str(self.arm.router_limit),
                       "--queue-size", str(self.sc.router_queue_size),

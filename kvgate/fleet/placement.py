@@ -16,9 +16,12 @@ Rules (docs/placement.md):
     usable rank is below it (every rank is under pressure: moving would re-prefill the prefix on an engine
     as pressed, and gain no room), and while that engine is not the busier one in compute: its running plus
     waiting requests (engine-reported, plus kvgate's calls its figures cannot include yet) are at most the
-    least busy other usable engine's. Otherwise siblings over one long shared prompt pile onto one engine
-    while another idles: a shared prefix saves one prefill, a queue costs every call behind it. Prompts are matched by chain hashes over fixed blocks (kvgate.sessions.inference's
-    fingerprint), at block granularity: the longest indexed prefix wins.
+    least busy other usable engine's plus ``busier_margin`` (None: load never moves a session off its prefix).
+    Otherwise siblings over one long shared prompt pile onto one engine while another idles: a shared prefix
+    saves one prefill, a queue costs every call behind it. The margin (4 by default) is there because two busy
+    engines' counts differ by one or two most of the time: at 0 placement moved most GRPO siblings off their
+    group's engine and lost the cache (docs/benchmark.md). Prompts are matched by chain hashes over fixed
+    blocks (kvgate.sessions.inference's fingerprint), at block granularity: the longest indexed prefix wins.
   - free KV: otherwise the usable engine (then rank) with the most free KV tokens (capacity - used - in-flight
     prompt tokens), free KV within ``tie_fraction`` of the largest pool counting as a tie; ties by fewest
     active sessions, then by the engine list order. Engines with no KV figures yet count as fully free.
@@ -132,14 +135,19 @@ class Placement:
     max_sessions / max_prefixes: caps on remembered sessions and indexed prompts (oldest dropped first); the
     closed sessions' engine hints are capped at max_sessions too.
     reopen_hint_s: seconds a closed session's engine is kept as a hint for its re-opening (0: no hint).
+    busier_margin: requests (running + waiting) by which a prefix's engine may exceed the least busy other
+    usable engine and still take a new session sharing that prefix; None: load never moves it.
     Raises ValueError for a value out of range.
     """
 
     def __init__(self, *, pressure_threshold: float = 0.85, tie_fraction: float = 0.02, unreachable_s: float = 5.0,
-                 max_sessions: int = 100_000, max_prefixes: int = 100_000, reopen_hint_s: float = 600.0):
+                 max_sessions: int = 100_000, max_prefixes: int = 100_000, reopen_hint_s: float = 600.0,
+                 busier_margin: int | None = 4):
         if not 0 < pressure_threshold <= 1 or not 0 <= tie_fraction < 1 or max_sessions < 1 or max_prefixes < 1 \
-                or not reopen_hint_s >= 0:
-            raise ValueError("pressure_threshold in (0, 1], tie_fraction in [0, 1), caps >= 1, reopen_hint_s >= 0")
+                or not reopen_hint_s >= 0 or busier_margin is not None and busier_margin < 0:
+            raise ValueError("pressure_threshold in (0, 1], tie_fraction in [0, 1), caps >= 1, reopen_hint_s >= 0, "
+                             "busier_margin >= 0 or None")
+        self.busier_margin = busier_margin
         self.pressure_threshold = pressure_threshold
         self.tie_fraction = tie_fraction
         self.unreachable_s = unreachable_s
@@ -331,7 +339,7 @@ class Placement:
                 rank = t.dp_rank if e.dp_size > 1 else None
                 if rank is not None and rank >= e.dp_size:
                     rank = self._best_rank(e)
-                if self._busier(e, usable):
+                if self.busier_margin is not None and self._busier(e, usable, self.busier_margin):
                     self.counts["busier_moved"] += 1
                     break
                 if e.rank_usage(rank or 0) < self.pressure_threshold:
@@ -344,10 +352,11 @@ class Placement:
         return self._target(e.url, self._best_rank(e) if e.dp_size > 1 else None), "free_kv"
 
     @staticmethod
-    def _busier(e: _Engine, usable: Sequence[_Engine]) -> bool:
-        """Whether ``e`` has more running + waiting requests than the least busy other usable engine."""
+    def _busier(e: _Engine, usable: Sequence[_Engine], margin: int) -> bool:
+        """Whether ``e`` has more than ``margin`` running + waiting requests over the least busy other usable
+        engine."""
         others = [o.load() for o in usable if o is not e]
-        return bool(others) and e.load() > min(others)
+        return bool(others) and e.load() > min(others) + margin
 
     def _tie_unit(self, engines: Sequence[_Engine]) -> int:
         largest = max((c for e in engines for c, _ in (e.pools or [])), default=0)

@@ -134,7 +134,8 @@ class Gateway:
                                          router_key=router_key, engine_key=engine_key)
         self.placement = Placement(pressure_threshold=cfg.placement_pressure_threshold,
                                    max_sessions=cfg.max_tracked_sessions, max_prefixes=cfg.max_tracked_sessions,
-                                   reopen_hint_s=cfg.placement_reopen_hint_s)
+                                   reopen_hint_s=cfg.placement_reopen_hint_s,
+                                   busier_margin=cfg.placement_busier_margin)
         # The relay of placed session calls straight to their engine; shared state and the clock set below.
         # read per placed or shared-inference request: looked up once (Config reads go through __getattr__)
         self._placement_blocks = (cfg.session_inference_block_tokens, cfg.session_inference_block_chars,

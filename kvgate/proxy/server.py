@@ -59,9 +59,9 @@ BODY_HIGH_WATER = 1 << 18
 SWEEP_S = 1.0
 # A body of unknown length (chunked) takes the in-flight body budget in steps of this many bytes.
 BUDGET_STEP = 1 << 20
-# After a refusal answered before the body was read (413, 503, 408), the client's remaining bytes are read
-# and dropped for at most this long before the connection closes, so the answer is not lost to a reset
-# (nginx's lingering_close; its lingering_timeout is 5 s).
+# After the last answer on a connection kvgate closes (a refusal before the body was read, Connection: close,
+# a malformed request), the client's remaining bytes are read and dropped for at most this long before the
+# connection closes, so the answer is not lost to a reset (nginx's lingering_close; its lingering_timeout is 5 s).
 LINGER_S = 5.0
 # How often, at most, the file-descriptor shortage is logged, seconds.
 FD_LOG_EVERY_S = 60.0
@@ -955,14 +955,16 @@ class _Conn(asyncio.Protocol):
         self.server._idle_since(self)
 
     def _close_after(self, req: Request) -> None:
-        """Close once the answer is written; when the client may still be sending the body kvgate did not
-        read, half-close and drop what it sends for at most LINGER_S, so it reads the answer first."""
+        """Close once the answer is written: half-close, then drop what the client still sends for at most
+        LINGER_S (until its own close), so it reads the answer first. Always, not only when a body is
+        unread: a pipelined request behind a ``Connection: close`` one may still be in flight, and bytes
+        arriving at a closed socket make the kernel reset the connection, which can discard the answer
+        before the client reads it (nginx lingers when it sees such bytes; kvgate cannot see those in flight)."""
         self.closing = True
         self._stopped = True
-        if not req._body_done and not self.transport.is_closing():
-            self._linger()
+        if self.transport.is_closing():
             return
-        self.transport.close()
+        self._linger()
 
     def _linger(self) -> None:
         self._lingering = True

@@ -32,8 +32,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
       help="priority: evict by (max priority of the requests that touched a node, last access)")
     a("--speed", type=float, default=1.0, help="simulated time runs this many times faster")
     a("--compute-profile", choices=sorted(COMPUTE_PROFILES), default="llama-3-8b-h100",
-      help="the model and GPU the simulated compute times stand for (derived from FLOPs and memory bandwidth, "
-           "not measured; docs/simulator.md); the four flags below override single constants of the profile")
+      help="the model and device the simulated compute times stand for: the two H100 profiles are derived from "
+           "FLOPs and memory bandwidth, sglang-cpu-mlp is fitted to a real CPU engine (docs/simulator.md, "
+           "docs/simulator-fidelity.md); the four flags below override single constants of the profile")
     a("--prefill-tokens-per-s", type=float, default=None,
       help="prefill throughput, tokens per second at --speed 1 (default: the profile's)")
     a("--decode-base-ms", type=float, default=None,
