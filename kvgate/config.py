@@ -385,10 +385,10 @@ KEYS: list[Key] = [
     Key("admission_prefix_block_tokens", int, 64,
         "Prompt prefix block size in tokens: a prefix several live requests share is reserved once.", _pos, "> 0",
         only_when="agentic_program_admission"),
-    Key("admission_pause_victim", str, "smallest",
+    Key("admission_pause_victim", str, "ahead",
         "program policy: which in-tool program pauses first when an engine overflows.",
         choices=("smallest", "largest", "longest-idle", "ahead")),
-    Key("admission_resume_order", str, "smallest",
+    Key("admission_resume_order", str, "fifo",
         "program policy: which paused program resumes first as room frees.", choices=("smallest", "fifo")),
     Key("admission_program_overdue_multiple", float, 3.0,
         "program policy: a program in a tool call idle longer than this x the 90th percentile of its own and "

@@ -4,7 +4,9 @@ and seeds, one on real SGLang engines and one on the simulator.
     python scripts/fidelity_table.py ENGINE_RUN SIM_RUN     # each an --out directory or a results.json
 
 Per arm: step makespan (mean over the seeds) on each and the simulator's error, recomputed prefill tokens,
-cached tokens per turn, retractions and evicted tokens; then whether the arms rank the same (the order of the
+cached tokens per turn, retractions and evicted tokens, and (runs that recorded it) the CPU seconds the engines and
+the rest of the fleet (router, kvgate, the bench's client) used, with the simulated seconds the host contention
+figures added; then whether the arms rank the same (the order of the
 mean makespans, and the Scott-Knott tiers each run found).
 """
 
@@ -29,10 +31,21 @@ def _mean(m: dict, key: str):
     return v.get("mean") if isinstance(v, dict) else v
 
 
+def _cpu(m: dict) -> tuple[float, float] | None:
+    """(engines, everything else) CPU seconds of an arm, or None when the run did not record them."""
+    c = m.get("cpu_s")
+    if not isinstance(c, dict) or "engines" not in c:
+        return None
+    return c["engines"], sum(v for k, v in c.items() if k != "engines")
+
+
 def table(engine: dict, sim: dict) -> str:
     """The markdown table and the ranking lines (the pure part)."""
     arms = [a for a in engine["metrics"] if a in sim["metrics"]]
+    with_cpu = all(_cpu(r["metrics"][a]) is not None for a in arms for r in (engine, sim))
     head = ["arm"] + [f"{t} engine / sim" for _, t, _ in ROWS] + ["sim makespan error"]
+    if with_cpu:
+        head += ["engines' CPU s engine / sim", "router+kvgate+client CPU s engine / sim", "sim contention s"]
     lines = ["| " + " | ".join(head) + " |", "|---" * len(head) + "|"]
     worst = 0.0
     for a in arms:
@@ -45,6 +58,10 @@ def table(engine: dict, sim: dict) -> str:
         err = (sm - em) / em if em else float("nan")
         worst = max(worst, abs(err))
         cells.append(f"{err:+.0%}")
+        if with_cpu:
+            (ee, eo), (se, so) = _cpu(e), _cpu(s)
+            cells += [f"{ee:.1f} / {se:.1f}", f"{eo:.1f} / {so:.1f}",
+                      "-" if s.get("host_contention_s") is None else f"{s['host_contention_s']:.1f}"]
         lines.append("| " + " | ".join(cells) + " |")
     by = lambda r: sorted(arms, key=lambda a: _mean(r["metrics"][a], "makespan_s"))  # noqa: E731
     oe, os_ = by(engine), by(sim)

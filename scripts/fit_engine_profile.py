@@ -11,6 +11,10 @@ evicted), then, one request at a time:
 and prints the least-squares fits (kvgate.sim.fit) as ``kvgate sim-engine`` flags, with every sample in --out.
 ``--engines N`` starts N engines and measures them all at once (each its own random prompts), pooling the samples:
 the fit then describes an engine that shares the host's cores with N - 1 busy others, as the bench's engines do.
+``--contention`` instead measures what two engines on this host cost each other (the simulator's
+``--host-contention-prefill`` / ``--host-contention-decode``): the same prefill (512 uncached ids) and decode step
+(4 streams of 32 tokens over 200-id prompts) timed on one engine alone and on both engines at once, each
+``--reps`` times (5 by default here), alternating; the slowdown is (together / alone) - 1 of the medians.
 The machine's load average at start and end is recorded: the timings are only as steady as the machine.
 """
 
@@ -94,10 +98,43 @@ async def measure(url: str, rng: random.Random, reps: int) -> dict:
     return out
 
 
+async def _decode_step(http: aiohttp.ClientSession, url: str, rng: random.Random, batch: int = 4,
+                       ctx: int = 200, new: int = 32) -> float:
+    rs = await asyncio.gather(*(_one(http, url, _ids(rng, ctx), new, stream=True) for _ in range(batch)))
+    return statistics.median((r["last_s"] - r["first_s"]) / (r["n"] - 1) for r in rs if r["first_s"] and r["n"] > 1)
+
+
+async def measure_contention(urls: list[str], reps: int) -> dict:
+    """Prefill and decode timed on ``urls[0]`` alone and on every engine at once, ``reps`` rounds of each,
+    alternating so that a drift of the machine's load hits both alike. Returns the samples (seconds) and the
+    slowdowns ((together / alone) - 1 of the medians)."""
+    rngs = [random.Random(100 + i) for i in range(len(urls))]
+    out = {"prefill_alone": [], "prefill_together": [], "decode_alone": [], "decode_together": []}
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600)) as http:
+        await asyncio.gather(*(_one(http, u, _ids(rngs[i], 64), 4) for i, u in enumerate(urls)))  # warm
+        for _ in range(reps):
+            r = await _one(http, urls[0], _ids(rngs[0], 512), 1)
+            out["prefill_alone"].append(r["wall_s"])
+            rs = await asyncio.gather(*(_one(http, u, _ids(rngs[i], 512), 1) for i, u in enumerate(urls)))
+            out["prefill_together"] += [x["wall_s"] for x in rs]
+            out["decode_alone"].append(await _decode_step(http, urls[0], rngs[0]))
+            out["decode_together"] += await asyncio.gather(*(_decode_step(http, u, rngs[i])
+                                                             for i, u in enumerate(urls)))
+            for u in urls:
+                flush_cache(u)
+    med = {k: statistics.median(v) for k, v in out.items()}
+    out["medians_s"] = med
+    out["slowdown"] = {"prefill": med["prefill_together"] / med["prefill_alone"] - 1,
+                       "decode": med["decode_together"] / med["decode_alone"] - 1}
+    return out
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--profile", default="mlp")
-    ap.add_argument("--reps", type=int, default=1)
+    ap.add_argument("--reps", type=int, default=None, help="rounds of probes (default 1; 5 with --contention)")
+    ap.add_argument("--contention", action="store_true",
+                    help="measure what two engines cost each other instead of fitting the profile (starts 2)")
     ap.add_argument("--engine-extra", default="[]", help="more SGLang flags, a JSON list (as a scenario's engine_extra)")
     ap.add_argument("--engines", type=int, default=1,
                     help="engines measured at once on this host (samples pooled); default 1")
@@ -105,6 +142,9 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     if args.engines < 1:
         ap.error("--engines must be >= 1")
+    if args.contention:
+        args.engines = max(args.engines, 2)
+    reps = args.reps if args.reps is not None else (5 if args.contention else 1)
     log_dir = Path(tempfile.mkdtemp(prefix="kvgate-fit-"))
     load0 = Path("/proc/loadavg").read_text().split()[:3]
     engines = []
@@ -115,13 +155,27 @@ def main(argv=None) -> int:
                                                    extra=[str(x) for x in json.loads(args.engine_extra)]),
                                         log_dir, timeout_s=900))
 
-        async def _all():
-            return await asyncio.gather(*(measure(e.url, random.Random(i), args.reps)
-                                          for i, e in enumerate(engines)))
-        parts = asyncio.run(_all())
+        if args.contention:
+            result = asyncio.run(measure_contention([e.url for e in engines], reps))
+        else:
+            async def _all():
+                return await asyncio.gather(*(measure(e.url, random.Random(i), reps)
+                                              for i, e in enumerate(engines)))
+            parts = asyncio.run(_all())
     finally:
         for e in engines:
             e.stop()
+    if args.contention:
+        result["engines"] = args.engines
+        result["loadavg_start"], result["loadavg_end"] = load0, Path("/proc/loadavg").read_text().split()[:3]
+        if args.out:
+            Path(args.out).write_text(json.dumps(result, indent=1))
+        for k, v in result["medians_s"].items():
+            print(f"{k:18s} median {v * 1000:8.1f} ms  of {len(result[k])}")
+        sd = result["slowdown"]
+        print(f"--host-contention-prefill {sd['prefill']:.2f} --host-contention-decode {sd['decode']:.2f}")
+        print(f"load average {' '.join(result['loadavg_start'])} -> {' '.join(result['loadavg_end'])}")
+        return 0
     data = {"engines": args.engines, "prefill": [d for p in parts for d in p["prefill"]],
             "decode": [d for p in parts for d in p["decode"]]}
     data["loadavg_start"], data["loadavg_end"] = load0, Path("/proc/loadavg").read_text().split()[:3]

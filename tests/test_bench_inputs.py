@@ -52,6 +52,7 @@ def _run(tmp_path, scenario_text, *flags):
     (GOOD, ["--arms", "direcct"], "--arms: unknown arm 'direcct'"),
     (GOOD, ["--arms", "router-limit-3"], "no arm to run (router-limit-N needs N in router_limits"),
     (GOOD, ["--compare", "/nonexistent/run"], "--compare: /nonexistent/run not found"),
+    (GOOD, ["--sim-fit", "/nonexistent/fit.json"], "--sim-fit /nonexistent/fit.json: [Errno 2]"),
 ])
 def test_bad_input_exits_2_with_one_line(tmp_path, capsys, text, flags, expect):
     rc, out = _run(tmp_path, text, *flags)
@@ -171,3 +172,32 @@ def test_the_kv_bound_scenario_runs_the_program_policy_under_resident_bounds():
         cfg = from_args(build_parser().parse_args(["serve", "--agentic-program-admission", "--admission-policy",
                                                    "program", *arm.kvgate_flags]))
         assert cfg.admission_program_max_resident == n
+
+
+def test_sim_fit_files_bad_ones_stop_the_bench_naming_the_file(tmp_path, capsys):
+    bad = tmp_path / "bad.json"
+    for text, expect in [("{", "Expecting"), ('{"engines": 1}', "neither a 'fit' nor a 'slowdown'"),
+                         ('{"fit": {"prefill": {}}}', "lacks 'decode'")]:
+        bad.write_text(text)
+        rc, out = _run(tmp_path, GOOD, "--sim-fit", str(bad))
+        err = capsys.readouterr().err.strip()
+        assert rc == 2 and len(err.splitlines()) == 1 and f"--sim-fit {bad}: " in err and expect in err, err
+        assert not out.exists()
+
+
+def test_sim_settings_from_a_fit_and_a_contention_file():
+    from kvgate.sim.fit import sim_settings
+    fit = {"fit": {"prefill": {"base_ms": 12.712, "tokens_per_s": 2116.78, "attn_s_per_ctx_token2": -1.5e-8},
+                   "decode": {"base_ms": 7.2437, "per_seq_ms": 0.3943, "per_ctx_token_us": -0.2}}}
+    assert sim_settings(fit) == {"prefill_tokens_per_s": 2116.8, "prefill_base_ms": 12.71, "decode_base_ms": 7.244,
+                                 "decode_per_seq_ms": 0.394, "decode_per_ctx_token_us": 0.0}
+    assert sim_settings({"slowdown": {"prefill": 0.194, "decode": -0.01}}) == {
+        "host_contention_prefill": 0.194, "host_contention_decode": 0.0}
+    with pytest.raises(ValueError, match="not a throughput"):
+        sim_settings({"fit": {"prefill": {"base_ms": 1, "tokens_per_s": float("inf")},
+                              "decode": {"base_ms": 1, "per_seq_ms": 0, "per_ctx_token_us": 0}}})
+    # the settings are sim-engine flags the scenario check accepts
+    sc = parse_scenario({"arms": ["direct"], "workload": {"kind": "agentic"},
+                         "sim_extra": {"compute_profile": "sglang-cpu-mlp", **sim_settings(fit),
+                                       **sim_settings({"slowdown": {"prefill": 0.2, "decode": 0.4}})}})
+    assert sc.sim_extra["host_contention_decode"] == 0.4

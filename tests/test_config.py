@@ -21,6 +21,17 @@ def test_defaults_have_both_features_off():
     assert cfg.decode_cap == 4096
 
 
+def test_the_program_policy_defaults_to_the_makespan_aware_rules_in_config_and_core():
+    # measured on many-programs (docs/benchmark.md): as fast as ThunderAgent's smallest/smallest, fewer pauses,
+    # a shorter TTFT tail; the bench's `-thunder` arms keep ThunderAgent's
+    from kvgate.admission.ledger import Ledger
+    from kvgate.admission.program import ProgramCoordinator
+    cfg = validate({})
+    assert (cfg.admission_pause_victim, cfg.admission_resume_order) == ("ahead", "fifo")
+    co = ProgramCoordinator(Ledger())
+    assert (co.victim, co.resume) == ("ahead", "fifo")
+
+
 def test_shipped_config_documents_every_key_and_is_valid():
     text = (ROOT / "configs" / "kvgate.yaml").read_text()
     data = yaml.safe_load(text)

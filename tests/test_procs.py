@@ -112,3 +112,34 @@ def test_ctrl_c_inside_an_asyncio_task_stops_the_whole_run_quietly():
     finally:
         p.kill()
         p.wait()
+
+
+# A process group whose leader and a child each burn CPU until their own process time passes a mark, then say so
+# and wait for the test: the group's CPU seconds are then at least both marks.
+BURNER = r"""
+import subprocess, sys, time
+child = subprocess.Popen([sys.executable, "-c",
+    "import time, sys\nwhile time.process_time() < 0.3: pass\nprint('c', flush=True)\nsys.stdin.read()"],
+    stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+while time.process_time() < 0.3:
+    pass
+assert child.stdout.readline().strip() == "c"
+print("burnt", flush=True)
+sys.stdin.read()
+child.stdin.close(); child.wait()
+"""
+
+
+def test_group_cpu_seconds_sums_the_live_processes_of_a_group():
+    from kvgate.tools.procs import group_cpu_seconds
+    p = subprocess.Popen([sys.executable, "-c", BURNER], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                         start_new_session=True)
+    try:
+        assert p.stdout.readline().strip() == "burnt"
+        used = group_cpu_seconds([p.pid, 999999999])
+        # leader + child, each >= 0.3 s of CPU; /proc counts in clock ticks, sampled, so allow a tick or two each
+        assert 0.5 <= used[p.pid] < 10.0
+        assert used[999999999] == 0.0             # no such group
+    finally:
+        p.stdin.close()
+        p.wait(10)

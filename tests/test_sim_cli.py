@@ -58,3 +58,37 @@ def test_every_flag_has_help_for_users_without_source_paths():
     # help speaks to users: no internal file paths such as "kvgate/sim/scheduler.py"
     with_paths = [a.option_strings[0] for a in flags if ".py" in a.help or "kvgate/" in a.help]
     assert with_paths == []
+
+
+def test_the_prefill_base_and_the_host_board_flags():
+    o = _opts("--compute-profile", "sglang-cpu-mlp")
+    assert o["prefill_base_ms"] == 59.5 and o["prefill_attention_whole_context"] is True
+    o = _opts("--compute-profile", "sglang-cpu-mlp", "--prefill-base-ms", "12.7")
+    assert o["prefill_base_ms"] == 12.7 and o["prefill_attention_whole_context"] is True
+    assert "prefill_base_ms" not in _opts()            # the H100 profiles have none
+    assert _opts("--prefill-base-ms", "5")["prefill_base_ms"] == 5.0
+    o = _opts("--host-board", "/tmp/b", "--host-contention-prefill", "0.2", "--host-contention-decode", "0.4")
+    assert (o["host_board"], o["host_contention_prefill"], o["host_contention_decode"]) == ("/tmp/b", 0.2, 0.4)
+    assert _opts()["host_board"] is None
+
+
+def test_a_bad_host_contention_stops_startup_naming_the_flag(capsys):
+    p = argparse.ArgumentParser()
+    cli.add_arguments(p)
+    for argv, expect in [(["--host-contention-decode", "-1"], "--host-contention-decode must be a number >= 0"),
+                         (["--host-board", "/tmp/x", "--host-contention-prefill", "nan"], "must be a number >= 0"),
+                         (["--host-board", "/tmp/x", "--host-contention-decode", "inf"], "must be a number >= 0"),
+                         (["--host-contention-prefill", "0.2"], "--host-contention-prefill needs --host-board DIR")]:
+        assert cli.run(p.parse_args(argv)) == 2
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1 and expect in err, err
+
+
+def test_a_host_board_that_is_not_a_usable_directory_stops_startup_in_one_line(tmp_path, capsys):
+    f = tmp_path / "a-file"
+    f.write_text("x")
+    p = argparse.ArgumentParser()
+    cli.add_arguments(p)
+    assert cli.run(p.parse_args(["--host-board", str(f)])) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and err.startswith(f"error: --host-board {f}: ") and "File exists" in err

@@ -24,16 +24,18 @@ that can only hold requests and close engine sessions):
 - fail-open as the fifo policy: protected work bypasses (reserving), a missing or stale capacity signal
   lets everything bypass and pauses nothing.
 
-Victim rule (``victim``): "smallest" (default) pauses the smallest in-tool program first, as ThunderAgent's
+Victim rule (``victim``): "smallest" pauses the smallest in-tool program first, as ThunderAgent's
 paper and code do: re-prefilling a context of c tokens costs ~c^2 attention work, so the smallest victim
 costs the least to bring back; "largest" frees the most per pause (fewest programs paused); "longest-idle"
 pauses the program whose tool call has run longest (the radix cache's LRU would evict it first anyway).
-"ahead" aims at the step's makespan (the last program to finish): the in-tool program furthest ahead of its
+"ahead" (default) aims at the step's makespan (the last program to finish): the in-tool program furthest ahead of its
 group (GRPO siblings: the programs whose first prompt is the same) in turns done pauses first, then the one
 with the most turns done, then the smallest; a program far along has the least work left, so delaying it is
 least likely to delay the step's last program (the programs with the most work left).
-Resume order (``resume``): "smallest" (default: ThunderAgent's greedy resume packs the most programs into the
-room freed) or "fifo" (longest waiting first, so no paused program starves behind smaller ones).
+Resume order (``resume``): "smallest" (ThunderAgent's greedy resume packs the most programs into the room freed)
+or "fifo" (default: longest waiting first, so no paused program starves behind smaller ones). The defaults
+are the makespan-aware pair: on the bench's many-programs scenario they finished as soon as ThunderAgent's
+smallest/smallest, with fewer pauses and a shorter TTFT tail (docs/benchmark.md).
 
 A program's state comes from evidence, not only from the TTL:
 - live (a turn in flight), in a tool call, paused (held by kvgate), and ended: a program in a tool call
@@ -184,7 +186,7 @@ class ProgramCoordinator:
     """
 
     def __init__(self, ledger: Ledger, max_wait_s: float = 30.0, *, window_s: float | None = None,
-                 victim: str = "smallest", resume: str = "smallest", program_ttl_s: float = 600.0,
+                 victim: str = "ahead", resume: str = "fifo", program_ttl_s: float = 600.0,
                  overdue_multiple: float = 3.0, overdue_quantile: float = 0.9, overdue_default_s: float = 60.0,
                  resume_deadline_s: float | None = None, max_resident: int | None = None) -> None:
         if isinstance(max_wait_s, bool) or not isinstance(max_wait_s, (int, float)) or not max_wait_s >= 0:

@@ -25,6 +25,7 @@ from kvgate.bench.speed import scale, split_load_monitor_interval
 from kvgate.bench.workload import (ideal_prefill_agentic, ideal_prefill_mooncake, plan_agentic, plan_mooncake,
                                    plan_summary)
 from kvgate.bench.trace import read_trace
+from kvgate.sim.fit import sim_settings
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -43,6 +44,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--engine", choices=["sim", "sglang"], default=None,
                    help="override the scenario's engine: sim (kvgate sim-engine) or sglang (real CPU SGLang engines, "
                         "speed 1; needs the engine environment, scripts/setup-engine.sh)")
+    p.add_argument("--sim-fit", action="append", default=[], metavar="FILE",
+                   help="simulated engines take their compute constants (and host contention) from this file, as "
+                        "scripts/fit_engine_profile.py writes it for the machine at hand; over the scenario's "
+                        "sim_extra; may be given twice (a fit and a --contention measurement)")
 
 
 def _workload(sc, seed: int):
@@ -70,6 +75,15 @@ def _clean(x):
     return x
 
 
+def _sim_fit(path: str) -> dict:
+    """sim_extra settings from a fit file (kvgate.sim.fit.sim_settings). Raises ValueError naming the file."""
+    try:
+        data = json.loads(Path(path).read_text())
+        return sim_settings(data)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"--sim-fit {path}: {e}") from None
+
+
 def run(args: argparse.Namespace) -> int:
     """Run the bench; see the module docstring for the exit codes."""
     try:
@@ -86,6 +100,8 @@ def run(args: argparse.Namespace) -> int:
             sc.seed = args.seed
         if getattr(args, "engine", None) is not None:
             sc.engine = args.engine
+        for f in getattr(args, "sim_fit", None) or []:
+            sc.sim_extra = {**sc.sim_extra, **_sim_fit(f)}
         check_engine(sc.engine, sc.speed, sc.arms, sc.api)
         if not args.arm_timeout_s > 0:
             raise ValueError(f"--arm-timeout-s: must be > 0, got {args.arm_timeout_s}")

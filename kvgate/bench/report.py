@@ -128,6 +128,10 @@ def summarize(raw: dict, speed: float, ideal_prefill_tokens: int) -> dict:
     m["reopened_home"] = placed.get("reopened")
     m["reopened_elsewhere"] = placed.get("reopen_elsewhere")
     m["reopen_home_elsewhere"] = _pair(m["reopened_home"], m["reopened_elsewhere"])
+    # what shared the host's cores during the run (CPU seconds by role, wall time), and on simulated engines
+    # with a host contention figure the simulated seconds it added to their batches
+    m["cpu_s"] = raw.get("cpu_s")
+    m["host_contention_s"] = totals.get("host_contention_seconds")
     return m
 
 

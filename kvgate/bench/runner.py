@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import sys
 import time
 from dataclasses import dataclass, replace
@@ -189,6 +190,8 @@ class Fleet:
             cmd = [sys.executable, "-m", "kvgate", "sim-engine", "--port", str(port),
                    "--max-total-num-tokens", str(self.arm.pool_tokens), "--speed", repr(self.scaled.sim_speed)]
             cmd += sim_extra_flags(self.sc.sim_extra)
+            # the fleet's engines share this host: a contention figure in sim_extra takes effect through it
+            cmd += ["--host-board", str(self.log_dir / "host-board")]
             if self.arm.hicache:
                 cmd.append("--enable-hierarchical-cache")
             self.procs.append(procs.start(f"engine{i}", cmd, self.log_dir, url=url))
@@ -265,6 +268,27 @@ class Fleet:
     @property
     def policy(self) -> str:
         return self.arm.router_policy or self.sc.router_policy
+
+    def cpu_groups(self) -> dict[str, list[int]]:
+        """The process groups of this fleet by role (engines, router, kvgate, other): what shares the host."""
+        roles: dict[str, list[int]] = {"engines": [], "router": [], "kvgate": [], "other": []}
+        if self.engine_pool is not None:
+            roles["engines"] += [e.proc.popen.pid for e in self.engine_pool.engines]
+        for p in self.procs:
+            role = ("engines" if p.name.startswith("engine") else "router" if p.name == "smg"
+                    else "kvgate" if p.name.startswith("kvgate") else "other")
+            roles[role].append(p.popen.pid)
+        return roles
+
+    def cpu_seconds(self) -> dict[str, float]:
+        """CPU seconds used so far by each role of :meth:`cpu_groups`, and by this process (``client``: the
+        bench's client and sampler)."""
+        roles = self.cpu_groups()
+        used = procs.group_cpu_seconds([g for gs in roles.values() for g in gs])
+        out = {role: sum(used.get(g, 0.0) for g in gs) for role, gs in roles.items()}
+        t = os.times()
+        out["client"] = t.user + t.system
+        return out
 
     def stop(self) -> None:
         """Stop every process group, newest first."""
@@ -528,6 +552,7 @@ async def run_arm_async(fleet: Fleet, workload, scaled: Scaled, sc: Scenario, pr
     real = fleet.engine_pool is not None
     before = [engines.scrape(u) for u in fleet.engine_urls] if real else None
     loadavg = [_loadavg()]
+    cpu0 = fleet.cpu_seconds()
     stop = asyncio.Event()
     sampler = asyncio.create_task(sample_loop(fleet.engine_urls, scaled, rec, stop))
     timed_out = False
@@ -545,6 +570,8 @@ async def run_arm_async(fleet: Fleet, workload, scaled: Scaled, sc: Scenario, pr
         await sampler
     wall = rec.now()
     loadavg.append(_loadavg())
+    cpu1 = fleet.cpu_seconds()
+    cpu = {k: round(cpu1[k] - cpu0.get(k, 0.0), 2) for k in cpu1}
     if real:  # a real engine's counters, before and after this run (it has no /sim/stats)
         after = [engines.scrape(u) for u in fleet.engine_urls]
         sims = [{"totals": {k: a[k] - b[k] for k in a}, "sessions": []} for a, b in zip(after, before)]
@@ -570,7 +597,7 @@ async def run_arm_async(fleet: Fleet, workload, scaled: Scaled, sc: Scenario, pr
             for k, v in ((await _get_json(u + "/kvgate/engines")).get("placement") or {}).get("counts", {}).items():
                 placement[k] = placement.get(k, 0) + v
     return {"arm": fleet.arm.name, "wall_s": wall, "timed_out": timed_out, "requests": rec.requests,
-            "loadavg": loadavg, "engine": "sglang" if real else "sim",
+            "loadavg": loadavg, "cpu_s": cpu, "engine": "sglang" if real else "sim",
             "sessions": rec.sessions, "steps": rec.steps, "samples": rec.samples, "closes": rec.closes,
             "sim_totals": totals, "sim_engines_sessions_seen": None if real else [len(s["sessions"]) for s in sims],
             "sim_engines_prompt_tokens": [s["totals"]["prompt_tokens"] for s in sims],

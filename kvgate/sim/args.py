@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import math
 import signal
 import sys
 
@@ -43,8 +44,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
       help="extra decode-step time per running request, milliseconds (default: the profile's)")
     a("--decode-per-ctx-token-us", type=float, default=None,
       help="extra decode-step time per token of context attended, microseconds (default: the profile's)")
+    a("--prefill-base-ms", type=float, default=None,
+      help="fixed time of every prefill batch on top of its tokens, milliseconds (default: the profile's; "
+           "0 for the H100 profiles)")
     a("--compute-scale", type=float, default=1.0,
       help="multiply every prefill and decode time by this (a host slower than the profile's; default 1)")
+    a("--host-board", default=None, metavar="DIR",
+      help="engines started with the same directory share this host's cores: while others compute, a batch "
+           "takes longer by the two --host-contention figures (default: none, every engine has a host of its own)")
+    a("--host-contention-prefill", type=float, default=0.0,
+      help="extra fraction of a prefill batch's time per other engine computing on the board (default 0)")
+    a("--host-contention-decode", type=float, default=0.0,
+      help="extra fraction of a decode step's time per other engine computing on the board (default 0)")
     a("--max-running-requests", type=int, default=1024,
       help="most requests decoding at once per DP rank; more wait for a later batch (default: %(default)s)")
     a("--chunked-prefill-size", type=int, default=8192,
@@ -104,11 +115,14 @@ def options_from_args(args: argparse.Namespace) -> dict:
         prefill_attn_flops_per_ctx_token=attn_flops, prefill_weight_flops_per_token=weight_flops,
         forward_min_ms=forward_min_ms, kv_bytes_per_token=kv_bytes,
         hicache_h2d_bytes_per_s=args.hicache_h2d_gbps * 1e9,
-        **PROFILE_OPTIONS.get(args.compute_profile, {}),
+        **{**PROFILE_OPTIONS.get(args.compute_profile, {}),
+           **({} if args.prefill_base_ms is None else {"prefill_base_ms": args.prefill_base_ms})},
         new_token_ratio_semantics=args.new_token_ratio_semantics,
         enable_priority_scheduling=args.enable_priority_scheduling, random_seed=args.random_seed,
         enable_hierarchical_cache=args.enable_hierarchical_cache, hicache_ratio=args.hicache_ratio,
         hicache_size=args.hicache_size, hicache_write_policy=args.hicache_write_policy,
+        host_board=args.host_board, host_contention_prefill=args.host_contention_prefill,
+        host_contention_decode=args.host_contention_decode,
         tp_copies=args.tp_copies, dp_size=args.dp_size, disable_metrics=args.disable_metrics,
         model_name=args.model_name)
 
@@ -120,7 +134,9 @@ async def _serve(args: argparse.Namespace) -> int:
     except SessionConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    print(f"kvgate sim-engine serving on {handle.url}", file=sys.stderr, flush=True)
+    board = (f" (host board {args.host_board}: contention prefill {args.host_contention_prefill:g}, decode "
+             f"{args.host_contention_decode:g})" if args.host_board else "")
+    print(f"kvgate sim-engine serving on {handle.url}{board}", file=sys.stderr, flush=True)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -134,6 +150,21 @@ async def _serve(args: argparse.Namespace) -> int:
 
 def run(args: argparse.Namespace) -> int:
     """Serve until SIGTERM/SIGINT; returns the exit code (2 on a startup configuration error)."""
+    for name in ("host_contention_prefill", "host_contention_decode"):
+        flag, v = "--" + name.replace("_", "-"), getattr(args, name)
+        if not (math.isfinite(v) and v >= 0):
+            print(f"error: {flag} must be a number >= 0, got {v}", file=sys.stderr)
+            return 2
+        if v > 0 and not args.host_board:
+            print(f"error: {flag} needs --host-board DIR (the engines that share the host)", file=sys.stderr)
+            return 2
+    if args.host_board:
+        from kvgate.sim.host import HostBoard
+        try:  # a slot taken and given back: the directory is usable before the server starts
+            HostBoard(args.host_board).close()
+        except (OSError, RuntimeError) as e:
+            print(f"error: --host-board {args.host_board}: {e}", file=sys.stderr)
+            return 2
     if args.session_semantics == "0.5.15" and args.enable_session_radix_cache \
             and args.radix_eviction_policy != "priority":
         print("error: --enable-session-radix-cache requires --radix-eviction-policy priority",

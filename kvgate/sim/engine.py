@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from kvgate.sim.exposition import (E2E_BUCKETS, TTFT_BUCKETS, Histogram, render, snapshot)
+from kvgate.sim.host import contended_seconds, open_board
 from kvgate.sim.radix import RadixCache
 from kvgate.sim.scheduler import Event, Request, Scheduler, SchedulerConfig
 
@@ -47,6 +48,11 @@ class EngineOptions:
     hicache_ratio: float = 2.0
     hicache_size: float = 0.0
     hicache_write_policy: str = "write_through"
+    # engines that share a host's cores (kvgate/sim/host.py): the board directory every engine of the host is
+    # given, and the extra fraction of a prefill / decode batch's time each other engine computing adds
+    host_board: Optional[str] = None
+    host_contention_prefill: float = 0.0
+    host_contention_decode: float = 0.0
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
 
     def host_pool_tokens(self) -> int:
@@ -95,6 +101,11 @@ class Rank:
         self.pending_aborts: list[tuple[Optional[str], str]] = []
         self.busy = False  # a batch is in flight (between schedule and commit)
         self.task: Optional[asyncio.Task] = None
+        self.board = open_board(opts.host_board)
+        # what sharing the host cost: batches that started while another engine computed, and the simulated
+        # seconds they took beyond their time alone
+        self.contended_batches = 0
+        self.contention_seconds = 0.0
 
 
 class SimEngine:
@@ -135,6 +146,8 @@ class SimEngine:
                     await r.task
                 except (asyncio.CancelledError, Exception):
                     pass
+            if r.board:
+                r.board.close()
         for h in list(self.handles.values()):
             req = h.req
             if not req.finished:
@@ -237,7 +250,13 @@ class SimEngine:
                 continue
             rank.busy = True
             now = loop.time()
-            target = max(target, now - 0.05) + batch.duration_s
+            duration = batch.duration_s
+            if rank.board:
+                duration = self._contended(rank, batch, duration)
+            target = max(target, now - 0.05) + duration
+            if rank.board:
+                # the board's clock is time.monotonic(); the loop's (uvloop's) may differ by an offset
+                rank.board.busy_until(time.monotonic() + (target - now))
             if target - now >= SLEEP_QUANTUM_S:
                 await asyncio.sleep(target - now)
                 since_yield = 0
@@ -249,6 +268,18 @@ class SimEngine:
             rank.sched.commit(batch)
             rank.busy = False
             self._dispatch(rank)
+
+    def _contended(self, rank: Rank, batch, duration: float) -> float:
+        """``duration`` (wall seconds) stretched for the other engines computing on this host right now."""
+        slowdown = (self.opts.host_contention_prefill if batch.kind == "prefill"
+                    else self.opts.host_contention_decode)
+        others = rank.board.others_busy(time.monotonic())
+        if not others or slowdown <= 0:
+            return duration
+        out = contended_seconds(duration, others, slowdown)
+        rank.contended_batches += 1
+        rank.contention_seconds += (out - duration) * self.opts.scheduler.speed
+        return out
 
     # ------------------------------------------------------------------ observability
     def loads(self) -> list[dict]:
@@ -302,6 +333,8 @@ class SimEngine:
                 "hicache_host_used_tokens": c.host.tree_tokens if c.host else 0,
                 "hicache_host_total_tokens": c.host.max_total if c.host else 0,
                 "session_state": c.session_states(),
+                "host_contended_batches": r.contended_batches,
+                "host_contention_seconds": round(r.contention_seconds, 3),
             })
         sessions: dict[str, int] = {}
         for rk in ranks:
@@ -312,7 +345,7 @@ class SimEngine:
                 "available", "evictable", "running", "waiting", "max_total_num_tokens",
                 "clipped_max_new_tokens", "host_hit_tokens", "load_back_tokens", "hicache_backup_tokens",
                 "hicache_host_used_tokens", "hicache_host_total_tokens", "load_back_seconds",
-                "hicache_backup_seconds")
+                "hicache_backup_seconds", "host_contended_batches", "host_contention_seconds")
         totals = {k: sum(rk[k] for rk in ranks) for k in keys}
         # per session id: tokens it references in any rank's cache, and whether every rank that knows
         # it has it closed (tombstoned)

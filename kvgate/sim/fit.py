@@ -58,3 +58,32 @@ def fit_decode(samples: Sequence[tuple[int, int, float]]) -> dict:
     pred = [b0 + per_seq * r[1] + per_ctx * r[2] for r in rows]
     return {"base_ms": b0 * 1e3, "per_seq_ms": per_seq * 1e3, "per_ctx_token_us": per_ctx * 1e6,
             "r2": _r2(pred, ys), "max_rel_err": max(abs(p - y) / y for p, y in zip(pred, ys))}
+
+
+def sim_settings(measured: dict) -> dict:
+    """``kvgate sim-engine`` settings (sim_extra keys) from what scripts/fit_engine_profile.py wrote: its ``fit``
+    (prefill_tokens_per_s, prefill_base_ms, decode_base_ms, decode_per_seq_ms, decode_per_ctx_token_us) and/or
+    its ``--contention`` ``slowdown`` (host_contention_prefill, host_contention_decode). A constant the least
+    squares put below 0 (noise around a term too small to measure) becomes 0; the fit's CPU attention term is
+    not carried (the profile's own applies). Raises ValueError when ``measured`` has neither part."""
+    out: dict = {}
+    fit = measured.get("fit") if isinstance(measured, dict) else None
+    slow = measured.get("slowdown") if isinstance(measured, dict) else None
+    if not isinstance(fit, dict) and not isinstance(slow, dict):
+        raise ValueError("has neither a 'fit' nor a 'slowdown' (write it with scripts/fit_engine_profile.py)")
+    try:
+        if isinstance(fit, dict):
+            pf, dc = fit["prefill"], fit["decode"]
+            out.update(prefill_tokens_per_s=round(float(pf["tokens_per_s"]), 1),
+                       prefill_base_ms=round(max(0.0, float(pf["base_ms"])), 2),
+                       decode_base_ms=round(max(0.0, float(dc["base_ms"])), 3),
+                       decode_per_seq_ms=round(max(0.0, float(dc["per_seq_ms"])), 3),
+                       decode_per_ctx_token_us=round(max(0.0, float(dc["per_ctx_token_us"])), 3))
+            if not out["prefill_tokens_per_s"] > 0 or out["prefill_tokens_per_s"] == float("inf"):
+                raise ValueError(f"prefill tokens_per_s {pf['tokens_per_s']!r} is not a throughput")
+        if isinstance(slow, dict):
+            out.update(host_contention_prefill=round(max(0.0, float(slow["prefill"])), 3),
+                       host_contention_decode=round(max(0.0, float(slow["decode"])), 3))
+    except (KeyError, TypeError) as e:
+        raise ValueError(f"lacks {e}") from None
+    return out

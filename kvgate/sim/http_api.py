@@ -748,9 +748,9 @@ def build_options(**opts) -> EngineOptions:
     """EngineOptions from keyword options: engine fields (max_total_num_tokens,
     session_semantics, enable_session_radix_cache, radix_eviction_policy, dp_size, tp_copies,
     disable_metrics, model_name, enable_hierarchical_cache, hicache_ratio, hicache_size,
-    hicache_write_policy) and SchedulerConfig fields (speed, prefill_tokens_per_s,
-    decode_base_ms, decode_per_seq_ms, decode_per_ctx_token_us, max_running_requests,
-    chunked_prefill_size, max_prefill_tokens, eos_rate, schedule_conservativeness,
+    hicache_write_policy, host_board, host_contention_prefill, host_contention_decode) and SchedulerConfig
+    fields (speed, prefill_tokens_per_s, decode_base_ms, decode_per_seq_ms, decode_per_ctx_token_us,
+    max_running_requests, chunked_prefill_size, max_prefill_tokens, eos_rate, schedule_conservativeness,
     enable_priority_scheduling, new_token_ratio_semantics, random_seed, the prefill context
     constants, kv_bytes_per_token, hicache_h2d_bytes_per_s). Raises TypeError on unknown keys."""
     from dataclasses import fields

@@ -140,6 +140,29 @@ class Proc:
         return self.popen.returncode
 
 
+def group_cpu_seconds(pgids) -> dict[int, float]:
+    """CPU time (user + system, seconds) used so far by the live processes of each process group in ``pgids``,
+    read from /proc/PID/stat (fields pgrp, utime, stime); a group with no live process gives 0. Processes that
+    already exited are not counted (their parent may not have waited for them). {} where there is no /proc."""
+    want = {int(g): 0.0 for g in pgids}
+    tick = os.sysconf("SC_CLK_TCK")
+    try:
+        pids = [p for p in os.listdir("/proc") if p.isdigit()]
+    except OSError:
+        return {}
+    for pid in pids:
+        try:
+            stat = Path(f"/proc/{pid}/stat").read_text()
+        except OSError:
+            continue
+        # the command name may hold spaces and parentheses: the fields start after the last ')'
+        fields = stat[stat.rindex(")") + 2:].split()
+        pgrp = int(fields[2])
+        if pgrp in want:
+            want[pgrp] += (int(fields[11]) + int(fields[12])) / tick
+    return want
+
+
 def start(name: str, cmd: list[str], log_dir: Path, env: dict | None = None, url: str | None = None,
           cwd: Path | None = None) -> Proc:
     """Start ``cmd`` in a new session (process group), in ``cwd`` (default: ours); output goes to
