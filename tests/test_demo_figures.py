@@ -82,3 +82,21 @@ def test_scaled_book_keeps_prefixes_and_the_vocabulary():
     path, body = _request("generate", book, a, "r", "kvgate-tiny")
     assert path == "/generate" and orjson.loads(body)["sampling_params"]["max_new_tokens"] == 2
     assert ScaledBook(1).prompt(a) == TokenBook().prompt(a)  # unscaled: the simulator's prompts, unchanged
+
+
+def test_closes_sent_again_are_counted_from_the_calls_kvgate_made():
+    # one close sent a second time to both engines (a retry after a timeout, or a close asked for again): the
+    # engines received 14 for 12 fan-out calls, which adds up against the 14 calls kvgate sent
+    lines, off = reconcile(_figures(engine_closes=[7, 7], calls_ok=14, calls_error=0))
+    assert off == []
+    assert ("12 /close_session calls = 6 closes x 2 engines: 12 ok, 0 failed (kvgate sent 14: 14 ok, 0 errors; a "
+            "close sent again (a retry, or a close asked for again) reaches an engine twice); the "
+            "engines received 7 + 7 = 14") in lines[1]
+    # a call kvgate counted as an error (timed out) may or may not have reached the engine
+    assert reconcile(_figures(engine_closes=[7, 6], calls_ok=12, calls_error=1))[1] == []
+    assert reconcile(_figures(engine_closes=[6, 6], calls_ok=12, calls_error=1))[1] == []
+    # more than kvgate sent, or fewer than its ok calls, does not add up
+    assert reconcile(_figures(engine_closes=[7, 7], calls_ok=12, calls_error=1))[1] == [
+        "the engines received 14 closes, kvgate sent 13 (12 ok)"]
+    assert reconcile(_figures(engine_closes=[6, 5], calls_ok=12, calls_error=0))[1] == [
+        "the engines received 11 closes, kvgate sent 12 (12 ok)"]
