@@ -70,6 +70,14 @@ async def _one(http: aiohttp.ClientSession, url: str, ids: list[int], new: int, 
             "n": n, "cached": meta.get("cached_tokens"), "prompt": meta.get("prompt_tokens")}
 
 
+async def _decode_steps(http: aiohttp.ClientSession, url: str, rng: random.Random, batch: int, ctx: int,
+                        new: int) -> list[float]:
+    """``batch`` concurrent streamed requests of ``new`` tokens over ``ctx``-id prompts: each request's decode
+    step time, (last chunk - first chunk) / (tokens - 1), seconds."""
+    rs = await asyncio.gather(*(_one(http, url, _ids(rng, ctx), new, stream=True) for _ in range(batch)))
+    return [(r["last_s"] - r["first_s"]) / (r["n"] - 1) for r in rs if r["first_s"] and r["n"] > 1]
+
+
 async def measure(url: str, rng: random.Random, reps: int) -> dict:
     out = {"prefill": [], "decode": []}
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600)) as http:
@@ -90,8 +98,7 @@ async def measure(url: str, rng: random.Random, reps: int) -> dict:
             for b in (1, 2, 4, 8, 16):
                 if ctx * b > 20000:
                     continue
-                rs = await asyncio.gather(*(_one(http, url, _ids(rng, ctx), 24, stream=True) for _ in range(b)))
-                steps = [(r["last_s"] - r["first_s"]) / (r["n"] - 1) for r in rs if r["first_s"] and r["n"] > 1]
+                steps = await _decode_steps(http, url, rng, b, ctx, 24)
                 out["decode"].append({"batch": b, "ctx": ctx, "step_s": statistics.median(steps),
                                       "steps": sorted(steps)})
                 flush_cache(url)
@@ -100,8 +107,7 @@ async def measure(url: str, rng: random.Random, reps: int) -> dict:
 
 async def _decode_step(http: aiohttp.ClientSession, url: str, rng: random.Random, batch: int = 4,
                        ctx: int = 200, new: int = 32) -> float:
-    rs = await asyncio.gather(*(_one(http, url, _ids(rng, ctx), new, stream=True) for _ in range(batch)))
-    return statistics.median((r["last_s"] - r["first_s"]) / (r["n"] - 1) for r in rs if r["first_s"] and r["n"] > 1)
+    return statistics.median(await _decode_steps(http, url, rng, batch, ctx, new))
 
 
 async def measure_contention(urls: list[str], reps: int) -> dict:

@@ -43,6 +43,8 @@ def _run(tmp_path, scenario_text, *flags):
     ("arms: [direct]\nworkload: {kind: agentic}\nkvgate_times: {session_idle_close_s: -1}\n", [],
      "kvgate_times.session_idle_close_s: must be"),
     ("arms: [direct\n", [], "not valid YAML"),
+    ("arms: [direct]\nworkload: {kind: agentic}\nrouter_extra: [--load-monitor-interval, x]\n", [],
+     "router_extra: --load-monitor-interval must be a number of seconds, got 'x'"),
     (GOOD, ["--speed", "0"], "--speed: must be a number > 0"),
     (GOOD, ["--speed", "nan"], "--speed: must be a number > 0"),
     (GOOD, ["--replicates", "0"], "--replicates: must be >= 1"),

@@ -14,6 +14,8 @@ from typing import Any
 
 import yaml
 
+from kvgate.bench.speed import split_load_monitor_interval
+
 ARMS = ("direct", "direct-overload-off", "proxy-only", "lifecycle", "lifecycle-inferred", "admission", "lifecycle+admission",
         "lifecycle+admission-2replicas",
         "admission-program", "lifecycle+admission-program", "lifecycle+admission-program-thunder",
@@ -205,6 +207,7 @@ def parse_scenario(obj: dict[str, Any], name: str = "scenario") -> Scenario:
     times.update({k: float(v) for k, v in extra_times.items()})
     data["kvgate_times"] = times
     check_engine(data.get("engine", "sim"), data.get("speed", 1.0), arms, data.get("api", "generate"))
+    split_load_monitor_interval(data.get("router_extra") or [])  # the bench scales it: a bad value stops here
     _check_kvgate_extra(data.get("kvgate_extra") or {})
     _check_sim_extra(data.get("sim_extra") or {})
     return Scenario(**data)

@@ -273,8 +273,10 @@ class SimEngine:
         """``duration`` (wall seconds) stretched for the other engines computing on this host right now."""
         slowdown = (self.opts.host_contention_prefill if batch.kind == "prefill"
                     else self.opts.host_contention_decode)
+        if slowdown <= 0:  # it still writes its own busy time, for engines on the board that do slow down
+            return duration
         others = rank.board.others_busy(time.monotonic())
-        if not others or slowdown <= 0:
+        if not others:
             return duration
         out = contended_seconds(duration, others, slowdown)
         rank.contended_batches += 1
