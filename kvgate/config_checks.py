@@ -134,10 +134,18 @@ def _rules(values: dict[str, Any], routes: tuple[str, ...]) -> list[tuple[Callab
                       "agentic_program_admission is off"))
     elif values["admission_policy"] == "fifo":
         rules.append((lambda k: k in ("admission_pause_victim", "admission_resume_order", "admission_host_cache",
-                                      "admission_program_ttl_s", "admission_program_max_resident"),
+                                      "admission_program_ttl_s", "admission_program_max_resident",
+                                      "admission_resume_deadline_s", "admission_program_overdue_multiple",
+                                      "admission_program_overdue_default_s"),
                       "admission_policy is fifo (a program policy key)"))
     else:
         rules.append((lambda k: k == "admission_backfill", "admission_policy is program (a fifo policy key)"))
+        wait = values["agentic_admission_max_wait_s"]
+        if values["admission_resume_deadline_s"] >= wait:
+            # the wait bound lets the turn bypass (and overflow the engine) before the deadline makes its room
+            rules.append((lambda k: k == "admission_resume_deadline_s",
+                          f"agentic_admission_max_wait_s ({wait:g} s) is not above it: a waiting turn bypasses "
+                          "first"))
     if values["state_backend"] == "memory":
         rules.append((lambda k: k.startswith("redis_"), "state_backend is memory"))
     return rules

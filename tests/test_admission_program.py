@@ -373,7 +373,7 @@ def test_a_paused_turn_past_the_resume_deadline_makes_its_own_room():
     frees (here: the max wait, t=40). With resume_deadline_s 5 it goes at t=15, pausing r (victim rule
     smallest) to make its room; it never pauses the live s."""
     def run(deadline):
-        co, lg = make(overdue_multiple=0, resume_deadline_s=deadline)
+        co, lg = make(overdue_multiple=0, resume_deadline_s=deadline, victim="smallest")
         for sid, size in (("p", 3000), ("q", 2500), ("r", 2000)):
             co.submit(f"{sid}0", size, False, 0.0, place=E0, session_id=sid)
             co.release(f"{sid}0", 1.0, {"prompt_tokens": size, "completion_tokens": 0})
@@ -391,6 +391,31 @@ def test_a_paused_turn_past_the_resume_deadline_makes_its_own_room():
     assert co.state_of("r") is ProgramState.PAUSED and co.state_of("q") is ProgramState.IN_TOOL
     assert co.state_of("s") is ProgramState.LIVE and co.counters["resume_deadline"] == 1
     assert lg.reserved == 2500 + 1500 + 4000
+
+
+def test_longest_idle_makes_the_deadline_pause_the_program_longest_in_its_tool_call():
+    """Ceiling 9,000. p (3,000) is paused; its next turn (4,000) waits from t=10 while r (2,500, in its tool call
+    since t=1) and q (2,000, since t=8) hold 4,500 and s (1,500) is live. At the deadline (t=15) one of them must
+    pause. `longest-idle` pauses r, the one idle longest: q, back from a short tool call at t=16, goes at once.
+    Under `smallest` (ThunderAgent's rule) q pauses instead, and its next turn waits for room."""
+    def run(**kw):
+        co, lg = make(overdue_multiple=0, resume_deadline_s=5.0, **kw)
+        for sid, size, end in (("p", 3000, 1.0), ("r", 2500, 1.0), ("q", 2000, 8.0)):
+            co.submit(f"{sid}0", size, False, 0.0, place=E0, session_id=sid)
+            co.release(f"{sid}0", end, {"prompt_tokens": size, "completion_tokens": 0})
+        assert co.submit("s0", 1500, False, 2.0, place=E0, session_id="s").kind is Kind.ADMIT
+        co._pause(co._programs["p"], 3.0)
+        assert co.submit("p1", 4000, False, 10.0, place=E0, session_id="p").kind is Kind.WAIT
+        out = co.pump(15.0)
+        assert [(d.ticket, d.kind, d.waited_s) for d in out] == [("p1", Kind.ADMIT, 5.0)]
+        return co, lg, co.submit("q1", 2200, False, 16.0, place=E0, session_id="q")
+
+    co, lg, d = run(victim="longest-idle")
+    assert co.state_of("r") is ProgramState.PAUSED and d.kind is Kind.ADMIT and d.waited_s == 0.0
+    assert lg.reserved == 2200 + 1500 + 4000
+    co, lg, d = run(victim="smallest")
+    assert co.state_of("q") is ProgramState.PAUSED and co.state_of("r") is ProgramState.IN_TOOL
+    assert d.kind is Kind.WAIT and lg.reserved == 2500 + 1500 + 4000  # 2,200 more does not fit in 9,000
 
 
 def test_a_paused_turn_past_the_deadline_waits_for_running_programs():

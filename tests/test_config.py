@@ -22,14 +22,15 @@ def test_defaults_have_both_features_off():
 
 
 def test_the_program_policy_defaults_to_the_makespan_aware_rules_in_config_and_core():
-    # measured on many-programs (docs/benchmark.md): as fast as ThunderAgent's smallest/smallest, fewer pauses,
-    # a shorter TTFT tail; the bench's `-thunder` arms keep ThunderAgent's
+    # measured on many-programs (docs/benchmark.md): as fast as ThunderAgent's smallest/smallest and a little
+    # faster than longest-idle (which has the shorter tail); the bench's `-thunder` arms keep ThunderAgent's
     from kvgate.admission.ledger import Ledger
     from kvgate.admission.program import ProgramCoordinator
     cfg = validate({})
     assert (cfg.admission_pause_victim, cfg.admission_resume_order) == ("ahead", "fifo")
     co = ProgramCoordinator(Ledger())
     assert (co.victim, co.resume) == ("ahead", "fifo")
+    assert "admission_pause_victim: ahead " in (ROOT / "configs" / "kvgate.yaml").read_text()
 
 
 def test_shipped_config_documents_every_key_and_is_valid():
@@ -121,6 +122,18 @@ def test_the_resident_bound_from_yaml_and_flag(tmp_path):
     # set under the fifo policy it does nothing: said so
     assert validate({"agentic_program_admission": True, "admission_program_max_resident": 2}).warnings == [
         "admission_program_max_resident: set to 2, but it does nothing while admission_policy is fifo "
+        "(a program policy key)"]
+
+
+def test_a_resume_deadline_the_wait_bound_overtakes_is_said_to_do_nothing():
+    program = {"agentic_program_admission": True, "admission_policy": "program", "agentic_session_lifecycle": True}
+    assert validate({**program, "admission_resume_deadline_s": 20}).warnings == []  # below the default 30 s wait
+    assert validate({**program, "admission_resume_deadline_s": 30}).warnings == [
+        "admission_resume_deadline_s: set to 30.0, but it does nothing while agentic_admission_max_wait_s (30 s) "
+        "is not above it: a waiting turn bypasses first"]
+    assert validate({**program, "admission_resume_deadline_s": 60, "agentic_admission_max_wait_s": 900}).warnings == []
+    assert validate({"agentic_program_admission": True, "admission_resume_deadline_s": 20}).warnings == [
+        "admission_resume_deadline_s: set to 20.0, but it does nothing while admission_policy is fifo "
         "(a program policy key)"]
 
 

@@ -27,15 +27,16 @@ that can only hold requests and close engine sessions):
 Victim rule (``victim``): "smallest" pauses the smallest in-tool program first, as ThunderAgent's
 paper and code do: re-prefilling a context of c tokens costs ~c^2 attention work, so the smallest victim
 costs the least to bring back; "largest" frees the most per pause (fewest programs paused); "longest-idle"
-pauses the program whose tool call has run longest (the radix cache's LRU would evict it first anyway).
-"ahead" (default) aims at the step's makespan (the last program to finish): the in-tool program furthest ahead of its
-group (GRPO siblings: the programs whose first prompt is the same) in turns done pauses first, then the one
-with the most turns done, then the smallest; a program far along has the least work left, so delaying it is
-least likely to delay the step's last program (the programs with the most work left).
+pauses the program whose tool call has run longest: tool times are heavy-tailed, so it is the least likely
+to come back soon and wait for room itself (the radix cache's LRU would evict it first anyway); "ahead"
+(default) aims at the step's makespan (the last program to finish): the in-tool program furthest ahead of
+its group (GRPO siblings: the programs whose first prompt is the same) in turns done pauses first, then the
+one with the most turns done, then the smallest; a program far along has the least work left, so delaying
+it is least likely to delay the step's last program (the programs with the most work left).
 Resume order (``resume``): "smallest" (ThunderAgent's greedy resume packs the most programs into the room freed)
-or "fifo" (default: longest waiting first, so no paused program starves behind smaller ones). The defaults
-are the makespan-aware pair: on the bench's many-programs scenario they finished as soon as ThunderAgent's
-smallest/smallest, with fewer pauses and a shorter TTFT tail (docs/benchmark.md).
+or "fifo" (default: longest waiting first, so no paused program starves behind smaller ones). On the bench's
+many-programs scenario the defaults finished as soon as ThunderAgent's smallest/smallest and a little sooner
+than longest-idle, which has the shorter TTFT tail (docs/benchmark.md).
 
 A program's state comes from evidence, not only from the TTL:
 - live (a turn in flight), in a tool call, paused (held by kvgate), and ended: a program in a tool call
