@@ -120,7 +120,7 @@ BURNER = r"""
 import subprocess, sys, time
 child = subprocess.Popen([sys.executable, "-c",
     "import time, sys\nwhile time.process_time() < 0.3: pass\nprint('c', flush=True)\nsys.stdin.read()"],
-    stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, start_new_session=OWN_GROUP)
 while time.process_time() < 0.3:
     pass
 assert child.stdout.readline().strip() == "c"
@@ -130,10 +130,13 @@ child.stdin.close(); child.wait()
 """
 
 
-def test_group_cpu_seconds_sums_the_live_processes_of_a_group():
+@pytest.mark.parametrize("own_group", [False, True])
+def test_group_cpu_seconds_sums_the_live_processes_of_a_group(own_group):
+    # own_group: the child runs in a process group of its own (as `kvgate serve --workers N` starts its
+    # workers) and still counts for its leader's group
     from kvgate.tools.procs import group_cpu_seconds
-    p = subprocess.Popen([sys.executable, "-c", BURNER], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
-                         start_new_session=True)
+    p = subprocess.Popen([sys.executable, "-c", f"OWN_GROUP = {own_group}\n" + BURNER], stdin=subprocess.PIPE,
+                         stdout=subprocess.PIPE, text=True, start_new_session=True)
     try:
         assert p.stdout.readline().strip() == "burnt"
         used = group_cpu_seconds([p.pid, 999999999])

@@ -220,29 +220,9 @@ def parse_wrk(text: str) -> dict[str, float]:
 
 def group_cpu_s(pgid: int) -> float:
     """CPU seconds (user + system) used so far by every live process in process group ``pgid`` and by every
-    descendant of its leader (``kvgate serve --workers N`` starts its workers in process groups of their own)."""
-    tick = os.sysconf("SC_CLK_TCK")
-    procs_: dict[int, tuple[int, int, int]] = {}  # pid -> (ppid, pgrp, cpu ticks)
-    for entry in os.scandir("/proc"):
-        if not entry.name.isdigit():
-            continue
-        try:
-            stat = Path(entry.path, "stat").read_text()
-        except OSError:
-            continue
-        fields = stat[stat.rindex(")") + 2:].split()  # after "pid (comm) ": state ppid pgrp ...
-        procs_[int(entry.name)] = (int(fields[1]), int(fields[2]), int(fields[11]) + int(fields[12]))
-
-    def counted(pid: int) -> bool:
-        for _ in range(64):  # up the parent chain to the group's leader (or init)
-            info = procs_.get(pid)
-            if info is None:
-                return False
-            if info[1] == pgid or pid == pgid:
-                return True
-            pid = info[0]
-        return False
-    return sum(cpu for pid, (_, _, cpu) in procs_.items() if counted(pid)) / tick
+    descendant of its leader (``kvgate serve --workers N`` starts its workers in process groups of their own):
+    :func:`kvgate.tools.procs.group_cpu_seconds`."""
+    return procs.group_cpu_seconds([pgid]).get(pgid, 0.0)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

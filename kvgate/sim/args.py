@@ -99,6 +99,9 @@ def options_from_args(args: argparse.Namespace) -> dict:
     prefill, base, per_seq, per_ctx = COMPUTE_PROFILES[args.compute_profile]
     attn_flops, weight_flops, forward_min_ms, kv_bytes = PROFILE_CONTEXT[args.compute_profile]
     pick = lambda v, d: d if v is None else v  # noqa: E731
+    profile = dict(PROFILE_OPTIONS.get(args.compute_profile, {}))
+    if args.prefill_base_ms is not None:
+        profile["prefill_base_ms"] = args.prefill_base_ms
     return dict(
         max_total_num_tokens=args.max_total_num_tokens,
         session_semantics=args.session_semantics,
@@ -115,8 +118,7 @@ def options_from_args(args: argparse.Namespace) -> dict:
         prefill_attn_flops_per_ctx_token=attn_flops, prefill_weight_flops_per_token=weight_flops,
         forward_min_ms=forward_min_ms, kv_bytes_per_token=kv_bytes,
         hicache_h2d_bytes_per_s=args.hicache_h2d_gbps * 1e9,
-        **{**PROFILE_OPTIONS.get(args.compute_profile, {}),
-           **({} if args.prefill_base_ms is None else {"prefill_base_ms": args.prefill_base_ms})},
+        **profile,
         new_token_ratio_semantics=args.new_token_ratio_semantics,
         enable_priority_scheduling=args.enable_priority_scheduling, random_seed=args.random_seed,
         enable_hierarchical_cache=args.enable_hierarchical_cache, hicache_ratio=args.hicache_ratio,

@@ -142,25 +142,44 @@ class Proc:
 
 def group_cpu_seconds(pgids) -> dict[int, float]:
     """CPU time (user + system, seconds) used so far by the live processes of each process group in ``pgids``,
-    read from /proc/PID/stat (fields pgrp, utime, stime); a group with no live process gives 0. Processes that
-    already exited are not counted (their parent may not have waited for them). {} where there is no /proc."""
-    want = {int(g): 0.0 for g in pgids}
-    tick = os.sysconf("SC_CLK_TCK")
+    and by the descendants of each group's leader that run in groups of their own (``kvgate serve --workers N``
+    starts its workers so), read from /proc/PID/stat (fields ppid, pgrp, utime, stime); a process counts for
+    the first of the groups it or an ancestor belongs to, and a group with no live process gives 0. Processes
+    that already exited are not counted (their parent may not have waited for them). {} where there is no
+    /proc."""
+    want = {int(g): 0 for g in pgids}
     try:
-        pids = [p for p in os.listdir("/proc") if p.isdigit()]
+        entries = [e for e in os.scandir("/proc") if e.name.isdigit()]
     except OSError:
         return {}
-    for pid in pids:
+    procs_: dict[int, tuple[int, int, int]] = {}  # pid -> (ppid, pgrp, cpu ticks)
+    for entry in entries:
         try:
-            stat = Path(f"/proc/{pid}/stat").read_text()
+            stat = Path(entry.path, "stat").read_text()
         except OSError:
             continue
         # the command name may hold spaces and parentheses: the fields start after the last ')'
-        fields = stat[stat.rindex(")") + 2:].split()
-        pgrp = int(fields[2])
-        if pgrp in want:
-            want[pgrp] += (int(fields[11]) + int(fields[12])) / tick
-    return want
+        fields = stat[stat.rindex(")") + 2:].split()  # state ppid pgrp ...
+        procs_[int(entry.name)] = (int(fields[1]), int(fields[2]), int(fields[11]) + int(fields[12]))
+
+    def group_of(pid: int) -> int | None:
+        for _ in range(64):  # up the parent chain to a wanted group's leader (or init)
+            info = procs_.get(pid)
+            if info is None:
+                return None
+            if info[1] in want:
+                return info[1]
+            if pid in want:
+                return pid
+            pid = info[0]
+        return None
+
+    for pid, (_, _, ticks) in procs_.items():
+        g = group_of(pid)
+        if g is not None:
+            want[g] += ticks
+    tick = os.sysconf("SC_CLK_TCK")
+    return {g: t / tick for g, t in want.items()}
 
 
 def start(name: str, cmd: list[str], log_dir: Path, env: dict | None = None, url: str | None = None,
