@@ -589,7 +589,12 @@ def load_yaml_checked(path: str) -> tuple[dict[str, Any], list[str]]:
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f" line {mark.line + 1}" if mark is not None else ""
-        raise ConfigError(f"config file {path}{where}: not valid YAML") from None
+        # the parser's own words (e.g. "while parsing a flow sequence ... expected ',' or ']'"), in one line
+        what = " ".join(str(x) for x in (getattr(exc, "context", None), getattr(exc, "problem", None)) if x)
+        ctx = getattr(exc, "context_mark", None)
+        if ctx is not None and mark is not None and ctx.line != mark.line:
+            what += f" (opened on line {ctx.line + 1})"
+        raise ConfigError(f"config file {path}{where}: not valid YAML" + (f": {what}" if what else "")) from None
     if data is None:
         return {}, []
     if not isinstance(data, dict):

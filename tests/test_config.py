@@ -171,6 +171,13 @@ def test_check_config_cli_exit_codes(tmp_path):
     res = subprocess.run([sys.executable, "-m", "kvgate", "serve", "--config", str(notyaml)], capture_output=True,
                          text=True, cwd=ROOT)
     assert res.returncode == 2 and "not valid YAML" in res.stderr and len(res.stderr.strip().splitlines()) == 1
+    # the parser's reason and where the unclosed bracket opened, still in one line
+    notyaml.write_text("upstream: [http://127.0.0.1:30000\nport: 1\n")
+    res = subprocess.run([sys.executable, "-m", "kvgate", "check-config", str(notyaml)], capture_output=True,
+                         text=True, cwd=ROOT)
+    assert res.returncode == 2
+    assert res.stderr.strip() == (f"kvgate: config error: config file {notyaml} line 2: not valid YAML: while parsing "
+                                  "a flow sequence expected ',' or ']', but got ':' (opened on line 1)")
 
 
 @pytest.mark.parametrize("http_server", ["kvgate", "aiohttp"])
