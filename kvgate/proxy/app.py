@@ -5,7 +5,8 @@ Forward: to the router, or, for a session's call on a route where kvgate places 
 straight to the engine kvgate.fleet.placement picks (the next one on a refused connection; the router when
 none is usable).
 kvgate's own routes: GET /metrics, GET /kvgate/health, GET /kvgate/engines, GET /kvgate/sessions,
-GET /kvgate/sessions/{id}, POST /kvgate/sessions/{id}/close, and (lifecycle on) GET|POST /close_session;
+GET /kvgate/sessions/{id}, POST /kvgate/sessions/{id}/close, and (lifecycle on) GET|POST /close_session and
+POST /finish_session (vLLM router's);
 any other path or method under /kvgate/ gets kvgate's own 404 or 405. Everything else is forwarded to the
 router unchanged.
 """
@@ -150,7 +151,8 @@ class Gateway:
         self.lifecycle_on = cfg.agentic_session_lifecycle
         self.metrics.lifecycle_enabled.set(1 if self.lifecycle_on else 0)
         self.resolver = SessionResolver(cfg.session_resolution_order, cfg.session_header, cfg.session_field,
-                                        cfg.session_field_regex)
+                                        cfg.session_field_regex, cfg.session_header_aliases,
+                                        cfg.session_routing_key_headers, cfg.session_rid_lineage)
         policy = IdlePolicy(mode=cfg.session_idle_close_mode, fixed_s=cfg.session_idle_close_s,
                             quantile=cfg.session_idle_quantile, multiple=cfg.session_idle_multiple,
                             floor_s=cfg.session_idle_floor_s, ceiling_s=cfg.session_idle_ceiling_s,
@@ -163,7 +165,8 @@ class Gateway:
                                           close_concurrency=cfg.close_concurrency,
                                           close_max_rate=cfg.close_max_rate, policy=policy,
                                           steps=StepTracker(cfg.max_tracked_sessions),
-                                          close_on_abort=cfg.session_close_on_abort)
+                                          close_on_abort=cfg.session_close_on_abort,
+                                          close_children=cfg.session_close_children)
         self.lifecycle.on_close.append(self.placed.forget)
         self.lifecycle.on_close.append(self._program_ended)
         self.inference: SessionInference | None = None
@@ -243,6 +246,7 @@ class Gateway:
         if self.lifecycle_on:
             r.add_route("GET", "/close_session", self._guard(self.handle_close_session))
             r.add_route("POST", "/close_session", self._guard(self.handle_close_session))
+            r.add_route("POST", "/finish_session", self._guard(self.handle_finish_session))  # vLLM router's
         for route in PLACEMENT_ROUTES:  # the generate routes by exact path: a dict lookup, not the catch-all's regex
             r.add_route("*", route, self.handle_proxy)
         r.add_route("*", "/kvgate/{tail:.*}", self.handle_not_found)  # kvgate's own paths never reach the router
@@ -267,6 +271,7 @@ class Gateway:
         if self.lifecycle_on:
             close = guard(self.handle_close_session)
             routes["/close_session"] = {"GET": close, "POST": close}
+            routes["/finish_session"] = {"POST": guard(self.handle_finish_session)}  # vLLM router's
         return routes
 
     def route(self, request):
@@ -511,7 +516,7 @@ class Gateway:
         s = self.lifecycle.registry.get(sid)
         if s is None:
             return _json({"error": {"message": f"unknown session {request.match_info['sid']!r}"}}, 404)
-        return _json(self._augment(s.as_json(self.lifecycle.clock())))
+        return _json(self._augment(self.lifecycle.registry.session_json(sid, self.lifecycle.clock())))
 
     async def handle_session_close(self, request: web.Request) -> web.Response:
         """Close a session (again: an unfinished close is retried at once); ``?wait=1`` answers once every
@@ -549,6 +554,35 @@ class Gateway:
         self._forget(sid)
         self.lifecycle.close(sid, "client")
         return web.Response(status=200)
+
+    async def handle_finish_session(self, request: web.Request) -> web.Response:
+        """vLLM router's ``POST /finish_session?session_id=...`` (prime-rl, SkyRL send it on success, failure and
+        cancellation): the session is closed as a client's /close_session closes it. The id comes from the query
+        or a JSON body {"session_id"}; answered 200 {"status": "ok", "session_id"} (idempotent), and 400 without
+        an id, as axum's query extractor answers it."""
+        sid = request.query.get("session_id")
+        if not sid:
+            raw = await request.read()
+            obj = parse_json_object(raw) if raw else None
+            sid = obj.get("session_id") if obj is not None else None
+        if not isinstance(sid, str) or not sid:
+            return web.Response(status=400, text="Failed to deserialize query string: missing field `session_id`")
+        refused = self._sid_refused(sid)
+        if refused is not None:
+            return refused
+        self._forget(sid)
+        self.lifecycle.close(sid, "finish")
+        return _json({"status": "ok", "session_id": sid})
+
+    def _turn_marks(self, sid: str, headers) -> None:
+        """After the answer went out: the turn's final-turn marker closes its session, its parent header links
+        it (kvgate.sessions.lifecycle.turn_marks). Never raises (counted as a registry fault)."""
+        try:
+            if self.lifecycle.turn_marks(sid, headers) is not None and self.inference is not None:
+                self.inference.forget(sid)  # the client ended it: later prompts that extend it start a new one
+        except Exception:
+            log.exception("reading the turn's session headers failed")
+            self.metrics.faults.labels("registry").inc()
 
     def _forget(self, sid: str) -> None:
         # The client ended this session: later prompts that extend it start a new one.
@@ -717,6 +751,7 @@ class Gateway:
             self._record(c.route, outcome, time.perf_counter() - t1)
             if session_id is not None:
                 self._finish_session(session_id, obs, c.body)
+                self._turn_marks(session_id, request.headers)  # a final-turn marker closes it, after the answer
             if plan.inferred:
                 self._finish_inference(plan.session_id, obs, _completed(outcome))
                 if plan.units is not None and obs is not None and obs.output and _completed(outcome):
