@@ -274,7 +274,7 @@ class Metrics:
             self.close_calls.labels(result)
         for cause in ("client", "other"):
             self.session_aborts.labels(cause)
-        for result in ("decisive", "partial", "rerender", "prompt-only", "retry", "new", "new-ambiguous",
+        for result in ("decisive", "partial", "rerender", "prompt-only", "reask", "retry", "new", "new-ambiguous",
                        "unsupported", "shared"):
             self.session_inference.labels(result)
 
