@@ -16,6 +16,9 @@ one goes. Read by cached_tokens when each prefix is sent again.
 from __future__ import annotations
 
 import aiohttp
+import pytest
+
+from kvgate.tools import engine as eng
 
 from .helpers import generate, get_json, ids, post
 
@@ -58,18 +61,36 @@ async def _round(http, kv, gw, engine, order: str, seed: int) -> dict[str, int]:
     return {k: a["meta_info"]["cached_tokens"] for k, a in zip("ocp", again)}
 
 
-async def test_open_session_kv_goes_last_closed_and_plain_go_in_lru_order(fleet, kvgate_factory):
-    engine = fleet.urls[0]
+async def _measure(engine: str, kvgate_factory) -> dict[str, dict[str, int]]:
     gw, kv = await kvgate_factory(upstream=engine, engines=[engine], agentic_session_lifecycle=True,
                                   session_placement="kvgate", session_idle_close_s=0, close_timeout_s=30.0)
     results = {}
     async with aiohttp.ClientSession() as http:
         for order, seed in (("opc", 100), ("ocp", 200)):
-            fleet.flush()
+            eng.flush_cache(engine, 60)
             results[order] = await _round(http, kv, gw, engine, order, seed)
-    print(f"cached tokens after pressure (prefix {PREFIX}): {results}")
+    return results
+
+
+def _check(results: dict[str, dict[str, int]]) -> None:
     full = PREFIX - 1  # SGLang matches at most len - 1 tokens
     # open (oldest), plain, closed: the plain prompt is the oldest KV no open session holds: it goes first
-    assert results["opc"]["o"] >= full and results["opc"]["p"] == 0 and results["opc"]["c"] >= full
+    assert results["opc"]["o"] >= full and results["opc"]["p"] == 0 and results["opc"]["c"] >= full, results
     # open (oldest), closed, plain: now the closed session's KV is the oldest unreferenced: it goes first
-    assert results["ocp"]["o"] >= full and results["ocp"]["c"] == 0 and results["ocp"]["p"] >= full
+    assert results["ocp"]["o"] >= full and results["ocp"]["c"] == 0 and results["ocp"]["p"] >= full, results
+
+
+async def test_eviction_order_under_priority_policy(fleet, kvgate_factory):
+    """The tier's shared engines run --radix-eviction-policy priority (every request at the default priority)."""
+    results = await _measure(fleet.urls[0], kvgate_factory)
+    print(f"priority: cached tokens after pressure (prefix {PREFIX}): {results}")
+    _check(results)
+
+
+@pytest.mark.exclusive_engines
+async def test_eviction_order_under_lru_policy(real_fleet, kvgate_factory):
+    spec = eng.EngineSpec(max_total_tokens=4000, extra=["--radix-eviction-policy", "lru"])  # the last flag wins
+    with real_fleet.exclusive([spec], "lru") as (engine,):
+        results = await _measure(engine.url, kvgate_factory)
+    print(f"lru: cached tokens after pressure (prefix {PREFIX}): {results}")
+    _check(results)
