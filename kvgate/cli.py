@@ -11,8 +11,8 @@ from kvgate import __version__
 from kvgate.config import ConfigError, add_flags, from_args
 
 
-def _setup_logging(level: str, worker: int | None = None) -> None:
-    where = "" if worker is None else f"[worker {worker}]"
+def _setup_logging(level: str, process: int | None = None) -> None:
+    where = "" if process is None else f"[process {process}]"
     logging.basicConfig(level=getattr(logging, level.upper(), logging.INFO),
                         format=f"%(asctime)s %(levelname)s %(name)s{where}: %(message)s", stream=sys.stderr)
 
@@ -30,14 +30,14 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     cfg = _load_config(args)
     if cfg is None:
         return 2
-    from kvgate.proxy.workers import WorkerRole, supervise
-    role = WorkerRole.from_env(cfg)
+    from kvgate.proxy.processes import ProcessRole, supervise
+    role = ProcessRole.from_env(cfg)
     _setup_logging(cfg.log_level, None if role is None else role.index)
-    if role is None:  # said once, by the process the user started (workers get the same config)
+    if role is None:  # said once, by the process the user started (its processes get the same config)
         for line in cfg.warnings:
             logging.getLogger("kvgate").warning("config: %s", line)
     if role is None and cfg.workers > 1:
-        return supervise(cfg)  # starts cfg.workers worker processes on the port and supervises them
+        return supervise(cfg)  # starts cfg.workers kvgate processes on the port and supervises them
     from kvgate.proxy.app import serve
     return serve(cfg, role)
 

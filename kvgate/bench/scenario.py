@@ -40,7 +40,7 @@ DEFAULT_ROUTER_SWEEP = [
 _SWEEP_NAME = __import__("re").compile(r"[A-Za-z0-9_.+]+(-[A-Za-z0-9_.+]+)*")
 # How the client sends its turns (the route): token ids to /generate, chat messages, or completions text.
 APIS = ("generate", "chat", "completions")
-# What serves the turns: kvgate's simulated engines, or real SGLang engines (CPU, kvgate.tools.engine)
+# What serves the turns: kvgate's simulated engines, or real SGLang engines (CPU, kvgate.tools.sglang_engine)
 ENGINES = ("sim", "sglang")
 
 # kvgate settings that are durations (seconds at speed 1); speed.scale() divides every one by the factor.

@@ -1,4 +1,4 @@
-"""aiohttp HTTP surface of the simulated SGLang engine (thin shell over kvgate.sim.engine).
+"""aiohttp HTTP surface of the simulated SGLang engine (thin shell over kvgate.sim.sim_engine).
 
 Endpoints and shapes follow /work/shared/reference/sglang-engine-api.md and what smg needs
 (/work/shared/reference/router-compat.md): /health, /health_generate, /ready, /server_info,
@@ -20,7 +20,7 @@ import orjson
 from aiohttp import web
 from aiohttp.http_exceptions import BadHttpMessage
 
-from kvgate.sim.engine import EngineOptions, EngineStopped, RequestHandle, SimEngine
+from kvgate.sim.sim_engine import EngineOptions, EngineStopped, RequestHandle, SimEngine
 from kvgate.sim.exposition import render_loads_prometheus
 from kvgate.sim.scheduler import Request
 from kvgate.sim.tokenizer import decode, encode, render_chat

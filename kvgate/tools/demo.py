@@ -10,7 +10,7 @@ docs/placement.md): smg 1.13 would carry session_id there too, but its round_rob
 session's turns over the engines. ``--route completions`` sends text to /v1/completions instead, and the router
 places the sessions.
 
-``--engine sglang`` runs the same path on real SGLang engines (CPU, kvgate.tools.engine; installed by
+``--engine sglang`` runs the same path on real SGLang engines (CPU, kvgate.tools.sglang_engine; installed by
 scripts/setup-engine.sh): two tiny engines, the trace's token counts divided by ``--token-scale`` (32) so a
 CPU engine keeps up, and its token ids folded into the tiny model's vocabulary (an id past it crashes SGLang's
 scheduler). ``--engine-url`` uses engines already running instead of starting any. A real engine does not say
@@ -357,7 +357,7 @@ def run(args: argparse.Namespace) -> int:
     if args.token_scale is None:
         args.token_scale = 32 if real else 1
     if real and not args.engine_url:
-        from kvgate.tools import engine as real_engine
+        from kvgate.tools import sglang_engine as real_engine
         why = real_engine.unavailable_reason()
         if why:
             print(f"kvgate demo: no real SGLang engine here ({why})", file=sys.stderr)
@@ -384,11 +384,11 @@ def _real_vocab() -> int:
 
 
 def _start_real(args: argparse.Namespace, log_dir: Path, out: list) -> list[str]:
-    """Start ``args.engines`` real engines at once (kvgate.tools.engine); appends each to ``out`` (the caller
+    """Start ``args.engines`` real engines at once (kvgate.tools.sglang_engine); appends each to ``out`` (the caller
     stops them) and returns their URLs."""
     import concurrent.futures
 
-    from kvgate.tools import engine as real_engine
+    from kvgate.tools import sglang_engine as real_engine
     spec = real_engine.EngineSpec(max_total_tokens=args.max_total_num_tokens)
     print(f"kvgate demo: starting {args.engines} real SGLang engines (20-30 s each on an idle machine)", flush=True)
     with concurrent.futures.ThreadPoolExecutor(args.engines) as pool:
@@ -408,7 +408,7 @@ def _run_once(args: argparse.Namespace, records, sessions, admission: bool, log_
     """One run on a fresh fleet (two engines, smg, kvgate); prints and returns its summary."""
     n_sessions = len(set(sessions))
     started: list[procs.Proc] = []
-    real_engines: list = []  # kvgate.tools.engine.Engine, started here (stopped at the end)
+    real_engines: list = []  # kvgate.tools.sglang_engine.Engine, started here (stopped at the end)
     speed = args.speed
     real = args.engine == "sglang"
     book = ScaledBook(args.token_scale, _real_vocab() if real else None)
@@ -417,7 +417,7 @@ def _run_once(args: argparse.Namespace, records, sessions, admission: bool, log_
         if real:
             engine_urls = list(args.engine_url) or _start_real(args, log_dir, real_engines)
             for u in engine_urls:  # each run starts from empty radix caches
-                from kvgate.tools.engine import flush_cache
+                from kvgate.tools.sglang_engine import flush_cache
                 flush_cache(u, 120)
         else:
             engine_urls = []

@@ -16,7 +16,7 @@ sgl-kernel is not published on PyPI. On a CPU without AMX every layer of a dense
 name imports (so SGLang's optional imports succeed) but raises NotImplementedError when called, so a code path
 that needs a real kernel fails loudly instead of computing something else.
 
-kvgate's launcher (kvgate.tools.engine) puts the folder holding this package first on the engine's PYTHONPATH.
+kvgate's launcher (kvgate.tools.sglang_engine) puts the folder holding this package first on the engine's PYTHONPATH.
 """
 
 from __future__ import annotations

@@ -242,7 +242,7 @@ def flush_cache(url: str, timeout_s: float = 30.0) -> None:
     raise RuntimeError(f"{url}/flush_cache did not succeed in {timeout_s} s: {last}")
 
 
-if __name__ == "__main__":  # python -m kvgate.tools.engine PORT: start one engine by hand, until Ctrl-C
+if __name__ == "__main__":  # python -m kvgate.tools.sglang_engine PORT: start one engine by hand, until Ctrl-C
     spec = EngineSpec(max_total_tokens=int(sys.argv[2]) if len(sys.argv) > 2 else 4000)
     e = start_engine(spec, Path("."), port=int(sys.argv[1]))
     print(f"engine {e.url} ready in {e.started_s:.1f} s, log {e.log_path}")
