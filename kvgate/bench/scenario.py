@@ -25,7 +25,7 @@ ARMS = ("direct", "direct-overload-off", "proxy-only", "lifecycle", "lifecycle-i
         "hicache+lifecycle+admission-program-device", "proxy-placement", "smg-manual", "direct-no-overload",
         "router-sweep")
 # The router configurations the ``router-sweep`` arm runs, router-only (no kvgate), each as arm router-<name>:
-# the policies and options a user of smg 1.13 would try for agentic sessions (router-compat.md). Worker
+# the policies and options a user of smg 1.13 would try for agentic sessions (docs/compatibility.md). Worker
 # overload protection is on by default in smg 1.13; "-noprot" turns it off. Sticky sessions and the hashing
 # policies key on X-SMG-Routing-Key, which the bench's client sets to the session id.
 DEFAULT_ROUTER_SWEEP = [

@@ -19,6 +19,7 @@ import logging
 import os
 import re
 import signal
+import socket
 import sys
 import time
 from collections import OrderedDict
@@ -60,7 +61,7 @@ ADMIN_HEADER = "X-Kvgate-Admin-Key"
 _PRIVILEGED_HEADERS = ("X-Kvgate-Protected", "X-Kvgate-Scope")
 # The session id kvgate gave a generate call (named or inferred), told to the client on the response.
 SESSION_HEADER = "X-Kvgate-Session-Id"
-# smg 1.13 names the worker it sent a call to in this response header (router-compat.md).
+# smg 1.13 names the worker it sent a call to in this response header (docs/compatibility.md).
 ROUTED_WORKER = b"x-smg-routed-worker-id"
 # Step-boundary bodies larger than this (tensor payloads) are not parsed: they take SGLang's defaults.
 STEP_BODY_PARSE_LIMIT = 1 << 20
@@ -910,6 +911,8 @@ async def start_gateway(cfg: Config, gate: Gate | None = None, process_role=None
     request. auto_decompress=False: request bodies are read and forwarded exactly as received.
     Header limits are the router's or higher (relay.MAX_LINE_BYTES, MAX_FIELD_BYTES).
     """
+    if process_role is None and cfg.port:
+        check_port(cfg.host, cfg.port)  # before the gateway starts talking to the router and the engines
     gw = Gateway(cfg, gate, process_role)
     if cfg.http_server == "kvgate":
         await gw._on_startup(None)
@@ -942,6 +945,22 @@ async def start_gateway(cfg: Config, gate: Gate | None = None, process_role=None
         await runner.cleanup()
         raise
     return gw, runner, port
+
+
+def check_port(host: str, port: int) -> None:
+    """Bind ``host:port`` and let it go at once, as the server will bind it (SO_REUSEADDR), so a port in use or
+    not ours is said before kvgate starts anything. Raises OSError (EADDRINUSE, EADDRNOTAVAIL, EACCES ...)."""
+    infos = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    for family, kind, proto, _, addr in infos:
+        try:
+            sock = socket.socket(family, kind, proto)
+        except OSError:  # an address family this host lacks (no IPv6): the server skips it too
+            continue
+        with sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            if family == socket.AF_INET6 and hasattr(socket, "IPPROTO_IPV6"):
+                sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)  # as asyncio binds each address
+            sock.bind(addr)
 
 
 def server_limits(cfg: Config) -> Limits:
