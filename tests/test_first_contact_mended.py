@@ -181,3 +181,12 @@ def test_a_mistyped_flag_gets_one_line_and_the_way_to_the_rest():
     assert (res.returncode, res.stdout, res.stderr.splitlines()) == (2, "", [
         "kvgate serve: error: unrecognized arguments: --upstrem http://127.0.0.1:9 (--upstrem: did you mean "
         "--upstream?)", "(every option: kvgate serve --help)"])
+
+
+def test_the_readme_stays_within_120_lines_and_names_the_commands_that_exist():
+    text = (ROOT / "README.md").read_text()
+    assert len(text.splitlines()) <= 120
+    from kvgate.cli import build_parser
+    commands = next(a for a in build_parser()._actions if a.dest == "command").choices
+    for name in re.findall(r"`kvgate ([a-z-]+)", text):
+        assert name in commands, name
