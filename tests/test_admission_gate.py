@@ -75,7 +75,7 @@ async def test_a_waiter_holds_its_raw_bytes_not_its_parsed_body():
 
     import orjson
 
-    from kvgate.common.admit import RequestInfo
+    from kvgate.common.admission_seam import RequestInfo
     from kvgate.common.classify import classify
 
     g = _gate()
@@ -109,7 +109,7 @@ async def test_memory_is_given_back_once_a_burst_of_waiters_drains(monkeypatch):
     import asyncio
 
     import kvgate.admission.gate as gate_mod
-    from kvgate.common.admit import RequestInfo
+    from kvgate.common.admission_seam import RequestInfo
     from kvgate.common.classify import classify
 
     calls = []
@@ -167,7 +167,7 @@ async def test_a_release_wakes_the_timer_only_for_a_deadline_sooner_than_its_own
 
     import orjson
 
-    from kvgate.common.admit import RequestInfo
+    from kvgate.common.admission_seam import RequestInfo
     from kvgate.common.classify import classify
 
     raw = orjson.dumps({"input_ids": [1] * 16, "sampling_params": {"max_new_tokens": 16}})
@@ -209,7 +209,7 @@ async def test_a_release_wakes_the_timer_only_for_a_deadline_sooner_than_its_own
 
 
 def test_place_first_is_asked_only_for_an_unknown_engine_and_fails_open():
-    from kvgate.common.admit import RequestInfo
+    from kvgate.common.admission_seam import RequestInfo
     from kvgate.common.classify import classify
 
     info = RequestInfo(classify("POST", "/generate", b'{"input_ids": [1, 2, 3]}'), {}, "new")
