@@ -18,7 +18,7 @@ from __future__ import annotations
 import aiohttp
 import pytest
 
-from kvgate.tools import engine as eng
+from kvgate.tools import sglang_engine as eng
 
 from .helpers import generate, get_json, ids, post
 
