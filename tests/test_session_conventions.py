@@ -90,3 +90,20 @@ def test_session_marks_final_and_parent():
     assert session_marks({"x-dynamo-session-final": "TRUE", "x-dynamo-parent-session-id": "p"}) == (True, "p")
     assert session_marks({"X-Session-Final": "false", "X-Parent-Session-ID": ""}) == (False, None)
     assert session_marks({"X-Session-Final": "1"}) == (True, None)
+
+
+def test_registry_links_children_and_forgets_them_with_the_child():
+    from kvgate.sessions.registry import SessionRegistry
+    reg = SessionRegistry(max_sessions=3)
+    for sid in ("p", "c1", "c2"):
+        reg.request_started(sid, "header", 0.0)
+        reg.request_finished(sid, 1.0)
+    assert reg.link_parent("c1", "p") and reg.link_parent("c2", "p") and not reg.link_parent("c2", "p")
+    assert not reg.link_parent("p", "p") and not reg.link_parent("ghost", "p")
+    assert reg.children("p") == ["c1", "c2"] and reg.session_json("p", 2.0)["children"] == ["c1", "c2"]
+    assert reg.link_parent("c2", "other")  # a later parent moves it
+    assert reg.children("p") == ["c1"] and reg.children("other") == ["c2"]
+    assert reg.get("c2").as_json(2.0)["parent"] == "other"
+    reg.request_started("x", None, 3.0)  # over the cap: the longest idle (p) goes; then c1 ...
+    reg.request_started("y", None, 3.0)
+    assert reg.get("c1") is None and reg.children("p") == []

@@ -42,6 +42,9 @@ Where inference stops being reliable (documented limits):
     each on a block boundary); an output shorter than a block links only decisively or via ``rerender``;
   - rerender evidence needs O's last ``probe`` units verbatim in R within |O| + ``rerender_slack``
     units after P; two siblings whose kept answers are identical are then indistinguishable (tie);
+  - ``reask`` needs the chat route (kvgate renders the messages itself); two agents at the same prompt that both
+    drop their answers and ask again are a tie (a new session, never a merge): GRPO siblings that drop their
+    first answers fragment;
   - with parallel calls in one session, the output is attributed to the last prompt started;
   - hashes are Python's 64-bit hashes (randomised per process for text): a collision is possible in
     principle, negligible for non-adversarial traffic; state does not survive a restart.
