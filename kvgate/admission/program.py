@@ -170,6 +170,7 @@ class _Waiter:
     seq: int
     reason: str | None = None
     bound: bool = False  # counted once in wait_resident_bound
+    movable: bool = False  # kvgate places it: it may go to any engine with room
 
 
 class ProgramCoordinator:
@@ -183,9 +184,7 @@ class ProgramCoordinator:
     gap is known) counts as ended, the first to pause. resume_deadline_s (None or 0: off; else > 0): a paused
     program's turn waiting this long makes its own room (see the module doc), seconds. max_resident (None:
     off; else an int >= 1): at most this many programs resident per KV pool, new programs waiting for a seat
-    (the module doc's resident bound). movable: kvgate places the sessions itself, so a waiting turn (a new
-    program's, a paused one's: neither holds KV on an engine) may go to any engine with room, and its
-    decision's lease names where. reclaim_after_s (None: off; else >= 0): a turn that has waited this long
+    (the module doc's resident bound). reclaim_after_s (None: off; else >= 0): a turn that has waited this long
     (the capacity poll interval) with no room anywhere it may go pauses programs that hold KV without evidence
     they will come back (one answered turn, no gap between turns seen), longest idle first. Raises ValueError
     on bad values.
@@ -195,7 +194,7 @@ class ProgramCoordinator:
                  victim: str = "ahead", resume: str = "fifo", program_ttl_s: float = 600.0,
                  overdue_multiple: float = 3.0, overdue_quantile: float = 0.9, overdue_default_s: float = 60.0,
                  resume_deadline_s: float | None = None, max_resident: int | None = None,
-                 movable: bool = False, reclaim_after_s: float | None = 2.0) -> None:
+                 reclaim_after_s: float | None = 2.0) -> None:
         if isinstance(max_wait_s, bool) or not isinstance(max_wait_s, (int, float)) or not max_wait_s >= 0:
             raise ValueError(f"max_wait_s must be >= 0, got {max_wait_s!r}")
         if victim not in VICTIM_RULES:
@@ -230,7 +229,6 @@ class ProgramCoordinator:
         if reclaim_after_s is not None and not (isinstance(reclaim_after_s, (int, float))
                                                 and math.isfinite(reclaim_after_s) and reclaim_after_s >= 0):
             raise ValueError(f"reclaim_after_s must be >= 0 or None, got {reclaim_after_s!r}")
-        self.movable = bool(movable)
         self._failed: dict[Any, int] = {}  # within one pump: place -> the smallest charge refused there
         self._reclaim_due: deque = deque()  # (enqueued_at + reclaim_after_s, ticket) per waiter, in arrival order
         self.reclaim_after_s = None if reclaim_after_s is None else float(reclaim_after_s)
@@ -296,9 +294,12 @@ class ProgramCoordinator:
 
     # ---------------------------------------------------------------- the request path
     def submit(self, ticket: Hashable, tokens: int, protected: bool, now: float, *, place: Any = None,
-               blocks: tuple = (), session_id: Hashable | None = None, prompt_tokens: int | None = None) -> Decision:
+               blocks: tuple = (), session_id: Hashable | None = None, prompt_tokens: int | None = None,
+               movable: bool = False) -> Decision:
         """Decide for a new in-scope request of ``tokens`` reservation (``prompt_tokens`` of it the prompt,
         ``blocks`` its prefix hashes) from ``session_id`` (None = a one-turn program) going to ``place``.
+        ``movable``: kvgate places this call itself, so a turn that would wait may go to another engine with
+        room (its decision's lease names the place; the shell sends it there).
 
         Returns ADMIT or BYPASS_* (forward now; release it when the attempt ends) or WAIT (a later pump()
         returns its final decision). Raises ValueError for negative or non-int tokens.
@@ -345,7 +346,8 @@ class ProgramCoordinator:
             self._relieve(place, now)
             return d
         resume = p is not None and p.state is ProgramState.PAUSED
-        w = _Waiter(ticket, sid, tokens, prompt, place, tuple(blocks), float(now), resume, next(self._seq))
+        w = _Waiter(ticket, sid, tokens, prompt, place, tuple(blocks), float(now), resume, next(self._seq),
+                    movable=movable)
         self._ticket_sid[ticket] = sid
         if self.max_resident is not None and self._seat_short(w) is not _SEAT_FREE:
             self._bound_reason(w, now)  # the pump that follows pauses ended programs to free a seat
@@ -802,8 +804,8 @@ class ProgramCoordinator:
     # ---------------------------------------------------------------- where a waiting turn fits
     def _places_for(self, w: _Waiter) -> list[Any]:
         """Where ``w`` may go, its own place first: every engine (DP rank) of the snapshot when kvgate places
-        sessions (``movable``) and its place is known, else its place alone."""
-        if not self.movable or w.place is FLEET:
+        the call (``movable``) and its place is known, else its place alone."""
+        if not w.movable or w.place is FLEET:
             return [w.place]
         return [w.place, *(pl for pl in self.ledger.engine_places() if pl != w.place)]
 
