@@ -501,3 +501,12 @@ def _program_metrics(s: dict[str, Any], p: str):
                             "no longer had cached at its next turn (evicted during the tool call)")
     m.add_metric([], s["counters"]["prefix_miss_tokens"])
     yield m
+    for name, key, doc in (
+            ("program_moved", "moved", "Turns admitted on another engine with room than the one they were placed on"),
+            ("program_reclaimed", "reclaimed", "Programs paused because they held KV without evidence of return "
+                                               "(one answered turn, no gap seen) while a turn waited a poll interval"),
+            ("program_ended_paused", "pause_overdue", "Programs paused as they turned ended (idle past what their "
+                                                      "own and their group's gaps between turns predict)")):
+        m = CounterMetricFamily(p + name, doc)
+        m.add_metric([], s["counters"][key])
+        yield m

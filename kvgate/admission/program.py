@@ -833,10 +833,13 @@ class ProgramCoordinator:
         places = self._places_for(w)
         first: Refusal | None = None
         if len(places) > 1:
+            # only the places that could take its least charge, and are not under pressure, are ranked (a
+            # full fleet of 64 engines costs one comparison each, not a prefix walk each)
             lg = self.ledger
-            own, rest = places[0], places[1:]
+            lb, th = self._lower_bound(w), lg.pressure_threshold
+            rest = [pl for pl in places[1:] if lg.free_on(pl) >= lb and lg.usage_of(pl) < th]
             rest.sort(key=lambda pl: (lg.charge(pl, w.tokens, w.blocks), -lg.free_on(pl)))
-            places = [own, *rest]
+            places = [places[0], *rest]
         for pl in places:
             r = self.ledger.try_acquire(w.ticket, w.tokens, now, place=pl, blocks=w.blocks)
             if isinstance(r, Grant):
