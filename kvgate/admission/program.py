@@ -230,6 +230,7 @@ class ProgramCoordinator:
                                                 and math.isfinite(reclaim_after_s) and reclaim_after_s >= 0):
             raise ValueError(f"reclaim_after_s must be >= 0 or None, got {reclaim_after_s!r}")
         self._failed: dict[Any, int] = {}  # within one pump: place -> the smallest charge refused there
+        self._failed_max = 0  # the largest of those records
         self._reclaim_due: deque = deque()  # (enqueued_at + reclaim_after_s, ticket) per waiter, in arrival order
         self.reclaim_after_s = None if reclaim_after_s is None else float(reclaim_after_s)
         # the resident bound's books (kept only while it is on): seats held per place and in all, seats kept
@@ -761,7 +762,7 @@ class ProgramCoordinator:
                 else:  # only running programs hold its place: it waits for them (aging still bounds it)
                     self._wait_reason(w, r.reason, now)
                     stopped.add(w.place)
-        self._failed: dict[Any, int] = {}
+        self._failed, self._failed_max = {}, 0
         for w in self._ordered():
             if self.max_resident is not None and not self._seat_for(w, now, overdue_only=True):
                 self._wait_reason(w, BOUND_REASON, now)
@@ -824,7 +825,10 @@ class ProgramCoordinator:
         lb = self._lower_bound(w)
         if lb <= 0:
             return False
-        return all(failed.get(pl, -1) >= 0 and lb >= failed[pl] for pl in self._places_for(w))
+        if not w.movable or w.place is FLEET:
+            return w.place in failed and lb >= failed[w.place]
+        # any engine: every one must have refused no more than lb (O(1): the count and the largest record)
+        return len(failed) >= len(self.ledger.engine_places()) and lb >= self._failed_max
 
     def _fit(self, w: _Waiter, now: float) -> tuple[Grant | Refusal, Any]:
         """try_acquire for ``w`` on its own place, then (``movable``) on the other engines, those that already
@@ -854,6 +858,7 @@ class ProgramCoordinator:
         charge = 0 if r.reason != "capacity_exhausted" else self.ledger.charge(place, w.tokens, w.blocks)
         if charge < failed.get(place, 1 << 62):
             failed[place] = charge
+            self._failed_max = max(failed.values())
 
     def _moved(self, w: _Waiter, where: Any, now: float) -> None:
         if where != w.place:
