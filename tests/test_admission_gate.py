@@ -18,7 +18,7 @@ async def test_the_place_stage_decides_where_the_lease_counts_and_a_movable_call
     (movable) that finds its engine full is admitted on another engine with room, and the ticket names it."""
     import orjson
 
-    from kvgate.common.admit import RequestInfo
+    from kvgate.common.admission_seam import RequestInfo
     from kvgate.common.classify import classify
 
     g = _gate("program")
@@ -85,7 +85,7 @@ async def test_a_waiter_holds_its_raw_bytes_not_its_parsed_body():
 
     import orjson
 
-    from kvgate.common.admit import RequestInfo
+    from kvgate.common.admission_seam import RequestInfo
     from kvgate.common.classify import classify
 
     g = _gate()
@@ -119,7 +119,7 @@ async def test_memory_is_given_back_once_a_burst_of_waiters_drains(monkeypatch):
     import asyncio
 
     import kvgate.admission.gate as gate_mod
-    from kvgate.common.admit import RequestInfo
+    from kvgate.common.admission_seam import RequestInfo
     from kvgate.common.classify import classify
 
     calls = []
@@ -178,7 +178,7 @@ async def test_a_release_wakes_the_timer_only_for_a_deadline_sooner_than_its_own
 
     import orjson
 
-    from kvgate.common.admit import RequestInfo
+    from kvgate.common.admission_seam import RequestInfo
     from kvgate.common.classify import classify
 
     raw = orjson.dumps({"input_ids": [1] * 16, "sampling_params": {"max_new_tokens": 16}})

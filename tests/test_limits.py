@@ -27,7 +27,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from fake_upstream import Canary, ScriptedUpstream, parse_answer, request, response, send_raw
-from kvgate.common.admit import OpenGate
+from kvgate.common.admission_seam import OpenGate
 from kvgate.config import validate
 from kvgate.proxy import server
 from kvgate.proxy.app import start_gateway

@@ -9,7 +9,7 @@ from kvgate.admission.coordinator import Kind
 from kvgate.admission.gate import AdmissionGate
 from kvgate.admission.ledger import Ledger
 from kvgate.admission.program import ProgramCoordinator, ProgramState
-from kvgate.common.admit import RequestInfo
+from kvgate.common.admission_seam import RequestInfo
 from kvgate.common.classify import classify
 from kvgate.common.metrics import Metrics
 from kvgate.config import validate

@@ -36,7 +36,7 @@ from kvgate.admission.program import ProgramCoordinator, ProgramState
 from kvgate.admission.reservation import Estimator, load_tokenizer_counter
 from kvgate.common.aio import cancel_tasks
 from kvgate.common.memory import give_back
-from kvgate.common.admit import RequestInfo, Ticket
+from kvgate.common.admission_seam import RequestInfo, Ticket
 from kvgate.common.metrics import Metrics
 
 log = logging.getLogger("kvgate.admission")
@@ -52,7 +52,7 @@ OFF_HEADERS = [(HEADER_DECISION, ADMISSION_OFF), (HEADER_QUEUE_MS, "0")]
 
 
 class AdmissionGate:
-    """Implements kvgate.common.admit.Gate with the coordinator; ``poller`` feeds it capacity snapshots.
+    """Implements kvgate.common.admission_seam.Gate with the coordinator; ``poller`` feeds it capacity snapshots.
 
     cfg: the validated Config; metrics: the app's Metrics (series are added to its registry);
     clock: monotonic seconds; pause_session: called with a session id whose engine session the program policy

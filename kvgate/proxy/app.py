@@ -19,6 +19,7 @@ import logging
 import os
 import re
 import signal
+import socket
 import sys
 import time
 from collections import OrderedDict
@@ -38,7 +39,7 @@ from kvgate.fleet.placement import Placement, Target
 from kvgate.fleet.directory import EngineDirectory
 from kvgate.proxy.relay import MAX_FIELD_BYTES, MAX_LINE_BYTES, Upstream, forward_head, header_safe, \
     BodyParts, preserve_header_bytes, read_body
-from kvgate.common.admit import Gate, OpenGate, RequestInfo, Ticket
+from kvgate.common.admission_seam import Gate, OpenGate, RequestInfo, Ticket
 from kvgate.proxy.placed import PlacedRelay
 from kvgate.proxy.server import Headers, HttpServer, Limits
 from kvgate.sessions.idle_policy import IdlePolicy, StepTracker
@@ -60,7 +61,7 @@ ADMIN_HEADER = "X-Kvgate-Admin-Key"
 _PRIVILEGED_HEADERS = ("X-Kvgate-Protected", "X-Kvgate-Scope")
 # The session id kvgate gave a generate call (named or inferred), told to the client on the response.
 SESSION_HEADER = "X-Kvgate-Session-Id"
-# smg 1.13 names the worker it sent a call to in this response header (router-compat.md).
+# smg 1.13 names the worker it sent a call to in this response header (docs/compatibility.md).
 ROUTED_WORKER = b"x-smg-routed-worker-id"
 # Step-boundary bodies larger than this (tensor payloads) are not parsed: they take SGLang's defaults.
 STEP_BODY_PARSE_LIMIT = 1 << 20
@@ -119,10 +120,10 @@ def _json(obj: Any, status: int = 200) -> web.Response:
 class Gateway:
     """Everything one running kvgate owns. Build with a validated Config; ``app`` is the aiohttp app."""
 
-    def __init__(self, cfg: Config, gate: Gate | None = None, worker=None):
+    def __init__(self, cfg: Config, gate: Gate | None = None, process_role=None):
         self.cfg = cfg
-        # One of several worker processes on one port (kvgate.proxy.workers.WorkerRole), or None.
-        self.worker = worker
+        # One of several kvgate processes on one port (kvgate.proxy.processes.ProcessRole), or None.
+        self.process_role = process_role
         preserve_header_bytes()
         self.metrics = Metrics()
         self.upstream = Upstream(cfg.upstream, cfg.connect_timeout_s, cfg.read_timeout_s, cfg.upstream_pool_size)
@@ -236,7 +237,7 @@ class Gateway:
         r.add_get("/kvgate/sessions", self._guard(self.handle_sessions))
         r.add_get("/kvgate/sessions/{sid}", self._guard(self.handle_session))
         r.add_post("/kvgate/sessions/{sid}/close", self._guard(self.handle_session_close))
-        if self.worker is not None:  # this worker's own figures, which its siblings merge
+        if self.process_role is not None:  # this process's own figures, which its siblings merge
             r.add_get("/kvgate/worker/metrics", self.handle_worker_metrics)
             r.add_get("/kvgate/worker/health", self.handle_worker_health)
         if self.lifecycle_on:
@@ -260,7 +261,7 @@ class Gateway:
                   "/kvgate/engines": get(guard(self.handle_engines)), "/kvgate/stats": get(guard(self.handle_stats)),
                   "/kvgate/sessions": get(guard(self.handle_sessions))}
         self._session_handlers = (guard(self.handle_session), guard(self.handle_session_close))
-        if self.worker is not None:
+        if self.process_role is not None:
             routes["/kvgate/worker/metrics"] = get(self.handle_worker_metrics)
             routes["/kvgate/worker/health"] = get(self.handle_worker_health)
         if self.lifecycle_on:
@@ -297,8 +298,8 @@ class Gateway:
             log.warning(warning)
         if self.shared is not None:
             await self.shared.start()
-        if self.worker is not None:
-            await self.worker.start()
+        if self.process_role is not None:
+            await self.process_role.start()
         await self.directory.start()
         await self.lifecycle.start()
         start = getattr(self.gate, "start", None)
@@ -316,8 +317,8 @@ class Gateway:
         await self.lifecycle.stop()
         if self.shared is not None:
             await self.shared.stop()
-        if self.worker is not None:
-            await self.worker.stop()
+        if self.process_role is not None:
+            await self.process_role.stop()
         await self.directory.stop()
         await self.upstream.close()
 
@@ -370,11 +371,11 @@ class Gateway:
 
     async def handle_metrics(self, request: web.Request) -> web.Response:
         body, ctype = self.metrics.render()
-        if self.worker is not None:  # the whole process set, whichever worker the kernel picked
+        if self.process_role is not None:  # the whole process set, whichever process the kernel picked
             try:
-                body = await self.worker.merged_metrics(body)
-            except Exception:  # a sibling's unparsable answer: this worker's own figures, said in the log
-                log.exception("merging the workers' metrics failed; answering this worker's own")
+                body = await self.process_role.merged_metrics(body)
+            except Exception:  # a sibling's unparsable answer: this process's own figures, said in the log
+                log.exception("merging the processes' metrics failed; answering this process's own")
         return web.Response(body=body, headers={"Content-Type": ctype})
 
     async def handle_worker_metrics(self, request: web.Request) -> web.Response:
@@ -382,7 +383,7 @@ class Gateway:
         return web.Response(body=body, headers={"Content-Type": ctype})
 
     async def handle_worker_health(self, request: web.Request) -> web.Response:
-        return _json({"status": "ok", "worker": self.worker.index, "pid": os.getpid()})
+        return _json({"status": "ok", "worker": self.process_role.index, "pid": os.getpid()})
 
     def health_checks(self) -> list[health.Check]:
         """The checks /kvgate/health adds up (kvgate.fleet.health): the router, the engines. Append a
@@ -392,7 +393,7 @@ class Gateway:
     async def handle_health(self, request: web.Request) -> web.Response:
         """kvgate and what it depends on: ``status`` ok | degraded (HTTP 200) or starting | down (HTTP 503),
         ``reasons`` (every check not ok), ``checks`` (each with its reason), and the features in force."""
-        workers = await self.worker.health() if self.worker is not None else None
+        workers = await self.process_role.health() if self.process_role is not None else None
         checks = self.health_checks()
         status, code, reasons = health.summarize(checks)
         return _json({"status": status, "reasons": reasons, "checks": [c.as_json() for c in checks],
@@ -946,12 +947,12 @@ def _completed(outcome) -> bool:
             and outcome.status < 400)
 
 
-async def start_gateway(cfg: Config, gate: Gate | None = None, worker=None) -> tuple[Gateway, Any, int]:
+async def start_gateway(cfg: Config, gate: Gate | None = None, process_role=None) -> tuple[Gateway, Any, int]:
     """Start kvgate on cfg.host:cfg.port (port 0 = a free one). Returns (gateway, runner, bound port);
     ``await runner.cleanup()`` stops it.
 
-    ``worker`` (kvgate.proxy.workers.WorkerRole): this process is one of several on the same port: it binds
-    with SO_REUSEPORT, also listens on a private 127.0.0.1 port and registers it for its siblings.
+    ``process_role`` (kvgate.proxy.processes.ProcessRole): this process is one of several on the same port: it
+    binds with SO_REUSEPORT, also listens on a private 127.0.0.1 port and registers it for its siblings.
 
     ``http_server: kvgate`` (the default) serves through kvgate.proxy.server, with the same guarantees as
     aiohttp's server below (see that module). ``http_server: aiohttp``: aiohttp's web server;
@@ -959,14 +960,17 @@ async def start_gateway(cfg: Config, gate: Gate | None = None, worker=None) -> t
     request. auto_decompress=False: request bodies are read and forwarded exactly as received.
     Header limits are the router's or higher (relay.MAX_LINE_BYTES, MAX_FIELD_BYTES).
     """
-    gw = Gateway(cfg, gate, worker)
+    if process_role is None and cfg.port:
+        check_port(cfg.host, cfg.port)  # before the gateway starts talking to the router and the engines
+    gw = Gateway(cfg, gate, process_role)
     if cfg.http_server == "kvgate":
         await gw._on_startup(None)
         srv = HttpServer(gw.route, cfg.max_body_bytes, on_cleanup=gw._on_cleanup, limits=server_limits(cfg))
         try:
-            port = await srv.listen(cfg.host, cfg.port, backlog=1024, reuse_port=True if worker is not None else None)
-            if worker is not None:
-                worker.register(await srv.listen("127.0.0.1", 0))
+            port = await srv.listen(cfg.host, cfg.port, backlog=1024,
+                                    reuse_port=True if process_role is not None else None)
+            if process_role is not None:
+                process_role.register(await srv.listen("127.0.0.1", 0))
         except BaseException:
             await srv.cleanup()
             raise
@@ -978,17 +982,34 @@ async def start_gateway(cfg: Config, gate: Gate | None = None, worker=None) -> t
                            max_line_size=MAX_LINE_BYTES, max_field_size=MAX_FIELD_BYTES)
     await runner.setup()
     try:
-        site = web.TCPSite(runner, cfg.host, cfg.port, backlog=1024, reuse_port=True if worker is not None else None)
+        site = web.TCPSite(runner, cfg.host, cfg.port, backlog=1024,
+                           reuse_port=True if process_role is not None else None)
         await site.start()
         port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
-        if worker is not None:
+        if process_role is not None:
             private = web.TCPSite(runner, "127.0.0.1", 0)
             await private.start()
-            worker.register(private._server.sockets[0].getsockname()[1])  # type: ignore[union-attr]
+            process_role.register(private._server.sockets[0].getsockname()[1])  # type: ignore[union-attr]
     except BaseException:  # the port is taken, say: stop what startup began (pollers, sessions)
         await runner.cleanup()
         raise
     return gw, runner, port
+
+
+def check_port(host: str, port: int) -> None:
+    """Bind ``host:port`` and let it go at once, as the server will bind it (SO_REUSEADDR), so a port in use or
+    not ours is said before kvgate starts anything. Raises OSError (EADDRINUSE, EADDRNOTAVAIL, EACCES ...)."""
+    infos = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    for family, kind, proto, _, addr in infos:
+        try:
+            sock = socket.socket(family, kind, proto)
+        except OSError:  # an address family this host lacks (no IPv6): the server skips it too
+            continue
+        with sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            if family == socket.AF_INET6 and hasattr(socket, "IPPROTO_IPV6"):
+                sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)  # as asyncio binds each address
+            sock.bind(addr)
 
 
 def server_limits(cfg: Config) -> Limits:
@@ -1001,23 +1022,23 @@ def server_limits(cfg: Config) -> Limits:
                   body_budget_wait_s=cfg.http_body_budget_wait_s)
 
 
-def serve(cfg: Config, worker=None) -> int:
-    """Run kvgate until SIGINT/SIGTERM (a worker also stops when its supervisor is gone). Returns the exit
-    status."""
+def serve(cfg: Config, process_role=None) -> int:
+    """Run kvgate until SIGINT/SIGTERM (one of several processes also stops when its supervisor is gone).
+    Returns the exit status."""
     async def main() -> None:
-        gw, runner, port = await start_gateway(cfg, worker=worker)
-        if worker is None:
+        gw, runner, port = await start_gateway(cfg, process_role=process_role)
+        if process_role is None:
             log.info("kvgate listening on http://%s:%d", cfg.host, port)
         else:
-            log.info("worker %d of %d serving http://%s:%d (private port %d)", worker.index, worker.count,
-                     cfg.host, port, worker.private_port)
+            log.info("process %d of %d serving http://%s:%d (private port %d)", process_role.index,
+                     process_role.count, cfg.host, port, process_role.private_port)
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, stop.set)
         watch = None
-        if worker is not None:
-            from kvgate.proxy.workers import watch_supervisor
+        if process_role is not None:
+            from kvgate.proxy.processes import watch_supervisor
             watch = asyncio.create_task(watch_supervisor(stop))
         await stop.wait()
         if watch is not None:
@@ -1037,7 +1058,7 @@ def serve(cfg: Config, worker=None) -> int:
     except OSError as exc:
         if exc.errno not in _LISTEN_ERRORS:
             raise
-        # The port is taken or not ours to bind: one line naming it, as the supervisor of workers says it.
+        # The port is taken or not ours to bind: one line naming it, as the supervisor of processes says it.
         print(f"kvgate: config error: port: cannot listen on {cfg.host}:{cfg.port} ({os.strerror(exc.errno)})",
               file=sys.stderr)
         return 2
