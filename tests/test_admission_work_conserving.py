@@ -29,7 +29,8 @@ class WorkConserving(RuleBasedStateMachine):
     def setup(self, caps, movable, hot, victim):
         self.lg = Ledger(headroom=0.9, pressure_threshold=0.92, stale_after_s=1e9, lease_ttl_s=1e9)
         self.co = ProgramCoordinator(self.lg, max_wait_s=30.0, victim=victim, program_ttl_s=300.0,
-                                     overdue_default_s=20.0, movable=movable, reclaim_after_s=POLL_S)
+                                     overdue_default_s=20.0, reclaim_after_s=POLL_S)
+        self.movable = movable
         self.places = [f"http://e{i}" for i in range(len(caps))]
         usage = [0.95 if hot and i == 0 and len(caps) > 1 else 0.0 for i in range(len(caps))]
         snap = ClusterSnapshot.build({u: EngineCapacity.from_pools([(c, int(c * us), us)])
@@ -59,7 +60,7 @@ class WorkConserving(RuleBasedStateMachine):
         self.prompt[t] = tokens // 2
         self.idle.discard(sid)
         d = self.co.submit(t, tokens, False, self.now, place=place, session_id=None if self.kind[sid] == "call" else sid,
-                           prompt_tokens=tokens // 2)
+                           prompt_tokens=tokens // 2, movable=self.movable)
         self.co.take_actions()
         if d.kind is Kind.WAIT:
             self.waiting[t] = (sid, self.now, place, tokens)
@@ -140,7 +141,7 @@ class WorkConserving(RuleBasedStateMachine):
         lg = self.lg
         for t, (sid, at, place, tokens) in self.waiting.items():
             waited = self.now - at
-            allowed = self.places if self.co.movable and place is not None else [place]
+            allowed = self.places if self.movable and place is not None else [place]
             for pl in allowed:
                 if lg.usage_of(pl) >= lg.pressure_threshold:
                     continue

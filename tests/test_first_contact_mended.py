@@ -190,3 +190,30 @@ def test_the_readme_stays_within_120_lines_and_names_the_commands_that_exist():
     commands = next(a for a in build_parser()._actions if a.dest == "command").choices
     for name in re.findall(r"`kvgate ([a-z-]+)", text):
         assert name in commands, name
+
+
+async def test_a_router_answering_5xx_to_workers_is_not_called_no_router(kvgate_factory, caplog):
+    """A router that is starting or failing answers /workers with 503: that is not "no router" (down), and no
+    hint is logged; only paths that do not exist (404, 405) are."""
+    from fake_upstream import response
+    up_answer = response(503, b"starting")
+
+    async def handle(reader, writer):  # every path 503, /workers and /list_workers included
+        await reader.readuntil(b"\r\n\r\n")
+        writer.write(up_answer)
+        await writer.drain()
+        writer.close()
+    server = await asyncio.start_server(handle, "127.0.0.1", 0)
+    url = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
+    try:
+        caplog.set_level(logging.INFO, logger="kvgate")
+        gw, kv = await kvgate_factory(upstream=url, discovery_interval_s=60)
+        status, h = await _health(kv)
+        assert (status, h["status"]) == (200, "degraded")
+        assert h["reasons"] == ["engines: engine discovery failed (DiscoveryError: /workers answered 503, "
+                                "/list_workers answered 503) and no engine is known"]
+        assert gw.directory.upstream_kind is None
+        assert not [r for r in caplog.records if "SGLang" in r.getMessage()]
+    finally:
+        server.close()
+        await server.wait_closed()

@@ -628,6 +628,8 @@ async def test_without_an_admin_key_everything_is_open_as_before(kvgate_factory,
 class _RecordingGate(OpenGate):
     """Admission that admits everything and records what it was told of the privileged headers."""
 
+    reads_headers = True
+
     def __init__(self):
         self.seen: list[tuple[str | None, str | None]] = []
 

@@ -170,6 +170,7 @@ class _Waiter:
     seq: int
     reason: str | None = None
     bound: bool = False  # counted once in wait_resident_bound
+    movable: bool = False  # kvgate places it: it may go to any engine with room
 
 
 class ProgramCoordinator:
@@ -183,9 +184,7 @@ class ProgramCoordinator:
     gap is known) counts as ended, the first to pause. resume_deadline_s (None or 0: off; else > 0): a paused
     program's turn waiting this long makes its own room (see the module doc), seconds. max_resident (None:
     off; else an int >= 1): at most this many programs resident per KV pool, new programs waiting for a seat
-    (the module doc's resident bound). movable: kvgate places the sessions itself, so a waiting turn (a new
-    program's, a paused one's: neither holds KV on an engine) may go to any engine with room, and its
-    decision's lease names where. reclaim_after_s (None: off; else >= 0): a turn that has waited this long
+    (the module doc's resident bound). reclaim_after_s (None: off; else >= 0): a turn that has waited this long
     (the capacity poll interval) with no room anywhere it may go pauses programs that hold KV without evidence
     they will come back (one answered turn, no gap between turns seen), longest idle first. Raises ValueError
     on bad values.
@@ -195,7 +194,7 @@ class ProgramCoordinator:
                  victim: str = "ahead", resume: str = "fifo", program_ttl_s: float = 600.0,
                  overdue_multiple: float = 3.0, overdue_quantile: float = 0.9, overdue_default_s: float = 60.0,
                  resume_deadline_s: float | None = None, max_resident: int | None = None,
-                 movable: bool = False, reclaim_after_s: float | None = 2.0) -> None:
+                 reclaim_after_s: float | None = 2.0) -> None:
         if isinstance(max_wait_s, bool) or not isinstance(max_wait_s, (int, float)) or not max_wait_s >= 0:
             raise ValueError(f"max_wait_s must be >= 0, got {max_wait_s!r}")
         if victim not in VICTIM_RULES:
@@ -230,8 +229,8 @@ class ProgramCoordinator:
         if reclaim_after_s is not None and not (isinstance(reclaim_after_s, (int, float))
                                                 and math.isfinite(reclaim_after_s) and reclaim_after_s >= 0):
             raise ValueError(f"reclaim_after_s must be >= 0 or None, got {reclaim_after_s!r}")
-        self.movable = bool(movable)
         self._failed: dict[Any, int] = {}  # within one pump: place -> the smallest charge refused there
+        self._failed_max = 0  # the largest of those records
         self._reclaim_due: deque = deque()  # (enqueued_at + reclaim_after_s, ticket) per waiter, in arrival order
         self.reclaim_after_s = None if reclaim_after_s is None else float(reclaim_after_s)
         # the resident bound's books (kept only while it is on): seats held per place and in all, seats kept
@@ -296,9 +295,12 @@ class ProgramCoordinator:
 
     # ---------------------------------------------------------------- the request path
     def submit(self, ticket: Hashable, tokens: int, protected: bool, now: float, *, place: Any = None,
-               blocks: tuple = (), session_id: Hashable | None = None, prompt_tokens: int | None = None) -> Decision:
+               blocks: tuple = (), session_id: Hashable | None = None, prompt_tokens: int | None = None,
+               movable: bool = False) -> Decision:
         """Decide for a new in-scope request of ``tokens`` reservation (``prompt_tokens`` of it the prompt,
         ``blocks`` its prefix hashes) from ``session_id`` (None = a one-turn program) going to ``place``.
+        ``movable``: kvgate places this call itself, so a turn that would wait may go to another engine with
+        room (its decision's lease names the place; the shell sends it there).
 
         Returns ADMIT or BYPASS_* (forward now; release it when the attempt ends) or WAIT (a later pump()
         returns its final decision). Raises ValueError for negative or non-int tokens.
@@ -345,7 +347,8 @@ class ProgramCoordinator:
             self._relieve(place, now)
             return d
         resume = p is not None and p.state is ProgramState.PAUSED
-        w = _Waiter(ticket, sid, tokens, prompt, place, tuple(blocks), float(now), resume, next(self._seq))
+        w = _Waiter(ticket, sid, tokens, prompt, place, tuple(blocks), float(now), resume, next(self._seq),
+                    movable=movable)
         self._ticket_sid[ticket] = sid
         if self.max_resident is not None and self._seat_short(w) is not _SEAT_FREE:
             self._bound_reason(w, now)  # the pump that follows pauses ended programs to free a seat
@@ -759,7 +762,7 @@ class ProgramCoordinator:
                 else:  # only running programs hold its place: it waits for them (aging still bounds it)
                     self._wait_reason(w, r.reason, now)
                     stopped.add(w.place)
-        self._failed: dict[Any, int] = {}
+        self._failed, self._failed_max = {}, 0
         for w in self._ordered():
             if self.max_resident is not None and not self._seat_for(w, now, overdue_only=True):
                 self._wait_reason(w, BOUND_REASON, now)
@@ -802,8 +805,8 @@ class ProgramCoordinator:
     # ---------------------------------------------------------------- where a waiting turn fits
     def _places_for(self, w: _Waiter) -> list[Any]:
         """Where ``w`` may go, its own place first: every engine (DP rank) of the snapshot when kvgate places
-        sessions (``movable``) and its place is known, else its place alone."""
-        if not self.movable or w.place is FLEET:
+        the call (``movable``) and its place is known, else its place alone."""
+        if not w.movable or w.place is FLEET:
             return [w.place]
         return [w.place, *(pl for pl in self.ledger.engine_places() if pl != w.place)]
 
@@ -822,7 +825,10 @@ class ProgramCoordinator:
         lb = self._lower_bound(w)
         if lb <= 0:
             return False
-        return all(failed.get(pl, -1) >= 0 and lb >= failed[pl] for pl in self._places_for(w))
+        if not w.movable or w.place is FLEET:
+            return w.place in failed and lb >= failed[w.place]
+        # any engine: every one must have refused no more than lb (O(1): the count and the largest record)
+        return len(failed) >= len(self.ledger.engine_places()) and lb >= self._failed_max
 
     def _fit(self, w: _Waiter, now: float) -> tuple[Grant | Refusal, Any]:
         """try_acquire for ``w`` on its own place, then (``movable``) on the other engines, those that already
@@ -831,10 +837,13 @@ class ProgramCoordinator:
         places = self._places_for(w)
         first: Refusal | None = None
         if len(places) > 1:
+            # only the places that could take its least charge, and are not under pressure, are ranked (a
+            # full fleet of 64 engines costs one comparison each, not a prefix walk each)
             lg = self.ledger
-            own, rest = places[0], places[1:]
+            lb, th = self._lower_bound(w), lg.pressure_threshold
+            rest = [pl for pl in places[1:] if lg.free_on(pl) >= lb and lg.usage_of(pl) < th]
             rest.sort(key=lambda pl: (lg.charge(pl, w.tokens, w.blocks), -lg.free_on(pl)))
-            places = [own, *rest]
+            places = [places[0], *rest]
         for pl in places:
             r = self.ledger.try_acquire(w.ticket, w.tokens, now, place=pl, blocks=w.blocks)
             if isinstance(r, Grant):
@@ -849,6 +858,7 @@ class ProgramCoordinator:
         charge = 0 if r.reason != "capacity_exhausted" else self.ledger.charge(place, w.tokens, w.blocks)
         if charge < failed.get(place, 1 << 62):
             failed[place] = charge
+            self._failed_max = max(failed.values())
 
     def _moved(self, w: _Waiter, where: Any, now: float) -> None:
         if where != w.place:

@@ -42,6 +42,8 @@ CONTROL_TIMEOUT_S = 2.0
 #: What a failed connection to the router or an engine raises (the peer is not there), as opposed to an
 #: answer kvgate cannot read.
 _UNREACHABLE = (aiohttp.ClientConnectionError, asyncio.TimeoutError, OSError)
+#: Answers that mean the path does not exist on the upstream (it is no router of a kind kvgate knows).
+_NO_SUCH_PATH = frozenset({404, 405})
 #: Router answers to a forwarded call that mean it could not reach an engine (logged once per change).
 GATEWAY_ERRORS = frozenset({502, 503, 504})
 
@@ -174,7 +176,8 @@ class EngineDirectory:
             else:
                 status2, obj2 = await self._get_json(self.upstream + "/list_workers", self.router_headers)
                 if status2 != 200:
-                    if self.upstream_kind is None and status2 not in (401, 403):
+                    if self.upstream_kind is None and status in _NO_SUCH_PATH and status2 in _NO_SUCH_PATH:
+                        # neither path exists there (a router that is starting or failing answers 5xx instead)
                         self.upstream_kind = await self._ask_upstream_kind(status, status2)
                     raise DiscoveryError(f"/workers answered {status}, /list_workers answered {status2}")
                 found = parse_list_workers(obj2)

@@ -85,6 +85,7 @@ class SessionPlan:
     inferred: bool = False
     prompt_is_text: bool = False
     units: Any = None  # the prompt's units, kept for replicas sharing inference (state_backend: redis)
+    placed: bool = False  # the placement stage chose its engine: it goes there, not to the router
 
 
 def _as_text(session_id: str | None) -> str | None:
@@ -188,15 +189,13 @@ class Gateway:
             self.lifecycle.close_check = self.shared.close_wanted
         self.placed.shared = self.shared
         self.poller = None
-        # Where admission counts a session's request: the engine kvgate placed it on (a first turn on a placed
-        # route is placed before admission: _place_first), or the one the router's answer named
-        # (x-smg-routed-worker-id); a session the router routes without naming it counts fleet-wide.
+        # Where a session's call goes when kvgate does not place it: the engine the router's answer named for
+        # its earlier turns (x-smg-routed-worker-id), or None (counted fleet-wide). The placement stage reads it.
         self.engine_of = self.placement.engine_of
         if gate is None and cfg.agentic_program_admission:
             from kvgate.admission.gate import AdmissionGate
             from kvgate.admission.poller import CapacityPoller
-            gate = AdmissionGate(cfg, self.metrics, engine_of=lambda sid: self.engine_of(sid) if self.engine_of else None,
-                                 pause_session=self._pause_session, place_first=self._place_first)
+            gate = AdmissionGate(cfg, self.metrics, pause_session=self._pause_session)
             self.poller = CapacityPoller(gate, self.directory, cfg.admission_poll_interval_s,
                                          cfg.admission_capacity_source)
         elif any(m != "router" for m in self.placement_modes.values()):
@@ -487,7 +486,8 @@ class Gateway:
         entry["idle_threshold_s"] = round(self.lifecycle.policy.threshold(sid), 3)
         where = self.placement.engine_of(sid)
         entry["engine"] = None if where is None else {"url": where[0], "dp_rank": where[1],
-                                                      "placed_by": self.placement.placed_by(sid)}
+                                                      "placed_by": self.placement.placed_by(sid),
+                                                      "moves": self.placement.moves_of(sid)}
         return entry
 
     def _session_named(self, name: str) -> str:
@@ -652,20 +652,44 @@ class Gateway:
         self.placement.set_capacity({url: [(p.capacity, p.used, p.requests) for p in cap.pools]
                                      for url, cap in snapshot.engines.items()}, snapshot.taken_at)
 
-    def _place_first(self, info: RequestInfo) -> tuple[str, int | None] | None:
-        """Place first, then admit: a call of a session on a route kvgate places is placed before admission,
-        so its turn reserves on the engine it will go to (kvgate.proxy.placed.PlacedRelay.place_first)."""
-        target = self.placed.place_first(info.classified, info.session_id)
-        return None if target is None else (target.engine, target.dp_rank)
-
-    # --- the request path ------------------------------------------------------------------------
+    # --- the request path: classify -> resolve session -> place -> admit -> forward -> release and record ---
 
     async def handle_proxy(self, request: web.Request) -> web.StreamResponse:
+        """Every request kvgate does not answer itself, in one order, each decision made once in its stage."""
         t0 = time.perf_counter()
         raw = await read_body(request, self._max_body, join_max=self._join_max)
+        c = self._classify(request, raw)
+        plan = await self._session_stage(c, raw, request)
+        target = await self._place_stage(request, c, plan)
+        ticket = await self._admit_stage(request, c, plan, target)
+        target = self._moved(plan, target, ticket)
+        self.metrics.added_latency.observe(max(0.0, time.perf_counter() - t0 - ticket.queue_s))
+        session_id = await self._turn_started(plan, ticket)
+        self.metrics.inflight_now += 1
+        t1 = time.perf_counter()
+        outcome = None
+        try:  # from here on every exit path ends the request in the registry and the inference index
+            resp, outcome = await self._forward(request, c, plan, target, ticket)
+            return resp
+        except asyncio.CancelledError:
+            self.metrics.client_disconnects.inc()
+            raise
+        finally:
+            self.metrics.inflight_now -= 1
+            self._release_and_record(c, raw, plan, session_id, ticket, outcome, time.perf_counter() - t1)
+            if session_id is not None:  # the answer went out: a final-turn marker closes the session now
+                self._turn_marks(session_id, request.headers)
+
+    def _classify(self, request: web.Request, raw: bytes):
+        """Stage 1: the route, and the JSON body when a feature reads it."""
         c = classify(request.method, request.path, raw, parse=False)
         if c.is_generate and self.reads_body:
             c.body = self._parse_body(request, raw)
+        return c
+
+    async def _session_stage(self, c, raw: bytes, request: web.Request) -> SessionPlan:
+        """Stage 2: which session the call belongs to (and the body that names it). Never raises: a fault
+        forwards the request unchanged."""
         plan = SessionPlan(body=raw)
         if self.lifecycle_on and c.body is not None:
             try:
@@ -685,14 +709,34 @@ class Gateway:
             except Exception:
                 log.exception("session resolution failed; forwarding unchanged")
                 self.metrics.faults.labels("session").inc()
-        # Lifecycle off: a session named for placement is not tracked, observed or told back to the client.
-        tracked = plan.session_id if self.lifecycle_on else None
-        session_id = tracked
+        return plan
+
+    async def _place_stage(self, request: web.Request, c, plan: SessionPlan) -> Target | None:
+        """Stage 3: the engine the call goes to, decided once: kvgate's placement on a route it places (the
+        call then goes straight to that engine), else the engine the router named for the session's earlier
+        turns (the router still routes the call; admission counts it there), else None."""
+        sid = plan.session_id
+        if sid is None:
+            return None
+        if self.placed.placed(c, sid):
+            target = await self.placed.place(request, c, sid)
+            plan.placed = target is not None
+            return target
         try:
-            gate = self.gate
-            # Admission off: no headers are built for a gate that reads none.
-            ticket = OpenGate.OFF if type(gate) is OpenGate else await gate.acquire(
-                RequestInfo(c, self._admission_headers(request.headers), session_id))
+            where = self.engine_of(sid) if self.engine_of is not None else None
+        except Exception:  # fail-open: an unknown engine means the fleet-wide rule
+            log.exception("engine lookup failed")
+            self.metrics.faults.labels("placement").inc()
+            return None
+        return None if where is None else Target(where[0], where[1])
+
+    async def _admit_stage(self, request: web.Request, c, plan: SessionPlan, target: Target | None) -> Ticket:
+        """Stage 4: wait (or not) for room on the engines. A client gone while waiting never went out."""
+        try:
+            info = RequestInfo(c, self._admission_headers(request.headers) if self.gate.reads_headers else {},
+                               plan.session_id if self.lifecycle_on else None,
+                               None if target is None else (target.engine, target.dp_rank), plan.placed)
+            return await self.gate.acquire(info)
         except asyncio.CancelledError:  # client gone while waiting for admission: it never went out
             self.metrics.client_disconnects.inc()
             if plan.inferred:
@@ -701,66 +745,72 @@ class Gateway:
         except Exception:
             log.exception("admission failed; forwarding at once")
             self.metrics.faults.labels("admission").inc()
-            ticket = OpenGate.OFF
-        self.metrics.added_latency.observe(max(0.0, time.perf_counter() - t0 - ticket.queue_s))
-        if session_id is not None:
-            try:
-                await self.lifecycle.before_turn(session_id)
-                self.lifecycle.request_started(session_id, plan.source)
-                if self.shared is not None:
-                    self.shared.turn_started(session_id)
-            except asyncio.CancelledError:  # client gone while its session's close calls were answered
-                self._release(ticket)
-                if plan.inferred:
-                    self._finish_inference(plan.session_id, None, False)
-                raise
-            except Exception:
-                self.metrics.faults.labels("registry").inc()
-                session_id = None
+            return OpenGate.OFF
+
+    def _moved(self, plan: SessionPlan, target: Target | None, ticket: Ticket) -> Target | None:
+        """Admission admitted a call kvgate places on another engine with room: the session moves there."""
+        if ticket.place is None or not plan.placed:
+            return target
+        return self.placed.moved(plan.session_id, ticket.place) or target
+
+    async def _turn_started(self, plan: SessionPlan, ticket: Ticket) -> str | None:
+        """The tracked session's turn begins (lifecycle on): returns its id, None when untracked or on a fault."""
+        session_id = plan.session_id if self.lifecycle_on else None
+        if session_id is None:
+            return None
+        try:
+            await self.lifecycle.before_turn(session_id)
+            self.lifecycle.request_started(session_id, plan.source)
+            if self.shared is not None:
+                self.shared.turn_started(session_id)
+        except asyncio.CancelledError:  # client gone while its session's close calls were answered
+            self._release(ticket)
+            if plan.inferred:
+                self._finish_inference(plan.session_id, None, False)
+            raise
+        except Exception:
+            self.metrics.faults.labels("registry").inc()
+            return None
+        return session_id
+
+    async def _forward(self, request: web.Request, c, plan: SessionPlan, target: Target | None, ticket: Ticket):
+        """Stage 5: to the placed engine, else (none usable, or not placed) to the router."""
+        tracked = plan.session_id if self.lifecycle_on else None
         observe = None
         if tracked is not None:
             def observe(is_sse: bool, route=c.path, text=plan.prompt_is_text) -> ResponseObserver:
-                return ResponseObserver(is_sse, route=route, prompt_is_text=text,
-                                        max_json_bytes=self._parse_max)
-        self.metrics.inflight_now += 1
-        t1 = time.perf_counter()
-        outcome = None
-        try:  # from here on every exit path ends the request in the registry and the inference index
-            add = ticket.headers if tracked is None else [*ticket.headers, (SESSION_HEADER, self._told(tracked))]
-            placed = None
-            if self.placed.placed(c, plan.session_id):
-                placed = await self.placed.relay(request, c, plan.session_id, plan.body, observe, add)
+                return ResponseObserver(is_sse, route=route, prompt_is_text=text, max_json_bytes=self._parse_max)
+        add = ticket.headers if tracked is None else [*ticket.headers, (SESSION_HEADER, self._told(tracked))]
+        if plan.placed and target is not None:
+            placed = await self.placed.relay(request, c, plan.session_id, target, plan.body, observe, add)
             if placed is not None:
-                resp, outcome = placed
-            else:  # the router's headers (with the routing key) only for a request that goes to the router
-                sid = plan.session_id
-                resp, outcome = await self.upstream.relay(request, request.raw_path,
-                                                          forward_head(request.raw_headers, plan.extra), plan.body,
-                                                          observe=observe, add_headers=add,
-                                                          worker_header=ROUTED_WORKER if sid is not None else None)
-                if outcome.routed_worker is not None:
-                    self._learn_routed(sid, outcome.routed_worker)
-                self._router_outcome(outcome)
-            return resp
-        except asyncio.CancelledError:
-            self.metrics.client_disconnects.inc()
-            raise
-        finally:
-            self.metrics.inflight_now -= 1
-            obs = self._observed_safe(outcome)
-            self._release(ticket, obs.meta_info if obs else None)
-            self._record(c.route, outcome, time.perf_counter() - t1)
-            if session_id is not None:
-                self._finish_session(session_id, obs, c.body)
-                self._turn_marks(session_id, request.headers)  # a final-turn marker closes it, after the answer
-            if plan.inferred:
-                self._finish_inference(plan.session_id, obs, _completed(outcome))
-                if plan.units is not None and obs is not None and obs.output and _completed(outcome):
-                    self._share_turn(plan.session_id, plan.units, obs.output)
-            if self.lifecycle_on and c.method == "POST" and c.path in STEP_BOUNDARY_ROUTES:
-                self._step_boundary(c.path, raw, outcome)
-            if self.lifecycle_on and c.method == "POST" and c.path == "/abort_request":
-                self._abort_requested(raw)
+                return placed
+        # the router's headers (with the routing key) only for a request that goes to the router
+        sid = plan.session_id
+        resp, outcome = await self.upstream.relay(request, request.raw_path, forward_head(request.raw_headers, plan.extra),
+                                                  plan.body, observe=observe, add_headers=add,
+                                                  worker_header=ROUTED_WORKER if sid is not None else None)
+        if outcome.routed_worker is not None:
+            self._learn_routed(sid, outcome.routed_worker)
+        self._router_outcome(outcome)
+        return resp, outcome
+
+    def _release_and_record(self, c, raw: bytes, plan: SessionPlan, session_id: str | None, ticket: Ticket,
+                            outcome, elapsed: float) -> None:
+        """Stage 6: the lease goes back whatever happened; the turn, its session and the route are recorded."""
+        obs = self._observed_safe(outcome)
+        self._release(ticket, obs.meta_info if obs else None)
+        self._record(c.route, outcome, elapsed)
+        if session_id is not None:
+            self._finish_session(session_id, obs, c.body)
+        if plan.inferred:
+            self._finish_inference(plan.session_id, obs, _completed(outcome))
+            if plan.units is not None and obs is not None and obs.output and _completed(outcome):
+                self._share_turn(plan.session_id, plan.units, obs.output)
+        if self.lifecycle_on and c.method == "POST" and c.path in STEP_BOUNDARY_ROUTES:
+            self._step_boundary(c.path, raw, outcome)
+        if self.lifecycle_on and c.method == "POST" and c.path == "/abort_request":
+            self._abort_requested(raw)
 
     def _router_outcome(self, outcome) -> None:
         # What a forwarded call says about the router: unreachable, or answering (502s logged per change).

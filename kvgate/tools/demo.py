@@ -421,6 +421,9 @@ def gain_line(alone: dict, kv: dict) -> str:
     def computed(s: dict) -> int:
         return s["prompt_tokens"] - s["cached_tokens"]
 
+    def hit(s: dict) -> float:  # from the counts, as each run's summary prints it (not the rounded rate)
+        return s["cached_tokens"] / s["prompt_tokens"] if s["prompt_tokens"] else 0.0
+
     c_a, c_k = computed(alone), computed(kv)
     name = "kvgate (session lifecycle" + (" + admission)" if kv["run"] == "admission" else ")")
     pairs = [(c_k, c_a), (kv["latency_p50_s"], alone["latency_p50_s"]), (kv["latency_p99_s"], alone["latency_p99_s"])]
@@ -435,8 +438,8 @@ def gain_line(alone: dict, kv: dict) -> str:
     fails = "" if kv["ok"] == kv["requests"] and alone["ok"] == alone["requests"] else (
         f"; answered {kv['ok']}/{kv['requests']} against {alone['ok']}/{alone['requests']}")
     return (f"result: {name} {verdict} against smg alone on the same {kv['requests']} turns: the engines computed "
-            f"{c_k:,} prompt tokens against {c_a:,} ({ratio(c_k, c_a)}; cache hit {kv['cache_hit_rate']:.1%} against "
-            f"{alone['cache_hit_rate']:.1%}), turn latency p50 {kv['latency_p50_s']:.3f} s against "
+            f"{c_k:,} prompt tokens against {c_a:,} ({ratio(c_k, c_a)}; cache hit {hit(kv):.1%} against "
+            f"{hit(alone):.1%}), turn latency p50 {kv['latency_p50_s']:.3f} s against "
             f"{alone['latency_p50_s']:.3f} s ({ratio(kv['latency_p50_s'], alone['latency_p50_s'])}), p99 "
             f"{kv['latency_p99_s']:.3f} s against {alone['latency_p99_s']:.3f} s "
             f"({ratio(kv['latency_p99_s'], alone['latency_p99_s'])}){fails}")

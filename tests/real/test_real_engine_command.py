@@ -86,3 +86,41 @@ def test_killing_the_launcher_stops_its_engine_and_frees_the_port(tmp_path, sig)
         assert list(run.glob("engine-*.json")) == []
     finally:
         launcher.stop(10)
+
+
+def test_detach_returns_once_the_engine_serves_and_stop_ends_it(tmp_path):
+    """``start --detach`` returns with the engine serving and its launcher in the background; ``list`` shows it;
+    ``stop`` ends the launcher, which ends the engine's every process, and frees the port."""
+    reason = eng.unavailable_reason()
+    if reason:
+        pytest.skip(f"real SGLang engine not available: {reason}")
+    run = tmp_path / "run"
+    env = {**os.environ, "KVGATE_ENGINE_RUN_DIR": str(run)}
+    port = procs.free_port()
+
+    def kvgate(*argv):
+        return subprocess.run([sys.executable, "-m", "kvgate", "engine", *argv], capture_output=True, text=True,
+                              env=env, timeout=START_TIMEOUT_S + 120)
+    out = kvgate("start", "--detach", "--port", str(port), "--timeout-s", str(START_TIMEOUT_S))
+    rec = json.loads((run / f"engine-{port}.json").read_text()) if out.returncode == 0 else {}
+    try:
+        assert out.returncode == 0, out.stdout + out.stderr
+        lines = out.stdout.splitlines()
+        assert lines[0] == (f"engine http://127.0.0.1:{port} ready: served model kvgate-tiny, KV pool 4000 tokens, "
+                            f"log {rec['log']}")
+        assert lines[1].startswith(f"kvgate engine: launcher pid {rec['launcher_pid']} in the background")
+        with socket.create_connection(("127.0.0.1", port), timeout=5):
+            pass  # serving after start returned
+        listed = kvgate("list").stdout
+        assert f"engine http://127.0.0.1:{port}: served model kvgate-tiny" in listed and "running" in listed
+        engine_group = _group(rec["engine_pid"])
+        stopped = kvgate("stop", "--port", str(port))
+        assert stopped.stdout == f"engine http://127.0.0.1:{port}: stopped by its launcher (pid {rec['launcher_pid']})\n"
+        for pid in [rec["launcher_pid"], *engine_group]:
+            assert engine_command._wait_gone(pid, 60), f"process {pid} still runs"
+        with pytest.raises(ConnectionRefusedError):
+            socket.create_connection(("127.0.0.1", port), timeout=5).close()
+        assert list(run.glob("engine-*.json")) == []
+    finally:
+        if rec:
+            engine_command.stop_record({**rec, "_path": str(run / f"engine-{port}.json")})
