@@ -177,13 +177,13 @@ async def test_no_request_is_answered_while_the_clients_transport_is_paused(monk
         return web.Response(body=req.path.encode() + b" " + answer)
 
     paused = asyncio.Event()
-    pause_writing = server._Conn.pause_writing
+    pause_writing = server.Connection.pause_writing
 
     def spy(self):
         pause_writing(self)
         paused.set()
 
-    monkeypatch.setattr(server._Conn, "pause_writing", spy)
+    monkeypatch.setattr(server.Connection, "pause_writing", spy)
     srv = server.HttpServer(lambda req: handler, client_max_size=MiB)
     port = await srv.listen("127.0.0.1", 0)
     try:
@@ -284,7 +284,7 @@ async def test_a_body_that_waits_too_long_for_the_budget_is_503(kvgate_factory, 
     ans = parse_answer(await _read_all(ra))
     wa.close()
     assert ans.status == 200 and [rec.size for rec in up.received] == [2 * MiB]
-    assert gw is not None and _server_of(url).body_held == 0
+    assert gw is not None and _server_of(url).budget.held == 0
 
 
 def _server_of(url: str) -> server.HttpServer:
@@ -443,13 +443,13 @@ async def test_a_connection_close_answer_half_closes_and_drops_what_follows_so_n
     request behind it still in flight (GET /v0, GET /end with Connection: close, GET /after, sent in pieces)
     made the kernel reset the connection, and the client lost the /end answer (seen on a loaded machine)."""
     closed = asyncio.Event()
-    closed_hook = server.HttpServer._closed
+    closed_hook = server.HttpServer.closed
 
     def spy(self, conn):
         closed_hook(self, conn)
         closed.set()
 
-    monkeypatch.setattr(server.HttpServer, "_closed", spy)
+    monkeypatch.setattr(server.HttpServer, "closed", spy)
     seen = []
 
     async def handler(req):

@@ -380,8 +380,8 @@ async def test_the_next_request_is_answered_while_the_last_handler_finishes(capl
         finished.append(req.raw_path)
 
     srv, port = await _raw_server(handler)
-    orig_pause = server._Conn.pause
-    server._Conn.pause = lambda self: (paused.append(1), orig_pause(self))[1]
+    orig_pause = server.Connection.pause
+    server.Connection.pause = lambda self, *a: (paused.append(1), orig_pause(self, *a))[1]
     try:
         reader, writer = await asyncio.open_connection("127.0.0.1", port)
         writer.write(b"GET /first HTTP/1.1\r\nHost: x\r\n\r\n")
@@ -403,7 +403,7 @@ async def test_the_next_request_is_answered_while_the_last_handler_finishes(capl
         assert first.done() and not first.cancelled() and finished[-1] == "/first"
         assert "error handling GET /first after its answer" in caplog.text and not srv._finishing
     finally:
-        server._Conn.pause = orig_pause
+        server.Connection.pause = orig_pause
         await srv.cleanup()
 
 
