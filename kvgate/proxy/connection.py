@@ -23,7 +23,7 @@ from kvgate.proxy.body_budget import Ticket
 from kvgate.proxy.conn_state import Pause, Phase, ReadControl
 from kvgate.proxy.request import Request
 from kvgate.proxy.wire import (BAD_VERSION, COMMON, CONNECT_ANSWER, METHODS, VERSIONS, BadRequest, error_answer,
-                               error_body, origin_form, request_line_ok)
+                               error_body, origin_form, request_line_at)
 
 if TYPE_CHECKING:
     from kvgate.proxy.server import HttpServer
@@ -56,7 +56,7 @@ class Connection(asyncio.Protocol):
     __slots__ = ("server", "loop", "transport", "parser", "ctl", "_url", "_fields", "_expect", "_length",
                  "_chunked_in", "_in_head", "_head_bytes", "_trailer_bytes", "_reading", "current", "_queue",
                  "task", "_drain_waiter", "_refused", "_limit_error", "_lim", "_max_fields", "_upgrade",
-                 "_synthetic", "_pending_error", "_next_waiting", "_timed", "_chunk", "_seen", "_line_checked",
+                 "_synthetic", "_pending_error", "_next_waiting", "_timed", "_chunk", "_seen", "_seen_at", "_line_checked",
                  "__weakref__")
 
     def __init__(self, server: "HttpServer"):
@@ -89,6 +89,7 @@ class Connection(asyncio.Protocol):
         self._timed = False  # in the server's table of heads or bodies still arriving
         self._chunk: bytes | None = None  # the read being parsed
         self._seen: list[bytes] = []  # the reads since the head began, until its request line is checked
+        self._seen_at = 0  # where in them the request lines already checked end
         self._line_checked = False
 
     # --- what the request and the server read ---
@@ -155,6 +156,7 @@ class Connection(asyncio.Protocol):
             if self._reading is None and not self._in_head:
                 # Between messages: a request waiting for its answer (admission) keeps no parser.
                 self.parser = None
+                self._seen = []
             elif not self.ctl.bits & _STOPPED:
                 self._timed = True
                 self.server.reading_now(self, self._in_head)
@@ -232,7 +234,10 @@ class Connection(asyncio.Protocol):
         if self.ctl.bits & _STOPPED:
             raise _Stop
         self._in_head = True
-        self._seen = [self._chunk]  # this request's line starts in the read being parsed
+        seen = self._seen
+        if not seen or seen[0] is not self._chunk:  # this request's line starts in the read being parsed
+            self._seen = [self._chunk]
+            self._seen_at = 0
         self._line_checked = False
         if self._synthetic:
             return
@@ -256,14 +261,16 @@ class Connection(asyncio.Protocol):
             raise self._refusal(400, f"request line over {self._lim.request_line_bytes} bytes")
 
     def _check_line(self) -> None:
-        """The request line has arrived whole: refuse it unless it is in the strict form (wire.request_line_ok)."""
+        """The request line has arrived whole: refuse it unless it is in the strict form (wire.request_line_at)."""
         self._line_checked = True
-        seen, self._seen = self._seen, []
+        seen = self._seen
         p = self.parser
-        if self._synthetic or p is None:
+        if self._synthetic or p is None or not seen:
             return
-        if not request_line_ok(seen[0] if len(seen) == 1 else b"".join(seen), p.get_method(), self._url,
-                               p.get_http_version()):
+        if len(seen) > 1:
+            seen = self._seen = [b"".join(seen)]
+        ok, self._seen_at = request_line_at(seen[0], self._seen_at, p.get_method(), self._url, p.get_http_version())
+        if not ok:
             raise self._refusal(400, "a request line not of the form METHOD SP target SP HTTP/x.y "
                                      "(one space between its parts)")
 

@@ -75,13 +75,40 @@ CONNECT_ANSWER = (404, "CONNECT: kvgate tunnels nothing")
 VERSIONS = {"1.1": (1, 1), "1.0": (1, 0)}
 
 
-def request_line_ok(seen: bytes, method: bytes, url: bytes, version: str) -> bool:
-    """Whether ``seen`` (the reads in which this request's head arrived) holds its request line in the
-    strict form RFC 9112 section 3 gives, ``method SP request-target SP HTTP/x.y CRLF``: one space each, as
-    smg (hyper) requires. llhttp (httptools) also accepts runs of spaces after the method and after the
-    target; smg answers those 400, and so does kvgate. (The line may follow a previous request's body in
-    the same read, so it need not start a line of ``seen``.)"""
-    return b"%s %s HTTP/%s\r\n" % (method, url, version.encode("ascii")) in seen
+def request_line_at(seen: bytes, start: int, method: bytes, url: bytes, version: str) -> tuple[bool, int]:
+    """Whether this request's line is in the strict form RFC 9112 section 3 gives, ``method SP
+    request-target SP HTTP/x.y CRLF`` with one space each, as smg (hyper) requires; llhttp (httptools) also
+    accepts runs of spaces after the method and after the target, which smg answers 400, as kvgate does.
+
+    seen: the bytes of the read(s) in which the request's head arrived; start: where in them the requests
+    before it in the same read ended (their request lines). Returns (ok, where this line ends): not ok when
+    a spaced-out form of the line comes before its strict form; ok when the strict form comes first, or
+    when neither is found (what cannot be seen is not refused)."""
+    strict = b"%s %s HTTP/%s\r\n" % (method, url, version.encode("ascii"))
+    at = seen.find(strict, start)
+    stop = at if at >= 0 else len(seen)
+    needle = b" " + url + b" "
+    m = seen.find(needle, start, stop + len(needle))
+    while 0 <= m < stop:
+        end = _spaced_line_end(seen, m, method, url, version)
+        if end:
+            return False, end
+        m = seen.find(needle, m + 1, stop + len(needle))
+    return True, (at + len(strict) if at >= 0 else start)
+
+
+def _spaced_line_end(seen: bytes, m: int, method: bytes, url: bytes, version: str) -> int:
+    """The end of ``method SP+ url SP+ HTTP/version CRLF`` when ``seen[m:]`` is its `` url `` part, else 0."""
+    i = m
+    while i > 0 and seen[i - 1] == 0x20:
+        i -= 1
+    if seen[i - len(method):i] != method or i < len(method):
+        return 0
+    j = m + 1 + len(url)
+    while j < len(seen) and seen[j] == 0x20:
+        j += 1
+    tail = b"HTTP/%s\r\n" % version.encode("ascii")
+    return j + len(tail) if seen.startswith(tail, j) else 0
 
 
 def origin_form(url: bytes) -> bytes:
