@@ -219,6 +219,32 @@ async def test_a_body_declared_over_max_body_bytes_is_413_before_it_is_read(kvga
     assert up.received == []
 
 
+@pytest.mark.parametrize("path", ["/close_session", "/kvgate/sessions/s1/close", "/kvgate/nothing"])
+async def test_routes_answered_from_a_few_bytes_refuse_a_large_body_within_its_first_mib(kvgate_factory, scripted,
+                                                                                           path):
+    """Before: a close body could be as large as max_body_bytes (512 MiB), all of it read and held. Now a
+    declared 200 MiB body is 413 from its head, and a chunked one once its first MiB has arrived: the client
+    sends just over 1 MiB and then nothing, and still gets its answer."""
+    up = await scripted()
+    gw, url = await kvgate_factory(upstream=up.url, agentic_session_lifecycle=True)
+    head = b"POST %s HTTP/1.1\r\nHost: k\r\n" % path.encode()
+    out = await send_raw(_port(url), head + b"Content-Length: %d\r\n\r\n" % (200 * MiB), timeout=5)
+    ans = parse_answer(out)
+    assert ans.status == 413 and ans.header(b"connection") == b"close" and b"1048576" in ans.body
+    r, w = await asyncio.open_connection("127.0.0.1", _port(url))
+    w.write(head + b"Transfer-Encoding: chunked\r\n\r\n")
+    piece = b"x" * (64 << 10)
+    for _ in range(17):  # 1 MiB + 64 KiB, then the client waits
+        w.write(server.chunk_frame(piece))
+    await w.drain()
+    out = await asyncio.wait_for(r.read(), 10)
+    w.close()
+    ans = parse_answer(out)
+    # /close_session reads its body: refused past the limit; the others answer without reading it
+    assert ans.status == (413 if path == "/close_session" else ans.status) and ans.header(b"connection") == b"close"
+    assert up.received == []  # none of it went on
+
+
 async def test_concurrent_large_bodies_stay_within_the_inflight_budget(kvgate_process, tmp_path):
     """Before: 50 concurrent 20 MB bodies held +1 GB in kvgate and slowed fresh clients to a 625 ms p99.
     The upstream (fake_upstream.py) and the clients (curl) run as processes of their own: hashing and

@@ -40,7 +40,7 @@ from kvgate.proxy.relay import MAX_FIELD_BYTES, MAX_LINE_BYTES, Upstream, forwar
     BodyParts, preserve_header_bytes, read_body
 from kvgate.common.admit import Gate, OpenGate, RequestInfo, Ticket
 from kvgate.proxy.placed import PlacedRelay
-from kvgate.proxy.server import Headers, HttpServer, Limits
+from kvgate.proxy.server import SMALL_BODY_BYTES, Headers, HttpServer, Limits
 from kvgate.sessions.idle_policy import IdlePolicy, StepTracker
 from kvgate.sessions.inference import SessionInference, request_units
 from kvgate.sessions.lifecycle import SessionLifecycle
@@ -288,6 +288,14 @@ class Gateway:
         if path.startswith("/kvgate/"):
             return self.handle_not_found
         return self.handle_proxy
+
+    def body_limit(self, request) -> int:
+        """A request's body limit on kvgate's own server, bytes: SMALL_BODY_BYTES for the routes kvgate answers
+        itself from a few bytes (/close_session, /kvgate/...), max_body_bytes for the rest."""
+        path = request.path
+        if path in self._routes or path.startswith("/kvgate/"):
+            return SMALL_BODY_BYTES
+        return self._max_body
 
     async def _on_startup(self, app: web.Application | None) -> None:
         log.info("kvgate %s: upstream %s, session lifecycle %s, admission %s", __version__, self.cfg.upstream,
@@ -913,7 +921,8 @@ async def start_gateway(cfg: Config, gate: Gate | None = None, worker=None) -> t
     gw = Gateway(cfg, gate, worker)
     if cfg.http_server == "kvgate":
         await gw._on_startup(None)
-        srv = HttpServer(gw.route, cfg.max_body_bytes, on_cleanup=gw._on_cleanup, limits=server_limits(cfg))
+        srv = HttpServer(gw.route, cfg.max_body_bytes, on_cleanup=gw._on_cleanup, limits=server_limits(cfg),
+                         body_limit=gw.body_limit)
         try:
             port = await srv.listen(cfg.host, cfg.port, backlog=1024, reuse_port=True if worker is not None else None)
             if worker is not None:
