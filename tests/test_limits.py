@@ -288,6 +288,40 @@ async def test_concurrent_large_bodies_stay_within_the_inflight_budget(kvgate_pr
             await upstream.wait()
 
 
+async def test_bodies_kvgate_does_not_read_are_streamed_not_held(kvgate_process, tmp_path):
+    """Before: every body was read whole before it went on: 50 concurrent 20 MB bodies to a route kvgate
+    neither reads nor rewrites held about 1 GB in kvgate. Now such a body goes to the upstream as it arrives:
+    kvgate's peak RSS grows by less than 100 MB, and every byte arrives intact."""
+    up_port = procs.free_port()
+    upstream = await asyncio.create_subprocess_exec(
+        "nice", "-n", "10", sys.executable, os.path.join(os.path.dirname(__file__), "fake_upstream.py"), str(up_port),
+        str(MiB), stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, start_new_session=True)
+    try:
+        assert await asyncio.wait_for(upstream.stdout.readline(), 30) == b"ready\n"
+        kv = await kvgate_process(f"http://127.0.0.1:{up_port}")
+        pid = kvgate_process.procs[kv].popen.pid
+        body = os.urandom(20 * 1000 * 1000)
+        (tmp_path / "body").write_bytes(body)
+        n = 50
+        rss0 = _mem(pid, "VmRSS")
+        curls = [await asyncio.create_subprocess_exec(
+            "nice", "-n", "10", "curl", "-s", "-o", "/dev/null", "-w", "%{http_code}", "--max-time", "120",
+            "--data-binary", f"@{tmp_path / 'body'}", "-H", "Content-Type: application/octet-stream",
+            kv + "/upload_weights", stdout=asyncio.subprocess.PIPE, start_new_session=True) for _ in range(n)]
+        codes = [(await asyncio.wait_for(c.communicate(), 150))[0] for c in curls]
+        grew = _mem(pid, "VmHWM") - rss0
+        assert codes == [b"200"] * n
+        upstream.stdin.close()
+        got = orjson.loads(await asyncio.wait_for(upstream.stdout.readline(), 30))
+        want = ["/upload_weights", len(body), hashlib.sha256(body).hexdigest()]
+        assert [g for g in got if g[0] == "/upload_weights"] == [want] * n
+        assert grew < 100 * 1000 * 1000, grew  # 1 GB went through
+    finally:
+        if upstream.returncode is None:
+            os.killpg(upstream.pid, 9)
+            await upstream.wait()
+
+
 async def test_a_body_that_waits_too_long_for_the_budget_is_503(kvgate_factory, scripted):
     up = await scripted()
     gw, url = await kvgate_factory(upstream=up.url, http_max_inflight_body_bytes=MiB, http_body_budget_wait_s=1.0)
@@ -526,10 +560,12 @@ async def test_session_ids_over_the_limit_are_refused_by_the_close_api_and_not_t
     """Before: a 50 MB id went whole to every engine, stayed in the registry and made /kvgate/sessions 106 MB."""
     gw, url = await kvgate_factory(upstream=echo_upstream.url, agentic_session_lifecycle=True,
                                    engines=[echo_upstream.url], max_session_id_bytes=1024)
-    long_id = "s" * (1 << 20)
+    long_id = "s" * (100 << 10)
     async with aiohttp.ClientSession() as http:
         async with http.post(url + "/close_session", json={"session_id": long_id}) as r:
             assert r.status == 400 and "max_session_id_bytes" in (await r.json())["error"]["message"]
+        async with http.post(url + "/close_session", json={"session_id": "s" * (1 << 20)}) as r:
+            assert r.status == 413  # a body over the close route's own 1 MiB limit is not even read
         async with http.get(url + "/close_session", params={"session_id": "q" * 2000}) as r:
             assert r.status == 400
         async with http.get(url + "/kvgate/sessions/" + "p" * 2000) as r:

@@ -31,7 +31,8 @@ from aiohttp.http_exceptions import HttpProcessingError
 from multidict import CIMultiDict
 
 from kvgate import __version__
-from kvgate.common.classify import STEP_BOUNDARY_ROUTES, classify, parse_json_object, with_session_id
+from kvgate.common.classify import GENERATE_ROUTES, STEP_BOUNDARY_ROUTES, classify, parse_json_object, \
+    with_session_id
 from kvgate.config import PLACEMENT_ROUTES, Config, api_key, read_admin_key
 from kvgate.fleet import compat, health
 from kvgate.fleet.placement import Placement, Target
@@ -635,7 +636,7 @@ class Gateway:
 
     async def handle_proxy(self, request: web.Request) -> web.StreamResponse:
         t0 = time.perf_counter()
-        raw = await read_body(request, self._max_body, join_max=self._join_max)
+        raw = await read_body(request, self._max_body, join_max=self._join_max, stream_over=self._stream_over(request))
         c = classify(request.method, request.path, raw, parse=False)
         if c.is_generate and self.reads_body:
             c.body = self._parse_body(request, raw)
@@ -733,6 +734,12 @@ class Gateway:
                 self._step_boundary(c.path, raw, outcome)
             if self.lifecycle_on and c.method == "POST" and c.path == "/abort_request":
                 self._abort_requested(raw)
+
+    def _stream_over(self, request) -> int | None:
+        """Bodies larger than this (bytes) are sent on as they arrive, never held whole: kvgate reads no body
+        but a generate call's, and of the others parses none over STEP_BODY_PARSE_LIMIT (step boundaries,
+        /abort_request). None for a generate call."""
+        return None if request.method == "POST" and request.path in GENERATE_ROUTES else STEP_BODY_PARSE_LIMIT
 
     def _router_outcome(self, outcome) -> None:
         # What a forwarded call says about the router: unreachable, or answering (502s logged per change).

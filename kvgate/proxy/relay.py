@@ -366,14 +366,16 @@ class Upstream:
         # The raw path and query, not re-encoded: what the client sent is what the upstream gets.
         head = b"".join((method.encode("ascii"), b" ", target[0], path_qs.encode("utf-8", "surrogateescape"),
                          b" HTTP/1.1\r\n", target[1], fields, b"Content-Length: %d\r\n\r\n" % size))
-        retry = method in _RETRIED_METHODS
+        streamed = isinstance(body, BodyStream)
+        retry = method in _RETRIED_METHODS and not streamed  # a body sent as it arrives cannot be sent twice
         if retry and not isinstance(body, bytes):
             body = b"".join(body.parts)  # resent once when a pooled connection turns out closed: must be whole
         # A response that arrives whole is answered from the connection's data callback, at once.
         answer = functools.partial(self._answer_arrived, request, path_qs, observe, add_headers) \
             if on_headers is None and type(request) is server.Request else None
         try:
-            up = await self.pool.exchange(base, head, body if isinstance(body, bytes) else body.parts, size,
+            up = await self.pool.exchange(base, head, body if isinstance(body, bytes) else
+                                          body.pieces if streamed else body.parts, size,
                                           method, retry, SEND_PIECE_BYTES, answer)
         except asyncio.TimeoutError:
             return self._error(504, f"kvgate: upstream {base} timed out", "upstream_timeout", base,
@@ -538,11 +540,11 @@ class Upstream:
         # The raw path and query, not re-encoded: what the client sent is what the router gets.
         url = URL(base + path_qs, encoded=True)
         data: bytes | AsyncIterator[bytes | memoryview] = body
-        if request.method in _RETRIED_METHODS:
+        if request.method in _RETRIED_METHODS and not isinstance(body, BodyStream):
             # aiohttp resends these once when a pooled connection turns out closed (RFC 9112 9.3.1): the
             # body must be bytes it can send again, not pieces already consumed.
             data = body if isinstance(body, bytes) else b"".join(body.parts)
-        elif isinstance(body, BodyParts) or len(body) > SEND_PIECE_BYTES:
+        elif isinstance(body, (BodyParts, BodyStream)) or len(body) > SEND_PIECE_BYTES:
             headers = CIMultiDict(headers)
             headers["Content-Length"] = str(len(body))  # so the pieces are not sent chunked
             data = _pieces(body)
@@ -629,6 +631,21 @@ class Upstream:
         return True
 
 
+class BodyStream:
+    """A request body kvgate does not read, sent on as it arrives (never held whole): ``len()`` is its
+    declared size in bytes, ``pieces`` its bytes as they come from the client (kvgate.proxy.request's
+    Request.pieces). It can be sent once: a request carrying it is never resent."""
+
+    __slots__ = ("pieces", "size")
+
+    def __init__(self, pieces: AsyncIterator[bytes], size: int):
+        self.pieces = pieces
+        self.size = size
+
+    def __len__(self) -> int:
+        return self.size
+
+
 @dataclass(frozen=True)
 class BodyParts:
     """A large request body kept as the pieces it arrived in: joining them copies it in one go on the
@@ -642,12 +659,20 @@ class BodyParts:
         return self.size
 
 
-async def read_body(request: web.Request, max_bytes: int, join_max: int) -> bytes | BodyParts:
+async def read_body(request: web.Request, max_bytes: int, join_max: int,
+                    stream_over: int | None = None) -> bytes | BodyParts | BodyStream:
     """The request body exactly as received (the server never decompresses it): bytes up to ``join_max``
     bytes, else BodyParts. Unlike ``request.read()`` it gives the event loop back every SEND_PIECE_BYTES
     and never copies a large body whole. Raises HTTPRequestEntityTooLarge (413) past ``max_bytes``, as
-    aiohttp's client_max_size does."""
+    aiohttp's client_max_size does.
+
+    stream_over: on kvgate's own server, a body declared larger than this many bytes (and within
+    ``max_bytes``, which the server held it to from its head) is not read here: a BodyStream the relay sends
+    on as it arrives (for bodies kvgate neither reads nor rewrites)."""
     if type(request) is server.Request:
+        length = request.content_length
+        if stream_over is not None and length is not None and stream_over < length <= max_bytes:
+            return BodyStream(request.pieces(), length)
         got = await request.read_body(max_bytes, join_max, SEND_PIECE_BYTES)
         if type(got) is tuple:
             return BodyParts(tuple(got[0]), got[1])
@@ -668,7 +693,11 @@ async def read_body(request: web.Request, max_bytes: int, join_max: int) -> byte
     return parts[0] if len(parts) == 1 else b"".join(parts)
 
 
-async def _pieces(body: bytes | BodyParts) -> AsyncIterator[bytes | memoryview]:
+async def _pieces(body: bytes | BodyParts | BodyStream) -> AsyncIterator[bytes | memoryview]:
+    if isinstance(body, BodyStream):
+        async for piece in body.pieces:
+            yield piece
+        return
     if isinstance(body, BodyParts):
         for part in body.parts:
             yield part
