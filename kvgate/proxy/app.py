@@ -38,7 +38,7 @@ from kvgate.fleet import compat, health
 from kvgate.fleet.placement import Placement, Target
 from kvgate.fleet.directory import EngineDirectory
 from kvgate.proxy.relay import MAX_FIELD_BYTES, MAX_LINE_BYTES, Upstream, forward_head, header_safe, \
-    BodyParts, preserve_header_bytes, read_body
+    BodyParts, read_body
 from kvgate.common.admit import Gate, OpenGate, RequestInfo, Ticket
 from kvgate.proxy.placed import PlacedRelay
 from kvgate.proxy.server import SMALL_BODY_BYTES, Headers, HttpServer, Limits
@@ -123,7 +123,6 @@ class Gateway:
         self.cfg = cfg
         # One of several worker processes on one port (kvgate.proxy.workers.WorkerRole), or None.
         self.worker = worker
-        preserve_header_bytes()
         self.metrics = Metrics()
         self.upstream = Upstream(cfg.upstream, cfg.connect_timeout_s, cfg.read_timeout_s, cfg.upstream_pool_size)
         self.placement_modes = {r: cfg.session_placement_routes.get(r, cfg.session_placement) for r in PLACEMENT_ROUTES}

@@ -2,9 +2,11 @@
 
 Hop-by-hop headers are dropped both ways (RFC 9110 section 7.6.1); everything else passes as is,
 byte for byte (header values that are not UTF-8 included: the request head is built from the raw bytes
-the client sent, see forward_head; responses see preserve_header_bytes). The upstream client (kvgate.proxy.pool
-for http upstreams, aiohttp's for https) never decompresses, so bodies and Content-Encoding pass through
-untouched. A response whose body is all there with its head goes to the client in one write; others are
+the client sent, see forward_head, and kvgate's own server writes the upstream's response header bytes as
+they came, see _response_lines). aiohttp writes the heads on its paths (``http_server: aiohttp``, https
+upstreams): there a header byte that is not UTF-8 is dropped, as aiohttp does. The upstream client
+(kvgate.proxy.pool for http upstreams, aiohttp's for https) never decompresses, so bodies and
+Content-Encoding pass through untouched. A response whose body is all there with its head goes to the client in one write; others are
 streamed chunk by chunk as they arrive (SSE). An upstream that
 breaks HTTP (bad status line, bad Content-Length, bad chunk) is answered 502 naming it; a response
 observer that raises is switched off for that response and never stops the bytes.
@@ -21,7 +23,6 @@ from dataclasses import dataclass
 from typing import AsyncIterator, Callable, Iterable, Mapping
 
 import aiohttp
-import aiohttp.http_writer
 import orjson
 from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
@@ -29,6 +30,7 @@ from multidict import CIMultiDict
 from yarl import URL
 
 from kvgate.proxy import server
+from kvgate.proxy.wire import safe_header
 from kvgate.proxy.pool import ConnectFailed, Disconnected, Exchange, Pool, ResponseError
 from kvgate.sessions.observe import ResponseObserver
 
@@ -104,7 +106,7 @@ def forward_head(raw_headers: Iterable[tuple[bytes, bytes]], extra: Mapping[str,
     extra_lines = b""
     if extra:
         drop = drop | {k.lower().encode("ascii") for k in extra}
-        check = aiohttp.http_writer._safe_header
+        check = safe_header
         extra_lines = "".join(f"{check(k)}: {check(v)}\r\n" for k, v in extra.items()).encode("utf-8", "surrogateescape")
     out = []
     connection = False
@@ -126,12 +128,7 @@ def forward_head(raw_headers: Iterable[tuple[bytes, bytes]], extra: Mapping[str,
 
 
 def _head_from_multidict(headers: Mapping[str, str]) -> bytes:
-    check = aiohttp.http_writer._safe_header
-    text = "".join(f"{check(k)}: {check(v)}\r\n" for k, v in headers.items())
-    try:
-        return text.encode("utf-8", "surrogateescape")
-    except UnicodeEncodeError:  # a lone surrogate that did not come from the wire: aiohttp drops it too
-        return text.encode("utf-8", "ignore")
+    return server.header_lines(headers.items())
 
 
 def _multidict_from_head(fields: bytes) -> CIMultiDict:
@@ -240,22 +237,6 @@ def header_safe(value: str) -> str:
     if _HEADER_SAFE.fullmatch(value):
         return value
     return "sha256:" + hashlib.sha256(value.encode("utf-8", "surrogatepass")).hexdigest()[:32]
-
-
-def _serialize_headers_preserving_bytes(status_line: str, headers: Mapping[str, str]) -> bytes:
-    """aiohttp's header serialiser, but bytes that were not UTF-8 go out as they came in.
-
-    aiohttp decodes incoming header bytes as UTF-8 with surrogateescape; its C serialiser then drops the
-    surrogates (``s\\xe9ss`` went out as ``sss``). kvgate's own server's :func:`server.header_lines` encodes
-    with surrogateescape, which restores the original bytes, and runs aiohttp's control-character check
-    (header injection) only when the head has a CR or LF more than its line ends.
-    """
-    return server.header_lines(headers.items(), first=status_line) + b"\r\n"
-
-
-def preserve_header_bytes() -> None:
-    """Make aiohttp (client and server) write header bytes exactly as they were read. Idempotent."""
-    aiohttp.http_writer._serialize_headers = _serialize_headers_preserving_bytes
 
 
 def error_response(status: int, message: str, kind: str, upstream: str) -> web.Response:
