@@ -53,11 +53,12 @@ def test_the_transport_is_paused_exactly_while_a_reason_holds(ops):
 
 def test_timers_oldest_first_and_a_restart_moves_to_the_end():
     t = Timers()
-    t.enter("a", 1.0)
-    t.enter("b", 2.0)
+    t["a"] = 1.0
+    t["b"] = 2.0
     t.enter_once("a", 5.0)  # runs already: unchanged
-    t.enter("c", 3.0)
-    t.enter("b", 4.0)  # restarted
+    t["c"] = 3.0
+    t["b"] = 3.5  # already in: keeps its place
+    t.restart("b", 4.0)  # restarted: to the end
     assert t.expired(2.5) == ["a"] and list(t) == ["c", "b"]
     t.drop("c")
     assert t.expired(10.0) == ["b"] and len(t) == 0

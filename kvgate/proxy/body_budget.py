@@ -14,6 +14,9 @@ import collections
 from typing import Any, Callable
 
 
+_NONE: list = []  # what release() returns when nobody waits (never changed)
+
+
 class Ticket:
     """One request's share of the budget: ``held`` bytes it holds, ``want`` bytes it waits for (0: not
     waiting), ``since`` when it started waiting (the clock's seconds), ``owner``: the request (the shell's)."""
@@ -70,7 +73,7 @@ class BodyBudget:
         if ticket.held:
             self.held -= ticket.held
             ticket.held = 0
-        return self._grant() if self._queue else []
+        return self._grant() if self._queue else _NONE
 
     def _grant(self) -> list[Ticket]:
         q = self._queue

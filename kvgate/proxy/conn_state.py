@@ -105,49 +105,33 @@ class ReadControl:
 _STOPPED = Pause.STOPPED.value
 
 
-class Timers:
-    """Keys (connections) with the time each was entered, oldest first; ``expired`` takes out those at or
-    before a deadline. Entering a key again moves it to the end (its clock restarts)."""
+class Timers(dict):
+    """Keys (connections) with the time each was entered, oldest first (a dict keeps insertion order);
+    ``expired`` takes out those at or before a deadline. ``t[key] = now`` enters a key (one already in keeps
+    its place), ``restart`` moves it to the end; ``drop`` takes it out."""
 
-    __slots__ = ("_t",)
+    __slots__ = ()
 
-    def __init__(self) -> None:
-        self._t: dict[Hashable, float] = {}
-
-    def __len__(self) -> int:
-        return len(self._t)
-
-    def __contains__(self, key: Hashable) -> bool:
-        return key in self._t
-
-    def __iter__(self):
-        return iter(list(self._t))
-
-    def enter(self, key: Hashable, now: float) -> None:
-        """Start (or restart) ``key``'s clock at ``now``."""
-        t = self._t
-        t.pop(key, None)
-        t[key] = now
+    def restart(self, key: Hashable, now: float) -> None:
+        """Restart ``key``'s clock at ``now``, moving it to the end."""
+        self.pop(key, None)
+        self[key] = now
 
     def enter_once(self, key: Hashable, now: float) -> None:
         """Start ``key``'s clock at ``now`` unless it runs already."""
-        if key not in self._t:
-            self._t[key] = now
+        if key not in self:
+            self[key] = now
 
     def drop(self, key: Hashable) -> None:
-        self._t.pop(key, None)
-
-    def clear(self) -> None:
-        self._t.clear()
+        self.pop(key, None)
 
     def expired(self, deadline: float) -> list:
         """Take out and return, oldest first, the keys entered at or before ``deadline``."""
-        t = self._t
         out = []
-        while t:
-            key = next(iter(t))
-            if t[key] > deadline:
+        while self:
+            key = next(iter(self))
+            if self[key] > deadline:
                 break
-            del t[key]
+            del self[key]
             out.append(key)
         return out

@@ -43,6 +43,7 @@ _GONE = "the client closed the connection"
 _WRITE = Pause.WRITE.value
 _BODY = Pause.BODY.value
 _STOPPED = Pause.STOPPED.value
+_OPEN, _CLOSING, _LOST = Phase.OPEN, Phase.CLOSING, Phase.LOST  # module names: no class lookup per request
 
 
 class _Stop(Exception):
@@ -55,8 +56,9 @@ class Connection(asyncio.Protocol):
 
     __slots__ = ("server", "loop", "transport", "parser", "ctl", "_url", "_fields", "_expect", "_length",
                  "_chunked_in", "_in_head", "_head_bytes", "_trailer_bytes", "_reading", "current", "_queue",
-                 "task", "_drain_waiter", "_refused", "_limit_error", "_lim", "_max_fields", "_upgrade",
-                 "_synthetic", "_pending_error", "_next_waiting", "_timed", "_chunk", "_seen", "_seen_at", "_line_checked",
+                 "task", "_drain_waiter", "_refused", "_limit_error", "_lim", "_max_fields", "_max_field", "_max_head",
+                 "_upgrade", "_synthetic", "_pending_error", "_next_waiting", "_timed", "_chunk", "_seen", "_seen_more",
+                 "_seen_at", "_seen_room",
                  "__weakref__")
 
     def __init__(self, server: "HttpServer"):
@@ -82,25 +84,30 @@ class Connection(asyncio.Protocol):
         self._limit_error: BadRequest | None = None
         self._lim = server.limits
         self._max_fields = 2 * self._lim.header_count  # _fields holds a name and a value per header
+        self._max_field = self._lim.header_line_bytes
+        self._max_head = self._lim.head_bytes
         self._upgrade = False  # the request being read asked for Upgrade: its body is read as a plain one's
         self._synthetic = False  # the parser is reading the framing-only head that follows an Upgrade
         self._pending_error: BadRequest | None = None  # answered once the requests before it are
         self._next_waiting = False  # the next request waits for the client to read the answers written
         self._timed = False  # in the server's table of heads or bodies still arriving
         self._chunk: bytes | None = None  # the read being parsed
-        self._seen: list[bytes] = []  # the reads since the head began, until its request line is checked
-        self._seen_at = 0  # where in them the request lines already checked end
-        self._line_checked = False
+        # the read in which the request being read began, the reads after it until its request line is
+        # checked, and where in the first the request lines already checked end
+        self._seen: bytes | None = None
+        self._seen_more: list[bytes] | None = None
+        self._seen_at = 0
+        self._seen_room = 0  # bytes of later reads still kept for the request line (it starts in the first)
 
     # --- what the request and the server read ---
 
     @property
     def lost(self) -> bool:
-        return self.ctl.phase is Phase.LOST
+        return self.ctl.phase is _LOST
 
     @property
     def closing(self) -> bool:
-        return self.ctl.phase >= Phase.CLOSING
+        return self.ctl.phase >= _CLOSING
 
     @property
     def write_paused(self) -> bool:
@@ -122,11 +129,15 @@ class Connection(asyncio.Protocol):
             return  # after a malformed request, a refusal or a Connection: close: dropped
         if self._in_head or self._reading is None:
             self._head_bytes += len(data)
-            if self._head_bytes > self._lim.head_bytes:
-                self._bad(BadRequest(431, f"request head over {self._lim.head_bytes} bytes"))
+            if self._head_bytes > self._max_head:
+                self._bad(BadRequest(431, f"request head over {self._max_head} bytes"))
                 return
-        if self._in_head and not self._line_checked:
-            self._seen.append(data)
+            if self._in_head and self._seen_room > 0:
+                self._seen_room -= len(data)
+                if self._seen_more is None:
+                    self._seen_more = [data]
+                else:
+                    self._seen_more.append(data)
         self._chunk = data
         parser = self.parser
         if parser is None:
@@ -156,7 +167,7 @@ class Connection(asyncio.Protocol):
             if self._reading is None and not self._in_head:
                 # Between messages: a request waiting for its answer (admission) keeps no parser.
                 self.parser = None
-                self._seen = []
+                self._seen = self._seen_more = None
             elif not self.ctl.bits & _STOPPED:
                 self._timed = True
                 self.server.reading_now(self, self._in_head)
@@ -175,7 +186,7 @@ class Connection(asyncio.Protocol):
         return False  # the client half-closed: close, which cancels a handler still running
 
     def connection_lost(self, exc: Exception | None) -> None:
-        self.ctl.advance(Phase.LOST)
+        self.ctl.advance(_LOST)
         self.ctl.stop()
         server = self.server
         server.closed(self)
@@ -209,7 +220,7 @@ class Connection(asyncio.Protocol):
 
     async def drain(self) -> None:
         """Wait until the client has read enough of what was written. Raises ConnectionResetError once it left."""
-        if self.lost:
+        if self.ctl.phase is _LOST:
             raise ConnectionResetError(_GONE)
         if not self.write_paused:
             return
@@ -234,11 +245,11 @@ class Connection(asyncio.Protocol):
         if self.ctl.bits & _STOPPED:
             raise _Stop
         self._in_head = True
-        seen = self._seen
-        if not seen or seen[0] is not self._chunk:  # this request's line starts in the read being parsed
-            self._seen = [self._chunk]
+        if self._seen is not self._chunk:  # this request's line starts in the read being parsed
+            self._seen = self._chunk
+            self._seen_more = None
             self._seen_at = 0
-        self._line_checked = False
+        self._seen_room = self._lim.request_line_bytes + 16
         if self._synthetic:
             return
         self._url = b""
@@ -260,19 +271,6 @@ class Connection(asyncio.Protocol):
         if len(self._url) > self._lim.request_line_bytes:
             raise self._refusal(400, f"request line over {self._lim.request_line_bytes} bytes")
 
-    def _check_line(self) -> None:
-        """The request line has arrived whole: refuse it unless it is in the strict form (wire.request_line_at)."""
-        self._line_checked = True
-        seen = self._seen
-        p = self.parser
-        if self._synthetic or p is None or not seen:
-            return
-        if len(seen) > 1:
-            seen = self._seen = [b"".join(seen)]
-        ok, self._seen_at = request_line_at(seen[0], self._seen_at, p.get_method(), self._url, p.get_http_version())
-        if not ok:
-            raise self._refusal(400, "a request line not of the form METHOD SP target SP HTTP/x.y "
-                                     "(one space between its parts)")
 
     def on_header(self, name: bytes, value: bytes) -> None:
         if not self._in_head:  # a trailer (after a chunked body): counted, never kept (nginx drops them too)
@@ -280,10 +278,8 @@ class Connection(asyncio.Protocol):
             if self._trailer_bytes > self._lim.trailer_bytes:
                 raise self._refusal(400, f"trailer section over {self._lim.trailer_bytes} bytes")
             return
-        if not self._line_checked:
-            self._check_line()
-        if len(name) + len(value) > self._lim.header_line_bytes:
-            raise self._refusal(431, f"a header line over {self._lim.header_line_bytes} bytes")
+        if len(name) + len(value) > self._max_field:
+            raise self._refusal(431, f"a header line over {self._max_field} bytes")
         if len(self._fields) >= self._max_fields:
             raise self._refusal(431, f"more than {self._max_fields // 2} header lines")
         n = len(name)
@@ -306,8 +302,6 @@ class Connection(asyncio.Protocol):
     def on_headers_complete(self) -> None:
         if self.ctl.bits & _STOPPED:
             raise _Stop
-        if not self._line_checked:
-            self._check_line()
         p = self.parser
         self._in_head = False
         self._head_bytes = 0
@@ -327,6 +321,15 @@ class Connection(asyncio.Protocol):
         if version is None:  # HTTP/0.9 (no version) or 2.0 and above on an HTTP/1 connection: as smg answers them
             raise self._refusal(*BAD_VERSION.get(v[:1], BAD_VERSION["2"]))
         method = p.get_method()
+        seen = self._seen
+        if seen is not None:  # the request line in its strict form (wire.request_line_at), as smg requires
+            if self._seen_more is not None:
+                seen = self._seen = b"".join((seen, *self._seen_more))
+                self._seen_more = None
+            ok, self._seen_at = request_line_at(seen, self._seen_at, method, url, v)
+            if not ok:
+                raise self._refusal(400, "a request line not of the form METHOD SP target SP HTTP/x.y "
+                                         "(one space between its parts)")
         if method == b"CONNECT":  # kvgate tunnels nothing; smg answers CONNECT the same way
             raise self._refusal(*CONNECT_ANSWER)
         if self._upgrade:  # an Upgrade header: llhttp stops at the head only when Connection names it too
@@ -348,8 +351,9 @@ class Connection(asyncio.Protocol):
             req.early = BadRequest(413, f"a body of {length} bytes is over the limit of {req.max_body}")
             self._refused = True
         elif length or self._chunked_in:
-            req.ticket = Ticket(req)
-            server.take_budget(self, req, length if length is not None else BUDGET_STEP)
+            req.ticket = t = Ticket(req)
+            if not server.budget.take(t, length if length is not None else BUDGET_STEP):
+                self.pause(Pause.BUDGET)
         if self.current is None:
             self._dispatch(req)
         else:  # pipelined behind the request being answered: read no more until its turn
@@ -368,7 +372,8 @@ class Connection(asyncio.Protocol):
         ticket = req.ticket
         if ticket is not None and req.received > ticket.held and req.content_length is None and not ticket.want:
             # chunked: the next step of the body budget (reading pauses while the budget is full)
-            self.server.take_budget(self, req, req.received - ticket.held + BUDGET_STEP)
+            if not self.server.budget.take(ticket, req.received - ticket.held + BUDGET_STEP):
+                self.pause(Pause.BUDGET)
         if buffered > BODY_HIGH_WATER and not self.ctl.bits & _BODY:
             self.pause(Pause.BODY)
 
@@ -387,20 +392,19 @@ class Connection(asyncio.Protocol):
 
     def body_taken(self) -> None:
         """The handler took the body bytes buffered: read on (unless another reason holds)."""
-        if self.ctl.bits & _BODY:
-            self.resume(Pause.BODY)
+        self.resume(Pause.BODY)
 
     def refuse_body(self) -> None:
         """The handler refused the body being read (413): drop what else arrives, close after the answer."""
         self._refused = True
-        self.ctl.advance(Phase.CLOSING)
+        self.ctl.advance(_CLOSING)
         if self._reading is not None:
             self._reading.drop_body()
 
     def granted(self, req: Request) -> None:
         """The body budget has room for ``req`` now: read its body (and send the 100 Continue it waits for)."""
         if (req is self.current and req.expect == b"100-continue" and req.version >= (1, 1) and not req.body_done
-                and not self.lost):
+                and self.ctl.phase is not _LOST):
             self.transport.write(_CONTINUE)
         self.resume(Pause.BUDGET)
 
@@ -410,7 +414,7 @@ class Connection(asyncio.Protocol):
         err = BadRequest(503, "kvgate's in-flight request body budget stayed full")
         log.info("request body from %s waited too long for the body budget, answered 503", self._peer())
         self.ctl.stop()
-        self.ctl.advance(Phase.CLOSING)
+        self.ctl.advance(_CLOSING)
         if req is self.current:  # the handler's read raises it
             req.fail(err)
         else:
@@ -454,20 +458,23 @@ class Connection(asyncio.Protocol):
         finishes detached: a client that leaves no longer cancels it, shutdown still waits for it, and
         what it raises is logged."""
         task = self.task
-        if (req is not self.current or task is None or task.done() or self.ctl.phase is not Phase.OPEN
+        if (req is not self.current or task is None or task.done() or self.ctl.phase is not _OPEN
                 or not req.keep_alive or not req.body_done or self.server.closing):
             return  # answered from _done (the task ended), or the connection closes after this answer
-        self.server.finishing(task, req)
+        self.server.finishing[task] = req
         self._finished(req)
 
     def _done(self, task: asyncio.Task) -> None:
         req = self.current
         if task is not self.task or req is None:  # detached (answered) or ended after its connection moved on
-            self.server.finished(task)
+            done = self.server.finishing.pop(task, None)
+            if done is not None and not task.cancelled() and task.exception() is not None:  # logged, never lost
+                log.error("error handling %s %s after its answer", done.method, done.raw_path,
+                          exc_info=task.exception())
             return
         if task.cancelled():  # the client left, or shutdown cancelled it
-            if not self.lost:
-                self.ctl.advance(Phase.CLOSING)
+            if self.ctl.phase is not _LOST:
+                self.ctl.advance(_CLOSING)
                 self.transport.close()  # cancelled by shutdown: the connection goes too
             self._finished(req)
             return
@@ -482,35 +489,40 @@ class Connection(asyncio.Protocol):
             log.error("error handling %s %s", req.method, req.raw_path, exc_info=exc)
             resp = None if req.sent else web.Response(status=500, text="500 Internal Server Error")
             if req.sent:
-                self.ctl.advance(Phase.CLOSING)
+                self.ctl.advance(_CLOSING)
         else:  # KeyboardInterrupt, SystemExit: not ours to answer
-            self.ctl.advance(Phase.CLOSING)
+            self.ctl.advance(_CLOSING)
             resp = None
         self._answer(req, resp)
 
     def _answer(self, req: Request, resp) -> None:
         """Write ``resp`` unless the handler answered on the request itself; then the next request."""
-        if not self.lost:
+        if self.ctl.phase is not _LOST:
             try:
                 if req.sent == 0 and resp is not None:
                     req.write_response(resp, self.server.date)
                 elif req.sent != 2:  # a streamed answer the handler did not end (the client sees it cut), or none
-                    self.ctl.advance(Phase.CLOSING)
+                    self.ctl.advance(_CLOSING)
             except Exception:
                 log.exception("error writing the answer to %s %s", req.method, req.raw_path)
-                self.ctl.advance(Phase.CLOSING)
+                self.ctl.advance(_CLOSING)
         self._finished(req)
 
     def _finished(self, req: Request) -> None:
         self.task = None
         self.current = None
-        self.server.release_budget(req)
-        if self.lost:
+        ticket = req.ticket
+        if ticket is not None:
+            req.ticket = None  # the ticket points back at the request: no cycle left for the GC
+            granted = self.server.budget.release(ticket)
+            if granted:
+                self.server.grant(granted)
+        if self.ctl.phase is _LOST:
             return
-        if self.ctl.phase is not Phase.OPEN or not req.keep_alive or not req.body_done or self.server.closing:
+        if self.ctl.phase is not _OPEN or not req.keep_alive or not req.body_done or self.server.closing:
             self._close_after()
             return
-        if self.write_paused:  # the client has not read the answers written: the next request waits
+        if self.ctl.bits & _WRITE:  # the client has not read the answers written: the next request waits
             self._next_waiting = True
             self.server.idle_since(self)  # a client that never reads them is closed after keepalive_s
             return
@@ -539,7 +551,7 @@ class Connection(asyncio.Protocol):
         unread: a pipelined request behind a ``Connection: close`` one may still be in flight, and bytes
         arriving at a closed socket make the kernel reset the connection, which can discard the answer
         before the client reads it (nginx lingers when it sees such bytes; kvgate cannot see those in flight)."""
-        self.ctl.advance(Phase.CLOSING)
+        self.ctl.advance(_CLOSING)
         self.ctl.stop()
         if self.transport.is_closing():
             return
@@ -584,7 +596,7 @@ class Connection(asyncio.Protocol):
         self._write_error(err)
 
     def _write_error(self, err: BadRequest) -> None:
-        self.ctl.advance(Phase.CLOSING)
+        self.ctl.advance(_CLOSING)
         self.transport.write(error_answer(err))
         self._linger()  # the client may still be sending: it reads the answer rather than a reset
 
@@ -595,7 +607,7 @@ class Connection(asyncio.Protocol):
         if req is not None and req is self.current:
             log.info("request %s from %s stopped arriving, answered 408", what, self._peer())
             self.ctl.stop()
-            self.ctl.advance(Phase.CLOSING)
+            self.ctl.advance(_CLOSING)
             self.parser = None
             self._reading = None
             req.fail(err)
@@ -603,6 +615,6 @@ class Connection(asyncio.Protocol):
         self._bad(err)
 
     def close(self) -> None:
-        self.ctl.advance(Phase.CLOSING)
-        if self.transport is not None and not self.lost:
+        self.ctl.advance(_CLOSING)
+        if self.transport is not None and self.ctl.phase is not _LOST:
             self.transport.close()

@@ -16,13 +16,16 @@ from urllib.parse import unquote
 from aiohttp import web
 from multidict import CIMultiDict, MultiDictProxy
 
-from kvgate.proxy.wire import SERIALISED, BadRequest, Headers, has_body, header_lines, pairs, response_head
+from kvgate.proxy.conn_state import Pause, Phase
+from kvgate.proxy.wire import NO_BODY_STATUS, SERIALISED, BadRequest, Headers, has_body, header_lines, pairs, response_head
 
 if TYPE_CHECKING:
     from kvgate.proxy.body_budget import Ticket
     from kvgate.proxy.server import _Conn
 
 _NO_MATCH: dict[str, str] = {}
+_LOST, _OPEN = Phase.LOST, Phase.OPEN
+_BODY = Pause.BODY.value
 _GONE = "the client closed the connection"
 
 
@@ -125,7 +128,8 @@ class Request:
         """The body exactly as received: bytes up to ``join_max`` bytes, else the list of its pieces and
         its size as (parts, size). The event loop is given back every ``yield_every`` bytes. Raises
         HTTPRequestEntityTooLarge (413) past ``max_bytes`` or past this request's own ``max_body``."""
-        max_bytes = min(max_bytes, self.max_body)
+        if self.max_body < max_bytes:
+            max_bytes = self.max_body
         parts: list[bytes] = []
         size = since_yield = 0
         while True:
@@ -177,12 +181,14 @@ class Request:
     def _taken(self) -> None:
         self._chunks = ()
         self._buffered = 0
-        self._conn.body_taken()
+        conn = self._conn
+        if conn.ctl.bits & _BODY:  # its reading paused for the bytes just taken
+            conn.body_taken()
 
     async def _wait_body(self) -> None:
         if self._error is not None:
             raise self._error
-        if self._conn.lost:
+        if self._conn.ctl.phase is _LOST:
             raise ConnectionResetError(_GONE)
         self._waiter = w = self._conn.loop.create_future()
         try:
@@ -201,7 +207,9 @@ class Request:
         n = len(chunk)
         self._buffered += n
         self.received += n
-        self.wake()
+        w = self._waiter
+        if w is not None and not w.done():
+            w.set_result(None)
         return self._buffered
 
     def drop_body(self) -> None:
@@ -212,7 +220,9 @@ class Request:
     def end(self) -> None:
         """The whole body has arrived."""
         self.body_done = True
-        self.wake()
+        w = self._waiter
+        if w is not None and not w.done():
+            w.set_result(None)
 
     def fail(self, err: BadRequest) -> None:
         """The body cannot be read (broken framing, a timeout, no room): the handler's read raises ``err``
@@ -231,7 +241,7 @@ class Request:
 
     def _head(self, status: int, reason: bytes, lines: bytes, length: int | None, stream: bool) -> bytes:
         head, self._chunked, keep = response_head(status, reason, lines, length, stream, self.version,
-                                                  self.keep_alive and not self._conn.closing, self.head_only)
+                                                  self.keep_alive and self._conn.ctl.phase is _OPEN, self.head_only)
         if not keep:
             self.keep_alive = False
         return head
@@ -240,9 +250,9 @@ class Request:
         """Write a whole answer in one write: status line, ``lines`` (header lines as bytes), framing and
         connection headers, ``body``. has_length: ``lines`` already carry a Content-Length."""
         conn = self._conn
-        if conn.lost:
+        if conn.ctl.phase is _LOST:
             raise ConnectionResetError(_GONE)
-        bodied = has_body(status)
+        bodied = status >= 200 and status not in NO_BODY_STATUS  # wire.has_body
         length = None if has_length or not bodied or (self.head_only and not body) else len(body)
         head = self._head(status, reason, lines, length, False)
         self.sent = 2
@@ -255,7 +265,7 @@ class Request:
     def start(self, status: int, reason: bytes, lines: bytes, has_length: bool) -> None:
         """Write the head of a streamed answer; the body follows with ``write`` and ``write_eof``."""
         conn = self._conn
-        if conn.lost:
+        if conn.ctl.phase is _LOST:
             raise ConnectionResetError(_GONE)
         conn.transport.write(self._head(status, reason, lines, None, not has_length and has_body(status)))
         self.sent = 1
@@ -263,7 +273,7 @@ class Request:
     async def write(self, data: bytes) -> None:
         """Send part of a streamed body; waits while the client's socket is full."""
         conn = self._conn
-        if conn.lost:
+        if conn.ctl.phase is _LOST:
             raise ConnectionResetError(_GONE)
         if not data or self.head_only:
             return
@@ -274,7 +284,7 @@ class Request:
     async def write_eof(self) -> None:
         """End a streamed body."""
         conn = self._conn
-        if conn.lost:
+        if conn.ctl.phase is _LOST:
             raise ConnectionResetError(_GONE)
         if self._chunked:
             conn.transport.write(b"0\r\n\r\n")

@@ -34,7 +34,7 @@ from email.utils import formatdate
 from typing import Any, Awaitable, Callable
 
 from kvgate.proxy.body_budget import BodyBudget
-from kvgate.proxy.conn_state import Pause, Phase, Timers
+from kvgate.proxy.conn_state import Phase, Timers
 from kvgate.proxy.connection import BODY_HIGH_WATER, BUDGET_STEP, LINGER_S, Connection
 from kvgate.proxy.request import Request, StreamResponse
 from kvgate.proxy.wire import (MAX_FIELD_BYTES, MAX_HEAD_BYTES, MAX_LINE_BYTES, SMALL_BODY_BYTES, BadRequest,
@@ -91,7 +91,7 @@ class HttpServer:
         self._servers: list[asyncio.AbstractServer] = []
         self._conns: dict[Connection, None] = {}
         # handlers whose answer is written whole, finishing their bookkeeping (Connection.answered)
-        self._finishing: dict[asyncio.Task, Request] = {}
+        self.finishing: dict[asyncio.Task, Request] = {}
         self._sweeper: asyncio.TimerHandle | None = None
         self.date = formatdate(usegmt=True)
 
@@ -115,7 +115,7 @@ class HttpServer:
             conn.close()
             return
         self._conns[conn] = None
-        self._idle.enter(conn, self.loop.time())
+        self._idle[conn] = self.loop.time()
 
     def closed(self, conn: Connection) -> None:
         self._conns.pop(conn, None)
@@ -123,13 +123,13 @@ class HttpServer:
             table.drop(conn)
 
     def busy(self, conn: Connection) -> None:
-        self._idle.drop(conn)
+        self._idle.pop(conn, None)
 
     def idle_since(self, conn: Connection) -> None:
-        self._idle.enter(conn, self.loop.time())
+        self._idle[conn] = self.loop.time()
 
     def lingering(self, conn: Connection) -> None:
-        self._lingering.enter(conn, self.loop.time())
+        self._lingering[conn] = self.loop.time()
 
     def reading_now(self, conn: Connection, in_head: bool) -> None:
         """After a read that left ``conn`` inside a head or a body: start the head's clock (once), restart
@@ -137,30 +137,20 @@ class HttpServer:
         if in_head:
             self.heads.enter_once(conn, self.loop.time())
         else:
-            self.bodies.enter(conn, self.loop.time())  # to the end: oldest progress first
-
-    def take_budget(self, conn: Connection, req: Request, n: int) -> None:
-        """Take ``n`` bytes of the in-flight body budget for ``req``, or pause ``conn``'s reading until
-        there is room (BodyBudget.take)."""
-        if not self.budget.take(req.ticket, n):
-            conn.pause(Pause.BUDGET)
+            self.bodies.restart(conn, self.loop.time())  # to the end: oldest progress first
 
     def release_budget(self, req: Request) -> None:
         """``req`` is done (answered, or its connection gone): give back what it holds, let waiters in."""
-        if req.ticket is None:  # a request without a body holds none
-            return
-        for t in self.budget.release(req.ticket):
+        ticket = req.ticket
+        if ticket is not None:  # a request without a body holds none
+            req.ticket = None  # the ticket points back at the request: no cycle left for the GC
+            self.grant(self.budget.release(ticket))
+
+    @staticmethod
+    def grant(tickets) -> None:
+        """Tell the connections of the requests whose ``tickets`` the budget granted: they read on."""
+        for t in tickets:
             t.owner.connection.granted(t.owner)
-
-    def finishing(self, task: asyncio.Task, req: Request) -> None:
-        """``task`` answered ``req`` whole and finishes detached from its connection (Connection.answered)."""
-        self._finishing[task] = req
-
-    def finished(self, task: asyncio.Task) -> None:
-        """A detached handler ended: what it raised is logged, never lost."""
-        done = self._finishing.pop(task, None)
-        if done is not None and not task.cancelled() and task.exception() is not None:
-            log.error("error handling %s %s after its answer", done.method, done.raw_path, exc_info=task.exception())
 
     def _sweep(self) -> None:
         """Once a second: close connections idle longer than keepalive_s; answer 408 to heads and bodies
@@ -177,14 +167,13 @@ class HttpServer:
                 if conn.lost:
                     continue
                 if conn.read_paused:  # kvgate stopped reading it (its turn, the budget): not the client's delay
-                    table.enter(conn, now)
+                    table.restart(conn, now)
                     continue
                 conn.timed_out(what)
         late, granted = self.budget.expire()
         for t in late:
             t.owner.connection.budget_timeout(t.owner)
-        for t in granted:
-            t.owner.connection.granted(t.owner)
+        self.grant(granted)
         for conn in self._lingering.expired(now - LINGER_S):
             conn.close()
         self._check_fds(now)
@@ -211,11 +200,11 @@ class HttpServer:
         for srv in self._servers:
             srv.close()
         await asyncio.sleep(0)  # connections accepted just before the close are made
-        for conn in self._idle:
+        for conn in list(self._idle):
             conn.close()
         self._idle.clear()
         tasks = [c.task for c in self._conns if c.task is not None and not c.task.done()]
-        tasks += [t for t in self._finishing if not t.done()]
+        tasks += [t for t in self.finishing if not t.done()]
         for c in self._conns:
             c.ctl.advance(Phase.CLOSING)
         if tasks:

@@ -84,6 +84,10 @@ def request_line_at(seen: bytes, start: int, method: bytes, url: bytes, version:
     before it in the same read ended (their request lines). Returns (ok, where this line ends): not ok when
     a spaced-out form of the line comes before its strict form; ok when the strict form comes first, or
     when neither is found (what cannot be seen is not refused)."""
+    n, u = len(method), len(url)
+    if (seen.startswith(method, start) and seen[start + n:start + n + 1] == b" " and seen.startswith(url, start + n + 1)
+            and seen.startswith(_HTTP_TAIL.get(version) or b"-", start + n + 1 + u)):
+        return True, start + n + u + 12  # the common case: the line where the request starts, strict
     strict = b"%s %s HTTP/%s\r\n" % (method, url, version.encode("ascii"))
     at = seen.find(strict, start)
     stop = at if at >= 0 else len(seen)
@@ -95,6 +99,9 @@ def request_line_at(seen: bytes, start: int, method: bytes, url: bytes, version:
             return False, end
         m = seen.find(needle, m + 1, stop + len(needle))
     return True, (at + len(strict) if at >= 0 else start)
+
+
+_HTTP_TAIL = {"1.1": b" HTTP/1.1\r\n", "1.0": b" HTTP/1.0\r\n"}
 
 
 def _spaced_line_end(seen: bytes, m: int, method: bytes, url: bytes, version: str) -> int:
