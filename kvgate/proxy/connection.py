@@ -341,11 +341,11 @@ class Connection(asyncio.Protocol):
             url = origin_form(url)
         req = Request(self, METHODS.get(method) or method.decode("ascii"), url.decode("ascii"), tuple(self._fields),
                       version, p.should_keep_alive(), self._expect, self._length, server.client_max_size)
-        if server.body_limit is not None:
-            req.max_body = server.body_limit(req)
         self._fields = []
         self._reading = req
         length = self._length
+        if server.body_limit is not None and (length or self._chunked_in):  # (only a body needs its limit)
+            req.max_body = server.body_limit(req)
         if length is not None and length > req.max_body:
             # Refused from its head: the body is not read, the answer goes when its turn comes, then the close.
             req.early = BadRequest(413, f"a body of {length} bytes is over the limit of {req.max_body}")
