@@ -58,8 +58,7 @@ class Connection(asyncio.Protocol):
                  "_chunked_in", "_in_head", "_head_bytes", "_trailer_bytes", "_reading", "current", "_queue",
                  "task", "_drain_waiter", "_refused", "_limit_error", "_lim", "_max_fields", "_max_field", "_max_head",
                  "_upgrade", "_synthetic", "_pending_error", "_next_waiting", "_timed", "_chunk", "_seen", "_seen_more",
-                 "_seen_at", "_seen_room",
-                 "__weakref__")
+                 "_seen_at", "_seen_room", "__weakref__")
 
     def __init__(self, server: "HttpServer"):
         self.server = server
@@ -92,8 +91,9 @@ class Connection(asyncio.Protocol):
         self._next_waiting = False  # the next request waits for the client to read the answers written
         self._timed = False  # in the server's table of heads or bodies still arriving
         self._chunk: bytes | None = None  # the read being parsed
-        # the read in which the request being read began, the reads after it until its request line is
-        # checked, and where in the first the request lines already checked end
+        # for the request-line check (wire.request_line_at, once its head is read): the read in which the
+        # request began, the reads after it (at most a request line's worth), and where in the first the
+        # request lines already checked end
         self._seen: bytes | None = None
         self._seen_more: list[bytes] | None = None
         self._seen_at = 0
