@@ -1,8 +1,8 @@
 """kvgate's HTTP/1.1 server for its clients: the asyncio shell (I/O edge) over its pure parts.
 
-The client side's counterpart of kvgate.proxy.pool: one small Protocol object per connection, the request
-parsed by httptools (llhttp) as it arrives, one task per request (cancelled when the client goes away,
-which closes the upstream call), and the answer written as bytes the relay built (no header objects on the
+The client side's counterpart of kvgate.proxy.connection_pool: one small Protocol object per connection,
+the request parsed by httptools (llhttp) as it arrives, one task per request (cancelled when the client goes
+away, which closes the upstream call), and the answer written as bytes the relay built (no header objects on the
 hot path). What it decides is not decided here: the wire rules (limits, refusals, framing, headers) are
 kvgate.proxy.wire's, a connection's phase and pause reasons kvgate.proxy.conn_state's, the in-flight body
 budget kvgate.proxy.body_budget's; the request's reading and writing is kvgate.proxy.request's.
