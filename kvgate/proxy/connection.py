@@ -57,7 +57,7 @@ class Connection(asyncio.Protocol):
     __slots__ = ("server", "loop", "transport", "parser", "ctl", "_url", "_fields", "_expect", "_length",
                  "_chunked_in", "_in_head", "_head_bytes", "_trailer_bytes", "_reading", "current", "_queue",
                  "task", "_drain_waiter", "_refused", "_limit_error", "_lim", "_max_fields", "_max_field", "_max_head",
-                 "_upgrade", "_synthetic", "_pending_error", "_next_waiting", "_timed", "_chunk", "_seen", "_seen_more",
+                 "_max_line", "_upgrade", "_synthetic", "_pending_error", "_next_waiting", "_timed", "_chunk", "_seen", "_seen_more",
                  "_seen_at", "_seen_room", "__weakref__")
 
     def __init__(self, server: "HttpServer"):
@@ -85,6 +85,7 @@ class Connection(asyncio.Protocol):
         self._max_fields = 2 * self._lim.header_count  # _fields holds a name and a value per header
         self._max_field = self._lim.header_line_bytes
         self._max_head = self._lim.head_bytes
+        self._max_line = self._lim.request_line_bytes
         self._upgrade = False  # the request being read asked for Upgrade: its body is read as a plain one's
         self._synthetic = False  # the parser is reading the framing-only head that follows an Upgrade
         self._pending_error: BadRequest | None = None  # answered once the requests before it are
@@ -249,7 +250,7 @@ class Connection(asyncio.Protocol):
             self._seen = self._chunk
             self._seen_more = None
             self._seen_at = 0
-        self._seen_room = self._lim.request_line_bytes + 16
+        self._seen_room = self._max_line + 16
         if self._synthetic:
             return
         self._url = b""
@@ -268,8 +269,8 @@ class Connection(asyncio.Protocol):
 
     def on_url(self, url: bytes) -> None:
         self._url += url
-        if len(self._url) > self._lim.request_line_bytes:
-            raise self._refusal(400, f"request line over {self._lim.request_line_bytes} bytes")
+        if len(self._url) > self._max_line:
+            raise self._refusal(400, f"request line over {self._max_line} bytes")
 
 
     def on_header(self, name: bytes, value: bytes) -> None:

@@ -17,7 +17,8 @@ from aiohttp import web
 from multidict import CIMultiDict, MultiDictProxy
 
 from kvgate.proxy.conn_state import Pause, Phase
-from kvgate.proxy.wire import NO_BODY_STATUS, SERIALISED, BadRequest, Headers, has_body, header_lines, pairs, response_head
+from kvgate.proxy.wire import (NO_BODY_STATUS, SERIALISED, BadRequest, Headers, has_body, header_lines, pairs,
+                               response_head)
 
 if TYPE_CHECKING:
     from kvgate.proxy.body_budget import Ticket
