@@ -57,8 +57,8 @@ class Connection(asyncio.Protocol):
     __slots__ = ("server", "loop", "transport", "parser", "ctl", "_url", "_fields", "_expect", "_length",
                  "_chunked_in", "_in_head", "_head_bytes", "_trailer_bytes", "_reading", "current", "_queue",
                  "task", "_drain_waiter", "_refused", "_limit_error", "_lim", "_max_fields", "_max_field", "_max_head",
-                 "_max_line", "_upgrade", "_synthetic", "_pending_error", "_next_waiting", "_timed", "_chunk", "_seen", "_seen_more",
-                 "_seen_at", "_seen_room", "__weakref__")
+                 "_max_line", "_upgrade", "_synthetic", "_pending_error", "_next_waiting", "_timed", "_chunk", "_seen",
+                 "_seen_more", "_seen_at", "_seen_room", "__weakref__")
 
     def __init__(self, server: "HttpServer"):
         self.server = server
