@@ -229,7 +229,10 @@ def test_request_head_drops_hop_by_hop_and_connection_named_headers_and_keeps_by
 
 def test_response_head_serialiser_keeps_bytes_and_refuses_injected_lines():
     from multidict import CIMultiDict
-    from kvgate.proxy.relay import _serialize_headers_preserving_bytes as ser
+    from kvgate.proxy.wire import header_lines
+
+    def ser(first, headers):
+        return header_lines(headers.items(), first=first) + b"\r\n"
     ok = ser("HTTP/1.1 200 OK", CIMultiDict([("X-Up", b"caf\xe9".decode("utf-8", "surrogateescape")), ("A", "b")]))
     assert ok == b"HTTP/1.1 200 OK\r\nX-Up: caf\xe9\r\nA: b\r\n\r\n"
     for bad in ("a\r\nEvil: 1", "a\nb", "a\rb"):
@@ -237,6 +240,14 @@ def test_response_head_serialiser_keeps_bytes_and_refuses_injected_lines():
             ser("HTTP/1.1 200 OK", CIMultiDict([("X", bad)]))
     with pytest.raises(ValueError):
         ser("HTTP/1.1 200 OK", CIMultiDict([("X\r\nY", "v")]))
+
+
+async def test_kvgate_patches_no_private_name_of_aiohttp(kvgate_factory, echo_upstream):
+    import aiohttp.http_writer
+    before = aiohttp.http_writer._serialize_headers
+    for server in ("kvgate", "aiohttp"):
+        await kvgate_factory(upstream=echo_upstream.url, http_server=server)
+    assert aiohttp.http_writer._serialize_headers is before
 
 
 async def test_pool_limit_holds_a_request_until_a_connection_frees(keepalive):

@@ -33,16 +33,17 @@ from aiohttp.http_exceptions import HttpProcessingError
 from multidict import CIMultiDict
 
 from kvgate import __version__
-from kvgate.common.classify import STEP_BOUNDARY_ROUTES, classify, parse_json_object, with_session_id
+from kvgate.common.classify import GENERATE_ROUTES, STEP_BOUNDARY_ROUTES, classify, parse_json_object, \
+    with_session_id
 from kvgate.config import PLACEMENT_ROUTES, Config, api_key, read_admin_key
 from kvgate.fleet import compat, health
 from kvgate.fleet.placement import Placement, Target
 from kvgate.fleet.directory import EngineDirectory
 from kvgate.proxy.relay import MAX_FIELD_BYTES, MAX_LINE_BYTES, Upstream, forward_head, header_safe, \
-    BodyParts, preserve_header_bytes, read_body
+    BodyParts, read_body
 from kvgate.common.admission_seam import Gate, OpenGate, RequestInfo, Ticket
 from kvgate.proxy.placed import PlacedRelay
-from kvgate.proxy.server import Headers, HttpServer, Limits
+from kvgate.proxy.server import SMALL_BODY_BYTES, Headers, HttpServer, Limits
 from kvgate.sessions.idle_policy import IdlePolicy, StepTracker
 from kvgate.sessions.inference import SessionInference, request_units
 from kvgate.sessions.lifecycle import SessionLifecycle
@@ -125,7 +126,6 @@ class Gateway:
         self.cfg = cfg
         # One of several kvgate processes on one port (kvgate.proxy.processes.ProcessRole), or None.
         self.process_role = process_role
-        preserve_header_bytes()
         self.metrics = Metrics()
         self.upstream = Upstream(cfg.upstream, cfg.connect_timeout_s, cfg.read_timeout_s, cfg.upstream_pool_size)
         self.placement_modes = {r: cfg.session_placement_routes.get(r, cfg.session_placement) for r in PLACEMENT_ROUTES}
@@ -293,6 +293,14 @@ class Gateway:
         if path.startswith("/kvgate/"):
             return self.handle_not_found
         return self.handle_proxy
+
+    def body_limit(self, request) -> int:
+        """A request's body limit on kvgate's own server, bytes: SMALL_BODY_BYTES for the routes kvgate answers
+        itself from a few bytes (/close_session, /kvgate/...), max_body_bytes for the rest."""
+        path = request.path
+        if path in self._routes or path.startswith("/kvgate/"):
+            return SMALL_BODY_BYTES
+        return self._max_body
 
     async def _on_startup(self, app: web.Application | None) -> None:
         log.info("kvgate %s: upstream %s, session lifecycle %s, admission %s", __version__, self.cfg.upstream,
@@ -657,7 +665,7 @@ class Gateway:
     async def handle_proxy(self, request: web.Request) -> web.StreamResponse:
         """Every request kvgate does not answer itself, in one order, each decision made once in its stage."""
         t0 = time.perf_counter()
-        raw = await read_body(request, self._max_body, join_max=self._join_max)
+        raw = await read_body(request, self._max_body, join_max=self._join_max, stream_over=self._stream_over(request))
         c = self._classify(request, raw)
         plan = await self._session_stage(c, raw, request)
         target = await self._place_stage(request, c, plan)
@@ -811,6 +819,12 @@ class Gateway:
             self._step_boundary(c.path, raw, outcome)
         if self.lifecycle_on and c.method == "POST" and c.path == "/abort_request":
             self._abort_requested(raw)
+
+    def _stream_over(self, request) -> int | None:
+        """Bodies larger than this (bytes) are sent on as they arrive, never held whole: kvgate reads no body
+        but a generate call's, and of the others parses none over STEP_BODY_PARSE_LIMIT (step boundaries,
+        /abort_request). None for a generate call."""
+        return None if request.method == "POST" and request.path in GENERATE_ROUTES else STEP_BODY_PARSE_LIMIT
 
     def _router_outcome(self, outcome) -> None:
         # What a forwarded call says about the router: unreachable, or answering (502s logged per change).
@@ -1001,7 +1015,8 @@ async def start_gateway(cfg: Config, gate: Gate | None = None, process_role=None
     gw = Gateway(cfg, gate, process_role)
     if cfg.http_server == "kvgate":
         await gw._on_startup(None)
-        srv = HttpServer(gw.route, cfg.max_body_bytes, on_cleanup=gw._on_cleanup, limits=server_limits(cfg))
+        srv = HttpServer(gw.route, cfg.max_body_bytes, on_cleanup=gw._on_cleanup, limits=server_limits(cfg),
+                         body_limit=gw.body_limit)
         try:
             port = await srv.listen(cfg.host, cfg.port, backlog=1024,
                                     reuse_port=True if process_role is not None else None)
