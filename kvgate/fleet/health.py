@@ -93,13 +93,23 @@ def router_check(r: Reachability, upstream: str, now: float) -> Check:
 
 
 def engines_check(engines: Iterable[tuple[str, bool, str | None]], discovered: bool,
-                  discovery_error: str | None) -> Check:
+                  discovery_error: str | None, roles: dict[str, str] | None = None) -> Check:
     """The engines check from (url, usable, why not) per engine. Fatal when none is usable; not fatal when
-    some are down or the engine list could not be read (the last good list is kept)."""
+    some are down or the engine list could not be read (the last good list is kept). ``roles`` (url ->
+    regular|prefill|decode): in a prefill/decode fleet every call needs one prefill and one decode worker (smg's
+    PD router), so it is fatal too when no prefill or no decode worker is usable."""
     engines = list(engines)
+    roles = roles or {}
     down = [(u, why) for u, usable, why in engines if not usable]
     detail: dict[str, Any] = {"engines": len(engines), "usable": len(engines) - len(down),
                               "unusable": {u: why for u, why in down}}
+    if any(roles.get(u) in ("prefill", "decode") for u, _, _ in engines):
+        usable_by = {r: sum(1 for u, ok, _ in engines if ok and roles.get(u) == r) for r in ("prefill", "decode")}
+        detail["usable_by_role"] = usable_by
+        for r in ("prefill", "decode"):
+            if engines and len(down) < len(engines) and usable_by[r] == 0:
+                return Check("engines", False, f"no {r} worker is usable: every call needs one (smg's PD router)",
+                             detail=detail)
     if discovery_error is not None and not engines:
         # the router answers (its own check says when it does not) but not with a list kvgate reads
         return Check("engines", False, f"engine discovery failed ({discovery_error}) and no engine is known",
