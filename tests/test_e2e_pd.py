@@ -101,3 +101,31 @@ async def test_a_session_reaches_both_legs_stays_on_one_decode_worker_and_its_cl
             await asyncio.gather(*(w.wait_for(sid) for w in watchers.values()))
             assert all(w.ids.count(sid) == 1 for w in watchers.values())
             assert all(w.stats()["session_state"].get(sid, {"ref_tokens": 0})["ref_tokens"] == 0 for w in workers)
+
+
+async def test_a_close_a_decode_worker_fails_is_retried_until_it_has_it(pd_fleet, kvgate_factory):
+    """A decode worker answers the first close with a 5xx: kvgate retries it (as for any engine) while the others
+    are done at once; in the end every worker closed the session."""
+    router, pres, decs = await pd_fleet(prefill=1, decode=2)
+    flaky = decs[1]
+    watchers = {w.url: CloseWatcher(w) for w in (*pres, *decs)}
+    inner, failed = flaky.engine.close_session, []
+
+    def close_once_failing(session_id):
+        if not failed:
+            failed.append(session_id)
+            raise RuntimeError("decode worker busy")
+        return inner(session_id)
+    flaky.engine.close_session = close_once_failing
+    gw, kv = await kvgate_factory(upstream=router, agentic_session_lifecycle=True, close_retry_backoff_s=0.05)
+    await gw.directory.first_refresh.wait()
+    async with aiohttp.ClientSession() as http:
+        await _turn(http, kv, "/generate", "pd-retry", {})
+        async with http.post(kv + "/close_session", json={"session_id": "pd-retry"}) as r:
+            assert r.status == 200
+        await asyncio.gather(*(w.wait_for("pd-retry") for w in watchers.values()))
+    assert failed == ["pd-retry"]
+    assert all(w.ids == ["pd-retry"] for w in watchers.values())
+    reg = gw.lifecycle.registry
+    await gw.lifecycle.wait_until(lambda: reg.get("pd-retry").state == "closed")
+    assert reg.close_stats["failed_attempts"] == 1
