@@ -26,6 +26,7 @@ import asyncio
 import collections
 import errno
 import logging
+import math
 import os
 from dataclasses import dataclass
 from email.utils import formatdate
@@ -193,11 +194,25 @@ def _pairs(flat: tuple) -> tuple:
 
 
 class BadRequest(Exception):
-    """A request kvgate answers itself and then closes the connection: ``status`` and a short reason."""
+    """A request kvgate answers itself and then closes the connection: ``status``, a short reason and, for a
+    refusal the client may retry (503), ``retry_after_s``: the whole seconds of the answer's Retry-After."""
 
-    def __init__(self, status: int, message: str):
+    def __init__(self, status: int, message: str, retry_after_s: int | None = None):
         super().__init__(message)
         self.status = status
+        self.retry_after_s = retry_after_s
+
+    def response(self) -> web.Response:
+        """The plain-text answer, with Retry-After when set."""
+        headers = {"Retry-After": str(self.retry_after_s)} if self.retry_after_s is not None else None
+        return web.Response(status=self.status, text=f"{self.status} {HTTPStatus(self.status).phrase}: {self}\n",
+                            headers=headers)
+
+
+def budget_retry_after_s(body_budget_wait_s: float) -> int:
+    """Retry-After of the body-budget 503, whole seconds (at least 1): the wait the body just had without room,
+    rounded up (an earlier retry would likely wait as long again)."""
+    return max(1, math.ceil(body_budget_wait_s))
 
 
 class Request:
@@ -800,7 +815,8 @@ class _Conn(asyncio.Protocol):
     def budget_timeout(self, req: Request) -> None:
         """``req`` waited body_budget_wait_s for room in the body budget: 503, then the connection closes."""
         self.budget_wait = False
-        err = BadRequest(503, "kvgate's in-flight request body budget stayed full")
+        err = BadRequest(503, "kvgate's in-flight request body budget stayed full",
+                         retry_after_s=budget_retry_after_s(self.server.limits.body_budget_wait_s))
         log.info("request body from %s waited too long for the body budget, answered 503", self._peer())
         self._stopped = True
         self.closing = True
@@ -818,8 +834,7 @@ class _Conn(asyncio.Protocol):
         server = self.server
         early = req._early
         if early is not None:
-            self._answer(req, web.Response(status=early.status, text=f"{early.status} "
-                                           f"{HTTPStatus(early.status).phrase}: {early}\n"))
+            self._answer(req, early.response())
             return
         expect = req._expect
         if expect is not None and req.version >= (1, 1):
@@ -874,7 +889,7 @@ class _Conn(asyncio.Protocol):
         elif isinstance(exc, web.HTTPException):
             resp = exc
         elif isinstance(exc, BadRequest):  # the body's framing broke while the handler read it (logged once)
-            resp = web.Response(status=exc.status, text=f"{exc.status} {HTTPStatus(exc.status).phrase}: {exc}\n")
+            resp = exc.response()
         elif isinstance(exc, Exception):
             log.error("error handling %s %s", req.method, req.raw_path, exc_info=exc)
             resp = None if req.sent else web.Response(status=500, text="500 Internal Server Error")
@@ -1009,7 +1024,8 @@ class _Conn(asyncio.Protocol):
     def _write_error(self, err: BadRequest) -> None:
         self.closing = True
         body = f"{err.status} {HTTPStatus(err.status).phrase}: {err}\n".encode("utf-8", "replace")
-        self.transport.write(b"".join((status_line(err.status), b"Content-Type: text/plain; charset=utf-8\r\n",
+        retry = b"Retry-After: %d\r\n" % err.retry_after_s if err.retry_after_s is not None else b""
+        self.transport.write(b"".join((status_line(err.status), retry, b"Content-Type: text/plain; charset=utf-8\r\n",
                                        b"Content-Length: %d\r\nConnection: close\r\n\r\n" % len(body), body)))
         self._linger()  # the client may still be sending: it reads the answer rather than a reset
 
