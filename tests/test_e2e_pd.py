@@ -129,3 +129,28 @@ async def test_a_close_a_decode_worker_fails_is_retried_until_it_has_it(pd_fleet
     reg = gw.lifecycle.registry
     await gw.lifecycle.wait_until(lambda: reg.get("pd-retry").state == "closed")
     assert reg.close_stats["failed_attempts"] == 1
+
+
+async def test_smg_pd_names_the_decode_worker_by_target_worker_index(pd_fleet):
+    """smg 1.13 PD with --policy cache_aware --decode-policy consistent_hashing: X-SMG-Target-Worker: i decodes on
+    the i-th healthy decode worker of /workers (kvgate.fleet.roles.decode_target_index), whatever the prefill
+    policy picks; an index past the decode workers is a 503."""
+    from kvgate.fleet import roles
+    from kvgate.fleet.discovery import parse_workers
+    router, pres, decs = await pd_fleet(prefill=2, decode=4, policy="cache_aware",
+                                        extra=["--decode-policy", "consistent_hashing"])
+    async with aiohttp.ClientSession() as http:
+        async with http.get(router + "/workers") as r:
+            engines = parse_workers(await r.json())
+        for d in decs:
+            idx = roles.decode_target_index(engines, d.url)
+            for i in range(3):
+                body = {"input_ids": list(range(1, 50 + i)), "sampling_params": {"max_new_tokens": 2}}
+                async with http.post(router + "/generate", json=body, headers={"X-SMG-Target-Worker": str(idx)}) as r:
+                    assert r.status == 200
+                    assert r.headers["x-smg-routed-worker-id"] == d.url
+            assert d.stats()["totals"]["num_requests"] == 3
+        async with http.post(router + "/generate", json={"input_ids": [1, 2]},
+                             headers={"X-SMG-Target-Worker": str(len(decs))}) as r:
+            assert r.status == 503
+    assert sum(p.stats()["totals"]["num_requests"] for p in pres) == 3 * len(decs)
