@@ -11,8 +11,8 @@ from kvgate import __version__
 from kvgate.config import ConfigError, add_flags, from_args
 
 
-def _setup_logging(level: str, worker: int | None = None) -> None:
-    where = "" if worker is None else f"[worker {worker}]"
+def _setup_logging(level: str, process: int | None = None) -> None:
+    where = "" if process is None else f"[process {process}]"
     logging.basicConfig(level=getattr(logging, level.upper(), logging.INFO),
                         format=f"%(asctime)s %(levelname)s %(name)s{where}: %(message)s", stream=sys.stderr)
 
@@ -30,14 +30,14 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     cfg = _load_config(args)
     if cfg is None:
         return 2
-    from kvgate.proxy.workers import WorkerRole, supervise
-    role = WorkerRole.from_env(cfg)
+    from kvgate.proxy.processes import ProcessRole, supervise
+    role = ProcessRole.from_env(cfg)
     _setup_logging(cfg.log_level, None if role is None else role.index)
-    if role is None:  # said once, by the process the user started (workers get the same config)
+    if role is None:  # said once, by the process the user started (its processes get the same config)
         for line in cfg.warnings:
             logging.getLogger("kvgate").warning("config: %s", line)
     if role is None and cfg.workers > 1:
-        return supervise(cfg)  # starts cfg.workers worker processes on the port and supervises them
+        return supervise(cfg)  # starts cfg.workers kvgate processes on the port and supervises them
     from kvgate.proxy.app import serve
     return serve(cfg, role)
 
@@ -78,10 +78,23 @@ class Parser(argparse.ArgumentParser):
 
     def parse_args(self, args=None, namespace=None):  # type: ignore[override]
         ns, extras = self.parse_known_args(args, namespace)
+        if extras and getattr(ns, "config_file", None) is not None:
+            # ``serve --por 8080``: the value of the unknown flag was taken for the config file; it is the flag's
+            argv = list(sys.argv[1:] if args is None else args)
+            for i, arg in enumerate(argv[:-1]):
+                if arg in extras and arg.startswith("-") and "=" not in arg and argv[i + 1] == ns.config_file:
+                    extras.insert(extras.index(arg) + 1, ns.config_file)
+                    ns.config_file = None
+                    break
         if extras:
             parser = self._subparser(ns) or self
             parser.error(unrecognized(extras, parser))
         return ns
+
+    def error(self, message: str):  # type: ignore[override]
+        """The one line that says what is wrong, and where the rest is: not argparse's usage first (``serve``'s
+        runs to 80 lines, and the line that helps came last). Exits with 2."""
+        self.exit(2, f"{self.prog}: error: {message}\n(every option: {self.prog} --help)\n")
 
     def _subparser(self, ns: argparse.Namespace) -> "argparse.ArgumentParser | None":
         for action in self._actions:
@@ -109,6 +122,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True)
 
     serve = sub.add_parser("serve", help="run the proxy")
+    serve.add_argument("config_file", nargs="?", help="YAML config file (as --config)")
     add_flags(serve)
     serve.set_defaults(func=_cmd_serve)
 
@@ -121,6 +135,11 @@ def build_parser() -> argparse.ArgumentParser:
     sim = sub.add_parser("sim-engine", help="run a simulated SGLang engine (for tests, demo and bench)")
     sim_cli.add_arguments(sim)
     sim.set_defaults(func=sim_cli.run)
+
+    from kvgate.tools import engine_command
+    eng = sub.add_parser("engine", help="start, stop or list real SGLang CPU engines (the ones the tests use)")
+    engine_command.add_arguments(eng)
+    eng.set_defaults(func=engine_command.run)
 
     from kvgate.tools import demo
     d = sub.add_parser("demo", help="replay a Mooncake trace slice through kvgate, smg and simulated engines "
@@ -145,7 +164,9 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    if args.command == "check-config" and args.config_file:
+    if args.command in ("serve", "check-config") and args.config_file:
+        if args.config and args.config != args.config_file:
+            parser._subparser(args).error(f"two config files: {args.config_file} and --config {args.config}")
         args.config = args.config_file
     if args.command in ("demo", "bench", "bench-proxy"):
         from kvgate.tools.procs import exit_on_signals

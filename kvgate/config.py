@@ -321,8 +321,9 @@ KEYS: list[Key] = [
         "router restarts and when its workers change) and check each engine's server_info."),
     # --- session placement ------------------------------------------------------------------------
     Key("session_placement", str, "auto",
-        "Who picks the engine for session traffic: auto (kvgate on the routes where the probe finds the router "
-        "drops session_id, with session lifecycle on), kvgate (always kvgate) or router (always the router).",
+        "Who picks the engine for session traffic: auto (kvgate on every generate route when session lifecycle "
+        "or admission is on, else the router), kvgate (always kvgate, even with both off) or router (always the "
+        "router; kvgate sends the session id as X-SMG-Routing-Key).",
         choices=PLACEMENT_MODES),
     Key("session_placement_routes", dict, {},
         "Per-route override of session_placement: {/generate: kvgate, /v1/completions: router, ...}.",

@@ -24,7 +24,7 @@ import orjson
 from kvgate.admission.capacity import ClusterSnapshot, EngineCapacity
 from kvgate.admission.gate import AdmissionGate
 from kvgate.config import validate
-from kvgate.common.admit import RequestInfo
+from kvgate.common.admission_seam import RequestInfo
 from kvgate.common.classify import classify
 from kvgate.common.metrics import Metrics
 

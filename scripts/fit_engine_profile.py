@@ -2,7 +2,7 @@
 
     KVGATE_ENGINE_VENV=... python scripts/fit_engine_profile.py [--profile mlp] [--out FILE.json]
 
-Starts one engine (kvgate.tools.engine, the ``mlp`` model by default, a pool large enough that nothing is
+Starts one engine (kvgate.tools.sglang_engine, the ``mlp`` model by default, a pool large enough that nothing is
 evicted), then, one request at a time:
 - prefill: uncached prompts of 128-1,024 ids and cached prefixes of 256 and 1,024 ids extended by 32-512 ids, each
   with max_new_tokens 1 (the latency is the prefill's);
@@ -35,7 +35,7 @@ import aiohttp
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from kvgate.sim.fit import fit_decode, fit_prefill  # noqa: E402
-from kvgate.tools.engine import EngineSpec, flush_cache, start_engine  # noqa: E402
+from kvgate.tools.sglang_engine import EngineSpec, flush_cache, start_engine  # noqa: E402
 
 
 def _ids(rng: random.Random, n: int) -> list[int]:

@@ -22,7 +22,7 @@ import urllib.request
 from pathlib import Path
 
 from kvgate.tools import procs
-from kvgate.tools.engine import STANDIN_DIR, EngineSpec, start_engine
+from kvgate.tools.sglang_engine import STANDIN_DIR, EngineSpec, start_engine
 
 
 def _post(url: str, body: dict, timeout: float = 120.0) -> tuple[int, str]:

@@ -6,7 +6,7 @@
 #
 # What is left out: sglang's GPU-only dependencies (flashinfer, flash-attn, deep-gemm, sglang-kernel, ...).
 # The CPU engine needs two ops from sgl_kernel; kvgate ships a pure-torch stand-in for them
-# (kvgate/tools/sglang_cpu/sgl_kernel), put on PYTHONPATH by kvgate's launcher (kvgate/tools/engine.py).
+# (kvgate/tools/sglang_cpu/sgl_kernel), put on PYTHONPATH by kvgate's launcher (kvgate/tools/sglang_engine.py).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV="${1:-.venv-engine}"

@@ -59,8 +59,8 @@ def response(status: int = 200, body: bytes = b"", headers: list[tuple[bytes, by
 class ScriptedUpstream:
     """``answer(received) -> bytes`` is written back raw, then the connection is closed.
 
-    GET /workers and /list_workers (kvgate's engine discovery) get a 404 unless ``answer`` is
-    replaced by the test. ``received`` lists every other request; ``arrived`` is set on each.
+    GET /workers and /list_workers (kvgate's engine discovery) get a 404 and GET /server_info and
+    /get_model_info a 200 (discovery then takes it for an engine), whatever ``answer`` is. ``received`` lists every other request; ``arrived`` is set on each.
     """
 
     def __init__(self, answer: Callable[[Received], bytes] | None = None, keep_bodies_up_to: int = 1 << 40):
@@ -102,6 +102,8 @@ class ScriptedUpstream:
                 rec.body = await _read_chunked(reader)
             if rec.path.split(b"?")[0] in (b"/workers", b"/list_workers"):
                 writer.write(response(404))
+            elif rec.path.split(b"?")[0] in (b"/server_info", b"/get_model_info"):  # what lists no engine: an engine
+                writer.write(response(200, b"{}", [(b"Content-Type", b"application/json")]))
             else:
                 self.received.append(rec)
                 self.arrived.set()

@@ -1,5 +1,5 @@
-"""The admission gate's edges that need no network: the injected engine lookup (fail-open) and the pause
-action reaching the injected closer."""
+"""The admission gate's edges that need no network: the place the request path gives it, a call it moves,
+and the pause action reaching the injected closer."""
 
 from kvgate.admission.capacity import ClusterSnapshot, EngineCapacity
 from kvgate.admission.gate import AdmissionGate
@@ -13,18 +13,28 @@ def _gate(policy="fifo", **kw):
     return AdmissionGate(cfg, Metrics(), clock=lambda: 0.0, **kw)
 
 
-def test_engine_lookup_is_injected_and_fails_open():
-    g = _gate(engine_of=lambda sid: {"a": ("http://e0", None), "b": ("http://e0", 1)}.get(sid))
-    assert g._place("a") == "http://e0" and g._place("b") == ("http://e0", 1) and g._place("zz") is None
-    assert g._place(None) is None
+async def test_the_place_stage_decides_where_the_lease_counts_and_a_movable_call_may_move():
+    """The gate counts a call where the placement stage sent it (RequestInfo.place); a call kvgate places
+    (movable) that finds its engine full is admitted on another engine with room, and the ticket names it."""
+    import orjson
 
-    def broken(sid):
-        raise RuntimeError("placement down")
+    from kvgate.common.admission_seam import RequestInfo
+    from kvgate.common.classify import classify
 
-    g = _gate(engine_of=broken)
-    assert g._place("a") is None  # unknown engine: the fleet-wide rule
-    assert g.metrics.faults.labels("admission")._value.get() == 1
-    assert _gate()._place("a") is None  # no lookup at all
+    g = _gate("program")
+    g.reconcile(ClusterSnapshot.build({"http://e0": EngineCapacity.from_pools([(10_000, 0, 0.0)]),
+                                       "http://e1": EngineCapacity.from_pools([(10_000, 0, 0.0)])}, 0.0))
+
+    def info(sid, n, place, movable):
+        raw = orjson.dumps({"input_ids": list(range(n * 10_000, n * 10_000 + 4000)),
+                            "sampling_params": {"max_new_tokens": 1000}})
+        return RequestInfo(classify("POST", "/generate", raw), {}, sid, place, movable)
+
+    t = await g.acquire(info("a", 1, ("http://e0", None), False))
+    assert (t.decision, t.place) == ("admit", None) and g.ledger.reserved_on("http://e0") == 5000
+    t = await g.acquire(info("b", 2, ("http://e0", None), True))  # 10,000 > e0's 9,000: e1 has room
+    assert (t.decision, t.place) == ("admit", ("http://e1", None))
+    assert g.ledger.reserved_on("http://e1") == 5000 and g.coord.counters["moved"] == 1
 
 
 def test_the_resident_bound_reaches_the_program_policy_and_its_series():
@@ -75,7 +85,7 @@ async def test_a_waiter_holds_its_raw_bytes_not_its_parsed_body():
 
     import orjson
 
-    from kvgate.common.admit import RequestInfo
+    from kvgate.common.admission_seam import RequestInfo
     from kvgate.common.classify import classify
 
     g = _gate()
@@ -109,7 +119,7 @@ async def test_memory_is_given_back_once_a_burst_of_waiters_drains(monkeypatch):
     import asyncio
 
     import kvgate.admission.gate as gate_mod
-    from kvgate.common.admit import RequestInfo
+    from kvgate.common.admission_seam import RequestInfo
     from kvgate.common.classify import classify
 
     calls = []
@@ -161,13 +171,14 @@ async def _timer_asleep(g, until=None):
 async def test_a_release_wakes_the_timer_only_for_a_deadline_sooner_than_its_own():
     """The timer is woken by a release only when a deadline now comes before the one it sleeps to: a lease
     granted while it slept with none (grants do not wake it), or, with the program policy, a session's program
-    going idle (its end after admission_program_ttl_s). A release that leaves nothing to watch wakes nobody:
+    going idle (it counts as ended, and is paused, after admission_program_overdue_default_s until gaps between
+    turns are known). A release that leaves nothing to watch wakes nobody:
     at one request at a time, no timer wake-up per request."""
     import math
 
     import orjson
 
-    from kvgate.common.admit import RequestInfo
+    from kvgate.common.admission_seam import RequestInfo
     from kvgate.common.classify import classify
 
     raw = orjson.dumps({"input_ids": [1] * 16, "sampling_params": {"max_new_tokens": 16}})
@@ -200,26 +211,9 @@ async def test_a_release_wakes_the_timer_only_for_a_deadline_sooner_than_its_own
         try:
             await _timer_asleep(g)
             g.release(await g.acquire(req("a")))
-            # the program policy: session a's program is idle now, and ends after the TTL unless a turn comes
+            # the program policy: session a's program is idle now, and counts as ended unless a turn comes
             assert g._kick.is_set() is (policy == "program")
             if policy == "program":
-                await _timer_asleep(g, until=g.cfg.admission_program_ttl_s)
+                await _timer_asleep(g, until=g.cfg.admission_program_overdue_default_s)
         finally:
             await g.stop()
-
-
-def test_place_first_is_asked_only_for_an_unknown_engine_and_fails_open():
-    from kvgate.common.admit import RequestInfo
-    from kvgate.common.classify import classify
-
-    info = RequestInfo(classify("POST", "/generate", b'{"input_ids": [1, 2, 3]}'), {}, "new")
-    asked = []
-    g = _gate("program", engine_of=lambda sid: None, place_first=lambda i: asked.append(i) or ("http://e0", 1))
-    assert g._placed_now(info) == ("http://e0", 1) and asked == [info]
-
-    def broken(i):
-        raise RuntimeError("placement down")
-
-    g = _gate("program", place_first=broken)
-    assert g._placed_now(info) is None  # unknown engine: the fleet-wide rule
-    assert g.metrics.faults.labels("admission")._value.get() == 1

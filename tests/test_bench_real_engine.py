@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from kvgate.bench.engines import parse_counters, totals_delta
+from kvgate.bench.sglang_fleet import parse_counters, totals_delta
 from kvgate.bench.runner import ArmSpec, expand_arms, turn_body
 from kvgate.bench.scenario import load_scenario, parse_scenario
 from kvgate.bench.command import run_order

@@ -14,16 +14,23 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.mark.skipif(not procs.smg_installed(), reason="the smg router is not installed")
-def test_demo_short_window_both_runs(tmp_path):
+def test_demo_short_window_every_run(tmp_path):
     out = tmp_path / "summary.json"
     res = subprocess.run([sys.executable, "-m", "kvgate", "demo", "--duration-s", "10", "--speed", "4",
-                          "--idle-close-s", "4", "--json", str(out), "--log-dir", str(tmp_path / "logs")],
+                          "--sessions", "all", "--runs", "all", "--idle-close-s", "4", "--json", str(out),
+                          "--log-dir", str(tmp_path / "logs")],
                          capture_output=True, text=True, cwd=ROOT, timeout=300, start_new_session=True)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     records = read_trace(ROOT / "kvgate" / "data" / "mooncake_slice.jsonl", 0, 10_000)
     n_sessions = len(set(infer_sessions(records)))
-    lifecycle, admission = json.loads(out.read_text())
+    alone, lifecycle, admission = json.loads(out.read_text())
+    assert (alone["run"], alone["router_policy"], alone["engines"]) == ("smg", "cache_aware", 4)
+    assert alone["requests"] == len(records) == alone["ok"] and alone["errors"] == {}
+    assert alone["prompt_tokens"] == sum(r.input_length for r in records)  # the same replay as the kvgate runs
     for s in (lifecycle, admission):
+        assert s["against_smg"].startswith(f"result: kvgate (session lifecycle{' + admission' if s is admission else ''}"
+                                           f")")
+        assert s["against_smg"] in res.stdout  # printed as the run's last line
         assert s["requests"] == len(records) == s["ok"] and s["errors"] == {}
         assert s["sessions"] == n_sessions == s["sessions_closed"]
         assert s["not_adding_up"] == []  # every printed sum adds up (tests/test_demo_figures.py: the arithmetic)
@@ -53,6 +60,7 @@ def test_demo_signal_stops_every_child(tmp_path, how):
     # SIGINT at its default, as in an interactive terminal: a test runner started as a background job of a
     # non-interactive shell has it ignored, and the demo would inherit that (and rightly keep ignoring it).
     p = subprocess.Popen([sys.executable, "-m", "kvgate", "demo", "--duration-s", "60", "--runs", "lifecycle",
+                          "--sessions", "all",
                           "--log-dir", str(log_dir)], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                          start_new_session=True, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:

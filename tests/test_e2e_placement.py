@@ -117,7 +117,7 @@ async def test_auto_places_every_generate_route_behind_a_router_that_drops_sessi
         # kvgate's views name each placed session's engine
         async with http.get(kv + "/kvgate/sessions") as r:
             sessions = {s["session_id"]: s for s in (await r.json())["sessions"]}
-        assert sessions["gen"]["engine"] == {"url": home.url, "dp_rank": None, "placed_by": "kvgate"}
+        assert sessions["gen"]["engine"] == {"url": home.url, "dp_rank": None, "placed_by": "kvgate", "moves": 0}
         assert sessions["cmpl"]["engine"]["placed_by"] == "kvgate"
         async with http.get(kv + "/kvgate/engines") as r:
             engines = await r.json()

@@ -23,7 +23,9 @@ def _parse_error(argv, capsys) -> str:
     with pytest.raises(SystemExit) as exc:
         build_parser().parse_args(argv)
     assert exc.value.code == 2
-    return capsys.readouterr().err.splitlines()[-1]
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 2 and err[1] == f"(every option: {err[0].partition(': error')[0]} --help)", err
+    return err[0]
 
 
 def test_an_abbreviated_flag_is_refused_with_the_flag_meant(capsys):

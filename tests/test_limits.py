@@ -27,7 +27,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from fake_upstream import Canary, ScriptedUpstream, parse_answer, request, response, send_raw
-from kvgate.common.admit import OpenGate
+from kvgate.common.admission_seam import OpenGate
 from kvgate.config import validate
 from kvgate.proxy import server
 from kvgate.proxy.app import start_gateway
@@ -629,6 +629,8 @@ async def test_without_an_admin_key_everything_is_open_as_before(kvgate_factory,
 
 class _RecordingGate(OpenGate):
     """Admission that admits everything and records what it was told of the privileged headers."""
+
+    reads_headers = True
 
     def __init__(self):
         self.seen: list[tuple[str | None, str | None]] = []

@@ -9,7 +9,7 @@ from kvgate.admission.coordinator import Kind
 from kvgate.admission.gate import AdmissionGate
 from kvgate.admission.ledger import Ledger
 from kvgate.admission.program import ProgramCoordinator, ProgramState
-from kvgate.common.admit import RequestInfo
+from kvgate.common.admission_seam import RequestInfo
 from kvgate.common.classify import classify
 from kvgate.common.metrics import Metrics
 from kvgate.config import validate
@@ -41,15 +41,15 @@ async def test_place_first_then_admit_a_new_sessions_first_turn_reserves_on_its_
     placement = Placement()
     placement.set_engines([(E0, True), (E1, True)])
     placement.set_capacity({E0: [(10_000, 0)], E1: [(10_000, 0)]}, 0.0)
-    gate = AdmissionGate(cfg, Metrics(), clock=lambda: 0.0, engine_of=placement.engine_of)
+    gate = AdmissionGate(cfg, Metrics(), clock=lambda: 0.0)
 
-    def place_first(info):
+    def placed(info):
+        """The placement stage, before admission: the call carries the engine it goes to."""
         keys = prefix_keys(info.classified.body["input_ids"])
         t = placement.place(info.session_id, keys, 0.0)
         placement.remember_prefix(keys, t)
-        return (t.engine, t.dp_rank)
-
-    gate.place_first = place_first  # set after construction: the code before the fix ignores it
+        info.place = (t.engine, t.dp_rank)
+        return info
     gate.reconcile(_snapshot())
     task = list(range(1, 1001))  # the group's task prompt, 1,000 token ids
     old = placement.place("old", prefix_keys(task), 0.0)
@@ -61,12 +61,12 @@ async def test_place_first_then_admit_a_new_sessions_first_turn_reserves_on_its_
     assert gate.ledger.reserved_on(E0) == 8400 and co.state_of("old") is ProgramState.IN_TOOL
 
     # a sibling of "old" (same task prompt): placement sends it to e0, where the working set is full
-    sibling = await _acquire_now(gate, _turn("sib", task))
+    sibling = await _acquire_now(gate, placed(_turn("sib", task)))
     assert sibling is None  # it waits in kvgate instead of queueing in e0
     assert gate.ledger.reserved_on(E0) == 8400 and gate.ledger.reserved_on(None) == 0
 
     # another task: placement sends it to e1 (most free KV) and it reserves there
-    t = await _acquire_now(gate, _turn("other", list(range(50_000, 51_000))))
+    t = await _acquire_now(gate, placed(_turn("other", list(range(50_000, 51_000)))))
     assert t is not None and t.decision == "admit"
     assert placement.engine_of("other") == (E1, None)
     assert gate.ledger.reserved_on(E1) == 1500 and gate.ledger.reserved_on(None) == 0
@@ -113,10 +113,11 @@ def test_a_program_idle_far_past_its_gaps_is_ended_and_pauses_to_make_room():
     (t=3 ... 11); eight one-turn programs (each named a new session and never closed) hold 1,000 tokens each
     from t=10. At t=12 a new program's 3,000-token first turn finds no room (950 + 8 x 1,000 = 8,950 held).
     Before: nothing paused them (the engine was not over its ceiling), the turn waited the whole max wait
-    (30 s) and went bypass-aged at t=42, and they counted until their 600 s TTL. Now: 3 x the p90 of the
-    fleet's gaps (2 s) after its last turn a one-turn program counts as ended; at t=16 the turn pauses three
-    of them (the first to pause) and goes, having waited 4 s; the multi-turn program, not yet past its own
-    bound (t=17), keeps its KV."""
+    (30 s) and went bypass-aged at t=42, and they counted until their 600 s TTL. Now: the one-turn programs
+    hold KV with no evidence they come back (one turn, no gap), so after one poll interval (2 s, t=14) the
+    waiting turn reclaims three of them (longest idle first) and goes; at t=16, 3 x the p90 of the fleet's
+    gaps (2 s) after their turn, the other five count as ended and are paused (their KV freed for real); the
+    multi-turn program keeps its KV until its own bound (t=17)."""
     co, lg = _coordinator()
     _turns(co, "agent", 1000, 3.0, 2.0, 5)  # gaps 2, 2, 2, 2 s; in a tool call from t=11
     for i in range(8):
@@ -124,14 +125,20 @@ def test_a_program_idle_far_past_its_gaps_is_ended_and_pauses_to_make_room():
     assert lg.reserved == 950 + 8 * 1000 and co.state_of("one-0") is ProgramState.IN_TOOL
     d = co.submit("new-1", 3000, False, 12.0, place=E0, session_id="new", prompt_tokens=2500)
     assert d.kind is Kind.WAIT and d.reason == "capacity_exhausted"
-    assert co.next_deadline(12.0) == 16.0  # when the one-turn programs count as ended: 10 + 3 x 2 s
-    assert co.pump(15.9) == []
-    out = co.pump(16.0)
-    assert [(x.ticket, x.kind, x.waited_s) for x in out] == [("new-1", Kind.ADMIT, 4.0)]
-    assert co.counters["pause_overdue"] == 3 and co.counters["pause"] == 3
-    assert co.program_states(16.0)[E0] == {"live": 1, "in_tool": 1, "paused": 3, "ended": 5}
-    assert lg.reserved == 950 + 5 * 1000 + 3000
-    assert co.state_of("agent") is ProgramState.IN_TOOL and co.program_states(17.0)[E0]["ended"] == 6
+    assert co.next_deadline(12.0) == 14.0  # one poll interval: then KV held without evidence is reclaimed
+    assert co.pump(13.9) == []
+    out = co.pump(14.0)
+    assert [(x.ticket, x.kind, x.waited_s) for x in out] == [("new-1", Kind.ADMIT, 2.0)]
+    assert co.counters["reclaimed"] == 3 and co.counters["pause"] == 3
+    assert [co.state_of(f"one-{i}") for i in range(4)] == [ProgramState.PAUSED] * 3 + [ProgramState.IN_TOOL]
+    assert co.next_deadline(14.0) == 16.0  # when the other one-turn programs count as ended: 10 + 3 x 2 s
+    co.pump(16.0)
+    assert co.counters["pause_overdue"] == 5
+    assert co.program_states(16.0)[E0] == {"live": 1, "in_tool": 1, "paused": 8, "ended": 0}
+    assert lg.reserved == 950 + 3000
+    assert co.state_of("agent") is ProgramState.IN_TOOL and co.next_deadline(16.0) == 17.0
+    co.pump(17.0)
+    assert co.state_of("agent") is ProgramState.PAUSED and lg.reserved == 3000
 
 
 def test_siblings_over_one_long_shared_prompt_spread_over_idle_engines():

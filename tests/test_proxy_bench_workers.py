@@ -10,7 +10,7 @@ import pytest
 from kvgate.bench import proxy_bench
 from kvgate.bench.proxy_report import arm_order, base_arm, front_of
 from kvgate.common.metrics import Metrics
-from kvgate.proxy.worker_metrics import merge_expositions
+from kvgate.proxy.process_metrics import merge_expositions
 from kvgate.tools import procs
 
 

@@ -15,7 +15,7 @@ import openai
 import pytest
 
 from kvgate.admission.reservation import estimate_reservation
-from kvgate.sim.engine import SimEngine
+from kvgate.sim.sim_engine import SimEngine
 from scripted_worker import CALL_ARGS, RESPONSE, TOOL_ANSWER, TOOL_STREAM
 from sdk_fleet import Fleet, fleet, metric as _metric, settled as _settled  # noqa: F401 (fleet is a fixture)
 

@@ -85,6 +85,6 @@ async def test_closing_the_engine_answers_a_waiting_request_503_and_refuses_new_
     assert out["error"]["message"] == "The server is shutting down."
     assert out["meta_info"]["finish_reason"]["type"] == "abort"
     assert out["meta_info"]["completion_tokens"] == len(out["output_ids"]) < 100000
-    from kvgate.sim.engine import EngineStopped
+    from kvgate.sim.sim_engine import EngineStopped
     with pytest.raises(EngineStopped, match="The server is shutting down."):
         sim.engine.submit(Request(rid="late", input_ids=(1, 2, 3), max_new_tokens=1))

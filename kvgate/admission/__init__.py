@@ -3,7 +3,7 @@
 Pure core (no asyncio, no I/O, injected monotonic ``now``): capacity parsing (capacity), reservation estimates
 (reservation), the token ledger (ledger), the global FIFO around it (coordinator) and which requests admission
 may hold (policy). Edges: the asyncio gate that parks waiting requests (gate) and the capacity poller (poller).
-May import kvgate.common (the admission seam it implements, kvgate.common.admit, and the metric declarations)."""
+May import kvgate.common (the admission seam it implements, kvgate.common.admission_seam, and the metric declarations)."""
 
 from .capacity import (
     ClusterSnapshot,

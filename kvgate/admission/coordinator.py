@@ -244,12 +244,13 @@ class AdmissionCoordinator:
         return self.tally.record(d, now)
 
     def submit(self, ticket: Hashable, tokens: int, protected: bool, now: float, *, place: Any = None,
-               blocks: tuple = (), session_id: Hashable | None = None, prompt_tokens: int | None = None) -> Decision:
+               blocks: tuple = (), session_id: Hashable | None = None, prompt_tokens: int | None = None,
+               movable: bool = False) -> Decision:
         """Decide for a new in-scope request of ``tokens`` reservation at ``now``.
 
         ``place``: the engine (URL or (URL, dp_rank)) it will go to, None = unknown (fleet-wide rule);
-        ``blocks``: its prompt's prefix block hashes (see Ledger.try_acquire). ``session_id`` and
-        ``prompt_tokens`` are read by the program policy only (same call for both policies).
+        ``blocks``: its prompt's prefix block hashes (see Ledger.try_acquire). ``session_id``,
+        ``prompt_tokens`` and ``movable`` are read by the program policy only (same call for both policies).
         Returns ADMIT (lease held: release it when the upstream attempt ends), WAIT (enqueued at the FIFO
         tail: a later pump() returns this ticket's final Decision), BYPASS_PROTECTED (forward at once; holds
         a forced lease unless degraded: release it too) or BYPASS_DEGRADED (forward at once, nothing held).

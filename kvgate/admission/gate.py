@@ -10,11 +10,10 @@ A client that leaves while waiting is removed atomically (a lease granted in the
 released). Every decision comes from the pure core (kvgate.admission.coordinator for ``admission_policy:
 fifo``, kvgate.admission.program for ``program``); this module only delivers them and executes the
 program policy's actions (closing a paused program's engine session through ``pause_session``).
-Where a session's requests go is asked of the injected ``engine_of(session_id) -> (engine URL, dp_rank) |
-None`` (kvgate's placement, or the engine the router named for the session's earlier turns). Place first,
-then admit: when that says None, ``place_first(request info) -> (engine URL, dp_rank) | None`` is asked to
-place the call now (a new session's first turn on a route where kvgate places sessions), so the turn
-reserves on the engine it will go to. None from both means unknown, and the fleet-wide rule applies.
+Where a call goes was decided before admission, by the placement stage (RequestInfo.place: the engine kvgate
+placed the session on, or the one the router named for its earlier turns; None: unknown, the fleet-wide rule
+applies). A call kvgate places itself (RequestInfo.movable) that would wait on a full engine may be admitted on
+another engine with room: the ticket's ``place`` says where, and the request path sends it there.
 """
 
 from __future__ import annotations
@@ -37,7 +36,7 @@ from kvgate.admission.program import ProgramCoordinator, ProgramState
 from kvgate.admission.reservation import Estimator, load_tokenizer_counter
 from kvgate.common.aio import cancel_tasks
 from kvgate.common.memory import give_back
-from kvgate.common.admit import RequestInfo, Ticket
+from kvgate.common.admission_seam import RequestInfo, Ticket
 from kvgate.common.metrics import Metrics
 
 log = logging.getLogger("kvgate.admission")
@@ -53,23 +52,19 @@ OFF_HEADERS = [(HEADER_DECISION, ADMISSION_OFF), (HEADER_QUEUE_MS, "0")]
 
 
 class AdmissionGate:
-    """Implements kvgate.common.admit.Gate with the coordinator; ``poller`` feeds it capacity snapshots.
+    """Implements kvgate.common.admission_seam.Gate with the coordinator; ``poller`` feeds it capacity snapshots.
 
     cfg: the validated Config; metrics: the app's Metrics (series are added to its registry);
-    clock: monotonic seconds; engine_of: session id -> (engine URL, dp_rank or None) or None when unknown;
-    pause_session: called with a session id whose engine session the program policy wants closed;
-    place_first: places a call whose session ``engine_of`` does not know yet, before it is admitted (returns
-    where it will go, or None when kvgate does not place it).
+    clock: monotonic seconds; pause_session: called with a session id whose engine session the program policy
+    wants closed.
     """
 
+    reads_headers = True  # scope and protection rules read them
+
     def __init__(self, cfg, metrics: Metrics, clock: Callable[[], float] = time.monotonic, *,
-                 engine_of: Callable[[str], tuple[str, int | None] | None] | None = None,
-                 pause_session: Callable[[str], Any] | None = None,
-                 place_first: Callable[[RequestInfo], tuple[str, int | None] | None] | None = None):
+                 pause_session: Callable[[str], Any] | None = None):
         self.cfg = cfg
         self.clock = clock
-        self.engine_of = engine_of
-        self.place_first = place_first
         self.pause_session = pause_session
         self.policy = cfg.admission_policy
         self.ledger = Ledger(headroom=cfg.agentic_admission_headroom,
@@ -89,7 +84,9 @@ class AdmissionGate:
                                             overdue_multiple=cfg.admission_program_overdue_multiple,
                                             overdue_default_s=cfg.admission_program_overdue_default_s,
                                             resume_deadline_s=cfg.admission_resume_deadline_s,
-                                            max_resident=cfg.admission_program_max_resident)
+                                            max_resident=cfg.admission_program_max_resident,
+                                            # KV held without evidence of return counts for one poll at most
+                                            reclaim_after_s=cfg.admission_poll_interval_s)
         else:
             self.coord = AdmissionCoordinator(self.ledger, cfg.agentic_admission_max_wait_s,
                                               window_s=cfg.admission_window_s, backfill=cfg.admission_backfill)
@@ -141,13 +138,12 @@ class AdmissionGate:
         res = self._estimate(c.path, body, c.block_digests())
         del body  # a waiter keeps no reference to its parsed body (released below)
         ticket = next(self._ids)
+        place = self._as_place(info.place)
         paused = (self.shared is not None and self.policy == "program" and info.session_id is not None
-                  and await self._shared_paused(info.session_id))
-        place = self._place(info.session_id)
-        if place is None and self.place_first is not None and info.session_id is not None:
-            place = self._placed_now(info)
+                  and await self._shared_paused(info.session_id, place))
         d = self.coord.submit(ticket, res.tokens, protected, self.clock(), place=place,
-                              blocks=res.blocks, session_id=info.session_id, prompt_tokens=res.prompt_tokens)
+                              blocks=res.blocks, session_id=info.session_id, prompt_tokens=res.prompt_tokens,
+                              movable=info.movable)
         if self._has_actions:
             self._run_actions()
         if self._watched:
@@ -188,9 +184,13 @@ class AdmissionGate:
         self.coord.consumed(ticket)
         # bypasses hold a lease too (they never wait, but they count): release it like an admit's
         header = d.header
+        moved = None
+        if info.movable and d.lease is not None and d.lease.place != self.ledger.resolve_place(place):
+            moved = self._as_target(d.lease.place)  # work-conserving: admitted on another engine with room
         return Ticket(header, waited, handle=ticket if d.lease is not None else None,
                       headers=[(HEADER_DECISION, header),
-                               _QUEUE_MS_ZERO if not waited else (HEADER_QUEUE_MS, str(int(round(waited * 1000))))])
+                               _QUEUE_MS_ZERO if not waited else (HEADER_QUEUE_MS, str(int(round(waited * 1000))))],
+                      place=moved)
 
     async def _shared_grant(self, ticket: int, d: Decision, force: bool = False) -> float:
         """Hold the lease ``d`` granted here against the ceilings shared by every replica too (fleet, and
@@ -266,40 +266,31 @@ class AdmissionGate:
         self._notify()
         log.info("admission queue drained: memory given back in %.1f ms", took * 1000)
 
-    async def _shared_paused(self, session_id: str) -> bool:
+    async def _shared_paused(self, session_id: str, place: Any) -> bool:
         """Program policy, replicas sharing state: whether ``session_id``'s program is paused, here or by
-        another replica (then adopted here as paused, so its turn resumes by the resume rules)."""
+        another replica (then adopted here as paused on ``place``, so its turn resumes by the resume rules)."""
         state = self.coord.state_of(session_id)
         if state is None:
             tokens = await self.shared.paused_program(session_id)
             if tokens is not None:
-                self.coord.adopt_paused(session_id, self._place(session_id), tokens, self.clock())
+                self.coord.adopt_paused(session_id, place, tokens, self.clock())
                 state = self.coord.state_of(session_id)
         return state is ProgramState.PAUSED
 
-    def _place(self, session_id: str | None) -> Any:
-        """Where the session's requests go: (engine URL, dp_rank) from the injected lookup, else None."""
-        if session_id is None or self.engine_of is None:
-            return None
-        return self._ask(self.engine_of, session_id, "engine lookup failed")
-
-    def _placed_now(self, info: RequestInfo) -> Any:
-        """Place first, then admit: where ``place_first`` puts this call now (None: unknown; a fault fails open)."""
-        return self._ask(self.place_first, info, "placing before admission failed")
-
-    def _ask(self, lookup: Callable[[Any], tuple[str, int | None] | None], arg: Any, fault: str) -> Any:
-        """``lookup(arg)`` as a place: engine URL, (URL, dp_rank), or None (unknown: the fleet-wide rule; also
-        when the lookup raises, which is logged and counted)."""
-        try:
-            where = lookup(arg)
-        except Exception:  # fail-open: an unknown engine means the fleet-wide rule
-            log.exception(fault)
-            self.metrics.faults.labels("admission").inc()
-            return None
+    @staticmethod
+    def _as_place(where: tuple[str, int | None] | None) -> Any:
+        """A RequestInfo place as the ledger's: engine URL, (URL, dp_rank), or None (unknown: fleet-wide)."""
         if where is None:
             return None
         url, rank = where
         return (url, rank) if rank is not None else url
+
+    @staticmethod
+    def _as_target(place: Any) -> tuple[str, int | None] | None:
+        """The ledger's place as (engine URL, DP rank or None); None for the fleet."""
+        if place is None:
+            return None
+        return (place[0], place[1]) if isinstance(place, tuple) else (place, None)
 
     def release(self, ticket: Ticket, observed: dict | None = None) -> None:
         """The upstream attempt ended; ``observed``: the response's meta_info (prompt_tokens,
@@ -510,3 +501,12 @@ def _program_metrics(s: dict[str, Any], p: str):
                             "no longer had cached at its next turn (evicted during the tool call)")
     m.add_metric([], s["counters"]["prefix_miss_tokens"])
     yield m
+    for name, key, doc in (
+            ("program_moved", "moved", "Turns admitted on another engine with room than the one they were placed on"),
+            ("program_reclaimed", "reclaimed", "Programs paused because they held KV without evidence of return "
+                                               "(one answered turn, no gap seen) while a turn waited a poll interval"),
+            ("program_ended_paused", "pause_overdue", "Programs paused as they turned ended (idle past what their "
+                                                      "own and their group's gaps between turns predict)")):
+        m = CounterMetricFamily(p + name, doc)
+        m.add_metric([], s["counters"][key])
+        yield m

@@ -200,6 +200,7 @@ class Ledger:
         # (max_tokens, usage_of, ceiling_of) per resolved place: bounded by the places resolve_place keeps
         self._figures: dict[Any, tuple[int, float, int]] = {}
         self._fleet_pools: int | None = None  # pools_of(FLEET), counted once per snapshot
+        self._engine_places: list[Any] | None = None  # engine_places(), listed once per snapshot
 
     @property
     def snapshot(self) -> ClusterSnapshot | None:
@@ -380,6 +381,37 @@ class Ledger:
         eng = s.engines[url]
         return eng.pools[rank].usage if rank is not None else eng.worst_usage
 
+    @property
+    def block_tokens(self) -> int:
+        """Tokens per prefix block (shared blocks are counted once per place)."""
+        return self._hold.block_tokens
+
+    def engine_places(self) -> list[Any]:
+        """Every KV pool of the snapshot as a place: an engine's URL, or (URL, dp_rank) for each rank of an
+        engine with several; in the snapshot's order. Empty without a snapshot. Remembered per snapshot."""
+        if self._engine_places is None:
+            s = self._snapshot
+            out: list[Any] = []
+            if s is not None:
+                for url, eng in s.engines.items():
+                    out.extend([(url, r) for r in range(len(eng.pools))] if len(eng.pools) > 1 else [url])
+            self._engine_places = out
+        return self._engine_places
+
+    def free_on(self, place: Any) -> int:
+        """Tokens ``place`` could still take under its own ceiling (may be negative when over it)."""
+        place = self.resolve_place(place)
+        return self.ceiling_of(place) - self._hold.total(place)
+
+    def charge(self, place: Any, tokens: int, blocks: tuple = ()) -> int:
+        """What a reservation of ``tokens`` with prefix ``blocks`` would add on ``place`` now (tokens): the
+        blocks not yet held there plus its tail, clamped to the place's engine as try_acquire does."""
+        place = self.resolve_place(place)
+        tokens = min(int(tokens), self.max_tokens(place))
+        bt = self._hold.block_tokens
+        blocks = tuple(blocks)[: tokens // bt] if blocks else ()
+        return self._hold.cost(place, blocks, tokens - len(blocks) * bt)
+
     def reserved_on(self, place: Any) -> int:
         """Tokens reserved on ``place`` by leases counted there."""
         return self._hold.total(self.resolve_place(place))
@@ -405,6 +437,10 @@ class Ledger:
     def holding(self, key: Hashable) -> int:
         """``key``'s resident tokens as if alone (0 if none)."""
         return self._hold.size_of(("resident", key))
+
+    def holding_place(self, key: Hashable) -> Any:
+        """The place ``key``'s resident KV is counted on, or None when it holds none."""
+        return self._hold.place_of(("resident", key))
 
     def leases(self) -> list[Lease]:
         """The live leases, in grant order."""

@@ -170,6 +170,7 @@ class _Waiter:
     seq: int
     reason: str | None = None
     bound: bool = False  # counted once in wait_resident_bound
+    movable: bool = False  # kvgate places it: it may go to any engine with room
 
 
 class ProgramCoordinator:
@@ -183,13 +184,17 @@ class ProgramCoordinator:
     gap is known) counts as ended, the first to pause. resume_deadline_s (None or 0: off; else > 0): a paused
     program's turn waiting this long makes its own room (see the module doc), seconds. max_resident (None:
     off; else an int >= 1): at most this many programs resident per KV pool, new programs waiting for a seat
-    (the module doc's resident bound). Raises ValueError on bad values.
+    (the module doc's resident bound). reclaim_after_s (None: off; else >= 0): a turn that has waited this long
+    (the capacity poll interval) with no room anywhere it may go pauses programs that hold KV without evidence
+    they will come back (one answered turn, no gap between turns seen), longest idle first. Raises ValueError
+    on bad values.
     """
 
     def __init__(self, ledger: Ledger, max_wait_s: float = 30.0, *, window_s: float | None = None,
                  victim: str = "ahead", resume: str = "fifo", program_ttl_s: float = 600.0,
                  overdue_multiple: float = 3.0, overdue_quantile: float = 0.9, overdue_default_s: float = 60.0,
-                 resume_deadline_s: float | None = None, max_resident: int | None = None) -> None:
+                 resume_deadline_s: float | None = None, max_resident: int | None = None,
+                 reclaim_after_s: float | None = 2.0) -> None:
         if isinstance(max_wait_s, bool) or not isinstance(max_wait_s, (int, float)) or not max_wait_s >= 0:
             raise ValueError(f"max_wait_s must be >= 0, got {max_wait_s!r}")
         if victim not in VICTIM_RULES:
@@ -221,6 +226,13 @@ class ProgramCoordinator:
                                          or max_resident < 1):
             raise ValueError(f"max_resident must be an int >= 1 or None, got {max_resident!r}")
         self.max_resident = max_resident
+        if reclaim_after_s is not None and not (isinstance(reclaim_after_s, (int, float))
+                                                and math.isfinite(reclaim_after_s) and reclaim_after_s >= 0):
+            raise ValueError(f"reclaim_after_s must be >= 0 or None, got {reclaim_after_s!r}")
+        self._failed: dict[Any, int] = {}  # within one pump: place -> the smallest charge refused there
+        self._failed_max = 0  # the largest of those records
+        self._reclaim_due: deque = deque()  # (enqueued_at + reclaim_after_s, ticket) per waiter, in arrival order
+        self.reclaim_after_s = None if reclaim_after_s is None else float(reclaim_after_s)
         # the resident bound's books (kept only while it is on): seats held per place and in all, seats kept
         # for paused programs per place and in all, and when those keeps lapse, earliest first:
         # (until, n, sid), current while the program's claim is (until, n)
@@ -260,7 +272,7 @@ class ProgramCoordinator:
         self.tally = DecisionTally((
             "admit", "wait", "bypass", "bypass_protected", "bypass_degraded", "bypass_aged", "cancelled",
             "backfilled", "pause", "resume", "marked", "programs_ended", "prefix_miss_tokens", "pause_overdue",
-            "resume_deadline", "wait_resident_bound"), self.window_s)
+            "resume_deadline", "wait_resident_bound", "moved", "reclaimed"), self.window_s)
         self.counters = self.tally.counters  # the same dict: lifetime counters
 
     # ---------------------------------------------------------------- bookkeeping
@@ -283,9 +295,12 @@ class ProgramCoordinator:
 
     # ---------------------------------------------------------------- the request path
     def submit(self, ticket: Hashable, tokens: int, protected: bool, now: float, *, place: Any = None,
-               blocks: tuple = (), session_id: Hashable | None = None, prompt_tokens: int | None = None) -> Decision:
+               blocks: tuple = (), session_id: Hashable | None = None, prompt_tokens: int | None = None,
+               movable: bool = False) -> Decision:
         """Decide for a new in-scope request of ``tokens`` reservation (``prompt_tokens`` of it the prompt,
         ``blocks`` its prefix hashes) from ``session_id`` (None = a one-turn program) going to ``place``.
+        ``movable``: kvgate places this call itself, so a turn that would wait may go to another engine with
+        room (its decision's lease names the place; the shell sends it there).
 
         Returns ADMIT or BYPASS_* (forward now; release it when the attempt ends) or WAIT (a later pump()
         returns its final decision). Raises ValueError for negative or non-int tokens.
@@ -332,16 +347,18 @@ class ProgramCoordinator:
             self._relieve(place, now)
             return d
         resume = p is not None and p.state is ProgramState.PAUSED
-        w = _Waiter(ticket, sid, tokens, prompt, place, tuple(blocks), float(now), resume, next(self._seq))
+        w = _Waiter(ticket, sid, tokens, prompt, place, tuple(blocks), float(now), resume, next(self._seq),
+                    movable=movable)
         self._ticket_sid[ticket] = sid
-        if self._blocked(w):
-            w.reason = "paused-first" if not resume and self._resuming_on.get(place) else "fifo"
-        elif self.max_resident is not None and self._seat_short(w) is not _SEAT_FREE:
+        if self.max_resident is not None and self._seat_short(w) is not _SEAT_FREE:
             self._bound_reason(w, now)  # the pump that follows pauses ended programs to free a seat
         else:
-            r = self.ledger.try_acquire(ticket, tokens, now, place=place, blocks=blocks)
+            # Work-conserving: it waits only when no engine it may go to has room now (earlier waiters that
+            # fit nowhere do not hold it back; aging bounds theirs).
+            r, where = self._fit(w, now)
             if isinstance(r, Grant):
-                self._start_turn(sid, ticket, place, tokens, prompt, blocks, now, resumed=resume)
+                self._moved(w, where, now)
+                self._start_turn(sid, ticket, where, tokens, prompt, blocks, now, resumed=resume)
                 return self._record(Decision(ticket, Kind.ADMIT, tokens, 0.0, False, r.lease), now)
             w.reason = r.reason
         self._join(w)
@@ -466,12 +483,10 @@ class ProgramCoordinator:
             if p.state is ProgramState.IN_TOOL:
                 yield p
 
-    def _blocked(self, w: _Waiter) -> bool:
-        """An earlier waiter on the same place goes first (resumes before new programs)."""
-        return bool((self._resuming_on if w.resume else self._waiting_on).get(w.place))
-
     def _join(self, w: _Waiter) -> None:
         self._queue[w.ticket] = w
+        if self.reclaim_after_s is not None:
+            self._reclaim_due.append((w.enqueued_at + self.reclaim_after_s, w.ticket))
         self._waiting_on[w.place] = self._waiting_on.get(w.place, 0) + 1
         if w.resume:
             self._resuming_on[w.place] = self._resuming_on.get(w.place, 0) + 1
@@ -694,9 +709,10 @@ class ProgramCoordinator:
             until = (p.last_end if p.last_end is not None else now) + self._overdue_after(p)
             if not ended and until > now and not self._one_turn(p.sid):
                 self._claim(p, until)  # expected back: its seat is kept until its predicted gap has passed
-        p.since = now
-        if not p.inflight:
-            self._idle_from(p, now)
+        if not ended:  # an ended program's TTL still counts from its last turn (its idle entry stays current)
+            p.since = now
+            if not p.inflight:
+                self._idle_from(p, now)
         lab = self._label(p.place)
         self.pauses[lab] = self.pauses.get(lab, 0) + 1
         self._count("pause", now)
@@ -707,13 +723,14 @@ class ProgramCoordinator:
     # ---------------------------------------------------------------- the queue
     def pump(self, now: float) -> list[Decision]:
         """Decide for waiting turns at ``now``; returns decisions for those that leave. Ages first (waited >=
-        max_wait_s -> BYPASS_AGED, reserving), degraded -> all BYPASS_DEGRADED, then per place: paused programs'
-        turns (resume order), then new programs in arrival order, while they fit; a place stops at its first
-        turn that does not fit.
+        max_wait_s -> BYPASS_AGED, reserving), degraded -> all BYPASS_DEGRADED, then paused programs' turns past
+        the resume deadline, then every waiter in order (paused programs' turns by the resume order, then new
+        programs' in arrival order): each goes where it fits (work-conserving: a waiter that fits nowhere
+        does not hold back a later one that fits).
 
-        The queue is in arrival order and the clock is monotonic, so the aged waiters are at its front, and the
-        pass over the rest ends once every place with waiters has stopped: with thousands waiting, a pump reads
-        about as many waiters as leave, plus one per place."""
+        Each refusal records the smallest charge that failed on its place; a later waiter whose charge cannot
+        be smaller than every place's record is skipped without asking the ledger, so with thousands waiting
+        on full engines a pump reads each waiter once and asks the ledger about as often as turns leave."""
         self._expire(now)
         out: list[Decision] = []
         if not self._queue:
@@ -724,18 +741,18 @@ class ProgramCoordinator:
             return out
         while self._queue:
             w = next(iter(self._queue.values()))
-            waited = max(0.0, now - w.enqueued_at)
-            if waited < self.max_wait_s:
+            if now < w.enqueued_at + self.max_wait_s:  # the very sum next_deadline names: no float gap
                 break
+            waited = max(0.0, now - w.enqueued_at)
             g = self.ledger.try_acquire(w.ticket, w.tokens, now, place=w.place, blocks=w.blocks, force=True)
             out.append(self._leave(w, Kind.BYPASS_AGED, g.lease, waited, now))
             self._relieve(w.place, now)
-        stopped: set[Any] = set()
         if self.resume_deadline_s is not None:
+            stopped: set[Any] = set()
             for w in list(self._resume_q.values()):
-                waited = max(0.0, now - w.enqueued_at)
-                if waited < self.resume_deadline_s:
+                if now < w.enqueued_at + self.resume_deadline_s:
                     break  # arrival order: the rest waited less
+                waited = max(0.0, now - w.enqueued_at)
                 if w.place in stopped:
                     continue
                 r = self._room_for(w, now, overdue_only=False)
@@ -745,19 +762,20 @@ class ProgramCoordinator:
                 else:  # only running programs hold its place: it waits for them (aging still bounds it)
                     self._wait_reason(w, r.reason, now)
                     stopped.add(w.place)
-        stopped.clear()
-        places = len(self._waiting_on)
+        self._failed, self._failed_max = {}, 0
         for w in self._ordered():
-            if len(stopped) >= places:
-                break
-            if w.place in stopped:
+            if self.max_resident is not None and not self._seat_for(w, now, overdue_only=True):
+                self._wait_reason(w, BOUND_REASON, now)
                 continue
-            r = self._room_for(w, now, overdue_only=True)
+            if self._hopeless(w):
+                continue
+            r, where = self._fit(w, now)
+            if not isinstance(r, Grant) and self._reclaimable(w, now):
+                r, where = self._reclaim(w, now)
             if isinstance(r, Grant):
-                out.append(self._leave(w, Kind.ADMIT, r.lease, max(0.0, now - w.enqueued_at), now))
+                out.append(self._leave(w, Kind.ADMIT, r.lease, max(0.0, now - w.enqueued_at), now, where))
             else:
                 self._wait_reason(w, r.reason, now)
-                stopped.add(w.place)
         return out
 
     def _room_for(self, w: _Waiter, now: float, overdue_only: bool):
@@ -783,6 +801,104 @@ class ProgramCoordinator:
             if isinstance(r, Grant) or r.reason != "capacity_exhausted":
                 return r
         return r
+
+    # ---------------------------------------------------------------- where a waiting turn fits
+    def _places_for(self, w: _Waiter) -> list[Any]:
+        """Where ``w`` may go, its own place first: every engine (DP rank) of the snapshot when kvgate places
+        the call (``movable``) and its place is known, else its place alone."""
+        if not w.movable or w.place is FLEET:
+            return [w.place]
+        return [w.place, *(pl for pl in self.ledger.engine_places() if pl != w.place)]
+
+    def _lower_bound(self, w: _Waiter) -> int:
+        """The least ``w`` can charge on any place: its tokens less the whole blocks another holder may share
+        (0 when it is larger than any engine: oversized requests are admitted alone, so never skipped)."""
+        if w.tokens > self.ledger.max_tokens(FLEET):
+            return 0
+        return max(0, w.tokens - len(w.blocks) * self.ledger.block_tokens)
+
+    def _hopeless(self, w: _Waiter) -> bool:
+        """Within one pump: every place ``w`` may go refused a charge no larger than ``w``'s least charge."""
+        failed = self._failed
+        if not failed:
+            return False
+        lb = self._lower_bound(w)
+        if lb <= 0:
+            return False
+        if not w.movable or w.place is FLEET:
+            return w.place in failed and lb >= failed[w.place]
+        # any engine: every one must have refused no more than lb (O(1): the count and the largest record)
+        return len(failed) >= len(self.ledger.engine_places()) and lb >= self._failed_max
+
+    def _fit(self, w: _Waiter, now: float) -> tuple[Grant | Refusal, Any]:
+        """try_acquire for ``w`` on its own place, then (``movable``) on the other engines, those that already
+        hold the most of its prompt first, then the most free; returns (the Grant and where, or the first
+        Refusal and w's place). A refusal is recorded for _hopeless."""
+        places = self._places_for(w)
+        first: Refusal | None = None
+        if len(places) > 1:
+            # only the places that could take its least charge, and are not under pressure, are ranked (a
+            # full fleet of 64 engines costs one comparison each, not a prefix walk each)
+            lg = self.ledger
+            lb, th = self._lower_bound(w), lg.pressure_threshold
+            rest = [pl for pl in places[1:] if lg.free_on(pl) >= lb and lg.usage_of(pl) < th]
+            rest.sort(key=lambda pl: (lg.charge(pl, w.tokens, w.blocks), -lg.free_on(pl)))
+            places = [places[0], *rest]
+        for pl in places:
+            r = self.ledger.try_acquire(w.ticket, w.tokens, now, place=pl, blocks=w.blocks)
+            if isinstance(r, Grant):
+                return r, pl
+            self._note_refusal(w, pl, r)
+            if first is None:
+                first = r
+        return first, w.place
+
+    def _note_refusal(self, w: _Waiter, place: Any, r: Refusal) -> None:
+        failed = self._failed
+        charge = 0 if r.reason != "capacity_exhausted" else self.ledger.charge(place, w.tokens, w.blocks)
+        if charge < failed.get(place, 1 << 62):
+            failed[place] = charge
+            self._failed_max = max(failed.values())
+
+    def _moved(self, w: _Waiter, where: Any, now: float) -> None:
+        if where != w.place:
+            self._count("moved", now)
+
+    # ---------------------------------------------------------------- reclaiming KV held without evidence
+    def _unsupported(self, p: _Program, now: float) -> bool:
+        """``p`` holds KV with no evidence it will come back: in a tool call after its only answered turn, no
+        gap between turns of its own seen (a one-turn job looks like this, and so does an agent in its first
+        tool call: pausing the latter costs one re-prefill of one turn's context)."""
+        return p.state is ProgramState.IN_TOOL and p.turns <= 1 and not p.gaps and not p.inflight
+
+    def _reclaimable(self, w: _Waiter, now: float) -> bool:
+        return self.reclaim_after_s is not None and now >= w.enqueued_at + self.reclaim_after_s
+
+    def _reclaim(self, w: _Waiter, now: float) -> tuple[Grant | Refusal, Any]:
+        """``w`` has waited reclaim_after_s with no room: on the first place it may go where pausing the
+        programs that hold KV without evidence (longest idle first) could make its room, pause them one by one
+        until it fits. Returns (Grant, where) or (the last Refusal, w's place)."""
+        lg = self.ledger
+        last: Grant | Refusal = Refusal(w.ticket, w.tokens, "capacity_exhausted")
+        for pl in self._places_for(w):
+            if lg.usage_of(pl) >= lg.pressure_threshold:
+                continue
+            cands = sorted((p for p in self._programs.values() if p.place == pl and self._unsupported(p, now)),
+                           key=lambda p: p.since)
+            if not cands:
+                continue
+            room = lg.free_on(pl) + sum(lg.holding(p.sid) for p in cands)
+            if room < self._lower_bound(w):
+                continue
+            for p in cands:
+                self._pause(p, now)
+                self._count("reclaimed", now)
+                last = lg.try_acquire(w.ticket, w.tokens, now, place=pl, blocks=w.blocks)
+                if isinstance(last, Grant):
+                    self._failed.pop(pl, None)
+                    return last, pl
+            self._failed.pop(pl, None)
+        return last, w.place
 
     # ---------------------------------------------------------------- evidence: gaps between turns
     def _gap(self, p: _Program, gap: float) -> None:
@@ -875,11 +991,14 @@ class ProgramCoordinator:
             if not w.resume:
                 yield w
 
-    def _leave(self, w: _Waiter, kind: Kind, lease, waited: float, now: float) -> Decision:
+    def _leave(self, w: _Waiter, kind: Kind, lease, waited: float, now: float, where: Any = None) -> Decision:
         self._drop(w)
         self._idle_waiting.pop(w.sid, None)  # its turn starts: the entry is stale
         if lease is not None:
             self._from_queue.add(w.ticket)
+        if where is not None:
+            self._moved(w, where, now)
+            w.place = where
         self._start_turn(w.sid, w.ticket, w.place, w.tokens, w.prompt_tokens, w.blocks, now, resumed=w.resume)
         return self._record(Decision(w.ticket, kind, w.tokens, waited, True, lease, w.reason), now)
 
@@ -903,6 +1022,12 @@ class ProgramCoordinator:
             self._end_turn(t, now, None, cancelled=False)
         if self._claim_due:
             self._expire_claims(now)
+        if self._due and not self.ledger.is_degraded(now):
+            # No reservation outlives the evidence for it: a program idle past what its own and its group's
+            # gaps predict has ended; pausing it closes its engine session, so its KV is freed for real.
+            for p in self._overdue_on(FLEET, now):
+                if p.state is ProgramState.IN_TOOL and not p.inflight:
+                    self._pause(p, now)
         idle = self._idle
         waiting: set | None = None
         again = []
@@ -971,14 +1096,17 @@ class ProgramCoordinator:
             heapq.heappop(idle)
         if idle:
             cands.append(idle[0][0])
-        if self._queue and self.overdue_multiple:
-            # a waiter refused for room is looked at again when a program on its place turns ended (any place
-            # under the resident bound: the fleet's seats may be what it waits for)
-            wide = FLEET in self._waiting_on or self.max_resident is not None
-            for place in (list(self._due) if wide else list(self._waiting_on)):
+        if self.overdue_multiple:
+            # a program in a tool call that turns ended is paused then (its KV freed for real)
+            for place in list(self._due):
                 due = self._next_due(place)
                 if due is not None:
                     cands.append(due)
+        rq = self._reclaim_due
+        while rq and (rq[0][0] <= now or rq[0][1] not in self._queue):
+            rq.popleft()  # due ones were looked at by the pump that came with their time, or left
+        if rq:
+            cands.append(rq[0][0])
         if self._queue and self._claims_n:
             # a new program waiting for a seat goes when the seat kept for a paused program lapses
             due = self._next_claim_end()

@@ -17,7 +17,7 @@ from importlib import resources
 from pathlib import Path
 
 from kvgate.tools import procs
-from kvgate.tools.engine import SGLANG_VERSION
+from kvgate.tools.sglang_engine import SGLANG_VERSION
 from kvgate.bench import ranking, report
 from kvgate.bench.runner import API_PATHS, expand_arms, run_arm
 from kvgate.bench.scenario import ARMS, check_engine, load_scenario
@@ -134,8 +134,8 @@ def run(args: argparse.Namespace) -> int:
         return 2
     pool = None
     if sc.engine == "sglang":
-        from kvgate.bench.engines import EnginePool
-        from kvgate.tools.engine import unavailable_reason
+        from kvgate.bench.sglang_fleet import EnginePool
+        from kvgate.tools.sglang_engine import unavailable_reason
         why = unavailable_reason()
         if why:
             print(f"kvgate bench: engine: sglang needs a real engine here: {why}", file=sys.stderr)

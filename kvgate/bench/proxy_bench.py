@@ -98,7 +98,7 @@ def _nginx_str(data: bytes) -> str:
 
 def nginx_config(port: int, workdir: Path, token_usage: float = 0.0) -> str:
     """An nginx.conf for a single-process stand-in engine on 127.0.0.1:``port`` (what smg and kvgate call:
-    reference router-compat.md): /health, server and model info, /v1/loads with a huge KV pool (``token_usage``
+    docs/compatibility.md): /health, server and model info, /v1/loads with a huge KV pool (``token_usage``
     full: 0.99 holds every request in admission), and POST
     /generate answered with fixed JSON (or SSE for x-request-id SSE_REQUEST_ID*). Bodies are read and dropped."""
     w = str(workdir)

@@ -26,7 +26,7 @@ import orjson
 import yaml
 
 from kvgate.tools import procs
-from kvgate.bench import engines
+from kvgate.bench import sglang_fleet
 from kvgate.bench.scenario import Scenario, sim_extra_flags
 from kvgate.bench.speed import Scaled, kvgate_flags, split_load_monitor_interval
 from kvgate.bench.workload import SessionPlan, TraceRequest, next_prompt
@@ -162,7 +162,7 @@ class Fleet:
 
     def __init__(self, sc: Scenario, arm: ArmSpec, scaled: Scaled, log_dir: Path, engine_pool=None):
         self.sc, self.arm, self.scaled, self.log_dir = sc, arm, scaled, log_dir
-        # real engines (scenario engine: sglang): a kvgate.bench.engines.EnginePool the bench owns, reused
+        # real engines (scenario engine: sglang): a kvgate.bench.sglang_fleet.EnginePool the bench owns, reused
         self.engine_pool = engine_pool
         self.procs: list[procs.Proc] = []
         self.engine_urls: list[str] = []
@@ -550,7 +550,7 @@ async def run_arm_async(fleet: Fleet, workload, scaled: Scaled, sc: Scenario, pr
     """Drive the workload against a started fleet; returns the raw record of the arm (see report.summarize)."""
     rec = Recorder()
     real = fleet.engine_pool is not None
-    before = [engines.scrape(u) for u in fleet.engine_urls] if real else None
+    before = [sglang_fleet.scrape(u) for u in fleet.engine_urls] if real else None
     loadavg = [_loadavg()]
     cpu0 = fleet.cpu_seconds()
     stop = asyncio.Event()
@@ -573,9 +573,9 @@ async def run_arm_async(fleet: Fleet, workload, scaled: Scaled, sc: Scenario, pr
     cpu1 = fleet.cpu_seconds()
     cpu = {k: round(cpu1[k] - cpu0.get(k, 0.0), 2) for k in cpu1}
     if real:  # a real engine's counters, before and after this run (it has no /sim/stats)
-        after = [engines.scrape(u) for u in fleet.engine_urls]
+        after = [sglang_fleet.scrape(u) for u in fleet.engine_urls]
         sims = [{"totals": {k: a[k] - b[k] for k in a}, "sessions": []} for a, b in zip(after, before)]
-        totals = engines.totals_delta(before, after)
+        totals = sglang_fleet.totals_delta(before, after)
     else:
         sims = [await _get_json(u + "/sim/stats") for u in fleet.engine_urls]
         totals = {}

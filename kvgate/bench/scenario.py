@@ -25,7 +25,7 @@ ARMS = ("direct", "direct-overload-off", "proxy-only", "lifecycle", "lifecycle-i
         "hicache+lifecycle+admission-program-device", "proxy-placement", "smg-manual", "direct-no-overload",
         "router-sweep")
 # The router configurations the ``router-sweep`` arm runs, router-only (no kvgate), each as arm router-<name>:
-# the policies and options a user of smg 1.13 would try for agentic sessions (router-compat.md). Worker
+# the policies and options a user of smg 1.13 would try for agentic sessions (docs/compatibility.md). Worker
 # overload protection is on by default in smg 1.13; "-noprot" turns it off. Sticky sessions and the hashing
 # policies key on X-SMG-Routing-Key, which the bench's client sets to the session id.
 DEFAULT_ROUTER_SWEEP = [
@@ -40,7 +40,7 @@ DEFAULT_ROUTER_SWEEP = [
 _SWEEP_NAME = __import__("re").compile(r"[A-Za-z0-9_.+]+(-[A-Za-z0-9_.+]+)*")
 # How the client sends its turns (the route): token ids to /generate, chat messages, or completions text.
 APIS = ("generate", "chat", "completions")
-# What serves the turns: kvgate's simulated engines, or real SGLang engines (CPU, kvgate.tools.engine)
+# What serves the turns: kvgate's simulated engines, or real SGLang engines (CPU, kvgate.tools.sglang_engine)
 ENGINES = ("sim", "sglang")
 
 # kvgate settings that are durations (seconds at speed 1); speed.scale() divides every one by the factor.

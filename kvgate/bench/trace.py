@@ -1,6 +1,6 @@
 """The Mooncake conversation trace: records, token ids from hash blocks, sessions from hash chains (pure).
 
-Trace format (../shared/traces/README.md): one JSON object a line with timestamp (ms from start),
+Trace format (Mooncake's published traces): one JSON object a line with timestamp (ms from start),
 input_length, output_length and hash_ids (512-token prefix blocks; equal ids = a reusable prefix).
 There are no session fields: a request whose hash_ids extend an earlier request's FULL blocks
 (floor(input_length / 512) of them) continues that request's session. Block 0 (a shared system

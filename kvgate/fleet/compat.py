@@ -103,7 +103,7 @@ def verdict_line(verdicts: dict[str, str], upstream: str, lifecycle_on: bool, pl
 
 
 # smg 1.13's policies that keep one routing key (X-SMG-Routing-Key) on one worker without --sticky-sessions
-# (router-compat.md; tests/test_e2e_router.py measures manual and consistent_hashing).
+# (docs/compatibility.md; tests/test_e2e_router.py measures manual and consistent_hashing).
 ROUTING_KEY_POLICIES = ("manual", "consistent_hashing")
 
 
@@ -124,7 +124,7 @@ def routing_key_warning(router_policy: str | None, routing_key_header: str, stic
 def engine_warnings(server_info: dict[str, Any] | None, metrics_status: int | None) -> list[tuple[str, str]]:
     """Warnings for one engine as (kind, text) from its /server_info JSON and GET /metrics status.
 
-    Rules (sglang-engine-api.md, Sessions): enable_session_radix_cache must be on for session_id
+    Rules (docs/simulator-fidelity.md, Sessions): enable_session_radix_cache must be on for session_id
     to tag KV; on 0.5.15-0.5.16 it also needs radix_eviction_policy=priority; /metrics 404 means
     --enable-metrics is off, so admission has only /v1/loads (or no signal); enable_cache_report off (said
     explicitly) means the OpenAI routes report no cached tokens.

@@ -42,6 +42,8 @@ CONTROL_TIMEOUT_S = 2.0
 #: What a failed connection to the router or an engine raises (the peer is not there), as opposed to an
 #: answer kvgate cannot read.
 _UNREACHABLE = (aiohttp.ClientConnectionError, asyncio.TimeoutError, OSError)
+#: Answers that mean the path does not exist on the upstream (it is no router of a kind kvgate knows).
+_NO_SUCH_PATH = frozenset({404, 405})
 #: Router answers to a forwarded call that mean it could not reach an engine (logged once per change).
 GATEWAY_ERRORS = frozenset({502, 503, 504})
 
@@ -99,6 +101,10 @@ class EngineDirectory:
         self.own_failures: dict[str, str] = {}  # engine URL -> why kvgate's own calls to it fail to connect
         self._verdict_line: str | None = None  # the last compatibility line logged
         self._layout_line: str | None = None  # the last layout line logged
+        # What the upstream is when it lists no engines (answers neither /workers nor /list_workers): "engine"
+        # (it answers an SGLang engine's /server_info or /get_model_info), "other", or None (not asked: the
+        # router lists its engines, or has not been asked yet). Asked once per discovery failure streak.
+        self.upstream_kind: str | None = None
 
     @property
     def verdict(self) -> str:
@@ -192,6 +198,9 @@ class EngineDirectory:
             else:
                 status2, obj2 = await self._get_json(self.upstream + "/list_workers", self.router_headers)
                 if status2 != 200:
+                    if self.upstream_kind is None and status in _NO_SUCH_PATH and status2 in _NO_SUCH_PATH:
+                        # neither path exists there (a router that is starting or failing answers 5xx instead)
+                        self.upstream_kind = await self._ask_upstream_kind(status, status2)
                     raise DiscoveryError(f"/workers answered {status}, /list_workers answered {status2}")
                 found = parse_list_workers(obj2)
         except (aiohttp.ClientError, asyncio.TimeoutError, orjson.JSONDecodeError, DiscoveryError, OSError) as exc:
@@ -205,6 +214,7 @@ class EngineDirectory:
             self.last_error = text
             return self.engines
         self.router_result(True)
+        self.upstream_kind = None
         if self.last_error is not None:
             log.info("engine discovery from %s recovered", self.upstream)
             self._reprobe = True  # the router may have restarted: probe again
@@ -214,6 +224,30 @@ class EngineDirectory:
         self.metrics.discovery_last_success.set(self.last_success)
         self._set(found)
         return self.engines
+
+    async def _ask_upstream_kind(self, workers: int, list_workers: int) -> str:
+        """The upstream lists no engines (/workers and /list_workers answered ``workers``, ``list_workers``):
+        "engine" when it answers an SGLang engine's GET /server_info or /get_model_info (then one line says to
+        list it under ``engines:``), else "other" (one line says it is not a router). Either way it answered,
+        so a connection error here is "other" too."""
+        kind = "other"
+        for path in ("/server_info", "/get_model_info"):
+            try:
+                status, _ = await self._get_json(self.upstream + path, self.router_headers)
+            except (aiohttp.ClientError, asyncio.TimeoutError, orjson.JSONDecodeError, OSError):
+                continue
+            if status == 200:
+                kind = "engine"
+                break
+        if kind == "engine":
+            log.warning("upstream %s is an SGLang engine, not a router (it answers %s but not /workers): list "
+                        "the engines in the config's engines: (--engines %s) and kvgate sends to them without a "
+                        "router, or start the router in front of them", self.upstream, path, self.upstream)
+        else:
+            log.error("upstream %s is not an SGLang router: /workers answered %d, /list_workers %d, and it does "
+                      "not answer an engine's /server_info (is it the router's Prometheus port?)", self.upstream,
+                      workers, list_workers)
+        return kind
 
     def _note_auth(self, status: int, what: str) -> None:
         """Record the router's answer to kvgate's credentials; a refusal is said in one line (once per change)."""
@@ -302,7 +336,7 @@ class EngineDirectory:
         engines = [(e.url, self.usable(e), why(e)) for e in self.engines]
         if self.first_refresh.is_set():
             engines_ = engines_check(engines, self.static is None,
-                                     self.last_error if self.router.ok is not False else None,
+                                     self.last_error if self.router.ok is not False else None, self.upstream_kind,
                                      roles={e.url: roles.role(e) for e in self.engines})
         else:
             engines_ = Check("engines", None, "not listed yet")

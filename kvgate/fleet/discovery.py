@@ -1,6 +1,6 @@
 """Engine discovery: which engine base URLs sit behind the router (pure parsing).
 
-Shapes (router-compat.md): smg and sglang-router >= 0.2.0 answer GET /workers with
+Shapes (measured; docs/compatibility.md): smg and sglang-router >= 0.2.0 answer GET /workers with
 {"workers":[{"url", "worker_type": regular|prefill|decode, "is_healthy", ...}], ...};
 sglang-router <= 0.2.1 answers GET /list_workers with {"urls": [...]}. With --dp-aware every DP
 rank is its own worker "http://host:port@RANK": the engine is the URL without "@RANK".

@@ -4,11 +4,14 @@ A check is one thing kvgate depends on (the router, the engines, ...) with ``ok`
 known yet) and a reason a user can act on. The status:
 
   - ``down`` (HTTP 503): a check kvgate cannot serve without failed: the router is unreachable (every
-    forwarded call gets kvgate's 502), or no engine is usable (the router lists none, or every one is
-    unhealthy by the router's checks or kvgate's own calls),
+    forwarded call gets kvgate's 502), the upstream is not a router at all (it answers neither /workers nor
+    /list_workers nor an engine's /server_info: the router's Prometheus port, say, where every call gets a
+    404), or no engine is usable (the router lists none, or every one is unhealthy by the router's checks or
+    kvgate's own calls),
   - ``starting`` (HTTP 503): a check has no answer yet,
   - ``degraded`` (HTTP 200): kvgate serves, but a check that is not fatal failed (an engine of several is
-    down, the router's answer to /workers has a shape kvgate does not know),
+    down, the router's answer to /workers has a shape kvgate does not know, the upstream is an engine rather
+    than a router and no ``engines:`` are configured),
   - ``ok`` (HTTP 200): every check passed.
 
 Other parts of kvgate add their checks to the list; the status rule does not change. The router's state is
@@ -93,16 +96,27 @@ def router_check(r: Reachability, upstream: str, now: float) -> Check:
 
 
 def engines_check(engines: Iterable[tuple[str, bool, str | None]], discovered: bool,
-                  discovery_error: str | None, roles: dict[str, str] | None = None) -> Check:
-    """The engines check from (url, usable, why not) per engine. Fatal when none is usable; not fatal when
-    some are down or the engine list could not be read (the last good list is kept). ``roles`` (url ->
-    regular|prefill|decode): in a prefill/decode fleet every call needs one prefill and one decode worker (smg's
-    PD router), so it is fatal too when no prefill or no decode worker is usable."""
+                  discovery_error: str | None, upstream_kind: str | None = None,
+                  roles: dict[str, str] | None = None) -> Check:
+    """The engines check from (url, usable, why not) per engine. Fatal when none is usable, or when no engine
+    is known and the upstream is not a router (``upstream_kind`` "other": it answered neither /workers nor
+    /list_workers nor an engine's /server_info); not fatal when some are down, the engine list could not be
+    read (the last good list is kept) or the upstream is an engine (``upstream_kind`` "engine": calls reach
+    it, but kvgate knows no engine to close sessions on). ``roles`` (url -> regular|prefill|decode): in a
+    prefill/decode fleet every call needs one prefill and one decode worker (smg's PD router), so it is fatal
+    too when no prefill or no decode worker is usable."""
     engines = list(engines)
     roles = roles or {}
     down = [(u, why) for u, usable, why in engines if not usable]
     detail: dict[str, Any] = {"engines": len(engines), "usable": len(engines) - len(down),
                               "unusable": {u: why for u, why in down}}
+    if discovery_error is not None and not engines and upstream_kind == "other":
+        return Check("engines", False, f"the upstream is not an SGLang router ({discovery_error}, and no "
+                     "engine's /server_info): forwarded calls fail (is it the router's Prometheus port?)",
+                     detail=detail)
+    if discovery_error is not None and not engines and upstream_kind == "engine":
+        return Check("engines", False, f"the upstream is an SGLang engine, not a router ({discovery_error}): "
+                     "list the engines under engines: in the config", fatal=False, detail=detail)
     if any(roles.get(u) in ("prefill", "decode") for u, _, _ in engines):
         usable_by = {r: sum(1 for u, ok, _ in engines if ok and roles.get(u) == r) for r in ("prefill", "decode")}
         detail["usable_by_role"] = usable_by

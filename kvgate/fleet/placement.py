@@ -72,6 +72,7 @@ class _Session:
     last_used: float
     in_flight_tokens: int = 0
     by_router: bool = False  # the router picked the engine (learned from its answer), not kvgate
+    moves: int = 0  # times admission moved it to another engine with room
 
 
 @dataclass
@@ -168,7 +169,7 @@ class Placement:
         # or prefix placement kept on a rank at the threshold because every usable rank was
         self.counts = {"sticky": 0, "reopened": 0, "prefix": 0, "free_kv": 0, "replaced": 0, "no_engine": 0,
                        "unreachable": 0, "dropped": 0, "adopted": 0, "reopen_elsewhere": 0, "pressed_stay": 0,
-                       "routed": 0, "busier_moved": 0}
+                       "routed": 0, "busier_moved": 0, "moved": 0}
 
     # --- the fleet ---------------------------------------------------------------------------------
 
@@ -435,6 +436,35 @@ class Placement:
             self._set_target(session_id, s, target)
         self.counts["adopted"] += 1
         return True
+
+    def move(self, session_id: str, target: Target, now: float) -> Target | None:
+        """Admission found no room for ``session_id``'s waiting call on its engine and room on ``target``: the
+        session goes there from now on (sticky), its move counted (``moves_of``). Returns the target, or None
+        when that engine is not known or not usable (nothing changes)."""
+        e = self._engines.get(target.engine)
+        if e is None or not self._usable(e, now):
+            return None
+        target = self._target(target.engine, target.dp_rank if e.dp_size > 1 else None)
+        self._closed.pop(session_id, None)
+        s = self._sessions.get(session_id)
+        if s is None:
+            s = self._sessions[session_id] = _Session(target, now)
+            self._count_session(target, +1)
+            self._evict_over_cap()
+        elif s.target != target:
+            self._set_target(session_id, s, target)
+        else:
+            return target
+        s.by_router = False
+        s.moves += 1
+        self.counts["moved"] += 1
+        self.placements[target.engine] = self.placements.get(target.engine, 0) + 1
+        return target
+
+    def moves_of(self, session_id: str) -> int:
+        """Times admission moved ``session_id`` to another engine with room (0 when unknown)."""
+        s = self._sessions.get(session_id)
+        return 0 if s is None else s.moves
 
     def learn(self, session_id: str, target: Target, now: float) -> bool:
         """The router sent ``session_id``'s call to ``target`` (smg 1.13 names the worker in its answer's

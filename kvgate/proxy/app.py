@@ -19,6 +19,7 @@ import logging
 import os
 import re
 import signal
+import socket
 import sys
 import time
 from collections import OrderedDict
@@ -38,7 +39,7 @@ from kvgate.fleet.placement import Placement, Target
 from kvgate.fleet.directory import EngineDirectory
 from kvgate.proxy.relay import MAX_FIELD_BYTES, MAX_LINE_BYTES, Upstream, forward_head, header_safe, \
     BodyParts, preserve_header_bytes, read_body
-from kvgate.common.admit import Gate, OpenGate, RequestInfo, Ticket
+from kvgate.common.admission_seam import Gate, OpenGate, RequestInfo, Ticket
 from kvgate.proxy.placed import PlacedRelay
 from kvgate.proxy.server import Headers, HttpServer, Limits
 from kvgate.sessions.idle_policy import IdlePolicy, StepTracker
@@ -60,7 +61,7 @@ ADMIN_HEADER = "X-Kvgate-Admin-Key"
 _PRIVILEGED_HEADERS = ("X-Kvgate-Protected", "X-Kvgate-Scope")
 # The session id kvgate gave a generate call (named or inferred), told to the client on the response.
 SESSION_HEADER = "X-Kvgate-Session-Id"
-# smg 1.13 names the worker it sent a call to in this response header (router-compat.md).
+# smg 1.13 names the worker it sent a call to in this response header (docs/compatibility.md).
 ROUTED_WORKER = b"x-smg-routed-worker-id"
 # Step-boundary bodies larger than this (tensor payloads) are not parsed: they take SGLang's defaults.
 STEP_BODY_PARSE_LIMIT = 1 << 20
@@ -83,6 +84,7 @@ class SessionPlan:
     inferred: bool = False
     prompt_is_text: bool = False
     units: Any = None  # the prompt's units, kept for replicas sharing inference (state_backend: redis)
+    placed: bool = False  # the placement stage chose its engine: it goes there, not to the router
 
 
 def _as_text(session_id: str | None) -> str | None:
@@ -118,10 +120,10 @@ def _json(obj: Any, status: int = 200) -> web.Response:
 class Gateway:
     """Everything one running kvgate owns. Build with a validated Config; ``app`` is the aiohttp app."""
 
-    def __init__(self, cfg: Config, gate: Gate | None = None, worker=None):
+    def __init__(self, cfg: Config, gate: Gate | None = None, process_role=None):
         self.cfg = cfg
-        # One of several worker processes on one port (kvgate.proxy.workers.WorkerRole), or None.
-        self.worker = worker
+        # One of several kvgate processes on one port (kvgate.proxy.processes.ProcessRole), or None.
+        self.process_role = process_role
         preserve_header_bytes()
         self.metrics = Metrics()
         self.upstream = Upstream(cfg.upstream, cfg.connect_timeout_s, cfg.read_timeout_s, cfg.upstream_pool_size)
@@ -184,15 +186,13 @@ class Gateway:
             self.lifecycle.close_check = self.shared.close_wanted
         self.placed.shared = self.shared
         self.poller = None
-        # Where admission counts a session's request: the engine kvgate placed it on (a first turn on a placed
-        # route is placed before admission: _place_first), or the one the router's answer named
-        # (x-smg-routed-worker-id); a session the router routes without naming it counts fleet-wide.
+        # Where a session's call goes when kvgate does not place it: the engine the router's answer named for
+        # its earlier turns (x-smg-routed-worker-id), or None (counted fleet-wide). The placement stage reads it.
         self.engine_of = self.placement.engine_of
         if gate is None and cfg.agentic_program_admission:
             from kvgate.admission.gate import AdmissionGate
             from kvgate.admission.poller import CapacityPoller
-            gate = AdmissionGate(cfg, self.metrics, engine_of=lambda sid: self.engine_of(sid) if self.engine_of else None,
-                                 pause_session=self._pause_session, place_first=self._place_first)
+            gate = AdmissionGate(cfg, self.metrics, pause_session=self._pause_session)
             self.poller = CapacityPoller(gate, self.directory, cfg.admission_poll_interval_s,
                                          cfg.admission_capacity_source)
         elif any(m != "router" for m in self.placement_modes.values()):
@@ -237,7 +237,7 @@ class Gateway:
         r.add_get("/kvgate/sessions", self._guard(self.handle_sessions))
         r.add_get("/kvgate/sessions/{sid}", self._guard(self.handle_session))
         r.add_post("/kvgate/sessions/{sid}/close", self._guard(self.handle_session_close))
-        if self.worker is not None:  # this worker's own figures, which its siblings merge
+        if self.process_role is not None:  # this process's own figures, which its siblings merge
             r.add_get("/kvgate/worker/metrics", self.handle_worker_metrics)
             r.add_get("/kvgate/worker/health", self.handle_worker_health)
         if self.lifecycle_on:
@@ -261,7 +261,7 @@ class Gateway:
                   "/kvgate/engines": get(guard(self.handle_engines)), "/kvgate/stats": get(guard(self.handle_stats)),
                   "/kvgate/sessions": get(guard(self.handle_sessions))}
         self._session_handlers = (guard(self.handle_session), guard(self.handle_session_close))
-        if self.worker is not None:
+        if self.process_role is not None:
             routes["/kvgate/worker/metrics"] = get(self.handle_worker_metrics)
             routes["/kvgate/worker/health"] = get(self.handle_worker_health)
         if self.lifecycle_on:
@@ -298,8 +298,8 @@ class Gateway:
             log.warning(warning)
         if self.shared is not None:
             await self.shared.start()
-        if self.worker is not None:
-            await self.worker.start()
+        if self.process_role is not None:
+            await self.process_role.start()
         await self.directory.start()
         await self.lifecycle.start()
         start = getattr(self.gate, "start", None)
@@ -317,8 +317,8 @@ class Gateway:
         await self.lifecycle.stop()
         if self.shared is not None:
             await self.shared.stop()
-        if self.worker is not None:
-            await self.worker.stop()
+        if self.process_role is not None:
+            await self.process_role.stop()
         await self.directory.stop()
         await self.upstream.close()
 
@@ -371,11 +371,11 @@ class Gateway:
 
     async def handle_metrics(self, request: web.Request) -> web.Response:
         body, ctype = self.metrics.render()
-        if self.worker is not None:  # the whole process set, whichever worker the kernel picked
+        if self.process_role is not None:  # the whole process set, whichever process the kernel picked
             try:
-                body = await self.worker.merged_metrics(body)
-            except Exception:  # a sibling's unparsable answer: this worker's own figures, said in the log
-                log.exception("merging the workers' metrics failed; answering this worker's own")
+                body = await self.process_role.merged_metrics(body)
+            except Exception:  # a sibling's unparsable answer: this process's own figures, said in the log
+                log.exception("merging the processes' metrics failed; answering this process's own")
         return web.Response(body=body, headers={"Content-Type": ctype})
 
     async def handle_worker_metrics(self, request: web.Request) -> web.Response:
@@ -383,7 +383,7 @@ class Gateway:
         return web.Response(body=body, headers={"Content-Type": ctype})
 
     async def handle_worker_health(self, request: web.Request) -> web.Response:
-        return _json({"status": "ok", "worker": self.worker.index, "pid": os.getpid()})
+        return _json({"status": "ok", "worker": self.process_role.index, "pid": os.getpid()})
 
     def health_checks(self) -> list[health.Check]:
         """The checks /kvgate/health adds up (kvgate.fleet.health): the router, the engines. Append a
@@ -393,7 +393,7 @@ class Gateway:
     async def handle_health(self, request: web.Request) -> web.Response:
         """kvgate and what it depends on: ``status`` ok | degraded (HTTP 200) or starting | down (HTTP 503),
         ``reasons`` (every check not ok), ``checks`` (each with its reason), and the features in force."""
-        workers = await self.worker.health() if self.worker is not None else None
+        workers = await self.process_role.health() if self.process_role is not None else None
         checks = self.health_checks()
         status, code, reasons = health.summarize(checks)
         return _json({"status": status, "reasons": reasons, "checks": [c.as_json() for c in checks],
@@ -481,7 +481,8 @@ class Gateway:
         entry["idle_threshold_s"] = round(self.lifecycle.policy.threshold(sid), 3)
         where = self.placement.engine_of(sid)
         entry["engine"] = None if where is None else {"url": where[0], "dp_rank": where[1],
-                                                      "placed_by": self.placement.placed_by(sid)}
+                                                      "placed_by": self.placement.placed_by(sid),
+                                                      "moves": self.placement.moves_of(sid)}
         return entry
 
     def _session_named(self, name: str) -> str:
@@ -617,20 +618,42 @@ class Gateway:
         self.placement.set_capacity({url: [(p.capacity, p.used, p.requests) for p in cap.pools]
                                      for url, cap in snapshot.engines.items()}, snapshot.taken_at)
 
-    def _place_first(self, info: RequestInfo) -> tuple[str, int | None] | None:
-        """Place first, then admit: a call of a session on a route kvgate places is placed before admission,
-        so its turn reserves on the engine it will go to (kvgate.proxy.placed.PlacedRelay.place_first)."""
-        target = self.placed.place_first(info.classified, info.session_id)
-        return None if target is None else (target.engine, target.dp_rank)
-
-    # --- the request path ------------------------------------------------------------------------
+    # --- the request path: classify -> resolve session -> place -> admit -> forward -> release and record ---
 
     async def handle_proxy(self, request: web.Request) -> web.StreamResponse:
+        """Every request kvgate does not answer itself, in one order, each decision made once in its stage."""
         t0 = time.perf_counter()
         raw = await read_body(request, self._max_body, join_max=self._join_max)
+        c = self._classify(request, raw)
+        plan = await self._session_stage(c, raw, request)
+        target = await self._place_stage(request, c, plan)
+        ticket = await self._admit_stage(request, c, plan, target)
+        target = self._moved(plan, target, ticket)
+        self.metrics.added_latency.observe(max(0.0, time.perf_counter() - t0 - ticket.queue_s))
+        session_id = await self._turn_started(plan, ticket)
+        self.metrics.inflight_now += 1
+        t1 = time.perf_counter()
+        outcome = None
+        try:  # from here on every exit path ends the request in the registry and the inference index
+            resp, outcome = await self._forward(request, c, plan, target, ticket)
+            return resp
+        except asyncio.CancelledError:
+            self.metrics.client_disconnects.inc()
+            raise
+        finally:
+            self.metrics.inflight_now -= 1
+            self._release_and_record(c, raw, plan, session_id, ticket, outcome, time.perf_counter() - t1)
+
+    def _classify(self, request: web.Request, raw: bytes):
+        """Stage 1: the route, and the JSON body when a feature reads it."""
         c = classify(request.method, request.path, raw, parse=False)
         if c.is_generate and self.reads_body:
             c.body = self._parse_body(request, raw)
+        return c
+
+    async def _session_stage(self, c, raw: bytes, request: web.Request) -> SessionPlan:
+        """Stage 2: which session the call belongs to (and the body that names it). Never raises: a fault
+        forwards the request unchanged."""
         plan = SessionPlan(body=raw)
         if self.lifecycle_on and c.body is not None:
             try:
@@ -650,14 +673,34 @@ class Gateway:
             except Exception:
                 log.exception("session resolution failed; forwarding unchanged")
                 self.metrics.faults.labels("session").inc()
-        # Lifecycle off: a session named for placement is not tracked, observed or told back to the client.
-        tracked = plan.session_id if self.lifecycle_on else None
-        session_id = tracked
+        return plan
+
+    async def _place_stage(self, request: web.Request, c, plan: SessionPlan) -> Target | None:
+        """Stage 3: the engine the call goes to, decided once: kvgate's placement on a route it places (the
+        call then goes straight to that engine), else the engine the router named for the session's earlier
+        turns (the router still routes the call; admission counts it there), else None."""
+        sid = plan.session_id
+        if sid is None:
+            return None
+        if self.placed.placed(c, sid):
+            target = await self.placed.place(request, c, sid)
+            plan.placed = target is not None
+            return target
         try:
-            gate = self.gate
-            # Admission off: no headers are built for a gate that reads none.
-            ticket = OpenGate.OFF if type(gate) is OpenGate else await gate.acquire(
-                RequestInfo(c, self._admission_headers(request.headers), session_id))
+            where = self.engine_of(sid) if self.engine_of is not None else None
+        except Exception:  # fail-open: an unknown engine means the fleet-wide rule
+            log.exception("engine lookup failed")
+            self.metrics.faults.labels("placement").inc()
+            return None
+        return None if where is None else Target(where[0], where[1])
+
+    async def _admit_stage(self, request: web.Request, c, plan: SessionPlan, target: Target | None) -> Ticket:
+        """Stage 4: wait (or not) for room on the engines. A client gone while waiting never went out."""
+        try:
+            info = RequestInfo(c, self._admission_headers(request.headers) if self.gate.reads_headers else {},
+                               plan.session_id if self.lifecycle_on else None,
+                               None if target is None else (target.engine, target.dp_rank), plan.placed)
+            return await self.gate.acquire(info)
         except asyncio.CancelledError:  # client gone while waiting for admission: it never went out
             self.metrics.client_disconnects.inc()
             if plan.inferred:
@@ -666,65 +709,72 @@ class Gateway:
         except Exception:
             log.exception("admission failed; forwarding at once")
             self.metrics.faults.labels("admission").inc()
-            ticket = OpenGate.OFF
-        self.metrics.added_latency.observe(max(0.0, time.perf_counter() - t0 - ticket.queue_s))
-        if session_id is not None:
-            try:
-                await self.lifecycle.before_turn(session_id)
-                self.lifecycle.request_started(session_id, plan.source)
-                if self.shared is not None:
-                    self.shared.turn_started(session_id)
-            except asyncio.CancelledError:  # client gone while its session's close calls were answered
-                self._release(ticket)
-                if plan.inferred:
-                    self._finish_inference(plan.session_id, None, False)
-                raise
-            except Exception:
-                self.metrics.faults.labels("registry").inc()
-                session_id = None
+            return OpenGate.OFF
+
+    def _moved(self, plan: SessionPlan, target: Target | None, ticket: Ticket) -> Target | None:
+        """Admission admitted a call kvgate places on another engine with room: the session moves there."""
+        if ticket.place is None or not plan.placed:
+            return target
+        return self.placed.moved(plan.session_id, ticket.place) or target
+
+    async def _turn_started(self, plan: SessionPlan, ticket: Ticket) -> str | None:
+        """The tracked session's turn begins (lifecycle on): returns its id, None when untracked or on a fault."""
+        session_id = plan.session_id if self.lifecycle_on else None
+        if session_id is None:
+            return None
+        try:
+            await self.lifecycle.before_turn(session_id)
+            self.lifecycle.request_started(session_id, plan.source)
+            if self.shared is not None:
+                self.shared.turn_started(session_id)
+        except asyncio.CancelledError:  # client gone while its session's close calls were answered
+            self._release(ticket)
+            if plan.inferred:
+                self._finish_inference(plan.session_id, None, False)
+            raise
+        except Exception:
+            self.metrics.faults.labels("registry").inc()
+            return None
+        return session_id
+
+    async def _forward(self, request: web.Request, c, plan: SessionPlan, target: Target | None, ticket: Ticket):
+        """Stage 5: to the placed engine, else (none usable, or not placed) to the router."""
+        tracked = plan.session_id if self.lifecycle_on else None
         observe = None
         if tracked is not None:
             def observe(is_sse: bool, route=c.path, text=plan.prompt_is_text) -> ResponseObserver:
-                return ResponseObserver(is_sse, route=route, prompt_is_text=text,
-                                        max_json_bytes=self._parse_max)
-        self.metrics.inflight_now += 1
-        t1 = time.perf_counter()
-        outcome = None
-        try:  # from here on every exit path ends the request in the registry and the inference index
-            add = ticket.headers if tracked is None else [*ticket.headers, (SESSION_HEADER, self._told(tracked))]
-            placed = None
-            if self.placed.placed(c, plan.session_id):
-                placed = await self.placed.relay(request, c, plan.session_id, plan.body, observe, add)
+                return ResponseObserver(is_sse, route=route, prompt_is_text=text, max_json_bytes=self._parse_max)
+        add = ticket.headers if tracked is None else [*ticket.headers, (SESSION_HEADER, self._told(tracked))]
+        if plan.placed and target is not None:
+            placed = await self.placed.relay(request, c, plan.session_id, target, plan.body, observe, add)
             if placed is not None:
-                resp, outcome = placed
-            else:  # the router's headers (with the routing key) only for a request that goes to the router
-                sid = plan.session_id
-                resp, outcome = await self.upstream.relay(request, request.raw_path,
-                                                          forward_head(request.raw_headers, plan.extra), plan.body,
-                                                          observe=observe, add_headers=add,
-                                                          worker_header=ROUTED_WORKER if sid is not None else None)
-                if outcome.routed_worker is not None:
-                    self._learn_routed(sid, outcome.routed_worker)
-                self._router_outcome(outcome)
-            return resp
-        except asyncio.CancelledError:
-            self.metrics.client_disconnects.inc()
-            raise
-        finally:
-            self.metrics.inflight_now -= 1
-            obs = self._observed_safe(outcome)
-            self._release(ticket, obs.meta_info if obs else None)
-            self._record(c.route, outcome, time.perf_counter() - t1)
-            if session_id is not None:
-                self._finish_session(session_id, obs, c.body)
-            if plan.inferred:
-                self._finish_inference(plan.session_id, obs, _completed(outcome))
-                if plan.units is not None and obs is not None and obs.output and _completed(outcome):
-                    self._share_turn(plan.session_id, plan.units, obs.output)
-            if self.lifecycle_on and c.method == "POST" and c.path in STEP_BOUNDARY_ROUTES:
-                self._step_boundary(c.path, raw, outcome)
-            if self.lifecycle_on and c.method == "POST" and c.path == "/abort_request":
-                self._abort_requested(raw)
+                return placed
+        # the router's headers (with the routing key) only for a request that goes to the router
+        sid = plan.session_id
+        resp, outcome = await self.upstream.relay(request, request.raw_path, forward_head(request.raw_headers, plan.extra),
+                                                  plan.body, observe=observe, add_headers=add,
+                                                  worker_header=ROUTED_WORKER if sid is not None else None)
+        if outcome.routed_worker is not None:
+            self._learn_routed(sid, outcome.routed_worker)
+        self._router_outcome(outcome)
+        return resp, outcome
+
+    def _release_and_record(self, c, raw: bytes, plan: SessionPlan, session_id: str | None, ticket: Ticket,
+                            outcome, elapsed: float) -> None:
+        """Stage 6: the lease goes back whatever happened; the turn, its session and the route are recorded."""
+        obs = self._observed_safe(outcome)
+        self._release(ticket, obs.meta_info if obs else None)
+        self._record(c.route, outcome, elapsed)
+        if session_id is not None:
+            self._finish_session(session_id, obs, c.body)
+        if plan.inferred:
+            self._finish_inference(plan.session_id, obs, _completed(outcome))
+            if plan.units is not None and obs is not None and obs.output and _completed(outcome):
+                self._share_turn(plan.session_id, plan.units, obs.output)
+        if self.lifecycle_on and c.method == "POST" and c.path in STEP_BOUNDARY_ROUTES:
+            self._step_boundary(c.path, raw, outcome)
+        if self.lifecycle_on and c.method == "POST" and c.path == "/abort_request":
+            self._abort_requested(raw)
 
     def _router_outcome(self, outcome) -> None:
         # What a forwarded call says about the router: unreachable, or answering (502s logged per change).
@@ -897,12 +947,12 @@ def _completed(outcome) -> bool:
             and outcome.status < 400)
 
 
-async def start_gateway(cfg: Config, gate: Gate | None = None, worker=None) -> tuple[Gateway, Any, int]:
+async def start_gateway(cfg: Config, gate: Gate | None = None, process_role=None) -> tuple[Gateway, Any, int]:
     """Start kvgate on cfg.host:cfg.port (port 0 = a free one). Returns (gateway, runner, bound port);
     ``await runner.cleanup()`` stops it.
 
-    ``worker`` (kvgate.proxy.workers.WorkerRole): this process is one of several on the same port: it binds
-    with SO_REUSEPORT, also listens on a private 127.0.0.1 port and registers it for its siblings.
+    ``process_role`` (kvgate.proxy.processes.ProcessRole): this process is one of several on the same port: it
+    binds with SO_REUSEPORT, also listens on a private 127.0.0.1 port and registers it for its siblings.
 
     ``http_server: kvgate`` (the default) serves through kvgate.proxy.server, with the same guarantees as
     aiohttp's server below (see that module). ``http_server: aiohttp``: aiohttp's web server;
@@ -910,14 +960,17 @@ async def start_gateway(cfg: Config, gate: Gate | None = None, worker=None) -> t
     request. auto_decompress=False: request bodies are read and forwarded exactly as received.
     Header limits are the router's or higher (relay.MAX_LINE_BYTES, MAX_FIELD_BYTES).
     """
-    gw = Gateway(cfg, gate, worker)
+    if process_role is None and cfg.port:
+        check_port(cfg.host, cfg.port)  # before the gateway starts talking to the router and the engines
+    gw = Gateway(cfg, gate, process_role)
     if cfg.http_server == "kvgate":
         await gw._on_startup(None)
         srv = HttpServer(gw.route, cfg.max_body_bytes, on_cleanup=gw._on_cleanup, limits=server_limits(cfg))
         try:
-            port = await srv.listen(cfg.host, cfg.port, backlog=1024, reuse_port=True if worker is not None else None)
-            if worker is not None:
-                worker.register(await srv.listen("127.0.0.1", 0))
+            port = await srv.listen(cfg.host, cfg.port, backlog=1024,
+                                    reuse_port=True if process_role is not None else None)
+            if process_role is not None:
+                process_role.register(await srv.listen("127.0.0.1", 0))
         except BaseException:
             await srv.cleanup()
             raise
@@ -929,17 +982,34 @@ async def start_gateway(cfg: Config, gate: Gate | None = None, worker=None) -> t
                            max_line_size=MAX_LINE_BYTES, max_field_size=MAX_FIELD_BYTES)
     await runner.setup()
     try:
-        site = web.TCPSite(runner, cfg.host, cfg.port, backlog=1024, reuse_port=True if worker is not None else None)
+        site = web.TCPSite(runner, cfg.host, cfg.port, backlog=1024,
+                           reuse_port=True if process_role is not None else None)
         await site.start()
         port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
-        if worker is not None:
+        if process_role is not None:
             private = web.TCPSite(runner, "127.0.0.1", 0)
             await private.start()
-            worker.register(private._server.sockets[0].getsockname()[1])  # type: ignore[union-attr]
+            process_role.register(private._server.sockets[0].getsockname()[1])  # type: ignore[union-attr]
     except BaseException:  # the port is taken, say: stop what startup began (pollers, sessions)
         await runner.cleanup()
         raise
     return gw, runner, port
+
+
+def check_port(host: str, port: int) -> None:
+    """Bind ``host:port`` and let it go at once, as the server will bind it (SO_REUSEADDR), so a port in use or
+    not ours is said before kvgate starts anything. Raises OSError (EADDRINUSE, EADDRNOTAVAIL, EACCES ...)."""
+    infos = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    for family, kind, proto, _, addr in infos:
+        try:
+            sock = socket.socket(family, kind, proto)
+        except OSError:  # an address family this host lacks (no IPv6): the server skips it too
+            continue
+        with sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            if family == socket.AF_INET6 and hasattr(socket, "IPPROTO_IPV6"):
+                sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)  # as asyncio binds each address
+            sock.bind(addr)
 
 
 def server_limits(cfg: Config) -> Limits:
@@ -952,23 +1022,23 @@ def server_limits(cfg: Config) -> Limits:
                   body_budget_wait_s=cfg.http_body_budget_wait_s)
 
 
-def serve(cfg: Config, worker=None) -> int:
-    """Run kvgate until SIGINT/SIGTERM (a worker also stops when its supervisor is gone). Returns the exit
-    status."""
+def serve(cfg: Config, process_role=None) -> int:
+    """Run kvgate until SIGINT/SIGTERM (one of several processes also stops when its supervisor is gone).
+    Returns the exit status."""
     async def main() -> None:
-        gw, runner, port = await start_gateway(cfg, worker=worker)
-        if worker is None:
+        gw, runner, port = await start_gateway(cfg, process_role=process_role)
+        if process_role is None:
             log.info("kvgate listening on http://%s:%d", cfg.host, port)
         else:
-            log.info("worker %d of %d serving http://%s:%d (private port %d)", worker.index, worker.count,
-                     cfg.host, port, worker.private_port)
+            log.info("process %d of %d serving http://%s:%d (private port %d)", process_role.index,
+                     process_role.count, cfg.host, port, process_role.private_port)
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, stop.set)
         watch = None
-        if worker is not None:
-            from kvgate.proxy.workers import watch_supervisor
+        if process_role is not None:
+            from kvgate.proxy.processes import watch_supervisor
             watch = asyncio.create_task(watch_supervisor(stop))
         await stop.wait()
         if watch is not None:
@@ -988,7 +1058,7 @@ def serve(cfg: Config, worker=None) -> int:
     except OSError as exc:
         if exc.errno not in _LISTEN_ERRORS:
             raise
-        # The port is taken or not ours to bind: one line naming it, as the supervisor of workers says it.
+        # The port is taken or not ours to bind: one line naming it, as the supervisor of processes says it.
         print(f"kvgate: config error: port: cannot listen on {cfg.host}:{cfg.port} ({os.strerror(exc.errno)})",
               file=sys.stderr)
         return 2

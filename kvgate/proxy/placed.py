@@ -84,48 +84,73 @@ class PlacedRelay:
             log.exception("placement forget failed")
             self.metrics.faults.labels("placement").inc()
 
-    async def relay(self, request, c, session_id: str, body: Any, observe, add) -> tuple[Any, Any] | None:
-        """Relay session ``session_id``'s call (classified ``c``, ``body`` the bytes to send) to the engine
-        placement picks; on a refused connection (nothing sent) the next engine. ``observe`` and ``add`` are
-        as for Upstream.relay. Returns (response, outcome), or None when no engine is usable or placement
-        itself failed (the caller then uses the router: fail-open), or when the call lacks the router's key."""
-        if not self._authorized(request):
+    async def place(self, request, c, session_id: str, exclude: list[str] = ()) -> Target | None:
+        """The placement stage: where session ``session_id``'s call (classified ``c``, on a route kvgate places)
+        goes, decided once per call (and again only for a call whose engine refused its connection, with the
+        engines tried in ``exclude``). With replicas sharing state the first replica to place a session wins
+        (its engine is adopted here). None when the call lacks the router's key (the router answers it), when
+        no engine is usable, or when placement itself failed (logged and counted: the router then routes it)."""
+        if not exclude and not self._authorized(request):
             self.metrics.placement_calls.labels("router_auth").inc()
             return None
         try:
-            units = request_units(c.path, c.body)
-            block_tokens, block_chars, chars_per_token = self.blocks
-            keys = prefix_keys(units, block_tokens, block_chars, memo=c.block_digests())
-            tokens = (len(units) if isinstance(units, list) else
-                      int(len(units) / chars_per_token) if isinstance(units, str) else 0)
-        except Exception:
+            block_tokens, block_chars, _ = self.blocks
+            keys = prefix_keys(request_units(c.path, c.body), block_tokens, block_chars, memo=c.block_digests())
+            placement, shared = self.placement, self.shared
+            if shared is not None and placement.engine_of(session_id) is None:
+                await self._adopt_shared(session_id, await shared.engine_of(session_id))
+            target = self._place(session_id, keys, exclude)
+            if target is not None and shared is not None and placement.last_reason != "sticky":
+                # Another replica may have placed it meanwhile: the first placement wins.
+                won = await shared.claim_engine(session_id, target.engine, target.dp_rank,
+                                                replace=placement.last_replaced)
+                if won is not None and won != (target.engine, target.dp_rank) and not exclude:
+                    await self._adopt_shared(session_id, won)
+                    target = self._place(session_id, keys, exclude)
+        except Exception:  # fail-open: nothing went out yet
             log.exception("session placement failed; forwarding to the router")
             self.metrics.faults.labels("placement").inc()
             return None
+        if target is None:
+            self.metrics.placement_calls.labels("router_fallback").inc()
+        return target
+
+    def moved(self, session_id: str, where: tuple[str, int | None]) -> Target | None:
+        """Admission sent ``session_id``'s call to another engine with room (``where``: URL, DP rank): the
+        session is on that engine from now on (counted per session). Returns the new target, or None when
+        that engine is not usable (the call keeps the engine it was placed on). Never raises."""
+        try:
+            target = self.placement.move(session_id, Target(where[0], where[1]), self.clock())
+        except Exception:
+            log.exception("moving a session to the engine admission chose failed")
+            self.metrics.faults.labels("placement").inc()
+            return None
+        if target is not None:
+            self.metrics.child(self.metrics.placements, target.engine, "moved").inc()
+            self.publish()
+        return target
+
+    async def relay(self, request, c, session_id: str, target: Target, body: Any, observe,
+                    add) -> tuple[Any, Any] | None:
+        """Relay session ``session_id``'s call (classified ``c``, ``body`` the bytes to send) to ``target``, the
+        engine the placement stage chose; on a refused connection (nothing sent) to the next engine it chooses.
+        ``observe`` and ``add`` are as for Upstream.relay. Returns (response, outcome), or None when no engine
+        is usable any more (the caller then uses the router: fail-open)."""
+        try:
+            units = request_units(c.path, c.body)
+            chars_per_token = self.blocks[2]
+            tokens = (len(units) if isinstance(units, list) else
+                      int(len(units) / chars_per_token) if isinstance(units, str) else 0)
+        except Exception:
+            log.exception("reading the prompt's size failed; counted as 0 tokens")
+            self.metrics.faults.labels("placement").inc()
+            tokens = 0
         headers = forward_head(request.raw_headers, self._engine_auth)  # no routing key: it is for the router
         tried: list[str] = []
-        placement, shared = self.placement, self.shared
-        if shared is not None and placement.engine_of(session_id) is None:
-            await self._adopt_shared(session_id, await shared.engine_of(session_id))
+        placement = self.placement
         while True:
-            try:
-                target, out = self._pick(session_id, body, c.body, keys, tried)
-                if target is not None and shared is not None and placement.last_reason != "sticky":
-                    # Another replica may have placed it meanwhile: the first placement wins.
-                    won = await shared.claim_engine(session_id, target.engine, target.dp_rank,
-                                                    replace=placement.last_replaced)
-                    if won is not None and won != (target.engine, target.dp_rank) and not tried:
-                        await self._adopt_shared(session_id, won)
-                        target, out = self._pick(session_id, body, c.body, keys, tried)
-                if target is not None:
-                    call = placement.call_started(target, tokens, self.clock())
-            except Exception:  # fail-open: nothing went out yet
-                log.exception("session placement failed; forwarding to the router")
-                self.metrics.faults.labels("placement").inc()
-                return None
-            if target is None:
-                self.metrics.placement_calls.labels("router_fallback").inc()
-                return None
+            out = engine_body(body, c.body, target)
+            call = placement.call_started(target, tokens, self.clock())
             try:
                 resp, outcome = await self.upstream.relay(request, request.raw_path, headers, out, observe=observe,
                                                           add_headers=add, base=target.engine)
@@ -140,22 +165,14 @@ class PlacedRelay:
                 self.directory.engine_call_failed(target.engine, "refused a placed call's connection")
                 self.metrics.placement_calls.labels("connect_retry").inc()
                 tried.append(target.engine)
+                target = await self.place(request, c, session_id, tried)
+                if target is None:
+                    return None
                 continue
             self.metrics.placement_calls.labels("engine").inc()
             if outcome.status is not None:
                 self.directory.engine_answered(target.engine)
             return resp, outcome
-
-    def place_first(self, c, session_id: str | None) -> Target | None:
-        """Place first, then admit: place a call of ``session_id`` (classified ``c``) before admission decides,
-        so admission reserves its turn on the engine it will go to; the relay then finds the session sticky
-        there. None when kvgate does not place the call, or when replicas share placement (the first replica
-        to place a session wins, at relay time). Raises what placement raises (the gate fails open)."""
-        if self.shared is not None or not self.placed(c, session_id):
-            return None
-        block_tokens, block_chars, _ = self.blocks
-        keys = prefix_keys(request_units(c.path, c.body), block_tokens, block_chars, memo=c.block_digests())
-        return self._place(session_id, keys, [])
 
     async def _adopt_shared(self, sid: str, where: tuple[str, int | None] | None) -> None:
         # The engine another replica placed the session on becomes its sticky engine here.
@@ -167,12 +184,6 @@ class PlacedRelay:
         except Exception:
             log.exception("adopting a shared placement failed")
             self.metrics.faults.labels("placement").inc()
-
-    def _pick(self, sid: str, raw, body_obj: dict, keys: list[int], tried: list[str]):
-        target = self._place(sid, keys, tried)
-        if target is None:
-            return None, None
-        return target, engine_body(raw, body_obj, target)
 
     def _place(self, sid: str, keys: list[int], tried: list[str]) -> Target | None:
         """Where ``sid``'s call goes by placement's rules, counted and its prompt indexed; None: no engine."""

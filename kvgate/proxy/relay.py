@@ -2,7 +2,7 @@
 
 Hop-by-hop headers are dropped both ways (RFC 9110 section 7.6.1); everything else passes as is,
 byte for byte (header values that are not UTF-8 included: the request head is built from the raw bytes
-the client sent, see forward_head; responses see preserve_header_bytes). The upstream client (kvgate.proxy.pool
+the client sent, see forward_head; responses see preserve_header_bytes). The upstream client (kvgate.proxy.connection_pool
 for http upstreams, aiohttp's for https) never decompresses, so bodies and Content-Encoding pass through
 untouched. A response whose body is all there with its head goes to the client in one write; others are
 streamed chunk by chunk as they arrive (SSE). An upstream that
@@ -29,7 +29,7 @@ from multidict import CIMultiDict
 from yarl import URL
 
 from kvgate.proxy import server
-from kvgate.proxy.pool import ConnectFailed, Disconnected, Exchange, Pool, ResponseError
+from kvgate.proxy.connection_pool import ConnectFailed, ConnectionPool, Disconnected, Exchange, ResponseError
 from kvgate.sessions.observe import ResponseObserver
 
 log = logging.getLogger("kvgate.proxy.relay")
@@ -285,7 +285,7 @@ class Upstream:
 
     base: router base URL; connect_timeout_s / read_timeout_s (0 = no read timeout) in seconds; pool_size:
     most upstream connections in use at once (0 = no limit). Plain-http upstreams go through kvgate's own
-    HTTP/1.1 pool (kvgate.proxy.pool: pre-built request heads, httptools parsing); others (https) through
+    HTTP/1.1 pool (kvgate.proxy.connection_pool: pre-built request heads, httptools parsing); others (https) through
     aiohttp's client, with the same guarantees.
     """
 
@@ -296,7 +296,7 @@ class Upstream:
         self._pool_size = pool_size
         self._session: aiohttp.ClientSession | None = None
         self._observer_fault_logged = False
-        self.pool = Pool(connect_timeout_s, read_timeout_s, pool_size)
+        self.pool = ConnectionPool(connect_timeout_s, read_timeout_s, pool_size)
         # base URL -> (path prefix bytes, "Host: ...\r\n" bytes), or None for a base the pool cannot serve
         self._targets: dict[str, tuple[bytes, bytes] | None] = {}
 
@@ -474,7 +474,7 @@ class Upstream:
 
     def _answer_arrived(self, request: server.Request, path_qs: str, observe, add_headers,
                         up) -> RelayOutcome | Exception:
-        """_answer_whole() from the pool's data callback (Pool.exchange's on_complete): never raises. An
+        """_answer_whole() from the pool's data callback (ConnectionPool.exchange's on_complete): never raises. An
         error before anything was written is returned, for the relay's coroutine to raise where the handler
         would have (the server answers 500, as for any handler error); one after the answer went out is
         logged, and the answer stands."""

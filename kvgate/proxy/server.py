@@ -1,6 +1,6 @@
 """kvgate's HTTP/1.1 server for its clients, on an asyncio Protocol and httptools (I/O edge).
 
-The client side's counterpart of kvgate.proxy.pool: one small Protocol object per connection, the request
+The client side's counterpart of kvgate.proxy.connection_pool: one small Protocol object per connection, the request
 parsed by httptools (llhttp) as it arrives, one task per request (cancelled when the client goes away,
 which closes the upstream call), and the answer written as bytes the relay built (no header objects on the
 hot path). kvgate's own endpoints still return aiohttp ``web.Response`` objects; they are serialised here.

@@ -17,7 +17,7 @@ registry's (kvgate.sessions.registry). Here:
     nothing is queued, on the wire or pending for it, its queue and workers are removed,
   - it never blocks or fails the caller, and logs per engine (when it starts and stops failing), not
     per session.
-The router does not proxy /close_session (router-compat.md), so kvgate calls the engines directly.
+The router does not proxy /close_session (docs/compatibility.md), so kvgate calls the engines directly.
 """
 
 from __future__ import annotations

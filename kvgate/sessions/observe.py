@@ -2,7 +2,7 @@
 
 The relay hands every chunk to a ResponseObserver as it passes through. For a JSON response it keeps
 the bytes up to a cap; for an SSE stream it keeps only the last complete ``data:`` events, because
-SGLang's stream chunks carry cumulative meta_info and output_ids (sglang-engine-api.md, Stream).
+SGLang's stream chunks carry cumulative meta_info and output_ids (SGLang's srt/entrypoints/http_server.py).
 At the end ``result()`` gives the last meta_info and output_ids seen.
 
 Token usage, for every route and stream form: /generate's meta_info; the OpenAI routes' ``usage`` (the

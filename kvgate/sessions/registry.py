@@ -7,7 +7,7 @@ A session moves active -> closing -> closed. A close is tracked per engine: each
 ``sending`` (a call is out), ``pending`` (it failed: connect error, timeout, 5xx; retried after a
 backoff), ``ok`` or ``failed`` (a 4xx, or retries used up). The session is ``closed`` once no engine
 is sending or pending. A timeout is not success: the engine may not have the close, and a close is
-idempotent on the engine (sglang-engine-api.md, Sessions), so it is sent again.
+idempotent on the engine (docs/simulator-fidelity.md, Sessions), so it is sent again.
 
 A request for a closing or closed session re-opens it (SGLang 0.5.17+ re-opens and re-tags an id it
 closed on the next request that carries it: mem_cache/unified_cache/session_ref_tracker.py,

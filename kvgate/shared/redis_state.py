@@ -148,7 +148,7 @@ class SharedState:
         if self._client is None:
             import redis.asyncio as redis
             from redis.backoff import NoBackoff
-            from redis.retry import Retry
+            from redis.asyncio.retry import Retry  # the asyncio one: the sync Retry is converted, with a warning
             # No client-side retries: a failed call falls back at once (fail-open) and the heartbeat probes.
             # One pooled connection per call in flight, up to POOL_CONNECTIONS: redis-py's default pool refuses
             # the 101st call in flight (MaxConnectionsError), which marked Redis unreachable under load. (Its

@@ -1,6 +1,6 @@
 """Prometheus text for the simulated engine, with SGLang's ``sglang:`` names and labels.
 
-Follows /work/shared/reference/sglang-engine-api.md ("GET /metrics") and SGLang
+Follows SGLang
 srt/metrics/collector.py: prometheus_client multiprocess format (no ``_created`` series,
 labels sorted by name, ``le`` included), scheduler labels model_name, engine_type="unified",
 tp_rank, pp_rank, moe_ep_rank, plus dp_rank when dp_size > 1. The text is built directly

@@ -1,7 +1,7 @@
-"""aiohttp HTTP surface of the simulated SGLang engine (thin shell over kvgate.sim.engine).
+"""aiohttp HTTP surface of the simulated SGLang engine (thin shell over kvgate.sim.sim_engine).
 
-Endpoints and shapes follow /work/shared/reference/sglang-engine-api.md and what smg needs
-(/work/shared/reference/router-compat.md): /health, /health_generate, /ready, /server_info,
+Endpoints and shapes follow SGLang's srt/entrypoints/http_server.py and what smg 1.13 calls
+(docs/compatibility.md): /health, /health_generate, /ready, /server_info,
 /get_server_info, /model_info, /get_model_info, /v1/models, /v1/loads, /metrics, /generate,
 /v1/completions, /v1/chat/completions, /open_session, /close_session, /flush_cache,
 /abort_request, /update_weights_from_disk, and the simulator-only /sim/stats.
@@ -22,7 +22,7 @@ from aiohttp import web
 from aiohttp.http_exceptions import BadHttpMessage
 
 from kvgate.sim import disagg
-from kvgate.sim.engine import EngineOptions, EngineStopped, RequestHandle, SimEngine
+from kvgate.sim.sim_engine import EngineOptions, EngineStopped, RequestHandle, SimEngine
 from kvgate.sim.exposition import render_loads_prometheus
 from kvgate.sim.scheduler import Request
 from kvgate.sim.tokenizer import decode, encode, render_chat
@@ -243,7 +243,7 @@ class SimServer:
         o, sc = self.opts, self.opts.scheduler
         return {
             # An empty model_path: smg 1.13 otherwise tries to fetch a tokenizer of that name from the
-            # Hugging Face hub at registration (router-compat.md); there is no network here.
+            # Hugging Face hub at registration (measured); there is no network here.
             "model_path": "", "tokenizer_path": None, "served_model_name": o.model_name,
             "skip_tokenizer_init": True, "is_embedding": False,
             "max_total_num_tokens": o.max_total_num_tokens,

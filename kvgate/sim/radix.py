@@ -2,7 +2,7 @@
 
 Follows SGLang srt/mem_cache/radix_cache.py (page_size 1, compressed edges, lock_ref,
 leaf-only eviction, evictable/protected accounting) plus the two session-radix-cache
-behaviours described in /work/shared/reference/sglang-engine-api.md ("Sessions"):
+behaviours docs/simulator-fidelity.md describes ("Sessions"):
 
 * ``"0.5.17"``: per-session references on the nodes a session's requests inserted or
   walked through; eviction key is ``(has_refs, ref_count, base_key)`` so unreferenced

@@ -1,8 +1,8 @@
 """Pure SGLang scheduler model: waiting queue, PrefillAdder admission, continuous batching,
 chunked prefill, decode retraction and a compute-time model. No I/O, no asyncio.
 
-Rules follow /work/shared/reference/sglang-engine-api.md ("Scheduler under KV pressure") and
-the SGLang files it names: srt/managers/schedule_policy.py (PrefillAdder, CLIP_MAX_NEW_TOKENS),
+Rules follow docs/simulator-fidelity.md ("KV pool and radix cache") and
+the SGLang files: srt/managers/schedule_policy.py (PrefillAdder, CLIP_MAX_NEW_TOKENS),
 srt/managers/schedule_batch.py (retract_decode, check_decode_mem), srt/managers/scheduler.py
 (get_next_batch_to_run: a prefill batch, when one can be formed, runs before decode),
 srt/mem_cache/radix_cache.py (cache_finished_req).

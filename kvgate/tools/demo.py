@@ -1,25 +1,27 @@
-"""``kvgate demo``: the whole request path on real input.
+"""``kvgate demo``: the whole request path on real input, with and without kvgate.
 
-Starts four simulated engines, a real smg router in front of them and kvgate in front of that (each a
-subprocess in its own process group), replays a slice of the Mooncake conversation trace through
-kvgate at its real timestamps (scaled by --speed), closes the sessions that remain, prints a summary
-and stops everything it started. Sessions come from hash-block chains (kvgate.bench.trace) and are sent as
-X-Session-ID, which kvgate turns into a top-level session_id. Turns go as token ids to /generate, the way RL
-rollouts (and kvgate bench) send them, and kvgate places the sessions itself (session_placement: kvgate,
-docs/placement.md): smg 1.13 would carry session_id there too, but its round_robin policy would spread a
-session's turns over the engines. ``--route completions`` sends text to /v1/completions instead, and the router
-places the sessions.
+Starts four simulated engines and a real smg router in front of them (each a subprocess in its own process
+group) and replays the multi-turn sessions of a slice of the Mooncake conversation trace at their real
+timestamps (scaled by --speed): first to smg alone, then, on a fresh fleet, through kvgate in front of the
+same smg (``--router-policy``, smg's default cache_aware). Each run prints a summary (kvgate's run closes the
+sessions that remain first), and the demo ends with one line saying what kvgate gained (or lost) against smg
+alone on the same replay: the prompt tokens the engines computed (not found in their radix caches), the cache hit
+rate and the turns' latency. Then it stops everything it started. Sessions come from hash-block chains
+(kvgate.bench.trace) and are sent as X-Session-ID, which kvgate turns into a top-level session_id. Turns go as
+token ids to /generate, the way RL rollouts (and kvgate bench) send them, and kvgate places the sessions itself
+(session_placement: kvgate, docs/placement.md). ``--route completions`` sends text to /v1/completions instead,
+and the router places the sessions.
 
-``--engine sglang`` runs the same path on real SGLang engines (CPU, kvgate.tools.engine; installed by
+``--engine sglang`` runs the same path on real SGLang engines (CPU, kvgate.tools.sglang_engine; installed by
 scripts/setup-engine.sh): two tiny engines, the trace's token counts divided by ``--token-scale`` (32) so a
 CPU engine keeps up, and its token ids folded into the tiny model's vocabulary (an id past it crashes SGLang's
 scheduler). ``--engine-url`` uses engines already running instead of starting any. A real engine does not say
 which session ids and closes it received, so those two reconciliation lines are left out.
 
-Fleet size: the trace window brings about 40,000 prompt tokens/s; one simulated engine (the default
-llama-3-8b-h100 profile) prefills about 20,000/s, less for long prompts. Two engines queue without bound
-(the engines then run their KV pools full, and admission can only move that queue into kvgate, every
-request waiting until it ages out); four keep up, which is what the demo is meant to show.
+Fleet size: the whole trace window brings about 40,000 prompt tokens/s (its multi-turn sessions alone about
+18,000); one simulated engine (the default llama-3-8b-h100 profile) prefills about 20,000/s, less for long
+prompts. Two engines queue without bound on the whole window (the engines then run their KV pools full, and
+admission can only move that queue into kvgate, every request waiting until it ages out); four keep up.
 """
 
 from __future__ import annotations
@@ -48,8 +50,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--trace", default=None,
                    help="trace file (default: the 10-minute Mooncake slice shipped in kvgate/data)")
     p.add_argument("--start-s", type=float, default=0.0, help="where the window starts in the trace, seconds")
-    p.add_argument("--duration-s", type=float, default=120.0, help="window length in trace time, seconds")
-    p.add_argument("--speed", type=float, default=1.0,
+    p.add_argument("--duration-s", type=float, default=600.0,
+                   help="window length in trace time, seconds (the shipped slice holds 600)")
+    p.add_argument("--sessions", choices=("multi-turn", "all"), default="multi-turn",
+                   help="multi-turn: only the sessions with two turns or more in the window (what kvgate's session "
+                        "lifecycle and placement act on); all: every request of the window")
+    p.add_argument("--speed", type=float, default=5.0,
                    help="replay and simulated compute this many times faster (kvgate's idle close scales too)")
     p.add_argument("--engine", choices=("sim", "sglang"), default="sim",
                    help="sim: simulated engines (kvgate sim-engine); sglang: real SGLang engines on the CPU "
@@ -63,10 +69,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="KV pool of each engine, tokens (default: 200000 simulated, 8000 real)")
     p.add_argument("--token-scale", type=int, default=None,
                    help="divide the trace's token counts by this (default: 1 simulated, 32 real)")
-    p.add_argument("--idle-close-s", type=float, default=30.0, help="kvgate session_idle_close_s (trace time)")
-    p.add_argument("--runs", choices=("both", "lifecycle", "admission"), default="both",
-                   help="lifecycle: session lifecycle only; admission: lifecycle + program-aware admission; "
-                        "both: one after the other, each on a fresh fleet")
+    p.add_argument("--idle-close-s", type=float, default=120.0,
+                   help="kvgate session_idle_close_s (trace time; the trace's turns of a session are a median 96 s "
+                        "apart)")
+    p.add_argument("--runs", choices=("compare", "all", "smg", "lifecycle", "admission", "both"), default="compare",
+                   help="compare: smg alone, then kvgate with session lifecycle; all: those and kvgate with "
+                        "program-aware admission too; smg, lifecycle, admission: that run alone; both: lifecycle "
+                        "then admission. Each run on a fresh fleet")
+    p.add_argument("--router-policy", default="cache_aware",
+                   help="smg's --policy in every run (cache_aware: smg's default)")
     p.add_argument("--route", choices=("generate", "completions"), default="generate",
                    help="generate: token ids to /generate, as RL rollouts send them, kvgate placing the sessions "
                         "(session_placement: kvgate); completions: text to /v1/completions, the router placing "
@@ -346,6 +357,16 @@ def run(args: argparse.Namespace) -> int:
         print(f"kvgate demo: no trace records in that window of {path}", file=sys.stderr)
         return 2
     sessions = infer_sessions(records)
+    if args.sessions == "multi-turn":
+        turns: dict[str, int] = {}
+        for sid in sessions:
+            turns[sid] = turns.get(sid, 0) + 1
+        keep = [i for i, sid in enumerate(sessions) if turns[sid] > 1]
+        if not keep:
+            print(f"kvgate demo: no session has two turns in that window of {path} (widen --duration-s, or "
+                  "--sessions all)", file=sys.stderr)
+            return 2
+        records, sessions = [records[i] for i in keep], [sessions[i] for i in keep]
     real = args.engine == "sglang"
     if args.engine_url and not real:
         print("kvgate demo: --engine-url needs --engine sglang", file=sys.stderr)
@@ -357,7 +378,7 @@ def run(args: argparse.Namespace) -> int:
     if args.token_scale is None:
         args.token_scale = 32 if real else 1
     if real and not args.engine_url:
-        from kvgate.tools import engine as real_engine
+        from kvgate.tools import sglang_engine as real_engine
         why = real_engine.unavailable_reason()
         if why:
             print(f"kvgate demo: no real SGLang engine here ({why})", file=sys.stderr)
@@ -366,16 +387,62 @@ def run(args: argparse.Namespace) -> int:
         print("kvgate demo: the smg router is not installed (pip install smg, or run `make demo`)", file=sys.stderr)
         return 2
     base_dir = Path(args.log_dir or tempfile.mkdtemp(prefix="kvgate-demo-"))
-    modes = {"both": [False, True], "lifecycle": [False], "admission": [True]}[args.runs]
+    modes = {"compare": ["smg", "lifecycle"], "all": ["smg", "lifecycle", "admission"], "smg": ["smg"],
+             "lifecycle": ["lifecycle"], "admission": ["admission"], "both": ["lifecycle", "admission"]}[args.runs]
+    titles = {"smg": f"smg alone ({args.router_policy}), no kvgate",
+              "lifecycle": "kvgate in front of smg: session lifecycle on, program-aware admission off",
+              "admission": "kvgate in front of smg: session lifecycle on, program-aware admission on"}
     summaries = []
-    for admission in modes:
-        print(f"\n=== run: session lifecycle on, program-aware admission {'on' if admission else 'off'} ===",
-              flush=True)
-        summaries.append(_run_once(args, records, sessions, admission, base_dir / ("admission" if admission else
-                                                                                   "lifecycle")))
+    for mode in modes:
+        print(f"\n=== run: {titles[mode]} ===", flush=True)
+        if mode == "smg":
+            summaries.append(_run_router_alone(args, records, sessions, base_dir / "smg"))
+        else:
+            summaries.append(_run_once(args, records, sessions, mode == "admission", base_dir / mode))
+    alone = next((s for s in summaries if s["run"] == "smg"), None)
+    if alone is not None:
+        for s in summaries:
+            if s["run"] != "smg":
+                s["against_smg"] = gain_line(alone, s)
+                print(f"\n{s['against_smg']}", flush=True)
     if args.json_out:
         Path(args.json_out).write_text(json.dumps(summaries, indent=2))
     return 1 if any(s["failed"] for s in summaries) else 0
+
+
+#: Two figures of the demo's last line closer than this (relative) count as the same.
+SAME_WITHIN = 0.05
+
+
+def gain_line(alone: dict, kv: dict) -> str:
+    """The demo's last line: what kvgate (summary ``kv``) gained or lost against smg alone (``alone``) on the same
+    replay, with the figures behind it: the prompt tokens the engines computed (prompt - cached), the cache hit
+    rate and the turns' latency p50 and p99 (each better or worse only beyond SAME_WITHIN). Pure."""
+    def computed(s: dict) -> int:
+        return s["prompt_tokens"] - s["cached_tokens"]
+
+    def hit(s: dict) -> float:  # from the counts, as each run's summary prints it (not the rounded rate)
+        return s["cached_tokens"] / s["prompt_tokens"] if s["prompt_tokens"] else 0.0
+
+    c_a, c_k = computed(alone), computed(kv)
+    name = "kvgate (session lifecycle" + (" + admission)" if kv["run"] == "admission" else ")")
+    pairs = [(c_k, c_a), (kv["latency_p50_s"], alone["latency_p50_s"]), (kv["latency_p99_s"], alone["latency_p99_s"])]
+    # within SAME_WITHIN of each other two figures count as the same: one run's noise on a shared machine
+    better = [k < a * (1 - SAME_WITHIN) for k, a in pairs]
+    worse = [k > a * (1 + SAME_WITHIN) for k, a in pairs]
+    verdict = ("gained" if any(better) and not any(worse) else "lost" if any(worse) and not any(better)
+               else "gained and lost" if any(better) else f"changed nothing beyond {SAME_WITHIN:.0%}")
+
+    def ratio(a: float, b: float) -> str:
+        return f"{a / b:.2f}x" if b else "-"
+    fails = "" if kv["ok"] == kv["requests"] and alone["ok"] == alone["requests"] else (
+        f"; answered {kv['ok']}/{kv['requests']} against {alone['ok']}/{alone['requests']}")
+    return (f"result: {name} {verdict} against smg alone on the same {kv['requests']} turns: the engines computed "
+            f"{c_k:,} prompt tokens against {c_a:,} ({ratio(c_k, c_a)}; cache hit {hit(kv):.1%} against "
+            f"{hit(alone):.1%}), turn latency p50 {kv['latency_p50_s']:.3f} s against "
+            f"{alone['latency_p50_s']:.3f} s ({ratio(kv['latency_p50_s'], alone['latency_p50_s'])}), p99 "
+            f"{kv['latency_p99_s']:.3f} s against {alone['latency_p99_s']:.3f} s "
+            f"({ratio(kv['latency_p99_s'], alone['latency_p99_s'])}){fails}")
 
 
 def _real_vocab() -> int:
@@ -384,11 +451,11 @@ def _real_vocab() -> int:
 
 
 def _start_real(args: argparse.Namespace, log_dir: Path, out: list) -> list[str]:
-    """Start ``args.engines`` real engines at once (kvgate.tools.engine); appends each to ``out`` (the caller
+    """Start ``args.engines`` real engines at once (kvgate.tools.sglang_engine); appends each to ``out`` (the caller
     stops them) and returns their URLs."""
     import concurrent.futures
 
-    from kvgate.tools import engine as real_engine
+    from kvgate.tools import sglang_engine as real_engine
     spec = real_engine.EngineSpec(max_total_tokens=args.max_total_num_tokens)
     print(f"kvgate demo: starting {args.engines} real SGLang engines (20-30 s each on an idle machine)", flush=True)
     with concurrent.futures.ThreadPoolExecutor(args.engines) as pool:
@@ -404,42 +471,116 @@ def _start_real(args: argparse.Namespace, log_dir: Path, out: list) -> list[str]
     return [e.url for e in out]
 
 
+def _start_fleet(args: argparse.Namespace, log_dir: Path, started: list,
+                 real_engines: list) -> tuple[list[str], procs.Proc]:
+    """The engines (simulated, started here; or real: started, or ``--engine-url``, radix caches flushed) and smg
+    in front of them with ``--router-policy``. Appends what it starts to ``started`` / ``real_engines`` (the
+    caller stops them). Returns (engine URLs, the router)."""
+    if args.engine == "sglang":
+        engine_urls = list(args.engine_url) or _start_real(args, log_dir, real_engines)
+        for u in engine_urls:  # each run starts from empty radix caches
+            from kvgate.tools.sglang_engine import flush_cache
+            flush_cache(u, 120)
+    else:
+        engine_urls = []
+        for i in range(args.engines):
+            port = procs.free_port()
+            url = f"http://127.0.0.1:{port}"
+            p = procs.start(f"engine{i}", [sys.executable, "-m", "kvgate", "sim-engine", "--port", str(port),
+                                           "--max-total-num-tokens", str(args.max_total_num_tokens),
+                                           "--speed", str(args.speed)], log_dir, url=url)
+            started.append(p)
+            engine_urls.append(url)
+        for p in started:
+            procs.wait_http(p.url + "/health", 30, p)
+    rport, mport = procs.free_port(), procs.free_port()
+    router = procs.start("smg", procs.smg_command(rport, engine_urls, mport, policy=args.router_policy), log_dir,
+                         url=f"http://127.0.0.1:{rport}")
+    started.append(router)
+    procs.wait_http(router.url + "/readiness", 60, router, procs.router_ready(len(engine_urls)))
+    return engine_urls, router
+
+
+def _progress(n: int):
+    last = [time.monotonic()]
+
+    def progress(done: int) -> None:
+        if time.monotonic() - last[0] >= 10 or done == n:
+            last[0] = time.monotonic()
+            print(f"  ... {done}/{n} requests done", flush=True)
+    return progress
+
+
+def _path_line(args: argparse.Namespace, records, n_sessions: int, hops: str, n_engines: int, log_dir: Path) -> None:
+    kind = "real SGLang engines" if args.engine == "sglang" else "simulated engines"
+    pool = "" if args.engine == "sglang" and args.engine_url else \
+        f" (max_total_num_tokens {args.max_total_num_tokens} each)"
+    scale = f"; token counts / {args.token_scale}" if args.token_scale > 1 else ""
+    only = ", multi-turn only" if args.sessions == "multi-turn" else ""
+    print(f"kvgate demo: {args.duration_s:.0f} s of the Mooncake conversation trace from {args.start_s:.0f} s "
+          f"({len(records)} requests, {n_sessions} sessions{only}) at speed {args.speed:g}", flush=True)
+    print(f"  path: client -> {hops} -> {n_engines} {kind}{pool}{scale}; logs in {log_dir}", flush=True)
+
+
+def _latency_cache(rep: Replay, n: int, wall: float) -> tuple[dict, list[str]]:
+    """The figures every run reports (requests, latency, cache) and their summary lines."""
+    hit = rep.cached_tokens / rep.prompt_tokens if rep.prompt_tokens else 0.0
+    figures = {"requests": n, "ok": rep.ok, "errors": rep.errors, "wall_s": round(wall, 1),
+               "prompt_tokens": rep.prompt_tokens, "cached_tokens": rep.cached_tokens,
+               "cache_hit_rate": round(hit, 4), "latency_p50_s": round(percentile(rep.latencies, 50), 3),
+               "latency_p99_s": round(percentile(rep.latencies, 99), 3)}
+    lines = [f"requests   {rep.ok}/{n} ok, errors {rep.errors or 0}, replay wall time {wall:.1f} s",
+             f"latency    p50 {figures['latency_p50_s']:.3f} s, p99 {figures['latency_p99_s']:.3f} s",
+             f"cache      hit rate {hit:.1%} ({rep.cached_tokens} of {rep.prompt_tokens} prompt tokens cached; the "
+             f"engines computed {rep.prompt_tokens - rep.cached_tokens})"]
+    return figures, lines
+
+
+def _run_router_alone(args: argparse.Namespace, records, sessions, log_dir: Path) -> dict:
+    """The replay straight to smg (no kvgate) on a fresh fleet; prints and returns its summary."""
+    started: list[procs.Proc] = []
+    real_engines: list = []
+    real = args.engine == "sglang"
+    book = ScaledBook(args.token_scale, _real_vocab() if real else None)
+    try:
+        engine_urls, router = _start_fleet(args, log_dir, started, real_engines)
+        _path_line(args, records, len(set(sessions)), f"smg {router.url} ({args.router_policy})", len(engine_urls),
+                   log_dir)
+        t0 = time.monotonic()
+        rep = asyncio.run(_replay(router.url, records, sessions, args.speed, _progress(len(records)), args.route,
+                                  book, "kvgate-tiny" if real else "kvgate-sim"))
+        wall = time.monotonic() - t0
+    except BaseException:
+        print(f"kvgate demo: stopping the {len(started) + len(real_engines)} processes it started", file=sys.stderr,
+              flush=True)
+        raise
+    finally:
+        procs.stop_all(started)
+        for e in real_engines:
+            e.stop()
+    figures, lines = _latency_cache(rep, len(records), wall)
+    print("summary")
+    for line in lines:
+        print(f"  {line}")
+    return {"run": "smg", "router_policy": args.router_policy, "engine": args.engine, "engines": len(engine_urls),
+            "route": args.route, **figures, "failed": rep.ok != len(records)}
+
+
 def _run_once(args: argparse.Namespace, records, sessions, admission: bool, log_dir: Path) -> dict:
-    """One run on a fresh fleet (two engines, smg, kvgate); prints and returns its summary."""
+    """One run through kvgate on a fresh fleet (engines, smg, kvgate); prints and returns its summary."""
     n_sessions = len(set(sessions))
     started: list[procs.Proc] = []
-    real_engines: list = []  # kvgate.tools.engine.Engine, started here (stopped at the end)
+    real_engines: list = []  # kvgate.tools.sglang_engine.Engine, started here (stopped at the end)
     speed = args.speed
     real = args.engine == "sglang"
     book = ScaledBook(args.token_scale, _real_vocab() if real else None)
     model = "kvgate-tiny" if real else "kvgate-sim"
     try:
-        if real:
-            engine_urls = list(args.engine_url) or _start_real(args, log_dir, real_engines)
-            for u in engine_urls:  # each run starts from empty radix caches
-                from kvgate.tools.engine import flush_cache
-                flush_cache(u, 120)
-        else:
-            engine_urls = []
-            for i in range(args.engines):
-                port = procs.free_port()
-                url = f"http://127.0.0.1:{port}"
-                p = procs.start(f"engine{i}", [sys.executable, "-m", "kvgate", "sim-engine", "--port", str(port),
-                                               "--max-total-num-tokens", str(args.max_total_num_tokens),
-                                               "--speed", str(speed)], log_dir, url=url)
-                started.append(p)
-                engine_urls.append(url)
-            for p in started:
-                procs.wait_http(p.url + "/health", 30, p)
-        rport, mport = procs.free_port(), procs.free_port()
-        router = procs.start("smg", procs.smg_command(rport, engine_urls, mport, policy="round_robin"), log_dir,
-                             url=f"http://127.0.0.1:{rport}")
-        started.append(router)
-        procs.wait_http(router.url + "/readiness", 60, router, procs.router_ready(len(engine_urls)))
+        engine_urls, router = _start_fleet(args, log_dir, started, real_engines)
         kport = procs.free_port()
         kv_cmd = [sys.executable, "-m", "kvgate", "serve", "--upstream", router.url, "--port", str(kport),
                   "--agentic-session-lifecycle", "--session-idle-close-s", str(args.idle_close_s / speed),
-                  "--discovery-interval-s", str(max(0.5, 5 / speed)), "--router-policy", "round_robin"]
+                  "--discovery-interval-s", str(max(0.5, 5 / speed)), "--router-policy", args.router_policy]
         if args.route == "generate":  # kvgate keeps each session on one engine (round_robin would not)
             kv_cmd += ["--session-placement", "kvgate"]
         if admission:
@@ -457,22 +598,11 @@ def _run_once(args: argparse.Namespace, records, sessions, admission: bool, log_
             procs.wait_http(kvgate.url + "/kvgate/stats", 30, kvgate,
                             lambda st, body: st == 200 and not json.loads(body)["ledger"]["degraded"])
 
-        print(f"kvgate demo: {args.duration_s:.0f} s of the Mooncake conversation trace from {args.start_s:.0f} s "
-              f"({len(records)} requests, {n_sessions} sessions) at speed {speed:g}", flush=True)
-        kind = "real SGLang engines" if real else "simulated engines"
-        pool = "" if real and args.engine_url else f" (max_total_num_tokens {args.max_total_num_tokens} each)"
-        scale = f"; token counts / {args.token_scale}" if args.token_scale > 1 else ""
-        print(f"  path: client -> kvgate {kvgate.url} -> smg {router.url} -> {len(engine_urls)} {kind}{pool}{scale}; "
-              f"logs in {log_dir}", flush=True)
-        last = [time.monotonic()]
-
-        def progress(done: int) -> None:
-            if time.monotonic() - last[0] >= 10 or done == len(records):
-                last[0] = time.monotonic()
-                print(f"  ... {done}/{len(records)} requests done", flush=True)
-
+        _path_line(args, records, n_sessions, f"kvgate {kvgate.url} -> smg {router.url} ({args.router_policy})",
+                   len(engine_urls), log_dir)
         t0 = time.monotonic()
-        rep = asyncio.run(_replay(kvgate.url, records, sessions, speed, progress, args.route, book, model))
+        rep = asyncio.run(_replay(kvgate.url, records, sessions, speed, _progress(len(records)), args.route, book,
+                                  model))
         wall = time.monotonic() - t0
         end = asyncio.run(_close_remaining(kvgate.url))
         reg = asyncio.run(_get_json(kvgate.url + "/kvgate/sessions?limit=1000000"))
@@ -505,18 +635,15 @@ def _run_once(args: argparse.Namespace, records, sessions, admission: bool, log_
                            calls_error=int(_sum_metric(mtext, "agentic_kv_session_close_calls_total",
                                                        result="error")))
     lines, off = reconcile(figures)
-    hit = rep.cached_tokens / rep.prompt_tokens if rep.prompt_tokens else 0.0
+    common, first_lines = _latency_cache(rep, len(records), wall)
     summary = {
-        "requests": len(records), "ok": rep.ok, "errors": rep.errors, "wall_s": round(wall, 1),
+        "run": "admission" if admission else "lifecycle", **common,
         "sessions": n_sessions, "sessions_closed": closed, "closes_by_reason": closes,
         "close_calls": sum(closes.values()) * len(engine_urls), "close_failures": close_fail, **end,
         "engine": args.engine, "engines": len(engine_urls), "token_scale": args.token_scale,
         "engine_sessions_seen": None if sims is None else [len(x) for x in figures.engine_sessions],
         "engine_sessions_union": None if sims is None else len(set().union(*figures.engine_sessions)),
         "engine_closes_received": figures.engine_closes, "not_adding_up": off,
-        "prompt_tokens": rep.prompt_tokens, "cached_tokens": rep.cached_tokens, "cache_hit_rate": round(hit, 4),
-        "latency_p50_s": round(percentile(rep.latencies, 50), 3),
-        "latency_p99_s": round(percentile(rep.latencies, 99), 3),
         "admission": rep.admission,
         "queue_ms_p50": round(percentile(rep.queue_ms, 50), 1) if rep.queue_ms else None,
         "queue_ms_p99": round(percentile(rep.queue_ms, 99), 1) if rep.queue_ms else None,
@@ -526,10 +653,7 @@ def _run_once(args: argparse.Namespace, records, sessions, admission: bool, log_
         "placement_counts": placement.get("counts"),
     }
     print("summary")
-    print(f"  requests   {rep.ok}/{len(records)} ok, errors {rep.errors or 0}, replay wall time {wall:.1f} s")
-    print(f"  latency    p50 {summary['latency_p50_s']:.3f} s, p99 {summary['latency_p99_s']:.3f} s")
-    print(f"  cache      hit rate {hit:.1%} ({rep.cached_tokens} of {rep.prompt_tokens} prompt tokens cached)")
-    for line in lines:
+    for line in first_lines + lines:
         print(f"  {line}")
     for line in off:
         print(f"  DOES NOT ADD UP: {line}")

@@ -183,15 +183,38 @@ def group_cpu_seconds(pgids) -> dict[int, float]:
 
 
 def start(name: str, cmd: list[str], log_dir: Path, env: dict | None = None, url: str | None = None,
-          cwd: Path | None = None) -> Proc:
+          cwd: Path | None = None, die_with_parent: bool = False) -> Proc:
     """Start ``cmd`` in a new session (process group), in ``cwd`` (default: ours); output goes to
-    log_dir/name.log."""
+    log_dir/name.log.
+
+    die_with_parent: the child gets SIGKILL when this thread ends, even by SIGKILL (Linux's
+    PR_SET_PDEATHSIG; elsewhere nothing). Only for a child started from a thread that lives as long as the
+    process (the main thread): the signal follows the starting thread, not the process."""
     log_dir.mkdir(parents=True, exist_ok=True)
     log_path = log_dir / f"{name}.log"
     fh = open(log_path, "wb")
     popen = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                             start_new_session=True, env={**os.environ, **(env or {})}, cwd=cwd)
+                             start_new_session=True, env={**os.environ, **(env or {})}, cwd=cwd,
+                             preexec_fn=_die_with_parent(os.getpid()) if die_with_parent else None)
     return Proc(name, popen, log_path, url, fh)
+
+
+def _die_with_parent(parent_pid: int):
+    """A preexec_fn: ask the kernel for SIGKILL when the parent thread ends; exit at once when the parent is
+    already gone (it died between fork and here). Nothing where prctl is not there (not Linux)."""
+    import ctypes
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        prctl = libc.prctl
+    except (OSError, AttributeError):
+        return None
+    PR_SET_PDEATHSIG = 1  # linux/prctl.h
+
+    def preexec() -> None:
+        prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+        if os.getppid() != parent_pid:
+            os._exit(1)
+    return preexec
 
 
 def wait_http(url: str, timeout_s: float, proc: Proc | None = None, expect=lambda status, body: status == 200) -> bytes:
@@ -230,7 +253,7 @@ def smg_installed() -> bool:
 
 def smg_command(port: int, worker_urls: list[str], prometheus_port: int, policy: str = "round_robin",
                 extra: list[str] | None = None) -> list[str]:
-    """The command line that starts the smg router on 127.0.0.1 (router-compat.md). Raises
+    """The command line that starts the smg router on 127.0.0.1 (docs/compatibility.md#starting-the-router). Raises
     FileNotFoundError when smg is not installed. It runs the smg package itself (``python -m smg``), not the
     ``smg`` script on PATH: sglang-router 0.3.2 installs a script of that name too, and where it was installed
     after smg the script starts the old router."""

@@ -1,6 +1,6 @@
 """The real-engine tier: kvgate in front of real SGLang 0.5.23 engines (CPU) and the real routers.
 
-Two engines (kvgate.tools.engine, a tiny Llama with random weights, KV pools of POOL tokens, the session radix
+Two engines (kvgate.tools.sglang_engine, a tiny Llama with random weights, KV pools of POOL tokens, the session radix
 cache on) are started once for the whole tier, side by side, with smg 1.13 (``python -m smg``, round_robin) and
 sglang-router 0.3.2 in front of both; every test shares them and finds both radix caches flushed. A test that
 needs engines started otherwise (DP, HiCache) asks ``real_fleet.exclusive(...)``: the shared engines stop first
@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from kvgate.tools import engine as eng
+from kvgate.tools import sglang_engine as eng
 from kvgate.tools import procs
 
 #: Each shared engine's KV pool (--max-total-tokens), tokens.

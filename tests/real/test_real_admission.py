@@ -102,3 +102,60 @@ async def test_ledger_holds_the_call_that_would_overfill_the_pools(fleet, kvgate
     assert obj["meta_info"]["request_received_ts"] >= first_end, (obj["meta_info"], first_end)
     # kvgate spread the big sessions over the engines (free KV), so none queued in an engine.
     assert {gw.placement.engine_of(f"big{i}")[0] for i in range(n)} == set(fleet.urls)
+
+
+async def test_one_turn_jobs_never_wait_out_the_aging_bound_beside_kv_they_no_longer_use(fleet, kvgate_factory):
+    """Seven one-turn jobs (no session ids: lifecycle infers a session for each) of 1,500 prompt + 300 new
+    tokens sharing a 300-token system prompt, on two engines of 4,000 tokens (ceilings 3,600: two jobs each).
+    Before: a finished job's inferred session counted as a program in a tool call for 60 s (no gap evidence
+    yet), holding its KV in the ledger, so the last three jobs waited the full overdue time beside engines whose
+    jobs had ended. Now its KV is held without evidence of return, and a turn that has waited one poll interval
+    reclaims it: every job is admitted (none aged) and none waits much longer than the jobs ahead of it run."""
+    gw, kv = await kvgate_factory(upstream=fleet.smg, **ADMISSION)
+    await _ready(gw)
+    system = ids(300, 90)
+    async with aiohttp.ClientSession() as http:
+        jobs = await asyncio.gather(*(_timed(http, kv + "/generate", gen_body(system + ids(1200, 91 + i), 300), {})
+                                      for i in range(7)))
+    decisions = [h["X-Kvgate-Admission"] for *_, h in jobs]
+    queued_s = [int(h["X-Kvgate-Queue-Ms"]) / 1000 for *_, h in jobs]
+    first_wave_s = [t1 - t0 for (t0, t1, _, h), q in zip(jobs, queued_s) if q == 0]
+    assert decisions == ["admit"] * 7, decisions
+    assert all(obj["meta_info"]["completion_tokens"] == 300 for _, _, obj, _ in jobs)
+    assert len(first_wave_s) == 4, queued_s  # two jobs per engine fit at once
+    counters = gw.gate.stats()["counters"]
+    assert counters["reclaimed"] >= 1 and counters["bypass_aged"] == 0, counters
+    # The other three waited only for the first four to end (plus a poll or two for the engines' figures).
+    # Before, they waited out the 60 s overdue default.
+    assert max(queued_s) <= max(first_wave_s) + 2.0, (queued_s, first_wave_s)
+
+
+async def test_a_new_program_placed_on_a_full_engine_goes_to_the_empty_one_at_once(fleet, kvgate_factory):
+    """An agent ("home") holds 3,200 tokens of its 2-turn context on engine A (ceiling 3,600) between turns. A
+    new program whose prompt starts with home's first prompt is placed on A by prefix affinity, where its
+    3,400-token first turn does not fit, while engine B is empty. Before: it waited in kvgate until home's
+    program counted as ended (60 s). Now admission admits it on B at once and the session moves there."""
+    if len(fleet.urls) < 2:
+        pytest.skip("needs two engines")
+    # prefix affinity up to 0.95 usage, so home's 0.8 cannot move the new program off its engine by itself
+    gw, kv = await kvgate_factory(upstream=fleet.smg, placement_pressure_threshold=0.95, **ADMISSION)
+    await _ready(gw)
+    first = ids(1500, 70)
+    async with aiohttp.ClientSession() as http:
+        st, t1, _ = await post(http, kv + "/generate", gen_body(first, 100), {"X-Session-ID": "home"})
+        assert st == 200, t1
+        second = first + t1["output_ids"] + ids(1500, 71)
+        st, t2, h2 = await post(http, kv + "/generate", gen_body(second, 100), {"X-Session-ID": "home"})
+        assert st == 200 and h2["X-Kvgate-Admission"] == "admit", t2
+        home = gw.placement.engine_of("home")[0]
+        await gw.poller.round_done.wait()  # the engines' figures after home's second turn
+        st, obj, h = await post(http, kv + "/generate", gen_body(first + ids(1800, 72), 100), {"X-Session-ID": "new"})
+        async with http.get(kv + "/kvgate/sessions/new") as r:
+            new = await r.json()
+    assert st == 200 and obj["meta_info"]["completion_tokens"] == 100
+    assert (h["X-Kvgate-Admission"], h["X-Kvgate-Queue-Ms"]) == ("admit", "0")
+    other = next(u for u in fleet.urls if u != home)
+    assert new["engine"]["url"] == other and new["engine"]["moves"] == 1, new
+    assert gw.gate.stats()["counters"]["moved"] == 1
+    assert gw.gate.ledger.reserved_on(home) >= 3000  # home still holds its context there: nothing was paused
+    assert gw.gate.stats()["counters"]["pause"] == 0

@@ -15,7 +15,8 @@ ROOT = Path(__file__).resolve().parents[2]
 def test_demo_on_real_engines(fleet, tmp_path):
     out = tmp_path / "summary.json"
     cmd = [sys.executable, "-m", "kvgate", "demo", "--engine", "sglang", "--duration-s", "5", "--speed", "2",
-           "--idle-close-s", "4", "--runs", "admission", "--json", str(out), "--log-dir", str(tmp_path / "logs")]
+           "--idle-close-s", "4", "--runs", "admission", "--sessions", "all", "--json", str(out),
+           "--log-dir", str(tmp_path / "logs")]
     for u in fleet.urls:
         cmd += ["--engine-url", u]
     res = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=600, start_new_session=True)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import aiohttp
 import pytest
 
-from kvgate.tools.engine import EngineSpec
+from kvgate.tools.sglang_engine import EngineSpec
 
 from .helpers import generate, ids
 

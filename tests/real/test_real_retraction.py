@@ -2,21 +2,28 @@
 agentic_kv_session_retractions_total, and the engine's own sglang:num_retracted_requests_total (the dashboard's
 "Retracted requests per second" panel) all say the same number.
 
-How a retraction is made to happen (SGLang 0.5.23 schedule_policy.py PrefillAdder): a new request is admitted
-when its prompt plus its whole max_new_tokens fit, while the running requests count their remaining tokens times
-new_token_ratio (0.7 at first) unless they set ignore_eos. Five calls of 300 + 400 tokens fill 3,500 of the 4,000
-slots; a sixth sent while they decode finds 4,000 - 5 x (300 + g + 0.7 x (400 - g)) >= 700 free and is admitted;
-six contexts of 700 need 4,200 slots, so when they have grown to ~670 each the engine retracts one."""
+How a retraction is made to happen, with no race (SGLang 0.5.23 schedule_policy.py PrefillAdder): a request is
+admitted when its prompt plus min(max_new_tokens, CLIP_MAX_NEW_TOKENS) fit beside what the running ones still
+reserve. The test's engine runs with SGLANG_CLIP_MAX_NEW_TOKENS_ESTIMATION=100, so six calls of 300 + 400 tokens
+reserve 6 x 400 = 2,400 of the 4,000 slots and are all admitted at once, whenever each arrives; six contexts of
+700 need 4,200 slots, so the engine must retract one before they end. (With the default clip of 4,096 each
+reserves 700: five fill 3,500, the sixth is refused and waits for one of them to finish, unless it arrives while
+the five have generated under ~200 tokens each - a race a busy machine lost.)"""
 
 from __future__ import annotations
 
 import asyncio
 
 import aiohttp
+import pytest
 
-from .helpers import engine_metrics, get_json, ids, post
+from kvgate.tools.sglang_engine import EngineSpec
+
+from .helpers import engine_metrics, ids, post
 
 PROMPT, NEW = 300, 400
+#: The engine's SGLANG_CLIP_MAX_NEW_TOKENS_ESTIMATION: what a new request reserves for its output, tokens.
+CLIP = 100
 
 
 def _body(seed: int) -> dict:
@@ -26,23 +33,18 @@ def _body(seed: int) -> dict:
                                                                 "temperature": 0}}
 
 
-async def test_retraction_counted_by_kvgate_as_by_the_engine(fleet, kvgate_factory):
-    e0 = fleet.urls[0]
-    gw, kv = await kvgate_factory(upstream=fleet.smg, engines=[e0], agentic_session_lifecycle=True,
-                                  session_placement="kvgate")
-    async with aiohttp.ClientSession() as http:
-        before = (await engine_metrics(http, e0)).get("sglang:num_retracted_requests_total", 0)
-        calls = [asyncio.create_task(post(http, kv + "/generate", _body(40 + i), {"X-Session-ID": f"r{i}"}))
-                 for i in range(5)]
-        while True:  # the engine's own report is the event: five calls decoding
-            load = (await get_json(http, e0 + "/v1/loads"))["loads"][0]
-            if load["num_running_reqs"] == 5 and load["num_used_tokens"] > 5 * PROMPT:
-                break
-            assert not any(c.done() for c in calls)
-            await asyncio.sleep(0.05)
-        calls.append(asyncio.create_task(post(http, kv + "/generate", _body(45), {"X-Session-ID": "r5"})))
-        answers = await asyncio.gather(*calls)
-        after = (await engine_metrics(http, e0)).get("sglang:num_retracted_requests_total", 0)
+@pytest.mark.exclusive_engines
+async def test_retraction_counted_by_kvgate_as_by_the_engine(real_fleet, kvgate_factory):
+    spec = EngineSpec(max_total_tokens=4000, env={"SGLANG_CLIP_MAX_NEW_TOKENS_ESTIMATION": str(CLIP)})
+    with real_fleet.exclusive([spec], "retraction") as (engine,):
+        e0 = engine.url
+        gw, kv = await kvgate_factory(upstream=e0, engines=[e0], agentic_session_lifecycle=True,
+                                      session_placement="kvgate")
+        async with aiohttp.ClientSession() as http:
+            before = (await engine_metrics(http, e0)).get("sglang:num_retracted_requests_total", 0)
+            answers = await asyncio.gather(*(post(http, kv + "/generate", _body(40 + i), {"X-Session-ID": f"r{i}"})
+                                             for i in range(6)))
+            after = (await engine_metrics(http, e0)).get("sglang:num_retracted_requests_total", 0)
     assert [st for st, _, _ in answers] == [200] * 6
     assert [a["meta_info"]["completion_tokens"] for _, a, _ in answers] == [NEW] * 6  # retracted calls finish
     by_answer = sum(a["meta_info"]["num_retractions"] for _, a, _ in answers)

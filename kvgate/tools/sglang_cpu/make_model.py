@@ -5,14 +5,14 @@ Run by the engine's own interpreter (it needs ``tokenizers`` and ``transformers`
 DIR gets config.json (LlamaForCausalLM) and a tokenizer built here, offline: a byte-level BPE trained with the
 ``tokenizers`` package on a built-in text, wrapped in transformers' PreTrainedTokenizerFast with a one-line chat
 template, so /v1/completions and /v1/chat/completions work as well as /generate with token ids. The model's
-vocab_size equals the tokenizer's, so every sampled id decodes to visible text (sglang-cpu.md: ids beyond the
+vocab_size equals the tokenizer's, so every sampled id decodes to visible text (measured on SGLang 0.5.23: ids beyond the
 tokenizer's vocabulary decode to nothing). ``<unk>`` ``<s>`` ``</s>`` are ids 0-2, the config's bos 1 / eos 2.
 
 Profiles:
 - ``tiny``: hidden 64, 2 layers. Fast (hundreds of tokens/s on one core); a cache hit saves almost nothing on
   the torch_native backend, which recomputes attention over the whole context. For the tests.
 - ``mlp``: hidden 512, intermediate 4096, 8 layers, 4 heads of 64. MLP-heavy, so a radix-cache hit saves most
-  of a prefill here too (sglang-cpu.md measured 74% on 1,000 ids); for ``kvgate bench`` on real engines.
+  of a prefill here too (74% measured on 1,000 ids); for ``kvgate bench`` on real engines.
 Idempotent: a directory whose files match is left alone. Prints the directory.
 """
 

@@ -12,11 +12,11 @@ load, whatever the model:
 The PyPI ``sglang-kernel`` wheel is CUDA only (its import fails on ``libcuda.so.1``) and the CPU build of
 sgl-kernel is not published on PyPI. On a CPU without AMX every layer of a dense Llama on the
 ``torch_native`` attention backend takes ``forward_native``, so these two ops are the only ones called
-(/work/shared/reference/sglang-cpu.md: greedy outputs identical uncached, cached and inside a batch). Any other
+(measured: greedy outputs identical uncached, cached and inside a batch). Any other
 name imports (so SGLang's optional imports succeed) but raises NotImplementedError when called, so a code path
 that needs a real kernel fails loudly instead of computing something else.
 
-kvgate's launcher (kvgate.tools.engine) puts the folder holding this package first on the engine's PYTHONPATH.
+kvgate's launcher (kvgate.tools.sglang_engine) puts the folder holding this package first on the engine's PYTHONPATH.
 """
 
 from __future__ import annotations

@@ -7,8 +7,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from kvgate.config import ConfigError, cpu_count, validate
 from kvgate.common.metrics import Metrics
-from kvgate.proxy.worker_metrics import merge_expositions
-from kvgate.proxy.workers import RESTART_MAX_DELAY_S, restart_delay
+from kvgate.proxy.process_metrics import merge_expositions
+from kvgate.proxy.processes import RESTART_MAX_DELAY_S, restart_delay
 
 
 def _samples(text: bytes) -> dict[tuple[str, tuple], float]:

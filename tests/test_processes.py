@@ -37,7 +37,7 @@ class Workers:
         self.url = f"http://127.0.0.1:{port}"
 
     def run_dir(self) -> Path:
-        dirs = list(self.tmp.glob("kvgate-workers-*"))
+        dirs = list(self.tmp.glob("kvgate-processes-*"))
         assert len(dirs) == 1, dirs
         return dirs[0]
 
@@ -45,7 +45,7 @@ class Workers:
         out = {}
         for i in range(self.count):
             try:
-                out[i] = json.loads((self.run_dir() / f"worker-{i}.json").read_text())
+                out[i] = json.loads((self.run_dir() / f"process-{i}.json").read_text())
             except (OSError, ValueError):
                 pass
         return out
@@ -59,7 +59,7 @@ class Workers:
         while True:  # a process we started reports readiness in its run directory
             if not self.proc.alive():
                 raise RuntimeError(f"supervisor exited {self.proc.popen.returncode}:\n{self.proc.log_tail()}")
-            regs = self.registrations() if list(self.tmp.glob("kvgate-workers-*")) else {}
+            regs = self.registrations() if list(self.tmp.glob("kvgate-processes-*")) else {}
             if len(regs) == self.count and all(regs[i]["pid"] != (not_pid or {}).get(i) for i in regs):
                 return regs
             if time.monotonic() > deadline:
@@ -251,7 +251,7 @@ async def test_a_killed_worker_is_restarted_and_requests_keep_succeeding(redis_s
     per = _by_worker(m, "agentic_kv_worker_requests_total")
     assert per["1"] >= 10 and per["0"] > 0, per  # the new worker 0 serves again (30 new connections)
     assert sum(per.values()) == 40
-    assert "worker 0 exited with status -9" in w.proc.log_path.read_text()
+    assert "process 0 exited with status -9" in w.proc.log_path.read_text()
     w.proc.stop()
     assert w.proc.popen.returncode == 0
     for reg in after.values():

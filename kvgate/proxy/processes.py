@@ -1,24 +1,24 @@
-"""Several worker processes on one port (``workers: N``): the supervisor and each worker's view of its
-siblings (I/O edge; the /metrics merge rule is kvgate.proxy.worker_metrics).
+"""Several kvgate processes on one port (``workers: N``): the supervisor and each process's view of its
+siblings (I/O edge; the /metrics merge rule is kvgate.proxy.process_metrics).
 
 ``kvgate serve`` with ``workers: N > 1`` becomes the supervisor. It binds ``host:port`` once with
 SO_REUSEPORT (port 0 is resolved here, and the bound socket keeps the port for restarts; it never
 listens, so the kernel gives it no connections), writes the validated configuration into a private run
-directory and starts N workers, each ``python -m kvgate serve --config <run dir>/config.yaml`` in its own
-process group, with ``KVGATE_WORKER_DIR`` and ``KVGATE_WORKER_INDEX`` set. A worker is a full kvgate: it
-binds the same ``host:port`` with SO_REUSEPORT (the kernel spreads new connections over the workers by
+directory and starts N processes, each ``python -m kvgate serve --config <run dir>/config.yaml`` in its own
+process group, with ``KVGATE_PROCESS_DIR`` and ``KVGATE_PROCESS_INDEX`` set. A process is a full kvgate: it
+binds the same ``host:port`` with SO_REUSEPORT (the kernel spreads new connections over the processes by
 a hash of the connection's addresses) and also listens on a private ``127.0.0.1`` port, which it writes to
-``<run dir>/worker-<i>.json`` once it serves. A worker answering GET /metrics on the shared port fetches
+``<run dir>/process-<i>.json`` once it serves. A process answering GET /metrics on the shared port fetches
 its siblings' own figures from their private ports (GET /kvgate/worker/metrics) and answers the merge.
 
-What the workers must agree on (sessions, idle close, placement, inferred sessions, admission leases)
+What the processes must agree on (sessions, idle close, placement, inferred sessions, admission leases)
 is in Redis (``state_backend: redis``, kvgate.shared.redis_state), exactly as for replicas on several
 machines; ``workers > 1`` with ``state_backend: memory`` is a config error.
 
-The supervisor restarts a worker that exits (logged, counted in ``<run dir>/supervisor.json``, shown as
+The supervisor restarts a process that exits (logged, counted in ``<run dir>/supervisor.json``, shown as
 ``agentic_kv_worker_restarts_total``), waiting longer after each exit that comes soon after a start, and
-stops every worker by process group on SIGINT, SIGTERM or SIGHUP (SIGTERM, then SIGKILL after a grace
-period). A worker whose supervisor is gone (its stdin, a pipe from the supervisor, reaches EOF) stops.
+stops every process by process group on SIGINT, SIGTERM or SIGHUP (SIGTERM, then SIGKILL after a grace
+period). A process whose supervisor is gone (its stdin, a pipe from the supervisor, reaches EOF) stops.
 """
 
 from __future__ import annotations
@@ -43,11 +43,11 @@ import yaml
 from kvgate.config import Config
 from kvgate.tools import procs
 
-log = logging.getLogger("kvgate.workers")
+log = logging.getLogger("kvgate.processes")
 
-ENV_DIR = "KVGATE_WORKER_DIR"
-ENV_INDEX = "KVGATE_WORKER_INDEX"
-#: A worker has this long to serve after its start; one that does not is stopped and counted as exited.
+ENV_DIR = "KVGATE_PROCESS_DIR"
+ENV_INDEX = "KVGATE_PROCESS_INDEX"
+#: A process has this long to serve after its start; one that does not is stopped and counted as exited.
 START_TIMEOUT_S = 60.0
 #: An exit this soon after a start doubles the wait before the next start (up to RESTART_MAX_DELAY_S).
 RESTART_SOON_S = 10.0
@@ -59,7 +59,7 @@ PEER_TIMEOUT_S = 2.0
 # --- the run directory both sides read ------------------------------------------------------------
 
 def registration_path(run_dir: Path, index: int) -> Path:
-    return run_dir / f"worker-{index}.json"
+    return run_dir / f"process-{index}.json"
 
 
 def write_json_atomic(path: Path, obj: dict) -> None:
@@ -76,11 +76,11 @@ def read_json(path: Path) -> dict | None:
         return None
 
 
-# --- the worker's side ------------------------------------------------------------------------------
+# --- the process's side ------------------------------------------------------------------------------
 
 @dataclass
-class WorkerRole:
-    """This process is worker ``index`` of ``count`` started by a supervisor that shares ``run_dir``.
+class ProcessRole:
+    """This process is number ``index`` of ``count`` started by a supervisor that shares ``run_dir``.
 
     ``private_port`` is set once the private 127.0.0.1 site listens (:meth:`register` publishes it)."""
 
@@ -91,15 +91,15 @@ class WorkerRole:
     _http: object = field(default=None, repr=False)
 
     @classmethod
-    def from_env(cls, cfg: Config) -> "WorkerRole | None":
-        """The role the supervisor gave this process through the environment, or None (not a worker)."""
+    def from_env(cls, cfg: Config) -> "ProcessRole | None":
+        """The role the supervisor gave this process through the environment, or None (not one of several)."""
         run_dir = os.environ.get(ENV_DIR)
         if not run_dir:
             return None
         return cls(int(os.environ.get(ENV_INDEX, "0")), cfg.workers, Path(run_dir))
 
     def register(self, private_port: int) -> None:
-        """Publish this worker's private port: siblings find it there from now on."""
+        """Publish this process's private port: siblings find it there from now on."""
         self.private_port = private_port
         write_json_atomic(registration_path(self.run_dir, self.index),
                           {"index": self.index, "pid": os.getpid(), "port": private_port})
@@ -113,7 +113,7 @@ class WorkerRole:
                 pass
 
     def siblings(self) -> dict[int, int | None]:
-        """Every worker slot but this one -> its private port, or None when it is not registered (down)."""
+        """Every process slot but this one -> its private port, or None when it is not registered (down)."""
         out: dict[int, int | None] = {}
         for i in range(self.count):
             if i != self.index:
@@ -122,7 +122,7 @@ class WorkerRole:
         return out
 
     def restarts(self) -> dict[str, int]:
-        """Worker label -> times the supervisor restarted that slot (its supervisor.json)."""
+        """Slot index -> times the supervisor restarted that slot (its supervisor.json)."""
         sup = read_json(self.run_dir / "supervisor.json") or {}
         return {str(k): int(v) for k, v in (sup.get("restarts") or {}).items()}
 
@@ -145,8 +145,8 @@ class WorkerRole:
             return None
 
     async def merged_metrics(self, own: bytes) -> bytes:
-        """This worker's exposition ``own`` merged with every sibling's (kvgate.proxy.worker_metrics)."""
-        from kvgate.proxy.worker_metrics import merge_expositions
+        """This process's exposition ``own`` merged with every sibling's (kvgate.proxy.process_metrics)."""
+        from kvgate.proxy.process_metrics import merge_expositions
         sib = self.siblings()
         bodies = await asyncio.gather(*(self._get(port, "/kvgate/worker/metrics") for port in sib.values()))
         texts = {self.index: own, **dict(zip(sib, bodies))}
@@ -155,7 +155,7 @@ class WorkerRole:
         return await asyncio.to_thread(merge_expositions, parts, self.count, self.restarts())
 
     async def health(self) -> dict:
-        """How many workers are up (answering their private /kvgate/worker/health now), which one answered
+        """How many processes are up (answering their private /kvgate/worker/health now), which one answered
         and how many times the supervisor restarted one."""
         sib = self.siblings()
         bodies = await asyncio.gather(*(self._get(port, "/kvgate/worker/health") for port in sib.values()))
@@ -164,7 +164,7 @@ class WorkerRole:
 
 
 async def watch_supervisor(stop: asyncio.Event) -> None:
-    """Set ``stop`` when stdin (the supervisor's pipe) reaches EOF: the supervisor is gone, so is this worker."""
+    """Set ``stop`` when stdin (the supervisor's pipe) reaches EOF: the supervisor is gone, so is this process."""
     loop = asyncio.get_running_loop()
     fd = sys.stdin.fileno()
     gone = asyncio.Event()
@@ -182,15 +182,15 @@ async def watch_supervisor(stop: asyncio.Event) -> None:
     os.set_blocking(fd, False)
     loop.add_reader(fd, readable)
     await gone.wait()
-    log.warning("the supervisor is gone; this worker stops")
+    log.warning("the supervisor is gone; this process stops")
     stop.set()
 
 
 # --- the supervisor's side ----------------------------------------------------------------------------
 
 def reserve_port(host: str, port: int) -> socket.socket:
-    """Bind ``host:port`` with SO_REUSEPORT without listening: port 0 becomes a fixed free port the workers
-    then bind, an address in use fails here, before any worker starts. Raises OSError."""
+    """Bind ``host:port`` with SO_REUSEPORT without listening: port 0 becomes a fixed free port the processes
+    then bind, an address in use fails here, before any process starts. Raises OSError."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
     if infos:
@@ -207,7 +207,7 @@ def reserve_port(host: str, port: int) -> socket.socket:
 
 
 def restart_delay(previous_s: float, lived_s: float) -> float:
-    """Seconds to wait before restarting a worker that lived ``lived_s`` after its last start, given the
+    """Seconds to wait before restarting a process that lived ``lived_s`` after its last start, given the
     wait before that start: none after a long life, else double (a crash loop is slowed down, not fed)."""
     if lived_s >= RESTART_SOON_S:
         return 0.0
@@ -221,23 +221,23 @@ class _Slot:
     started: float = 0.0
     restarts: int = 0
     delay_s: float = 0.0
-    due: float = 0.0  # when a dead worker is started again (monotonic seconds)
+    due: float = 0.0  # when a dead process is started again (monotonic seconds)
 
 
 class Supervisor:
-    """Starts, restarts and stops the ``cfg.workers`` worker processes of one ``kvgate serve``."""
+    """Starts, restarts and stops the ``cfg.workers`` kvgate processes of one ``kvgate serve``."""
 
     def __init__(self, cfg: Config):
         self.cfg = cfg
         self.count = cfg.workers
-        self.run_dir = Path(tempfile.mkdtemp(prefix="kvgate-workers-"))
+        self.run_dir = Path(tempfile.mkdtemp(prefix="kvgate-processes-"))
         self.slots = [_Slot(i) for i in range(self.count)]
         self.stopping = False
         self._sock: socket.socket | None = None
         self.port = cfg.port
 
     def prepare(self) -> None:
-        """Reserve the port and write the workers' configuration. Raises OSError (address in use)."""
+        """Reserve the port and write the processes' configuration. Raises OSError (address in use)."""
         self._sock = reserve_port(self.cfg.host, self.cfg.port)
         self.port = self._sock.getsockname()[1]
         values = dict(self.cfg.as_dict(), port=self.port)
@@ -246,17 +246,17 @@ class Supervisor:
 
     def _write_status(self) -> None:
         write_json_atomic(self.run_dir / "supervisor.json",
-                          {"pid": os.getpid(), "workers": self.count, "port": self.port,
+                          {"pid": os.getpid(), "processes": self.count, "port": self.port,
                            "restarts": {str(s.index): s.restarts for s in self.slots}})
 
-    def start_worker(self, slot: _Slot) -> None:
+    def start_process(self, slot: _Slot) -> None:
         registration_path(self.run_dir, slot.index).unlink(missing_ok=True)
         cmd = [sys.executable, "-m", "kvgate", "serve", "--config", str(self.run_dir / "config.yaml")]
         env = {**os.environ, ENV_DIR: str(self.run_dir), ENV_INDEX: str(slot.index)}
-        # stdin: a pipe the supervisor never writes to; its EOF tells the worker the supervisor is gone.
+        # stdin: a pipe the supervisor never writes to; its EOF tells the process the supervisor is gone.
         # stdout/stderr: the supervisor's own (one log stream). Own session: stopped by process group.
         popen = subprocess.Popen(cmd, stdin=subprocess.PIPE, env=env, start_new_session=True)
-        slot.proc = procs.Proc(f"worker{slot.index}", popen, Path(os.devnull))
+        slot.proc = procs.Proc(f"process{slot.index}", popen, Path(os.devnull))
         slot.started = time.monotonic()
 
     def registered(self, slot: _Slot) -> bool:
@@ -264,7 +264,7 @@ class Supervisor:
         return bool(reg) and slot.proc is not None and reg.get("pid") == slot.proc.popen.pid
 
     def wait_ready(self, wake_r: int) -> bool:
-        """Wait until every worker serves. False when one exits first or START_TIMEOUT_S passes, or on a
+        """Wait until every process serves. False when one exits first or START_TIMEOUT_S passes, or on a
         stop signal."""
         deadline = time.monotonic() + START_TIMEOUT_S
         while not self.stopping:
@@ -272,17 +272,17 @@ class Supervisor:
                 return True
             for s in self.slots:
                 if s.proc is not None and not s.proc.alive():
-                    log.error("worker %d exited with status %s before serving", s.index, s.proc.popen.returncode)
+                    log.error("process %d exited with status %s before serving", s.index, s.proc.popen.returncode)
                     return False
             if time.monotonic() > deadline:
-                log.error("workers not serving after %.0f s", START_TIMEOUT_S)
+                log.error("processes not serving after %.0f s", START_TIMEOUT_S)
                 return False
             # Readiness of processes we started: a short wait, cut short by any signal (SIGCHLD included).
             _wait(wake_r, 0.05)
         return False
 
     def reap(self) -> None:
-        """Restart the workers that exited (after their delay)."""
+        """Restart the processes that exited (after their delay)."""
         now = time.monotonic()
         for s in self.slots:
             if s.proc is not None and not s.proc.alive():
@@ -295,13 +295,13 @@ class Supervisor:
                 registration_path(self.run_dir, s.index).unlink(missing_ok=True)
                 s.delay_s = restart_delay(s.delay_s, lived)
                 s.due = now + s.delay_s
-                log.warning("worker %d exited with status %s after %.1f s; restarting it%s", s.index, code, lived,
+                log.warning("process %d exited with status %s after %.1f s; restarting it%s", s.index, code, lived,
                             f" in {s.delay_s:.2f} s" if s.delay_s else "")
             if s.proc is None and now >= s.due and not self.stopping:
                 s.restarts += 1
                 self._write_status()
-                self.start_worker(s)
-                log.info("worker %d restarted (pid %d, restart %d)", s.index, s.proc.popen.pid, s.restarts)
+                self.start_process(s)
+                log.info("process %d restarted (pid %d, restart %d)", s.index, s.proc.popen.pid, s.restarts)
 
     def next_wake(self) -> float:
         now = time.monotonic()
@@ -331,8 +331,8 @@ def _wait(fd: int, timeout_s: float) -> None:
 
 
 def supervise(cfg: Config) -> int:
-    """Run ``cfg.workers`` worker processes on cfg.host:cfg.port until SIGINT, SIGTERM or SIGHUP.
-    Returns the exit status: 0 after a stop signal, 1 when the workers did not come up, 2 when the port
+    """Run ``cfg.workers`` kvgate processes on cfg.host:cfg.port until SIGINT, SIGTERM or SIGHUP.
+    Returns the exit status: 0 after a stop signal, 1 when the processes did not come up, 2 when the port
     cannot be bound (one line naming it)."""
     sup = Supervisor(cfg)
     try:
@@ -354,16 +354,16 @@ def supervise(cfg: Config) -> int:
     status = 0
     try:
         for s in sup.slots:
-            sup.start_worker(s)
+            sup.start_process(s)
         if not sup.wait_ready(wake_r):
             status = 0 if sup.stopping else 1
         else:
-            log.info("kvgate listening on http://%s:%d with %d worker processes (pids %s)", cfg.host, sup.port,
+            log.info("kvgate listening on http://%s:%d with %d kvgate processes (pids %s)", cfg.host, sup.port,
                      sup.count, ", ".join(str(s.proc.popen.pid) for s in sup.slots if s.proc))
             while not sup.stopping:
                 sup.reap()
                 _wait(wake_r, sup.next_wake())
-        log.info("stopping %d worker processes", sup.count)
+        log.info("stopping %d kvgate processes", sup.count)
     finally:
         sup.stop()
         signal.set_wakeup_fd(-1)
@@ -372,5 +372,5 @@ def supervise(cfg: Config) -> int:
     return status
 
 
-__all__ = ["ENV_DIR", "ENV_INDEX", "Supervisor", "WorkerRole", "reserve_port", "restart_delay", "supervise",
+__all__ = ["ENV_DIR", "ENV_INDEX", "Supervisor", "ProcessRole", "reserve_port", "restart_delay", "supervise",
            "watch_supervisor"]

@@ -3,7 +3,7 @@
 An engine is SGLang 0.5.23's own server (HTTP server, tokenizer manager, scheduler, radix cache, metrics) from a
 virtual environment of its own (``scripts/setup-engine.sh``; its pins are not kvgate's), serving a tiny Llama
 with random weights (``--load-format dummy``) on the CPU. What it takes and why each flag is there:
-/work/shared/reference/sglang-cpu.md (measured) and docs/real-engines.md.
+docs/real-engines.md. By hand: ``kvgate engine start`` (kvgate.tools.engine_command).
 
 Each engine runs in its own process group, logs to a file, sleeps when idle (``--sleep-on-idle``: an idle
 scheduler otherwise spins a core) and computes on one thread (``OMP_NUM_THREADS=1``). A machine-wide slot
@@ -192,20 +192,23 @@ class Engine:
 
 
 def start_engine(spec: EngineSpec, log_dir: Path, name: str | None = None, port: int | None = None,
-                 timeout_s: float = 900.0, slot_timeout_s: float = 600.0) -> Engine:
+                 timeout_s: float = 900.0, slot_timeout_s: float = 600.0, die_with_launcher: bool = False) -> Engine:
     """Start one engine and wait until GET /health answers 200 (SGLang runs a warm-up generate first, so the
     engine then serves at once). A start took 17-32 s on an idle 2-core machine and 130-240 s with other
     engines, benches and test suites running beside it, hence the generous ``timeout_s`` (seconds). Returns the
     Engine; raises EngineUnavailable when no engine environment is installed, RuntimeError with the log's tail
     when the server exits, TimeoutError after ``timeout_s``, or when no engine slot frees within
-    ``slot_timeout_s`` seconds."""
+    ``slot_timeout_s`` seconds. die_with_launcher: the engine's server gets SIGKILL when the calling thread ends,
+    even by SIGKILL (its own scheduler and detokenizer processes follow it: SGLang sets the same on them); only
+    from the main thread (kvgate.tools.procs.start says why)."""
     model = model_dir(spec.profile)
     fd = acquire_slot(slot_timeout_s)
     try:
         port = port or procs.free_port()
         cmd, env = sglang_command(spec, port, model)
         t0 = time.monotonic()
-        proc = procs.start(name or f"sglang-{port}", cmd, log_dir, env=env, url=f"http://127.0.0.1:{port}")
+        proc = procs.start(name or f"sglang-{port}", cmd, log_dir, env=env, url=f"http://127.0.0.1:{port}",
+                           die_with_parent=die_with_launcher)
         eng = Engine(proc, proc.url, port, spec, fd)
         try:
             procs.wait_http(f"{proc.url}/health", timeout_s, proc)
@@ -240,15 +243,3 @@ def flush_cache(url: str, timeout_s: float = 30.0) -> None:
             last = str(exc)
         time.sleep(0.2)  # the engine refuses a flush while a request runs; no event to wait on
     raise RuntimeError(f"{url}/flush_cache did not succeed in {timeout_s} s: {last}")
-
-
-if __name__ == "__main__":  # python -m kvgate.tools.engine PORT: start one engine by hand, until Ctrl-C
-    spec = EngineSpec(max_total_tokens=int(sys.argv[2]) if len(sys.argv) > 2 else 4000)
-    e = start_engine(spec, Path("."), port=int(sys.argv[1]))
-    print(f"engine {e.url} ready in {e.started_s:.1f} s, log {e.log_path}")
-    try:
-        e.proc.popen.wait()
-    except KeyboardInterrupt:
-        pass
-    finally:
-        e.stop()

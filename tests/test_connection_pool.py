@@ -1,4 +1,4 @@
-"""The relay's own HTTP/1.1 client (kvgate.proxy.pool) on real sockets: connections reused and counted, every
+"""The relay's own HTTP/1.1 client (kvgate.proxy.connection_pool) on real sockets: connections reused and counted, every
 body framing relayed byte for byte, 1xx and HEAD, cuts, refused connects, and a stale connection resent only
 when the method allows it."""
 
@@ -10,7 +10,7 @@ import aiohttp
 import pytest
 
 from fake_upstream import parse_answer, request, send_raw
-from kvgate.proxy.pool import ConnectFailed, Disconnected, Pool, ResponseError
+from kvgate.proxy.connection_pool import ConnectFailed, Disconnected, ConnectionPool, ResponseError
 from kvgate.tools.procs import free_port
 
 
@@ -178,7 +178,7 @@ async def test_upstream_closing_mid_body_cuts_the_client(kvgate_factory, keepali
 
 
 async def test_refused_connect_raises_connect_failed_and_sends_nothing():
-    pool = Pool(connect_timeout_s=5.0, read_timeout_s=0.0)
+    pool = ConnectionPool(connect_timeout_s=5.0, read_timeout_s=0.0)
     pool.set_address("dead", "127.0.0.1", free_port())
     with pytest.raises(ConnectFailed):
         await pool.exchange("dead", b"GET / HTTP/1.1\r\nHost: x\r\nContent-Length: 0\r\n\r\n", b"", 0, "GET",
@@ -191,7 +191,7 @@ async def test_stale_connection_resent_only_for_methods_safe_to_send_twice(keepa
     # The upstream closes its first connection on the second request without answering (an idle
     # connection it dropped as the request went out): a GET is sent again on a new connection, a POST is not.
     up = await keepalive(lambda c, r, h: None if (c == 0 and r == 1) or (c == 1 and r == 1) else OK)
-    pool = Pool(connect_timeout_s=5.0, read_timeout_s=0.0)
+    pool = ConnectionPool(connect_timeout_s=5.0, read_timeout_s=0.0)
     port = _port(up.url)
     pool.set_address("up", "127.0.0.1", port)
 
@@ -241,7 +241,7 @@ def test_response_head_serialiser_keeps_bytes_and_refuses_injected_lines():
 
 async def test_pool_limit_holds_a_request_until_a_connection_frees(keepalive):
     up = await keepalive(lambda c, r, h: OK)
-    pool = Pool(connect_timeout_s=5.0, read_timeout_s=0.0, limit=1)
+    pool = ConnectionPool(connect_timeout_s=5.0, read_timeout_s=0.0, limit=1)
     pool.set_address("up", "127.0.0.1", _port(up.url))
     head = b"POST /x HTTP/1.1\r\nHost: x\r\nContent-Length: 0\r\n\r\n"
     first = await pool.exchange("up", head, b"", 0, "POST", False, 1 << 20)
@@ -265,7 +265,7 @@ async def test_pool_limit_holds_a_request_until_a_connection_frees(keepalive):
 
 
 async def test_trailers_are_not_relayed_as_headers_and_an_endless_head_is_refused(kvgate_factory, keepalive):
-    from kvgate.proxy import pool
+    from kvgate.proxy import connection_pool as pool
     answers = [b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n2\r\nok\r\n0\r\nX-Trailer: t\r\n\r\n",
                b"HTTP/1.1 200 OK\r\nX-Big: " + b"v" * (pool.MAX_HEAD_BYTES + 10) + b"\r\nContent-Length: 0\r\n\r\n"]
     up = await keepalive(lambda c, r, h: answers[len(up.heads) - 1])
@@ -324,7 +324,7 @@ def test_https_upstreams_keep_aiohttps_client_with_the_same_headers():
     assert list(md.items()) == [("X-A", "caf\udce9"), ("x-b", "1"), ("X-SMG-Routing-Key", "s")]
 
 
-async def _exchange_with_hook(pool: Pool, calls: list):
+async def _exchange_with_hook(pool: ConnectionPool, calls: list):
     def on_complete(conn):
         calls.append((conn.status, bytes(conn.reason), conn.take()))
         return "answered"
@@ -334,7 +334,7 @@ async def _exchange_with_hook(pool: Pool, calls: list):
 
 async def test_a_response_that_arrives_whole_is_handed_to_on_complete_before_the_exchange_returns(keepalive):
     up = await keepalive(lambda c, r, h: OK)
-    pool = Pool(connect_timeout_s=5.0, read_timeout_s=0.0)
+    pool = ConnectionPool(connect_timeout_s=5.0, read_timeout_s=0.0)
     pool.set_address("up", "127.0.0.1", _port(up.url))
     for _ in range(2):  # a new connection, then the same one reused: the hook is armed per request
         calls: list = []
@@ -363,7 +363,7 @@ async def test_a_response_still_arriving_when_its_head_is_read_never_reaches_on_
         writer.close()
 
     srv = await asyncio.start_server(handle, "127.0.0.1", 0)
-    pool = Pool(connect_timeout_s=5.0, read_timeout_s=0.0)
+    pool = ConnectionPool(connect_timeout_s=5.0, read_timeout_s=0.0)
     pool.set_address("up", "127.0.0.1", srv.sockets[0].getsockname()[1])
     calls: list = []
     ex = await _exchange_with_hook(pool, calls)
@@ -380,7 +380,7 @@ async def test_a_response_still_arriving_when_its_head_is_read_never_reaches_on_
 
 async def test_a_malformed_response_never_reaches_on_complete(keepalive):
     up = await keepalive(lambda c, r, h: b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\nContent-Length: 3\r\n\r\nabc")
-    pool = Pool(connect_timeout_s=5.0, read_timeout_s=0.0)
+    pool = ConnectionPool(connect_timeout_s=5.0, read_timeout_s=0.0)
     pool.set_address("up", "127.0.0.1", _port(up.url))
     calls: list = []
     with pytest.raises(ResponseError):

@@ -16,27 +16,39 @@ from kvgate.common.classify import Classified
 
 @dataclass(slots=True)
 class RequestInfo:
-    """What a gate may look at: the classified request, its headers and its session id (or None)."""
+    """What a gate may look at: the classified request, its headers, its session id (or None), where the
+    placement stage sent it (place: engine URL and DP rank, or None when unknown: the router picks) and whether
+    kvgate places the call itself (movable: the gate may then send it to another engine with room)."""
 
     classified: Classified
     headers: Mapping[str, str]
     session_id: str | None
+    place: tuple[str, int | None] | None = None
+    movable: bool = False
 
 
 @dataclass(slots=True)
 class Ticket:
     """The gate's answer. decision: admit | bypass-protected | bypass-degraded | bypass-aged | off.
 
-    queue_s: seconds spent waiting. headers: added to the response (X-Kvgate-Admission ...).
+    queue_s: seconds spent waiting. headers: added to the response (X-Kvgate-Admission ...). place: the engine
+    (URL, DP rank) the gate counted the call on when it moved a movable call off the place it was given (the
+    call must then go there), else None.
     """
 
     decision: str = "off"
     queue_s: float = 0.0
     handle: Any = None
     headers: list[tuple[str, str]] = field(default_factory=list)
+    place: tuple[str, int | None] | None = None
 
 
 class Gate(Protocol):
+    """What the request path asks of admission. ``reads_headers``: whether acquire() reads the request's
+    headers (the request path builds them only for a gate that does)."""
+
+    reads_headers: bool
+
     async def acquire(self, info: RequestInfo) -> Ticket: ...
 
     def release(self, ticket: Ticket, observed: dict | None = None) -> None: ...
@@ -46,6 +58,7 @@ class OpenGate:
     """Admission off: every request goes at once and carries no admission headers."""
 
     OFF = Ticket()
+    reads_headers = False
 
     async def acquire(self, info: RequestInfo) -> Ticket:
         return self.OFF

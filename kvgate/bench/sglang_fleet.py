@@ -1,5 +1,5 @@
 """Real SGLang engines for ``kvgate bench`` (scenario ``engine: sglang``; edge): started with the one launcher
-(kvgate.tools.engine) and reused across arms and seeds.
+(kvgate.tools.sglang_engine) and reused across arms and seeds.
 
 A start costs 20-30 s, so the bench keeps its engines while the next run wants the same KV pool and flushes
 their radix cache between runs (POST /flush_cache: an empty tree, as a fresh engine has); a run that wants
@@ -15,7 +15,7 @@ import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from kvgate.tools.engine import Engine, EngineSpec, flush_cache, start_engine
+from kvgate.tools.sglang_engine import Engine, EngineSpec, flush_cache, start_engine
 
 # sglang:NAME (0.5.23 /metrics) -> the bench's totals key (the same keys /sim/stats totals uses)
 COUNTERS = {

@@ -84,7 +84,7 @@ class _Conn(asyncio.Protocol):
         self.head_only = head_only  # a HEAD request: the response ends with its head
         self.keep_alive = False
         # Called with this connection as soon as the whole response is in, before the waiting relay
-        # resumes; what it returns is the exchange's ``early`` (see Pool.exchange).
+        # resumes; what it returns is the exchange's ``early`` (see ConnectionPool.exchange).
         self.on_complete: Callable[[_Conn], object] | None = None
         self.early = None
 
@@ -275,7 +275,7 @@ class Exchange:
 
     __slots__ = ("_pool", "_conn", "status", "reason", "headers", "early")
 
-    def __init__(self, pool: "Pool", conn: _Conn):
+    def __init__(self, pool: "ConnectionPool", conn: _Conn):
         self._pool = pool
         self._conn = conn
         self.status = conn.status
@@ -318,7 +318,7 @@ class Exchange:
         self._pool._release(c)
 
 
-class Pool:
+class ConnectionPool:
     """Idle keep-alive connections per upstream base URL (scheme http only).
 
     connect_timeout_s, read_timeout_s (0 = none) in seconds; limit: most connections in use at once over
