@@ -74,3 +74,14 @@ def test_decode_target_index_counts_healthy_decode_workers_in_listed_order():
          Engine("http://d:2", "decode")]
     assert [roles.decode_target_index(e, u) for u in ("http://d:3", "http://d:2", "http://d:1", "http://p:1")] \
         == [0, 1, None, None]
+
+
+def test_a_decode_worker_without_its_radix_cache_is_warned_about():
+    from kvgate.fleet import compat
+    base = {"enable_session_radix_cache": True, "version": "0.5.23"}
+    kinds = lambda info: [k for k, _ in compat.engine_warnings({**base, **info}, 200)]  # noqa: E731
+    assert kinds({"disaggregation_mode": "decode", "disaggregation_decode_enable_radix_cache": False}) == \
+        ["decode_radix_cache_off"]
+    assert kinds({"disaggregation_mode": "decode", "disaggregation_decode_enable_radix_cache": True}) == []
+    assert kinds({"disaggregation_mode": "prefill", "disaggregation_decode_enable_radix_cache": False}) == []
+    assert kinds({"disaggregation_mode": "null"}) == []
