@@ -154,3 +154,42 @@ async def test_smg_pd_names_the_decode_worker_by_target_worker_index(pd_fleet):
                              headers={"X-SMG-Target-Worker": str(len(decs))}) as r:
             assert r.status == 503
     assert sum(p.stats()["totals"]["num_requests"] for p in pres) == 3 * len(decs)
+
+
+async def test_admission_counts_the_decode_pools_and_lets_a_held_call_go_when_a_session_closes(pd_fleet,
+                                                                                               kvgate_factory):
+    """PD fleet of one prefill and two decode workers of 4,000 tokens each: the ledger's ceiling is the decode
+    workers' pools x headroom (7,200; the prefill pool holds no session between turns). Two agents hold 3,200
+    tokens each between turns; a new program's 1,700-token turn waits in kvgate until one agent's session
+    closes, then goes."""
+    router, pres, decs = await pd_fleet(prefill=1, decode=2, max_total_num_tokens=4000)
+    gw, kv = await kvgate_factory(upstream=router, agentic_session_lifecycle=True, agentic_program_admission=True,
+                                  admission_policy="program", admission_poll_interval_s=0.1,
+                                  discovery_interval_s=0.2, agentic_admission_max_wait_s=60.0)
+    await gw.directory.first_refresh.wait()
+    while gw.gate.ledger.snapshot is None:
+        await gw.poller.round_done.wait()
+    assert sorted(gw.gate.ledger.snapshot.engines) == sorted(d.url for d in decs)
+    assert gw.gate.ledger.ceiling == 7200
+
+    async def turn(http, sid, ids):
+        body = {"input_ids": ids, "sampling_params": {"max_new_tokens": 200, "ignore_eos": True}}
+        async with http.post(kv + "/generate", json=body, headers={"X-Session-ID": sid}) as r:
+            assert r.status == 200, await r.text()
+            return orjson.loads(await r.read()), r.headers
+
+    async with aiohttp.ClientSession() as http:
+        for k, sid in enumerate(("a", "b")):
+            first = list(range(10_000 * (k + 1), 10_000 * (k + 1) + 1500))
+            obj, _ = await turn(http, sid, first)
+            await turn(http, sid, first + obj["output_ids"] + list(range(50_000 + 2000 * k, 51_300 + 2000 * k)))
+        assert gw.gate.ledger.reserved == 6400
+        held = asyncio.create_task(turn(http, "c", list(range(90_000, 91_500))))
+        await gw.gate.wait_until(lambda: gw.gate.coord.waiting == 1)
+        assert not held.done()
+        async with http.post(kv + "/close_session", json={"session_id": "a"}) as r:
+            assert r.status == 200
+        obj, h = await held
+    assert obj["meta_info"]["completion_tokens"] == 200
+    assert h["X-Kvgate-Admission"] == "admit" and int(h["X-Kvgate-Queue-Ms"]) > 0
+    assert gw.gate.ledger.reserved == 3200 + 1700  # b and c between turns; a closed
