@@ -17,8 +17,8 @@ from kvgate.tools.procs import free_port
 class KeepAliveUpstream:
     """A raw upstream that keeps connections open: ``script(conn_no, req_no, head)`` returns the bytes to answer
     with, a tuple (bytes, "close") to answer and then close, or None to close the connection without
-    answering. Counts connections; records request heads and bodies. kvgate's discovery paths (and the
-    questions it asks an upstream that lists no engines) are answered 404 and not counted."""
+    answering. Counts connections; records request heads and bodies. kvgate's discovery paths (404) and the
+    questions it asks an upstream that lists no engines (200, an engine's answer) are not counted."""
 
     def __init__(self, script):
         self.script = script
@@ -50,8 +50,12 @@ class KeepAliveUpstream:
                     if k.strip().lower() == b"content-length":
                         length = int(v)
                 body = await reader.readexactly(length)
-                if head.split(b" ", 2)[1] in (b"/workers", b"/list_workers", b"/server_info", b"/get_model_info"):
+                path = head.split(b" ", 2)[1]
+                if path in (b"/workers", b"/list_workers"):
                     writer.write(b"HTTP/1.1 404 Not Found\r\nContent-Length: 0\r\n\r\n")
+                    continue
+                if path in (b"/server_info", b"/get_model_info"):  # what kvgate asks an upstream listing none
+                    writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\n{}")
                     continue
                 self.used.add(conn_no)
                 self.heads.append(head)
