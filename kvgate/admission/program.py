@@ -430,7 +430,7 @@ class ProgramCoordinator(_WaitingTurns, _Pausing):
         for t in self.ledger.expire(now):
             self._from_queue.discard(t)
             self._end_turn(t, now, None, cancelled=False)
-        if self._bound.claim_due:
+        if self._bound.claim_due.heap:
             self._bound.expire_claims(now)
         if self._due and not self.ledger.is_degraded(now):
             # No reservation outlives the evidence for it: a program idle past what its own and its group's
@@ -439,6 +439,8 @@ class ProgramCoordinator(_WaitingTurns, _Pausing):
                 if p.state is ProgramState.IN_TOOL and not p.inflight:
                     self._pause(p, now)
         ttl = self._ttl
+        if not ttl.heap or ttl.heap[0][0] > now:
+            return  # nothing due (most calls): no generator made
         waiting: set | None = None
         again = []
         for e in ttl.pop_due(now):
