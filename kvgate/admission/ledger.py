@@ -412,6 +412,11 @@ class Ledger:
         blocks = tuple(blocks)[: tokens // bt] if blocks else ()
         return self._hold.cost(place, blocks, tokens - len(blocks) * bt)
 
+    def shares_start(self, place: Any, blocks: tuple) -> bool:
+        """Whether ``place`` holds the first block of a prompt with prefix ``blocks`` (chain hashes: a place that
+        holds none of its start holds none of the rest either), in O(1)."""
+        return bool(blocks) and self._hold.has_block(self.resolve_place(place), blocks[0])
+
     def reserved_on(self, place: Any) -> int:
         """Tokens reserved on ``place`` by leases counted there."""
         return self._hold.total(self.resolve_place(place))

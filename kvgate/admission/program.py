@@ -125,8 +125,10 @@ class ProgramCoordinator(_WaitingTurns, _Pausing):
         self._bound = Seats(max_resident, ledger, self._programs, self._n)  # the resident bound's books
         self._gaps = TurnGaps(self.overdue_multiple, self.overdue_quantile, self.overdue_default_s,
                               self.program_ttl_s)
-        # per place: when its in-tool programs turn ended, (overdue_at, n, sid, last_end) (program_pause.py)
+        # per place: when its in-tool programs turn ended, (overdue_at, n, sid, last_end) (program_pause.py); and
+        # the same entries in one heap for the whole fleet (the eager pause and next_deadline read its top only)
         self._due: dict[Any, Deadlines] = {}
+        self._due_all = Deadlines(self._due_current_anywhere, self._programs.__len__, self._n)
         # Idle programs' TTL deadlines: (since + program_ttl_s, n, sid, since), current while its program is idle
         # (no turn in flight) with that ``since``. Expiry and the next deadline read the top instead of scanning
         # every program on every request.
@@ -433,12 +435,12 @@ class ProgramCoordinator(_WaitingTurns, _Pausing):
             self._end_turn(t, now, None, cancelled=False)
         if self._bound.claim_due.heap:
             self._bound.expire_claims(now)
-        if self._due and not self.ledger.is_degraded(now):
+        due = self._due_all.heap
+        if due and due[0][0] <= now and not self.ledger.is_degraded(now):
             # No reservation outlives the evidence for it: a program idle past what its own and its group's
             # gaps predict has ended; pausing it closes its engine session, so its KV is freed for real.
-            for p in self._overdue_on(FLEET, now):
-                if p.state is ProgramState.IN_TOOL and not p.inflight:
-                    self._pause(p, now)
+            for e in self._due_all.pop_due(now):
+                self._pause(self._programs[e[2]], now)
         ttl = self._ttl
         if not ttl.heap or ttl.heap[0][0] > now:
             return  # nothing due (most calls): no generator made
@@ -508,10 +510,9 @@ class ProgramCoordinator(_WaitingTurns, _Pausing):
             # a program in a tool call that turns ended is paused then (its KV freed for real; not while the
             # capacity signal is missing: the next snapshot's reconcile pumps, and a due time already past
             # would wake the timer at once, again and again)
-            for place in list(self._due):
-                due = self._next_due(place)
-                if due is not None:
-                    cands.append(due)
+            due = self._due_all.first()
+            if due is not None:
+                cands.append(due)
         rq = self._reclaim_due
         while rq and (rq[0][0] <= now or rq[0][1] not in self._queue):
             rq.popleft()  # due ones were looked at by the pump that came with their time, or left

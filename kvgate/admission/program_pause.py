@@ -43,6 +43,13 @@ class _Pausing:
         if d is None:
             d = self._due[p.place] = Deadlines(partial(self._due_current, p.place), self._programs.__len__, self._n)
         d.push(p.overdue_at, p.sid, p.last_end)
+        self._due_all.push(p.overdue_at, p.sid, p.last_end)
+
+    def _due_current_anywhere(self, e: tuple) -> bool:
+        """Whether a fleet-wide due entry still holds: its program is in the tool call that set it, wherever."""
+        p = self._programs.get(e[2])
+        return (p is not None and p.state is ProgramState.IN_TOOL and not p.inflight and p.last_end == e[3]
+                and p.overdue_at == e[0])
 
     def _due_current(self, place: Any, e: tuple) -> bool:
         p = self._programs.get(e[2])

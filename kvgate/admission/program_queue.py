@@ -177,7 +177,10 @@ class _WaitingTurns:
             lg = self.ledger
             lb, th = self._lower_bound(w), lg.pressure_threshold
             rest = [pl for pl in places[1:] if lg.free_on(pl) >= lb and lg.usage_of(pl) < th]
-            rest.sort(key=lambda pl: (lg.charge(pl, w.tokens, w.blocks), -lg.free_on(pl)))
+            # the charge (a walk of the prompt's blocks) only where the prompt's start is held: elsewhere it is
+            # the whole turn, the same on every engine
+            rest.sort(key=lambda pl: (lg.charge(pl, w.tokens, w.blocks) if lg.shares_start(pl, w.blocks)
+                                      else w.tokens, -lg.free_on(pl)))
             places = [places[0], *rest]
         for pl in places:
             r = self.ledger.try_acquire(w.ticket, w.tokens, now, place=pl, blocks=w.blocks)

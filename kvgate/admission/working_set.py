@@ -105,6 +105,11 @@ class Holdings:
         self._total -= freed
         return freed
 
+    def has_block(self, place: Hashable, block: int) -> bool:
+        """Whether some holder on ``place`` holds ``block``."""
+        p = self._places.get(place)
+        return p is not None and block in p.refs
+
     def holds(self, holder: Hashable) -> bool:
         return holder in self._holders
 
