@@ -52,6 +52,9 @@ class KeepAliveUpstream:
                 if head.split(b" ", 2)[1] in (b"/workers", b"/list_workers"):
                     writer.write(b"HTTP/1.1 404 Not Found\r\nContent-Length: 0\r\n\r\n")
                     continue
+                if head.split(b" ", 2)[1] in (b"/server_info", b"/get_model_info"):  # discovery: what is it?
+                    writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 2\r\n\r\n{}")
+                    continue
                 self.used.add(conn_no)
                 self.heads.append(head)
                 self.bodies.append(body)
