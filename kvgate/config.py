@@ -59,6 +59,10 @@ def _pos(x):
     return x > 0
 
 
+# An HTTP header name (RFC 9110 token characters).
+_HEADER_NAME = re.compile(r"[!#$%&'*+.^_`|~0-9A-Za-z-]+")
+
+
 def _nonneg(x):
     return x >= 0
 
@@ -235,11 +239,28 @@ KEYS: list[Key] = [
     # --- session identity ------------------------------------------------------------------------
     Key("agentic_session_lifecycle", bool, False,
         "Inject a top-level session_id into generate calls and close finished sessions on every engine."),
-    Key("session_resolution_order", list, ["body", "header", "field"],
-        "Where a request's session id is looked for, in order: body (top-level session_id), header, field.",
-        lambda v: len(v) > 0 and len(set(v)) == len(v) and all(x in ("body", "header", "field") for x in v),
-        "a non-empty list of distinct values from body, header, field"),
+    Key("session_resolution_order", list, ["body", "header", "routing_key", "field", "rid"],
+        "Where a request's session id is looked for, in order: body (top-level session_id), header (session_header, "
+        "then session_header_aliases), routing_key (session_routing_key_headers), field (session_field), rid (the "
+        "request id's lineage); prefix inference comes last.",
+        lambda v: len(v) > 0 and len(set(v)) == len(v) and all(
+            x in ("body", "header", "routing_key", "field", "rid") for x in v),
+        "a non-empty list of distinct values from body, header, routing_key, field, rid"),
     Key("session_header", str, "X-Session-ID", "Request header carrying the session id."),
+    Key("session_header_aliases", list, ["x-dynamo-session-id"],
+        "Further headers carrying the session id, read after session_header (Dynamo's x-dynamo-session-id).",
+        lambda v: all(isinstance(x, str) and _HEADER_NAME.fullmatch(x) for x in v), "a list of header names"),
+    Key("session_routing_key_headers", list, ["X-SMG-Routing-Key"],
+        "The routing-key headers smg reads (its --routing-key-headers), in order: the first present is the "
+        "session id. [] = not read.",
+        lambda v: all(isinstance(x, str) and _HEADER_NAME.fullmatch(x) for x in v), "a list of header names"),
+    Key("session_rid_lineage", str, "suffixed",
+        "The request id's lineage as the session id (rid with one _r<n>, then one _t<n> suffix stripped, as smg "
+        "strips it): suffixed (only a rid with such a suffix names a session), any (every rid does) or off.",
+        lambda v: v in ("suffixed", "any", "off"), "one of suffixed, any, off"),
+    Key("session_close_children", bool, True,
+        "Close a subagent's session (one that named its parent with x-dynamo-parent-session-id) when its parent "
+        "session closes first."),
     Key("session_field", str, None, "Body field carrying the session id, for example rid or user; null = unused.",
         nullable=True),
     Key("session_field_regex", str, None,

@@ -17,7 +17,8 @@ from kvgate.tools.procs import free_port
 class KeepAliveUpstream:
     """A raw upstream that keeps connections open: ``script(conn_no, req_no, head)`` returns the bytes to answer
     with, a tuple (bytes, "close") to answer and then close, or None to close the connection without
-    answering. Counts connections; records request heads and bodies."""
+    answering. Counts connections; records request heads and bodies. kvgate's discovery paths (404) and the
+    questions it asks an upstream that lists no engines (200, an engine's answer) are not counted."""
 
     def __init__(self, script):
         self.script = script
@@ -49,11 +50,12 @@ class KeepAliveUpstream:
                     if k.strip().lower() == b"content-length":
                         length = int(v)
                 body = await reader.readexactly(length)
-                if head.split(b" ", 2)[1] in (b"/workers", b"/list_workers"):
+                path = head.split(b" ", 2)[1]
+                if path in (b"/workers", b"/list_workers"):
                     writer.write(b"HTTP/1.1 404 Not Found\r\nContent-Length: 0\r\n\r\n")
                     continue
-                if head.split(b" ", 2)[1] in (b"/server_info", b"/get_model_info"):  # discovery: what is it?
-                    writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 2\r\n\r\n{}")
+                if path in (b"/server_info", b"/get_model_info"):  # what kvgate asks an upstream listing none
+                    writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\n{}")
                     continue
                 self.used.add(conn_no)
                 self.heads.append(head)
@@ -232,7 +234,10 @@ def test_request_head_drops_hop_by_hop_and_connection_named_headers_and_keeps_by
 
 def test_response_head_serialiser_keeps_bytes_and_refuses_injected_lines():
     from multidict import CIMultiDict
-    from kvgate.proxy.relay import _serialize_headers_preserving_bytes as ser
+    from kvgate.proxy.wire import header_lines
+
+    def ser(first, headers):
+        return header_lines(headers.items(), first=first) + b"\r\n"
     ok = ser("HTTP/1.1 200 OK", CIMultiDict([("X-Up", b"caf\xe9".decode("utf-8", "surrogateescape")), ("A", "b")]))
     assert ok == b"HTTP/1.1 200 OK\r\nX-Up: caf\xe9\r\nA: b\r\n\r\n"
     for bad in ("a\r\nEvil: 1", "a\nb", "a\rb"):
@@ -240,6 +245,14 @@ def test_response_head_serialiser_keeps_bytes_and_refuses_injected_lines():
             ser("HTTP/1.1 200 OK", CIMultiDict([("X", bad)]))
     with pytest.raises(ValueError):
         ser("HTTP/1.1 200 OK", CIMultiDict([("X\r\nY", "v")]))
+
+
+async def test_kvgate_patches_no_private_name_of_aiohttp(kvgate_factory, echo_upstream):
+    import aiohttp.http_writer
+    before = aiohttp.http_writer._serialize_headers
+    for server in ("kvgate", "aiohttp"):
+        await kvgate_factory(upstream=echo_upstream.url, http_server=server)
+    assert aiohttp.http_writer._serialize_headers is before
 
 
 async def test_pool_limit_holds_a_request_until_a_connection_frees(keepalive):

@@ -60,16 +60,16 @@ async def _turns(http, kv, route, sid, n, headers=None):
 
 
 def _record_engine_lookups(gw):
-    """What admission's engine lookup (Gateway.engine_of, the seam kvgate.admission.gate asks) answered, per
-    session, in call order."""
+    """Where the request path told admission each session's call goes (RequestInfo.place, decided by the
+    placement stage), per session, in call order."""
     seen: dict[str, list] = {}
-    inner = gw.engine_of
+    inner = gw.gate.acquire
 
-    def engine_of(sid):
-        where = inner(sid)
-        seen.setdefault(sid, []).append(where)
-        return where
-    gw.engine_of = engine_of
+    async def acquire(info):
+        if info.session_id is not None:
+            seen.setdefault(info.session_id, []).append(info.place)
+        return await inner(info)
+    gw.gate.acquire = acquire
     return seen
 
 
@@ -104,8 +104,8 @@ async def test_defaults_behind_smg_round_robin_keep_each_session_on_one_engine_o
                 assert all(c > 0 for c in cached[1:]), (route, cached)  # later turns re-use the session's KV
                 home = (e1, e2)[_where(sid, e1, e2).index(3)]
                 assert gw.placement.engine_of(sid) == (home.url, None)
-                # admission's lookup: unknown before the first turn was placed, that engine for every later turn
-                assert lookups[sid][0] is None and lookups[sid][1:] == [(home.url, None)] * 2, (sid, lookups[sid])
+                # placement decides before admission: admission counts every turn, the first too, on that engine
+                assert lookups[sid] == [(home.url, None)] * 3, (sid, lookups[sid])
         async with http.get(kv + "/kvgate/sessions") as r:
             sessions = {s["session_id"]: s for s in (await r.json())["sessions"]}
     assert sessions["/generate-0"]["engine"]["placed_by"] == "kvgate"
@@ -136,7 +136,7 @@ async def test_router_placement_learns_each_sessions_engine_from_smg_sticky_sess
             assert lookups[sid] == [None, (homes[sid], None), (homes[sid], None)], lookups[sid]
             async with http.get(kv + f"/kvgate/sessions/{sid}") as r:
                 s = await r.json()
-            assert s["engine"] == {"url": homes[sid], "dp_rank": None, "placed_by": "router"}
+            assert s["engine"] == {"url": homes[sid], "dp_rank": None, "placed_by": "router", "moves": 0}
     assert len(set(homes.values())) == 2  # round_robin put the sessions on both engines: the header told which
     assert gw.placement.counts["routed"] == 4 and gw.placement.counts["free_kv"] == 0
 

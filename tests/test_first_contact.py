@@ -51,7 +51,7 @@ def test_help_shows_every_flags_default(capsys):
         build_parser().parse_args(["serve", "--help"])
     out = " ".join(capsys.readouterr().out.split())
     for text in ("(0 picks a free port). (default: 8080)", "(default: http://127.0.0.1:30000)",
-                 "(default: [body, header, field])", "null = unused. (default: null)",
+                 "(default: [body, header, routing_key, field, rid])", "null = unused. (default: null)",
                  "(default: X-Session-ID)", "(default: 0.5)"):
         assert text in out, text
     with pytest.raises(SystemExit):

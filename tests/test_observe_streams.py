@@ -80,7 +80,7 @@ def test_usage_chunk_at_the_end_gives_the_token_counts():
                          "prompt_tokens_details": {"cached_tokens": 8}}}]
     got = _observe(chunks).result()
     assert got.meta_info == {"prompt_tokens": 12, "completion_tokens": 2, "cached_tokens": 8}
-    assert got.finish_type == "stop" and got.output == "hi"
+    assert got.finish_type == "stop" and got.output == "\x02assistant\x03hi\x04"
 
 
 def test_a_message_orjson_cannot_write_is_rendered_not_raised():
@@ -88,7 +88,7 @@ def test_a_message_orjson_cannot_write_is_rendered_not_raised():
     for _ in range(300):  # orjson writes at most 254 levels
         deep = [deep]
     msg = {"role": "assistant", "content": "x", "tool_calls": [{"function": {"arguments": deep}}]}
-    assert chat_output_text(msg).startswith("x[{'function'")
+    assert chat_output_text(msg).startswith("\x02assistant\x03x[[None, [[")
     o = ResponseObserver(is_sse=False, route="/v1/chat/completions", prompt_is_text=True)
     o.feed(b'{"choices":[{"message":{"content":"x","tool_calls":[{"a":' + b"[" * 300 + b"]" * 300 + b"}]}}]}")
-    assert o.result().output.startswith("x[{'a'")
+    assert o.result().output.startswith("\x02assistant\x03x[{'a'")

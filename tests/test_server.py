@@ -380,14 +380,14 @@ async def test_the_next_request_is_answered_while_the_last_handler_finishes(capl
         finished.append(req.raw_path)
 
     srv, port = await _raw_server(handler)
-    orig_pause = server._Conn.pause
-    server._Conn.pause = lambda self: (paused.append(1), orig_pause(self))[1]
+    orig_pause = server.Connection.pause
+    server.Connection.pause = lambda self, *a: (paused.append(1), orig_pause(self, *a))[1]
     try:
         reader, writer = await asyncio.open_connection("127.0.0.1", port)
         writer.write(b"GET /first HTTP/1.1\r\nHost: x\r\n\r\n")
         head, body = await read_response(reader)
         assert _status(head) == 200 and body == b"/first"
-        first = next(iter(srv._finishing))  # the first handler, detached from its connection, still running
+        first = next(iter(srv.finishing))  # the first handler, detached from its connection, still running
         assert not first.done()
         for i in range(3):
             writer.write(b"GET /next%d HTTP/1.1\r\nHost: x\r\n\r\n" % i)
@@ -401,9 +401,9 @@ async def test_the_next_request_is_answered_while_the_last_handler_finishes(capl
             for _ in range(3):
                 await asyncio.sleep(0)  # its done callback
         assert first.done() and not first.cancelled() and finished[-1] == "/first"
-        assert "error handling GET /first after its answer" in caplog.text and not srv._finishing
+        assert "error handling GET /first after its answer" in caplog.text and not srv.finishing
     finally:
-        server._Conn.pause = orig_pause
+        server.Connection.pause = orig_pause
         await srv.cleanup()
 
 
@@ -420,7 +420,7 @@ async def test_shutdown_waits_for_a_handler_finishing_after_its_answer():
     reader, writer = await asyncio.open_connection("127.0.0.1", port)
     writer.write(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
     head, body = await read_response(reader)
-    assert body == b"ok" and len(srv._finishing) == 1
+    assert body == b"ok" and len(srv.finishing) == 1
     stop = asyncio.ensure_future(srv.cleanup())
     for _ in range(20):
         await asyncio.sleep(0)

@@ -32,7 +32,7 @@ def test_chat_stream_without_usage_is_counted_per_content_chunk():
     body = sse(chunk(""), *(chunk(t) for t in ("He", "llo", " wor", "ld")), chunk("", finish="stop"))
     r = observe("/v1/chat/completions", body)
     assert r.meta_info == {"completion_tokens": 4} and r.usage_source == "counted"
-    assert r.output == "Hello world" and r.finish_type == "stop"
+    assert r.output == "\x02assistant\x03Hello world\x04" and r.finish_type == "stop"
 
 
 def test_chat_stream_usage_block_wins_final_or_continuous():
@@ -68,4 +68,4 @@ def test_tool_call_with_null_index_or_odd_fields_never_raises():
              {"index": "x", "function": {"name": 3, "arguments": "{}"}}]
     r = observe("/v1/chat/completions", sse(chunk(calls=calls), chunk("", finish="tool_calls")))
     assert r.meta_info == {"completion_tokens": 1} and r.finish_type == "tool_calls"
-    assert '"name":"ls"' in r.output and '"arguments":"{}"' in r.output
+    assert r.output == '\x02assistant\x03[["ls",{}]]\x04'

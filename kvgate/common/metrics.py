@@ -262,7 +262,8 @@ class Metrics:
         for kind in ("unreachable", "timeout", "cut", "protocol_error"):
             self.upstream_errors.labels(kind)
         # client: its /close_session; admin_api: POST /kvgate/sessions/{id}/close; pause: the program policy
-        for reason in ("client", "admin_api", "idle", "abort", "pause"):
+        # final: a final-turn marker (X-Session-Final); finish: /finish_session; parent: its parent session closed
+        for reason in ("client", "admin_api", "idle", "abort", "pause", "final", "finish", "parent"):
             self.session_close.labels(reason)
         self.session_close_skipped.labels("no_kv")
         self.session_close_skipped.labels("elsewhere")
@@ -273,7 +274,7 @@ class Metrics:
             self.close_calls.labels(result)
         for cause in ("client", "other"):
             self.session_aborts.labels(cause)
-        for result in ("decisive", "partial", "rerender", "prompt-only", "retry", "new", "new-ambiguous",
+        for result in ("decisive", "partial", "rerender", "prompt-only", "reask", "retry", "new", "new-ambiguous",
                        "unsupported", "shared"):
             self.session_inference.labels(result)
 

@@ -2,8 +2,8 @@
 
 The endpoints: GET /metrics and GET /kvgate/health (open: probes and Prometheus), GET /kvgate/engines,
 GET /kvgate/stats, GET /kvgate/sessions, GET /kvgate/sessions/{id}, POST /kvgate/sessions/{id}/close and, with
-session lifecycle on, GET|POST /close_session (these answer 403 without X-Kvgate-Admin-Key when an admin key is
-set); GET /kvgate/worker/metrics and /kvgate/worker/health when the process is one of several on a port (its
+session lifecycle on, GET|POST /close_session and vLLM router's POST /finish_session (these answer 403 without
+X-Kvgate-Admin-Key when an admin key is set); GET /kvgate/worker/metrics and /kvgate/worker/health when the process is one of several on a port (its
 siblings read them); kvgate's own 404 or 405 for any other path or method under /kvgate/. :meth:`Admin.routes`
 is the one route table: kvgate's HTTP server looks requests up in it (:meth:`Admin.lookup`) and the aiohttp app
 is built from it (kvgate.proxy.app). Every answer reads the gateway's parts (kvgate.proxy.app.Gateway); none
@@ -17,6 +17,7 @@ import logging
 import os
 import re
 import time
+from collections import OrderedDict
 from typing import TYPE_CHECKING, Any, Callable
 from urllib.parse import unquote
 
@@ -25,9 +26,11 @@ from aiohttp import web
 from multidict import CIMultiDict
 
 from kvgate import __version__
+from kvgate.common.classify import parse_json_object
 from kvgate.config import PLACEMENT_ROUTES
 from kvgate.fleet import health
-from kvgate.proxy.server import Headers
+from kvgate.proxy.relay import header_safe
+from kvgate.proxy.server import SMALL_BODY_BYTES, Headers
 
 if TYPE_CHECKING:
     from kvgate.proxy.app import Gateway
@@ -65,6 +68,9 @@ class Admin:
     def __init__(self, gw: "Gateway", admin_key: str | None):
         self.gw = gw
         self._admin_key_bytes = admin_key.encode("utf-8") if admin_key is not None else None
+        # X-Kvgate-Session-Id value -> session id, for the ids that header cannot carry as they are
+        # (kvgate.proxy.relay.header_safe hashes them): /kvgate/sessions/<value> finds the session.
+        self._told_ids: OrderedDict[str, str] = OrderedDict()
         table = self.routes()
         self._exact = {p: m for p, m in table.items() if p not in SESSION_PATHS}
         self._session_handlers = (table[SESSION_PATHS[0]]["GET"], table[SESSION_PATHS[1]]["POST"])
@@ -86,7 +92,16 @@ class Admin:
         if self.gw.lifecycle_on:
             close = guard(self.handle_close_session)
             table["/close_session"] = {"GET": close, "POST": close}
+            table["/finish_session"] = {"POST": guard(self.handle_finish_session)}  # vLLM router's
         return table
+
+    def body_limit(self, request) -> int:
+        """A request's body limit on kvgate's own server, bytes: SMALL_BODY_BYTES for the routes kvgate answers
+        itself from a few bytes (/close_session, /kvgate/...), max_body_bytes for the rest."""
+        path = request.path
+        if path in self._exact or path.startswith("/kvgate/"):
+            return SMALL_BODY_BYTES
+        return self.gw._max_body
 
     def lookup(self, request) -> Handler | None:
         """The handler for ``request`` on kvgate's own server: an exact path, then the /kvgate/sessions/{sid}
@@ -271,8 +286,21 @@ class Admin:
         """The session id ``name`` stands for: itself, or the id kvgate told the client as ``name`` in
         X-Kvgate-Session-Id (a hashed id)."""
         if self.gw.lifecycle.registry.get(name) is None:
-            return self.gw._told_ids.get(name, name)
+            return self._told_ids.get(name, name)
         return name
+
+    def told(self, sid: str) -> str:
+        """The X-Kvgate-Session-Id value for ``sid`` (the request path tells the client it); a hashed one is
+        remembered (at most max_tracked_sessions, the oldest dropped first) so /kvgate/sessions/<value> finds
+        the session."""
+        value = header_safe(sid)
+        if value is not sid and value != sid:
+            told = self._told_ids
+            told[value] = sid
+            told.move_to_end(value)
+            if len(told) > self.gw.cfg.max_tracked_sessions:
+                told.popitem(last=False)
+        return value
 
     async def handle_session(self, request: web.Request) -> web.Response:
         refused = self._sid_refused(request.match_info["sid"])
@@ -282,7 +310,7 @@ class Admin:
         s = self.gw.lifecycle.registry.get(sid)
         if s is None:
             return _json({"error": {"message": f"unknown session {request.match_info['sid']!r}"}}, 404)
-        return _json(self._augment(s.as_json(self.gw.lifecycle.clock())))
+        return _json(self._augment(self.gw.lifecycle.registry.session_json(sid, self.gw.lifecycle.clock())))
 
     async def handle_session_close(self, request: web.Request) -> web.Response:
         """Close a session (again: an unfinished close is retried at once); ``?wait=1`` answers once every
@@ -320,3 +348,22 @@ class Admin:
         self.gw.end_session(sid)
         self.gw.lifecycle.close(sid, "client")
         return web.Response(status=200)
+
+    async def handle_finish_session(self, request: web.Request) -> web.Response:
+        """vLLM router's ``POST /finish_session?session_id=...`` (prime-rl, SkyRL send it on success, failure and
+        cancellation): the session is closed as a client's /close_session closes it. The id comes from the query
+        or a JSON body {"session_id"}; answered 200 {"status": "ok", "session_id"} (idempotent), and 400 without
+        an id, as axum's query extractor answers it."""
+        sid = request.query.get("session_id")
+        if not sid:
+            raw = await request.read()
+            obj = parse_json_object(raw) if raw else None
+            sid = obj.get("session_id") if obj is not None else None
+        if not isinstance(sid, str) or not sid:
+            return web.Response(status=400, text="Failed to deserialize query string: missing field `session_id`")
+        refused = self._sid_refused(sid)
+        if refused is not None:
+            return refused
+        self.gw.end_session(sid)
+        self.gw.lifecycle.close(sid, "finish")
+        return _json({"status": "ok", "session_id": sid})

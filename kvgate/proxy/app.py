@@ -12,18 +12,18 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
 from aiohttp import web
 
-from kvgate.common.classify import STEP_BOUNDARY_ROUTES, classify, parse_json_object, with_session_id
+from kvgate.common.classify import GENERATE_ROUTES, STEP_BOUNDARY_ROUTES, classify, parse_json_object, \
+    with_session_id
 from kvgate.config import PLACEMENT_ROUTES, Config, api_key, read_admin_key
 from kvgate.fleet.placement import Placement, Target
 from kvgate.fleet.directory import EngineDirectory
 from kvgate.proxy.admin import Admin
-from kvgate.proxy.relay import Upstream, forward_head, header_safe, BodyParts, preserve_header_bytes, read_body
+from kvgate.proxy.relay import Upstream, forward_head, header_safe, BodyParts, read_body
 from kvgate.common.admission_seam import Gate, OpenGate, RequestInfo, Ticket
 from kvgate.proxy.placed import PlacedRelay
 from kvgate.sessions.idle_policy import IdlePolicy, StepTracker
@@ -80,7 +80,6 @@ class Gateway:
         self.cfg = cfg
         # One of several kvgate processes on one port (kvgate.proxy.processes.ProcessRole), or None.
         self.process_role = process_role
-        preserve_header_bytes()
         self.metrics = Metrics()
         self.upstream = Upstream(cfg.upstream, cfg.connect_timeout_s, cfg.read_timeout_s, cfg.upstream_pool_size)
         self.placement_modes = {r: cfg.session_placement_routes.get(r, cfg.session_placement) for r in PLACEMENT_ROUTES}
@@ -108,7 +107,8 @@ class Gateway:
         self.lifecycle_on = cfg.agentic_session_lifecycle
         self.metrics.lifecycle_enabled.set(1 if self.lifecycle_on else 0)
         self.resolver = SessionResolver(cfg.session_resolution_order, cfg.session_header, cfg.session_field,
-                                        cfg.session_field_regex)
+                                        cfg.session_field_regex, cfg.session_header_aliases,
+                                        cfg.session_routing_key_headers, cfg.session_rid_lineage)
         policy = IdlePolicy(mode=cfg.session_idle_close_mode, fixed_s=cfg.session_idle_close_s,
                             quantile=cfg.session_idle_quantile, multiple=cfg.session_idle_multiple,
                             floor_s=cfg.session_idle_floor_s, ceiling_s=cfg.session_idle_ceiling_s,
@@ -121,7 +121,8 @@ class Gateway:
                                           close_concurrency=cfg.close_concurrency,
                                           close_max_rate=cfg.close_max_rate, policy=policy,
                                           steps=StepTracker(cfg.max_tracked_sessions),
-                                          close_on_abort=cfg.session_close_on_abort)
+                                          close_on_abort=cfg.session_close_on_abort,
+                                          close_children=cfg.session_close_children)
         self.lifecycle.on_close.append(self.placed.forget)
         self.lifecycle.on_close.append(self._program_ended)
         self.inference: SessionInference | None = None
@@ -173,9 +174,6 @@ class Gateway:
         self._join_max = max(cfg.body_parse_max_bytes, STEP_BODY_PARSE_LIMIT)
         self._parse_max = cfg.body_parse_max_bytes
         self._routing_key = cfg.routing_key_header if cfg.set_routing_key else None
-        # X-Kvgate-Session-Id value -> session id, for the ids that header cannot carry as they are
-        # (kvgate.proxy.relay.header_safe hashes them): /kvgate/sessions/<value> finds the session.
-        self._told_ids: OrderedDict[str, str] = OrderedDict()
         self.app = self._build_app()
 
     # --- app -------------------------------------------------------------------------------------
@@ -206,17 +204,15 @@ class Gateway:
         """Whether ``sid`` is over max_session_id_bytes (UTF-8 bytes; measured only when it could be)."""
         return len(sid) * 4 > self._max_sid and len(sid.encode("utf-8", "surrogatepass")) > self._max_sid
 
-    def _told(self, sid: str) -> str:
-        """The X-Kvgate-Session-Id value for ``sid``; a hashed one is remembered (at most
-        max_tracked_sessions, the oldest dropped first) so /kvgate/sessions/<value> finds the session."""
-        value = header_safe(sid)
-        if value is not sid and value != sid:
-            told = self._told_ids
-            told[value] = sid
-            told.move_to_end(value)
-            if len(told) > self.cfg.max_tracked_sessions:
-                told.popitem(last=False)
-        return value
+    def _turn_marks(self, sid: str, headers) -> None:
+        """After the answer went out: the turn's final-turn marker closes its session, its parent header links
+        it (kvgate.sessions.lifecycle.turn_marks). Never raises (counted as a registry fault)."""
+        try:
+            if self.lifecycle.turn_marks(sid, headers) is not None and self.inference is not None:
+                self.inference.forget(sid)  # the client ended it: later prompts that extend it start a new one
+        except Exception:
+            log.exception("reading the turn's session headers failed")
+            self.metrics.faults.labels("registry").inc()
 
     def end_session(self, sid: str) -> None:
         """The client (or kvgate's close API) ended session ``sid``: inference, placement and admission forget
@@ -277,7 +273,7 @@ class Gateway:
     async def handle_proxy(self, request: web.Request) -> web.StreamResponse:
         """Every request kvgate does not answer itself, in one order, each decision made once in its stage."""
         t0 = time.perf_counter()
-        raw = await read_body(request, self._max_body, join_max=self._join_max)
+        raw = await read_body(request, self._max_body, join_max=self._join_max, stream_over=self._stream_over(request))
         c = self._classify(request, raw)
         plan = await self._session_stage(c, raw, request)
         target = await self._place_stage(request, c, plan)
@@ -297,6 +293,8 @@ class Gateway:
         finally:
             self.metrics.inflight_now -= 1
             self._release_and_record(c, raw, plan, session_id, ticket, outcome, time.perf_counter() - t1)
+            if session_id is not None:  # the answer went out: a final-turn marker closes the session now
+                self._turn_marks(session_id, request.headers)
 
     def _classify(self, request: web.Request, raw: bytes):
         """Stage 1: the route, and the JSON body when a feature reads it."""
@@ -398,7 +396,7 @@ class Gateway:
         if tracked is not None:
             def observe(is_sse: bool, route=c.path, text=plan.prompt_is_text) -> ResponseObserver:
                 return ResponseObserver(is_sse, route=route, prompt_is_text=text, max_json_bytes=self._parse_max)
-        add = ticket.headers if tracked is None else [*ticket.headers, (SESSION_HEADER, self._told(tracked))]
+        add = ticket.headers if tracked is None else [*ticket.headers, (SESSION_HEADER, self.admin.told(tracked))]
         if plan.placed and target is not None:
             placed = await self.placed.relay(request, c, plan.session_id, target, plan.body, observe, add)
             if placed is not None:
@@ -429,6 +427,12 @@ class Gateway:
             self._step_boundary(c.path, raw, outcome)
         if self.lifecycle_on and c.method == "POST" and c.path == "/abort_request":
             self._abort_requested(raw)
+
+    def _stream_over(self, request) -> int | None:
+        """Bodies larger than this (bytes) are sent on as they arrive, never held whole: kvgate reads no body
+        but a generate call's, and of the others parses none over STEP_BODY_PARSE_LIMIT (step boundaries,
+        /abort_request). None for a generate call."""
+        return None if request.method == "POST" and request.path in GENERATE_ROUTES else STEP_BODY_PARSE_LIMIT
 
     def _router_outcome(self, outcome) -> None:
         # What a forwarded call says about the router: unreachable, or answering (502s logged per change).

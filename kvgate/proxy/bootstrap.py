@@ -113,7 +113,8 @@ async def start_gateway(cfg: Config, gate: Gate | None = None, process_role=None
     gw = Gateway(cfg, gate, process_role)
     if cfg.http_server == "kvgate":
         await start_parts(gw)
-        srv = HttpServer(gw.route, cfg.max_body_bytes, on_cleanup=lambda: stop_parts(gw), limits=server_limits(cfg))
+        srv = HttpServer(gw.route, cfg.max_body_bytes, on_cleanup=lambda: stop_parts(gw), limits=server_limits(cfg),
+                         body_limit=gw.admin.body_limit)
         try:
             port = await srv.listen(cfg.host, cfg.port, backlog=1024,
                                     reuse_port=True if process_role is not None else None)

@@ -19,7 +19,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import socket
-from typing import Callable, Iterable
+from typing import AsyncIterable, Callable, Iterable
 
 import httptools
 
@@ -338,11 +338,12 @@ class ConnectionPool:
         """Where connections for ``key`` (a base URL) go."""
         self._addr[key] = (host, port)
 
-    async def exchange(self, key: str, head: bytes, body: bytes | Iterable[bytes | memoryview], size: int,
-                       method: str, retry: bool, piece_bytes: int,
+    async def exchange(self, key: str, head: bytes, body: bytes | Iterable[bytes | memoryview] | AsyncIterable[bytes],
+                       size: int, method: str, retry: bool, piece_bytes: int,
                        on_complete: Callable[[_Conn], object] | None = None) -> Exchange:
         """Send ``head`` (request line and headers, ending with the blank line) and ``body`` (``size``
-        bytes: one bytes object, or pieces sent one by one with the event loop given back between them)
+        bytes: one bytes object, or pieces sent one by one with the event loop given back between them, or
+        pieces that arrive as the client sends them, an async iterable)
         to ``key``'s upstream and wait for the response head. retry: resend once on a new connection when
         the connection closes before any response byte (only for a bytes body and a method safe to send
         twice, RFC 9112 section 9.3.1). Raises ConnectFailed, Disconnected, ResponseError, TimeoutError.
@@ -396,6 +397,13 @@ class ConnectionPool:
             t.write(head + body if size else head)
             return
         t.write(head)
+        if hasattr(body, "__aiter__"):  # a body sent on as it arrives from the client (relay.BodyStream)
+            async for piece in body:
+                if conn.closed:
+                    break  # the upstream answered (an early error) or went away: its answer is read next
+                t.write(piece)
+                await conn.drain()
+            return
         pieces = _pieces(body, piece_bytes) if isinstance(body, (bytes, bytearray)) else body
         for piece in pieces:
             if conn.closed:

@@ -2,9 +2,12 @@
 
 Hop-by-hop headers are dropped both ways (RFC 9110 section 7.6.1); everything else passes as is,
 byte for byte (header values that are not UTF-8 included: the request head is built from the raw bytes
-the client sent, see forward_head; responses see preserve_header_bytes). The upstream client (kvgate.proxy.connection_pool
-for http upstreams, aiohttp's for https) never decompresses, so bodies and Content-Encoding pass through
-untouched. A response whose body is all there with its head goes to the client in one write; others are
+the client sent, see forward_head, and kvgate's own server writes the upstream's response header bytes as
+they came, see _response_lines). aiohttp writes the heads on its paths (``http_server: aiohttp``, https
+upstreams): there a header byte that is not UTF-8 is dropped, as aiohttp does. The upstream client
+(kvgate.proxy.connection_pool for http upstreams, aiohttp's for https) never decompresses, so bodies and
+Content-Encoding pass through untouched. A response whose body is all there with its head goes to the client
+in one write; others are
 streamed chunk by chunk as they arrive (SSE). An upstream that
 breaks HTTP (bad status line, bad Content-Length, bad chunk) is answered 502 naming it; a response
 observer that raises is switched off for that response and never stops the bytes.
@@ -21,7 +24,6 @@ from dataclasses import dataclass
 from typing import AsyncIterator, Callable, Iterable, Mapping
 
 import aiohttp
-import aiohttp.http_writer
 import orjson
 from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
@@ -30,6 +32,7 @@ from yarl import URL
 
 from kvgate.proxy import server
 from kvgate.proxy.connection_pool import ConnectFailed, ConnectionPool, Disconnected, Exchange, ResponseError
+from kvgate.proxy.wire import safe_header
 from kvgate.sessions.observe import ResponseObserver
 
 log = logging.getLogger("kvgate.proxy.relay")
@@ -104,7 +107,7 @@ def forward_head(raw_headers: Iterable[tuple[bytes, bytes]], extra: Mapping[str,
     extra_lines = b""
     if extra:
         drop = drop | {k.lower().encode("ascii") for k in extra}
-        check = aiohttp.http_writer._safe_header
+        check = safe_header
         extra_lines = "".join(f"{check(k)}: {check(v)}\r\n" for k, v in extra.items()).encode("utf-8", "surrogateescape")
     out = []
     connection = False
@@ -126,12 +129,7 @@ def forward_head(raw_headers: Iterable[tuple[bytes, bytes]], extra: Mapping[str,
 
 
 def _head_from_multidict(headers: Mapping[str, str]) -> bytes:
-    check = aiohttp.http_writer._safe_header
-    text = "".join(f"{check(k)}: {check(v)}\r\n" for k, v in headers.items())
-    try:
-        return text.encode("utf-8", "surrogateescape")
-    except UnicodeEncodeError:  # a lone surrogate that did not come from the wire: aiohttp drops it too
-        return text.encode("utf-8", "ignore")
+    return server.header_lines(headers.items())
 
 
 def _multidict_from_head(fields: bytes) -> CIMultiDict:
@@ -242,22 +240,6 @@ def header_safe(value: str) -> str:
     return "sha256:" + hashlib.sha256(value.encode("utf-8", "surrogatepass")).hexdigest()[:32]
 
 
-def _serialize_headers_preserving_bytes(status_line: str, headers: Mapping[str, str]) -> bytes:
-    """aiohttp's header serialiser, but bytes that were not UTF-8 go out as they came in.
-
-    aiohttp decodes incoming header bytes as UTF-8 with surrogateescape; its C serialiser then drops the
-    surrogates (``s\\xe9ss`` went out as ``sss``). kvgate's own server's :func:`server.header_lines` encodes
-    with surrogateescape, which restores the original bytes, and runs aiohttp's control-character check
-    (header injection) only when the head has a CR or LF more than its line ends.
-    """
-    return server.header_lines(headers.items(), first=status_line) + b"\r\n"
-
-
-def preserve_header_bytes() -> None:
-    """Make aiohttp (client and server) write header bytes exactly as they were read. Idempotent."""
-    aiohttp.http_writer._serialize_headers = _serialize_headers_preserving_bytes
-
-
 def error_response(status: int, message: str, kind: str, upstream: str) -> web.Response:
     """A kvgate-made JSON error in SGLang's error shape, naming the upstream."""
     body = {"error": {"message": message, "type": kind, "code": status, "upstream": upstream}}
@@ -366,14 +348,16 @@ class Upstream:
         # The raw path and query, not re-encoded: what the client sent is what the upstream gets.
         head = b"".join((method.encode("ascii"), b" ", target[0], path_qs.encode("utf-8", "surrogateescape"),
                          b" HTTP/1.1\r\n", target[1], fields, b"Content-Length: %d\r\n\r\n" % size))
-        retry = method in _RETRIED_METHODS
+        streamed = isinstance(body, BodyStream)
+        retry = method in _RETRIED_METHODS and not streamed  # a body sent as it arrives cannot be sent twice
         if retry and not isinstance(body, bytes):
             body = b"".join(body.parts)  # resent once when a pooled connection turns out closed: must be whole
         # A response that arrives whole is answered from the connection's data callback, at once.
         answer = functools.partial(self._answer_arrived, request, path_qs, observe, add_headers) \
             if on_headers is None and type(request) is server.Request else None
         try:
-            up = await self.pool.exchange(base, head, body if isinstance(body, bytes) else body.parts, size,
+            up = await self.pool.exchange(base, head, body if isinstance(body, bytes) else
+                                          body.pieces if streamed else body.parts, size,
                                           method, retry, SEND_PIECE_BYTES, answer)
         except asyncio.TimeoutError:
             return self._error(504, f"kvgate: upstream {base} timed out", "upstream_timeout", base,
@@ -538,11 +522,11 @@ class Upstream:
         # The raw path and query, not re-encoded: what the client sent is what the router gets.
         url = URL(base + path_qs, encoded=True)
         data: bytes | AsyncIterator[bytes | memoryview] = body
-        if request.method in _RETRIED_METHODS:
+        if request.method in _RETRIED_METHODS and not isinstance(body, BodyStream):
             # aiohttp resends these once when a pooled connection turns out closed (RFC 9112 9.3.1): the
             # body must be bytes it can send again, not pieces already consumed.
             data = body if isinstance(body, bytes) else b"".join(body.parts)
-        elif isinstance(body, BodyParts) or len(body) > SEND_PIECE_BYTES:
+        elif isinstance(body, (BodyParts, BodyStream)) or len(body) > SEND_PIECE_BYTES:
             headers = CIMultiDict(headers)
             headers["Content-Length"] = str(len(body))  # so the pieces are not sent chunked
             data = _pieces(body)
@@ -629,6 +613,21 @@ class Upstream:
         return True
 
 
+class BodyStream:
+    """A request body kvgate does not read, sent on as it arrives (never held whole): ``len()`` is its
+    declared size in bytes, ``pieces`` its bytes as they come from the client (kvgate.proxy.request's
+    Request.pieces). It can be sent once: a request carrying it is never resent."""
+
+    __slots__ = ("pieces", "size")
+
+    def __init__(self, pieces: AsyncIterator[bytes], size: int):
+        self.pieces = pieces
+        self.size = size
+
+    def __len__(self) -> int:
+        return self.size
+
+
 @dataclass(frozen=True)
 class BodyParts:
     """A large request body kept as the pieces it arrived in: joining them copies it in one go on the
@@ -642,12 +641,20 @@ class BodyParts:
         return self.size
 
 
-async def read_body(request: web.Request, max_bytes: int, join_max: int) -> bytes | BodyParts:
+async def read_body(request: web.Request, max_bytes: int, join_max: int,
+                    stream_over: int | None = None) -> bytes | BodyParts | BodyStream:
     """The request body exactly as received (the server never decompresses it): bytes up to ``join_max``
     bytes, else BodyParts. Unlike ``request.read()`` it gives the event loop back every SEND_PIECE_BYTES
     and never copies a large body whole. Raises HTTPRequestEntityTooLarge (413) past ``max_bytes``, as
-    aiohttp's client_max_size does."""
+    aiohttp's client_max_size does.
+
+    stream_over: on kvgate's own server, a body declared larger than this many bytes (and within
+    ``max_bytes``, which the server held it to from its head) is not read here: a BodyStream the relay sends
+    on as it arrives (for bodies kvgate neither reads nor rewrites)."""
     if type(request) is server.Request:
+        length = request.content_length
+        if stream_over is not None and length is not None and stream_over < length <= max_bytes:
+            return BodyStream(request.pieces(), length)
         got = await request.read_body(max_bytes, join_max, SEND_PIECE_BYTES)
         if type(got) is tuple:
             return BodyParts(tuple(got[0]), got[1])
@@ -668,7 +675,11 @@ async def read_body(request: web.Request, max_bytes: int, join_max: int) -> byte
     return parts[0] if len(parts) == 1 else b"".join(parts)
 
 
-async def _pieces(body: bytes | BodyParts) -> AsyncIterator[bytes | memoryview]:
+async def _pieces(body: bytes | BodyParts | BodyStream) -> AsyncIterator[bytes | memoryview]:
+    if isinstance(body, BodyStream):
+        async for piece in body.pieces:
+            yield piece
+        return
     if isinstance(body, BodyParts):
         for part in body.parts:
             yield part

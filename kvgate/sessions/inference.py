@@ -11,7 +11,9 @@ strict prefix of R. The evidence, strongest first:
                 the end of the previous turn, a stop token swapped for an end-of-turn marker);
   rerender      O's last units appear in R shortly after P (a template that drops the reasoning at the
                 start of O and keeps the answer);
-  prompt-only   S's output is unknown (never observed, empty): only P is known to be a prefix.
+  prompt-only   S's output is unknown (never observed, empty): only P is known to be a prefix;
+  reask         (chat) R continues P with a message that is not S's answer: an agent that dropped an answer it
+                could not parse and asks again with feedback (its next prompt extends P, not P + O).
 A candidate whose output is known but shows none of the above is excluded (``diverged``): that is
 what keeps GRPO siblings apart -- they share the task prompt and part ways at their first output.
 A candidate with a request still in flight is skipped unless ``allow_parallel``.
@@ -19,7 +21,9 @@ The candidate with the longest matched length wins; a tie on that length is *not
 one: R starts a new session and ``ambiguous`` is counted (two contexts identical by chance).
 
 Units are token ids (``input_ids`` / ``output_ids``) or characters (text and chat prompts; a chat
-request is rendered to one string by :func:`chat_to_text`, its answer by :func:`chat_output_text`).
+request is rendered to one string by :func:`chat_to_text`, its answer by :func:`chat_output_text`: tool calls
+as function name and arguments, so OpenAI tool-calling agents that echo ``tool_calls`` without SGLang's
+``index``, with content null or "", or with arguments re-serialised still link decisively).
 
 Cost. Each request's units are cut into blocks (``block_tokens`` ids or ``block_chars`` characters) and
 hashed as a chain (block k's key depends on blocks 1..k). The index maps the chain hash at the last
@@ -38,6 +42,9 @@ Where inference stops being reliable (documented limits):
     each on a block boundary); an output shorter than a block links only decisively or via ``rerender``;
   - rerender evidence needs O's last ``probe`` units verbatim in R within |O| + ``rerender_slack``
     units after P; two siblings whose kept answers are identical are then indistinguishable (tie);
+  - ``reask`` needs the chat route (kvgate renders the messages itself); two agents at the same prompt that both
+    drop their answers and ask again are a tie (a new session, never a merge): GRPO siblings that drop their
+    first answers fragment;
   - with parallel calls in one session, the output is attributed to the last prompt started;
   - hashes are Python's 64-bit hashes (randomised per process for text): a collision is possible in
     principle, negligible for non-adversarial traffic; state does not survive a restart.
@@ -60,7 +67,7 @@ from kvgate.common.prefix_hash import is_token_ids
 TOKENS, TEXT = 0, 1
 _SEED = (0x6B76_6761_7465_0000, 0x6B76_6761_7465_0001)  # chain start per unit kind: tokens never match text
 
-DECISIVE, PARTIAL, RERENDER, PROMPT_ONLY = "decisive", "partial", "rerender", "prompt-only"
+DECISIVE, PARTIAL, RERENDER, PROMPT_ONLY, REASK = "decisive", "partial", "rerender", "prompt-only", "reask"
 
 
 @dataclass(frozen=True)
@@ -79,7 +86,7 @@ class Prepared:
 class InferenceResult:
     """session_id: the session R continues, or a fresh id when it starts one; None when R cannot be
     inferred at all (empty, a batch, not ids or text). decisive: P + O of that session is a prefix of R.
-    reason: decisive | partial | rerender | prompt-only | retry | new | new-ambiguous | unsupported
+    reason: decisive | partial | rerender | prompt-only | reask | retry | new | new-ambiguous | unsupported
     (retry: R is exactly the prompt of its session's turn still in flight).
     matched_tokens: units of R explained by the session's history (tokens or characters).
     candidates: sessions whose last prompt is a prefix of R that were considered."""
@@ -193,7 +200,7 @@ class SessionInference:
         self._tracks: OrderedDict[str, _Track] = OrderedDict()  # first = longest idle
         self._index: dict[int, Any] = {}  # p_key -> sid (str) or list of sids
         self.counts = {"infer": 0, "unsupported": 0, "new": 0, "ambiguous": 0, DECISIVE: 0, PARTIAL: 0,
-                       RERENDER: 0, PROMPT_ONLY: 0, "diverged": 0, "busy_skipped": 0, "dropped": 0,
+                       RERENDER: 0, PROMPT_ONLY: 0, REASK: 0, "diverged": 0, "busy_skipped": 0, "dropped": 0,
                        "output_ignored": 0, "retry": 0, "abandoned": 0}
 
     # --- lookup ------------------------------------------------------------------------------------
@@ -283,6 +290,10 @@ class SessionInference:
             at = _find(seq, t.probe if t.kind == TEXT else tuple(t.probe), t.p_len, hi)
             if at >= 0:
                 return at, RERENDER
+        if t.kind == TEXT and seq.startswith(_ROLE, t.p_len) and not seq.startswith(_ASSISTANT, t.p_len):
+            # A chat prompt followed by a message that is not the answer: the client dropped the answer (one it
+            # could not parse) and asks again with feedback. Siblings part ways at their answers, which they keep.
+            return t.p_len, REASK
         return 0, None
 
     def _retry_of(self, prep: Prepared) -> _Track | None:
@@ -462,14 +473,39 @@ class SessionInference:
 # --- chat rendering ----------------------------------------------------------------------------------
 
 _ROLE, _BODY, _END = "\x02", "\x03", "\x04"  # control characters: never produced by a chat template
+_ASSISTANT = f"{_ROLE}assistant{_BODY}"
 
 
-def chat_output_text(message: Mapping[str, Any] | None) -> str:
-    """The rendered body of one message: its text content, then its tool calls as sorted-key JSON.
-    ``reasoning_content`` is left out on purpose, so a client that drops reasoning still links.
-    Use it on the response's ``choices[0].message`` (or the accumulated stream deltas) as the output."""
-    if not isinstance(message, Mapping):
-        return ""
+def _calls_text(calls: Any) -> str:
+    """A message's tool calls as clients echo them back: each call's function name and its arguments, the
+    arguments parsed and written again with sorted keys when they are JSON (a client may re-serialise them).
+    The call's ``id``, ``type`` and ``index`` are left out: clients drop ``index`` (SGLang sends it), and some
+    make their own ids."""
+    if not isinstance(calls, list):
+        calls = [calls]
+    norm = []
+    for c in calls:
+        fn = c.get("function") if isinstance(c, Mapping) else None
+        if not isinstance(fn, Mapping):
+            norm.append(c)
+            continue
+        args = fn.get("arguments")
+        if isinstance(args, str):
+            try:
+                args = orjson.loads(args)
+            except orjson.JSONDecodeError:
+                pass
+        norm.append([fn.get("name"), args])
+    try:
+        return orjson.dumps(norm, option=orjson.OPT_SORT_KEYS).decode()
+    except TypeError:  # orjson.JSONEncodeError: nested deeper than orjson writes (254 levels), a non-str key
+        return repr(norm)
+
+
+def _message_body(message: Mapping[str, Any]) -> str:
+    """One message's rendered body: its text content (text parts joined, other parts marked), then its tool
+    calls (:func:`_calls_text`). ``reasoning_content`` is left out on purpose, so a client that drops reasoning
+    still links; ``content`` null, "" and absent are the same."""
     content = message.get("content")
     if isinstance(content, list):  # OpenAI content parts: keep the text parts, mark the others
         parts = []
@@ -483,18 +519,25 @@ def chat_output_text(message: Mapping[str, Any] | None) -> str:
         text = content if isinstance(content, str) else ""
     calls = message.get("tool_calls")
     if calls:
-        try:
-            text += orjson.dumps(calls, option=orjson.OPT_SORT_KEYS).decode()
-        except TypeError:  # orjson.JSONEncodeError: nested deeper than orjson writes (254 levels)
-            text += repr(calls)
+        text += _calls_text(calls)
     return text
 
 
-def chat_to_text(messages: Iterable[Mapping[str, Any]] | Any, add_generation_prompt: bool = True) -> str | None:
-    """Render chat ``messages`` to one string, deterministically, such that
-    chat_to_text(msgs) + chat_output_text(answer) is a prefix of chat_to_text(msgs + [answer] + more).
-    Each message is ROLE name BODY text END (control characters); the generation prompt is the
-    assistant header. None when ``messages`` is not a list of objects."""
+def chat_output_text(message: Mapping[str, Any] | None) -> str:
+    """The answer ``message`` (the response's ``choices[0].message``, or the accumulated stream deltas) rendered
+    as the assistant turn it becomes when the client keeps it: chat_to_text(msgs) + chat_output_text(answer) is a
+    prefix of chat_to_text(msgs + [answer] + more). "" for anything but a mapping."""
+    if not isinstance(message, Mapping):
+        return ""
+    return f"{_ASSISTANT}{_message_body(message)}{_END}"
+
+
+def chat_to_text(messages: Iterable[Mapping[str, Any]] | Any, add_generation_prompt: bool = False) -> str | None:
+    """Render chat ``messages`` to one string, deterministically: each message is ROLE name BODY text END
+    (control characters). No generation prompt by default: the answer (:func:`chat_output_text`) starts with the
+    assistant header, so a client that drops the answer and asks again with feedback (a user or tool message
+    right after the prompt) still extends the prompt, and ``reask`` evidence can tell it apart. None when
+    ``messages`` is not a list of objects."""
     if not isinstance(messages, list):
         return None
     out = []
@@ -504,9 +547,9 @@ def chat_to_text(messages: Iterable[Mapping[str, Any]] | Any, add_generation_pro
         role = m.get("role") if isinstance(m.get("role"), str) else "user"
         name = m.get("name") or m.get("tool_call_id")
         head = f"{role}:{name}" if isinstance(name, str) else role
-        out.append(f"{_ROLE}{head}{_BODY}{chat_output_text(m)}{_END}")
+        out.append(f"{_ROLE}{head}{_BODY}{_message_body(m)}{_END}")
     if add_generation_prompt:
-        out.append(f"{_ROLE}assistant{_BODY}")
+        out.append(_ASSISTANT)
     return "".join(out)
 
 

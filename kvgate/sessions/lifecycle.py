@@ -33,6 +33,7 @@ import aiohttp
 from kvgate.common.aio import cancel_tasks
 
 from kvgate.fleet.directory import EngineDirectory
+from kvgate.sessions.identity import session_marks
 from kvgate.sessions.idle_policy import ClientAborts, IdlePolicy, StepTracker, ends_session
 from kvgate.common.metrics import Metrics
 from kvgate.sessions.registry import (ACTIVE, CLOSED, CLOSING, ENGINE_GONE, FAILED, PENDING, SENDING, CloseRetry,
@@ -94,7 +95,7 @@ class SessionLifecycle:
                  drain_s: float, close_timeout_s: float, close_retries: int, close_backoff_s: float = 0.5,
                  close_max_backoff_s: float = 60.0, close_concurrency: int = 8, close_max_rate: float = 1000.0,
                  policy: IdlePolicy | None = None, steps: StepTracker | None = None, close_on_abort: bool = True,
-                 clock: Callable[[], float] = time.monotonic):
+                 close_children: bool = True, clock: Callable[[], float] = time.monotonic):
         self.registry = registry
         registry.retry = CloseRetry(close_retries, close_backoff_s, close_max_backoff_s)
         self.directory = directory
@@ -103,6 +104,7 @@ class SessionLifecycle:
         self.steps = steps or StepTracker(registry.max_sessions)
         self.aborts = ClientAborts(registry.max_sessions)
         self.close_on_abort = close_on_abort
+        self.close_children = close_children
         self.drain_s = drain_s
         self.close_timeout_s = close_timeout_s
         self.close_concurrency = max(1, close_concurrency)
@@ -203,6 +205,21 @@ class SessionLifecycle:
             if asked and self.close_on_abort:
                 self.close(session_id, "abort")
 
+    def turn_marks(self, session_id: str, headers) -> str | None:
+        """What the turn's request headers said about its session, applied once its answer has gone out (call
+        after :meth:`request_finished`): a subagent's parent (x-dynamo-parent-session-id) is linked; a final-turn
+        marker (X-Session-Final / x-dynamo-session-final: true) closes the session now, whatever the turn's
+        outcome (a client that retries a failed final turn re-opens it). Returns "final" when it closed it."""
+        final, parent = session_marks(headers)
+        if parent is not None:
+            self.registry.link_parent(session_id, parent)
+        if final:
+            s = self.registry.get(session_id)
+            if s is not None and s.state == ACTIVE:
+                self.close(session_id, "final")
+                return "final"
+        return None
+
     def abort_requested(self, body: dict | None) -> None:
         """A client's /abort_request passed through kvgate: remember the rid(s) it names."""
         if isinstance(body, dict):
@@ -238,6 +255,13 @@ class SessionLifecycle:
             return False
         if fresh:
             self._started[session_id] = time.perf_counter()
+            if self.close_children and reason != "pause":
+                # A subagent's session goes with its parent's (the parent closed first); a child that closes
+                # first stays listed under its parent.
+                for child in self.registry.children(session_id):
+                    c = self.registry.get(child)
+                    if c is not None and c.state == ACTIVE:
+                        self.close(child, "parent")
         if session_id in self._draining:
             return True
         if s.in_flight > 0 and self.drain_s > 0:

@@ -86,6 +86,7 @@ class Session:
     close_gen: int = 0
     closes: int = 0
     reopened: int = 0
+    parent: str | None = None  # the session a subagent's session belongs to (x-dynamo-parent-session-id)
 
     @property
     def close_results(self) -> dict[str, str]:
@@ -96,11 +97,14 @@ class Session:
         """Engines whose close is still sending or pending."""
         return [u for u, e in self.engine_closes.items() if e.state in (SENDING, PENDING)]
 
-    def as_json(self, now: float) -> dict[str, Any]:
-        """A JSON-able view; ages are seconds before ``now``."""
+    def as_json(self, now: float, children: list[str] | None = None) -> dict[str, Any]:
+        """A JSON-able view; ages are seconds before ``now``; ``children``: the subagents' sessions linked to
+        this one (listed under it)."""
         return {
             "session_id": self.session_id,
             "source": self.source,
+            "parent": self.parent,
+            "children": children or [],
             "state": self.state,
             "turns": self.turns,
             "in_flight": self.in_flight,
@@ -144,6 +148,9 @@ class SessionRegistry:
         self.close_stats = {"ok": 0, "failed_attempts": 0, "retries": 0, "given_up": 0, "cancelled": 0,
                             "dropped": 0}
         self._unfinished = {SENDING: 0, PENDING: 0}  # engine closes by state, kept as they move
+        # parent session id -> its subagents' session ids (insertion-ordered), for listing and for closing
+        # them with the parent; an entry goes when its last child leaves the registry.
+        self._children: dict[str, dict[str, None]] = {}
 
     def _move(self, e: EngineClose, state: str) -> None:
         if e.state in self._unfinished:
@@ -208,6 +215,36 @@ class SessionRegistry:
             s.retractions += _int(meta.get("num_retractions"))
             if usage_source:
                 s.usage_source = usage_source
+
+    def link_parent(self, session_id: str, parent: str) -> bool:
+        """Record that ``session_id`` is a subagent's session of ``parent`` (which may not be tracked yet). A
+        session names one parent: a later, different parent moves it. False when nothing changed (unknown
+        session, the same parent already, or the session named itself)."""
+        s = self._sessions.get(session_id)
+        if s is None or parent == session_id or s.parent == parent:
+            return False
+        if s.parent is not None:
+            self._unlink(s)
+        s.parent = parent
+        self._children.setdefault(parent, {})[session_id] = None
+        return True
+
+    def _unlink(self, s: Session) -> None:
+        kids = self._children.get(s.parent) if s.parent is not None else None
+        if kids is not None:
+            kids.pop(s.session_id, None)
+            if not kids:
+                del self._children[s.parent]
+
+    def children(self, session_id: str) -> list[str]:
+        """The subagents' sessions linked to ``session_id``, in the order they were linked."""
+        kids = self._children.get(session_id)
+        return list(kids) if kids else []
+
+    def session_json(self, session_id: str, now: float) -> dict[str, Any] | None:
+        """One session as JSON, its children listed under it; None when it is not tracked."""
+        s = self._sessions.get(session_id)
+        return s.as_json(now, self.children(session_id)) if s is not None else None
 
     def touch(self, session_id: str, last_seen: float) -> None:
         """Another replica served ``session_id`` at ``last_seen`` (monotonic s, this replica's clock):
@@ -448,7 +485,7 @@ class SessionRegistry:
             if offset > 0:
                 offset -= 1
                 continue
-            items.append(s.as_json(now))
+            items.append(s.as_json(now, self.children(s.session_id)))
         return {"counts": self.counts(), "tracked": len(self._sessions), "sessions": items,
                 "closes": {**self.close_counts(), **self.close_stats}}
 
@@ -465,6 +502,7 @@ class SessionRegistry:
                 if victim is None:
                     return
                 del self._closing[victim]
+            self._unlink(self._sessions[victim])
             del self._sessions[victim]
             self.dropped += 1
 

@@ -111,7 +111,7 @@ async def test_one_turn_jobs_never_wait_out_the_aging_bound_beside_kv_they_no_lo
     yet), holding its KV in the ledger, so the last three jobs waited the full overdue time beside engines whose
     jobs had ended. Now its KV is held without evidence of return, and a turn that has waited one poll interval
     reclaims it: every job is admitted (none aged) and none waits much longer than the jobs ahead of it run."""
-    gw, kv = await kvgate_factory(upstream=fleet.smg, **ADMISSION)
+    gw, kv = await kvgate_factory(upstream=fleet.smg, admission_policy="program", **ADMISSION)
     await _ready(gw)
     system = ids(300, 90)
     async with aiohttp.ClientSession() as http:
@@ -138,7 +138,8 @@ async def test_a_new_program_placed_on_a_full_engine_goes_to_the_empty_one_at_on
     if len(fleet.urls) < 2:
         pytest.skip("needs two engines")
     # prefix affinity up to 0.95 usage, so home's 0.8 cannot move the new program off its engine by itself
-    gw, kv = await kvgate_factory(upstream=fleet.smg, placement_pressure_threshold=0.95, **ADMISSION)
+    gw, kv = await kvgate_factory(upstream=fleet.smg, placement_pressure_threshold=0.95, admission_policy="program",
+                                  **ADMISSION)
     await _ready(gw)
     first = ids(1500, 70)
     async with aiohttp.ClientSession() as http:

@@ -1,0 +1,116 @@
+"""Session ends from what clients already send, through real sockets: a final-turn marker, vLLM router's
+/finish_session, a subagent's session closed with its parent; and session keys from smg's conventions.
+
+client -> kvgate -> simulated SGLang engines (kvgate.sim, 0.5.17 session semantics); kvgate calls each engine's
+/close_session directly (CloseWatcher sees each close as an event).
+"""
+
+from __future__ import annotations
+
+import aiohttp
+import orjson
+
+from conftest import CloseWatcher
+
+SIM = {"max_total_num_tokens": 60_000, "speed": 200}
+TURN = {"model": "kvgate-sim", "prompt": "z" * 300, "max_tokens": 4}
+
+
+async def _post(http, url, body, headers=None):
+    async with http.post(url, data=orjson.dumps(body),
+                         headers={"Content-Type": "application/json", **(headers or {})}) as r:
+        return r.status, await r.read()
+
+
+async def _fleet(sim_factory, kvgate_factory, **cfg):
+    a, b = await sim_factory(**SIM), await sim_factory(**SIM)
+    wa, wb = CloseWatcher(a), CloseWatcher(b)
+    gw, kv = await kvgate_factory(upstream=a.url, agentic_session_lifecycle=True, engines=[a.url, b.url],
+                                  session_idle_close_s=0, **cfg)
+    return gw, kv, (wa, wb)
+
+
+async def test_final_marker_closes_the_session_after_its_answer(sim_factory, kvgate_factory):
+    gw, kv, (wa, wb) = await _fleet(sim_factory, kvgate_factory)
+    reg = gw.lifecycle.registry
+    async with aiohttp.ClientSession() as http:
+        st, _ = await _post(http, kv + "/v1/completions", TURN, {"X-Session-ID": "traj-1"})
+        assert st == 200 and reg.get("traj-1").state == "active"
+        st, body = await _post(http, kv + "/v1/completions", {**TURN, "prompt": TURN["prompt"] + "y" * 50},
+                               {"x-dynamo-session-id": "traj-1", "x-dynamo-session-final": "true"})
+        assert st == 200 and orjson.loads(body)["choices"]  # the answer went out whole
+        await wa.wait_for("traj-1")
+        await wb.wait_for("traj-1")
+    s = reg.get("traj-1")
+    assert s.close_reason == "final" and s.turns == 2
+    await gw.lifecycle.wait_until(lambda: reg.get("traj-1").state == "closed")
+    assert s.close_results == {u: "ok" for u in gw.directory.urls}
+
+
+async def test_finish_session_query_and_body_forms_answer_as_vllm_router(sim_factory, kvgate_factory):
+    gw, kv, (wa, wb) = await _fleet(sim_factory, kvgate_factory)
+    reg = gw.lifecycle.registry
+    async with aiohttp.ClientSession() as http:
+        for sid in ("r-1", "r-2"):
+            assert (await _post(http, kv + "/generate", {"text": "q" * 300, "sampling_params": {"max_new_tokens": 2}},
+                                {"X-Session-ID": sid}))[0] == 200
+        async with http.post(kv + "/finish_session", params={"session_id": "r-1"}) as r:
+            assert r.status == 200 and await r.json() == {"status": "ok", "session_id": "r-1"}
+        async with http.post(kv + "/finish_session", json={"session_id": "r-2"}) as r:
+            assert r.status == 200 and await r.json() == {"status": "ok", "session_id": "r-2"}
+        async with http.post(kv + "/finish_session", params={"session_id": "r-1"}) as r:  # again: idempotent
+            assert r.status == 200
+        async with http.post(kv + "/finish_session") as r:
+            assert r.status == 400 and "missing field `session_id`" in await r.text()
+        for w in (wa, wb):
+            await w.wait_for("r-1")
+            await w.wait_for("r-2")
+    assert reg.get("r-1").close_reason == "finish" and reg.get("r-2").close_reason == "finish"
+
+
+async def test_subagent_sessions_are_listed_under_and_closed_with_their_parent(sim_factory, kvgate_factory):
+    gw, kv, (wa, wb) = await _fleet(sim_factory, kvgate_factory)
+    reg = gw.lifecycle.registry
+    async with aiohttp.ClientSession() as http:
+        await _post(http, kv + "/v1/completions", TURN, {"X-Session-ID": "parent"})
+        for i in range(2):
+            await _post(http, kv + "/v1/completions", {**TURN, "prompt": f"sub {i} " * 60},
+                        {"x-dynamo-session-id": f"sub-{i}", "x-dynamo-parent-session-id": "parent"})
+        async with http.get(kv + "/kvgate/sessions/parent") as r:
+            listed = await r.json()
+        assert listed["children"] == ["sub-0", "sub-1"]
+        async with http.get(kv + "/kvgate/sessions") as r:
+            rows = {e["session_id"]: e for e in (await r.json())["sessions"]}
+        assert rows["sub-1"]["parent"] == "parent" and rows["parent"]["children"] == ["sub-0", "sub-1"]
+        async with http.post(kv + "/close_session", json={"session_id": "parent"}) as r:
+            assert r.status == 200
+        for w in (wa, wb):
+            for sid in ("parent", "sub-0", "sub-1"):
+                await w.wait_for(sid)
+    assert reg.get("sub-0").close_reason == "parent" and reg.get("parent").close_reason == "client"
+
+
+async def test_subagent_stays_open_when_closing_children_is_off(sim_factory, kvgate_factory):
+    gw, kv, (wa, _) = await _fleet(sim_factory, kvgate_factory, session_close_children=False)
+    async with aiohttp.ClientSession() as http:
+        await _post(http, kv + "/v1/completions", TURN, {"X-Session-ID": "p"})
+        await _post(http, kv + "/v1/completions", {**TURN, "prompt": "c" * 300},
+                    {"X-Session-ID": "c", "X-Parent-Session-ID": "p"})
+        await _post(http, kv + "/close_session", {"session_id": "p"})
+        await wa.wait_for("p")
+    assert gw.lifecycle.registry.get("c").state == "active" and "c" not in wa.ids
+
+
+async def test_smg_routing_key_and_rid_lineage_name_the_session(sim_factory, kvgate_factory):
+    gw, kv, _ = await _fleet(sim_factory, kvgate_factory)
+    reg = gw.lifecycle.registry
+    async with aiohttp.ClientSession() as http:
+        for t in (1, 2):
+            await _post(http, kv + "/generate", {"text": "a" * 300 + "b" * t, "rid": f"conv_t{t}",
+                                                 "sampling_params": {"max_new_tokens": 2}})
+        await _post(http, kv + "/generate", {"text": "a" * 300 + "bb", "rid": "conv_t2_r1",
+                                             "sampling_params": {"max_new_tokens": 2}})
+        for _ in range(2):
+            await _post(http, kv + "/v1/completions", TURN, {"X-SMG-Routing-Key": "rk-7"})
+    assert (reg.get("conv").turns, reg.get("conv").source) == (3, "rid")
+    assert (reg.get("rk-7").turns, reg.get("rk-7").source) == (2, "routing_key")
