@@ -234,3 +234,32 @@ class ManualClock:
 
     def __call__(self) -> float:
         return self.t
+
+
+@pytest.fixture
+async def pd_fleet(sim_factory, log_dir):
+    """``await make(prefill=1, decode=2, policy="consistent_hashing", extra=None, **sim)`` -> (router URL,
+    prefill handles, decode handles): in-process simulated prefill and decode workers (each prefill worker with
+    a bootstrap port of its own) behind the real smg 1.13 in PD mode (``--pd-disaggregation``), waited on until
+    /readiness reports every worker healthy."""
+    started: list[procs.Proc] = []
+
+    async def make(prefill: int = 1, decode: int = 2, policy: str = "consistent_hashing",
+                   extra: list[str] | None = None, **sim):
+        if not procs.smg_installed():
+            pytest.skip("the smg router is not installed (pip install smg)")
+        sim = {"max_total_num_tokens": 50_000, "speed": 50, **sim}
+        ps = [await sim_factory(disaggregation_mode="prefill", disaggregation_bootstrap_port=procs.free_port(),
+                                **sim) for _ in range(prefill)]
+        ds = [await sim_factory(disaggregation_mode="decode", **sim) for _ in range(decode)]
+        port, mport = procs.free_port(), procs.free_port()
+        cmd = procs.smg_pd_command(port, [(p.url, p.engine.opts.disaggregation_bootstrap_port) for p in ps],
+                                   [d.url for d in ds], mport, policy=policy, extra=extra)
+        p = procs.start(f"pd-router{len(started)}", cmd, log_dir, url=f"http://127.0.0.1:{port}")
+        started.append(p)
+        await asyncio.to_thread(procs.wait_http, p.url + "/readiness", 60, p, procs.router_ready(prefill + decode))
+        return p.url, ps, ds
+
+    yield make
+    for p in started:
+        p.stop()

@@ -112,3 +112,38 @@ def test_router_command_per_arm(tmp_path):
     assert cmd[cmd.index("--max-concurrent-requests") + 1] == "8"
     assert cmd[cmd.index("--queue-timeout-secs") + 1] == "15"       # 60 s at speed 4
     assert "--assignment-mode" in cmd
+
+
+def test_a_pd_scenario_starts_smg_in_pd_mode_and_is_checked(tmp_path):
+    """prefill_engines > 0: smg gets --pd-disaggregation with each prefill worker's bootstrap port and the decode
+    workers; a PD fleet needs simulated engines and no HiCache arm; the shipped pd-programs scenario parses."""
+    import pytest
+
+    from kvgate.tools import procs
+    from kvgate.bench.runner import Fleet, expand_arms
+    from kvgate.bench.scenario import load_scenario, parse_scenario
+    if not procs.smg_installed():
+        pytest.skip("smg router not installed")
+    base = {"arms": ["direct"], "workload": {"kind": "agentic"}, "prefill_engines": 2, "engines": 3,
+            "router_extra": ["--decode-policy", "consistent_hashing"]}
+    sc = parse_scenario(base)
+    (direct,) = expand_arms(sc)
+    f = Fleet(sc, direct, scale(sc.speed, sc.kvgate_times, sc.router_queue_timeout_s, sc.sample_interval_s), tmp_path)
+    f.prefill = [("http://127.0.0.1:1", 11), ("http://127.0.0.1:2", 12)]
+    f.engine_urls = ["http://127.0.0.1:1", "http://127.0.0.1:2", "http://127.0.0.1:3", "http://127.0.0.1:4",
+                     "http://127.0.0.1:5"]
+    cmd = f.router_command(5, 6)
+    assert "--pd-disaggregation" in cmd and "--worker-urls" not in cmd
+    i = cmd.index("--prefill")
+    assert cmd[i:i + 6] == ["--prefill", "http://127.0.0.1:1", "11", "--prefill", "http://127.0.0.1:2", "12"]
+    assert [cmd[j + 1] for j, x in enumerate(cmd) if x == "--decode"] == ["http://127.0.0.1:3", "http://127.0.0.1:4",
+                                                                         "http://127.0.0.1:5"]
+    assert cmd[cmd.index("--decode-policy") + 1] == "consistent_hashing"
+    with pytest.raises(ValueError, match="prefill_engines: a PD fleet needs engine: sim"):
+        parse_scenario({**base, "engine": "sglang", "speed": 1})
+    with pytest.raises(ValueError, match="HiCache"):
+        parse_scenario({**base, "arms": ["hicache"]})
+    with pytest.raises(ValueError, match="prefill_engines: must be an integer >= 0"):
+        parse_scenario({**base, "prefill_engines": -1})
+    pd = load_scenario("configs/bench/pd-programs.yaml")
+    assert (pd.prefill_engines, pd.engines) == (2, 6)

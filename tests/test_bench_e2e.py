@@ -163,3 +163,44 @@ def test_router_sweep_best_becomes_direct(tmp_path):
     assert f"Router sweep (router only, no kvgate; best: {best['arm']}):" in md
     assert f"| {other} |" in md and f"| {best['arm']} | " in md
     assert f"`direct` is the best router configuration of the sweep, {best['arm']}" in md
+
+
+TINY_PD = """
+name: tiny-pd
+seed: 1
+speed: 4
+prefill_engines: 1
+engines: 2
+max_total_num_tokens: 6000
+unbounded_max_total_num_tokens: 400000
+router_extra: [--decode-policy, consistent_hashing]
+arms: [direct, lifecycle]
+kvgate_times: {session_idle_close_s: 20}
+workload:
+  kind: agentic
+  groups: 2
+  group_size: 2
+  task_prompt_tokens: {dist: const, value: 1500}
+  turns: {dist: const, value: 3}
+  observation_tokens: {dist: const, value: 300}
+  output_tokens: {dist: const, value: 32}
+  tool_gap_s: {dist: const, value: 1.0}
+"""
+
+
+def test_tiny_pd_scenario_end_to_end(tmp_path):
+    """A PD fleet (1 prefill + 2 decode simulated workers behind smg --pd-disaggregation, decode policy
+    consistent_hashing on the client's routing key): both arms finish every turn; each session's later turns hit
+    its decode worker's cache; every worker, prefill included, saw every session's turns (the prefill worker all of
+    them), and kvgate's lifecycle closes every session."""
+    res, _ = run_scenario(tmp_path, TINY_PD)
+    for arm in ("direct", "lifecycle"):
+        m = res["metrics"][arm]
+        assert m["errors"] == 0 and m["requests"] == 12, arm
+        (run,) = res["arms"][arm]
+        later = [r for r in run["requests"] if r["turn"] == 2]
+        assert all(r["cached_tokens"] >= 1500 + 12 + 32 - 1 for r in later), arm
+    lc = res["arms"]["lifecycle"][0]
+    assert lc["closes"] == {"200": 4}
+    prefill, *decode = lc["sim_engines_session_ids"]
+    assert len(prefill) == 4 and sorted(s for ids in decode for s in ids) == sorted(prefill)

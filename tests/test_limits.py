@@ -324,7 +324,7 @@ async def test_bodies_kvgate_does_not_read_are_streamed_not_held(kvgate_process,
 
 async def test_a_body_that_waits_too_long_for_the_budget_is_503(kvgate_factory, scripted):
     up = await scripted()
-    gw, url = await kvgate_factory(upstream=up.url, http_max_inflight_body_bytes=MiB, http_body_budget_wait_s=1.0)
+    gw, url = await kvgate_factory(upstream=up.url, http_max_inflight_body_bytes=MiB, http_body_budget_wait_s=1.2)
     # A: holds the whole budget (its body, over the budget, goes alone) and stalls half-way.
     ra, wa = await asyncio.open_connection("127.0.0.1", _port(url))
     wa.write(b"POST /generate HTTP/1.1\r\nHost: k\r\nContent-Length: %d\r\nExpect: 100-continue\r\n"
@@ -338,7 +338,9 @@ async def test_a_body_that_waits_too_long_for_the_budget_is_503(kvgate_factory, 
     t0 = time.perf_counter()
     out = await send_raw(_port(url), request(body=b"b" * (4 * MiB)), timeout=10)
     waited = time.perf_counter() - t0
-    assert parse_answer(out).status == 503 and 0.9 < waited < 5.0
+    assert parse_answer(out).status == 503 and 1.1 < waited < 5.0
+    # how long the client should wait: the budget wait rounded up to whole seconds
+    assert parse_answer(out).header(b"retry-after") == b"2"
     # A still goes through whole.
     wa.write(b"a" * MiB)
     ans = parse_answer(await _read_all(ra))
@@ -770,3 +772,9 @@ async def test_a_head_or_body_that_stops_arriving_is_408(kvgate_factory, scripte
         w.close()
         assert parse_answer(out).status == 408 and 0.9 < waited < 5.0, (part, out, waited)
     assert up.received == []
+
+
+@given(st.floats(min_value=0, max_value=1e6, allow_nan=False))
+def test_the_budget_retry_after_is_whole_seconds_at_least_the_wait(wait_s):
+    after = server.budget_retry_after_s(wait_s)
+    assert isinstance(after, int) and after >= max(1.0, wait_s) and after - max(1.0, wait_s) < 1

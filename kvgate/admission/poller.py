@@ -162,8 +162,9 @@ class CapacityPoller:
         return None
 
     async def poll_once(self) -> ClusterSnapshot | None:
-        """One round: scrape every engine, reconcile or invalidate. Returns the snapshot (None = degraded)."""
-        urls = self.directory.urls
+        """One round: scrape every engine whose KV pool holds sessions (a PD fleet's decode workers, not its
+        prefill workers: kvgate.fleet.roles), reconcile or invalidate. Returns the snapshot (None = degraded)."""
+        urls = self.directory.kv_holder_urls
         if not urls:
             if self.gate is not None:
                 self.gate.invalidate()
@@ -256,7 +257,7 @@ class CapacityPoller:
                                            self.directory.last_error, self.directory.urls, self.last_sources))
             elif self._degraded is None:
                 log.info("admission: KV capacity figures from %d engines, ceiling %d tokens",
-                         len(self.directory.urls), self.gate.ledger.ceiling)
+                         len(self.directory.kv_holder_urls), self.gate.ledger.ceiling)
             else:
                 log.info("admission signal back: ceiling %d tokens", self.gate.ledger.ceiling)
             self._degraded = degraded

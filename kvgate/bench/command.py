@@ -234,7 +234,9 @@ def _run(args, sc, arms, seeds, workloads, previous, pool) -> int:
              f"{_load_range(raws)} over the runs" if sc.engine == "sglang" else
              f"speed factor {sc.speed:g} (times below are simulated seconds = wall x {sc.speed:g})")
     header = (f"Scenario `{sc.name}`: {clock}, seed{'s' if len(seeds) > 1 else ''} {', '.join(map(str, seeds))}, "
-              f"{sc.engines} engines x {sc.max_total_num_tokens:,} KV tokens "
+              + (f"{sc.prefill_engines} prefill + {sc.engines} decode workers (PD, smg --pd-disaggregation) "
+                 if sc.prefill_engines else f"{sc.engines} engines ")
+              + f"x {sc.max_total_num_tokens:,} KV tokens "
               f"(unbounded-kv: {sc.unbounded_max_total_num_tokens:,}), smg policy {sc.router_policy}, turns sent "
               f"to {API_PATHS[sc.api]}; "
               f"{per_seed}; bench wall time {wall:.0f} s on {platform.machine()} ({_cores()} cores, load average "

@@ -166,6 +166,9 @@ class Fleet:
         self.engine_pool = engine_pool
         self.procs: list[procs.Proc] = []
         self.engine_urls: list[str] = []
+        # a PD fleet (scenario prefill_engines > 0): the prefill workers' (URL, bootstrap port); engine_urls lists
+        # them first, then the decode workers
+        self.prefill: list[tuple[str, int]] = []
         self.router_url = ""
         self.kvgate_url: str | None = None
         self.kvgate_urls: list[str] = []
@@ -184,12 +187,19 @@ class Fleet:
         """Start everything and wait until it is ready. Raises RuntimeError/TimeoutError with a log tail."""
         if self.engine_pool is not None:  # real engines, flushed (or new for another pool size)
             self.engine_urls = self.engine_pool.urls(self.arm.pool_tokens)
-        for i in range(0 if self.engine_pool is not None else self.sc.engines):
+        n_prefill = 0 if self.engine_pool is not None else self.sc.prefill_engines
+        for i in range(0 if self.engine_pool is not None else n_prefill + self.sc.engines):
             port = procs.free_port()
             url = f"http://127.0.0.1:{port}"
             cmd = [sys.executable, "-m", "kvgate", "sim-engine", "--port", str(port),
                    "--max-total-num-tokens", str(self.arm.pool_tokens), "--speed", repr(self.scaled.sim_speed)]
             cmd += sim_extra_flags(self.sc.sim_extra)
+            if i < n_prefill:
+                bport = procs.free_port()
+                cmd += ["--disaggregation-mode", "prefill", "--disaggregation-bootstrap-port", str(bport)]
+                self.prefill.append((url, bport))
+            elif n_prefill:
+                cmd += ["--disaggregation-mode", "decode", "--disaggregation-decode-enable-radix-cache"]
             # the fleet's engines share this host: a contention figure in sim_extra takes effect through it
             cmd += ["--host-board", str(self.log_dir / "host-board")]
             if self.arm.hicache:
@@ -263,6 +273,9 @@ class Fleet:
             extra += ["--max-concurrent-requests", str(self.arm.router_limit),
                       "--queue-size", str(self.sc.router_queue_size),
                       "--queue-timeout-secs", str(max(1, int(round(self.scaled.router_queue_timeout_s))))]
+        if self.prefill:  # a PD fleet: smg's PD router (the policy for both sides unless router_extra says)
+            decode = self.engine_urls[len(self.prefill):]
+            return procs.smg_pd_command(port, self.prefill, decode, prometheus_port, policy=self.policy, extra=extra)
         return procs.smg_command(port, self.engine_urls, prometheus_port, policy=self.policy, extra=extra)
 
     @property

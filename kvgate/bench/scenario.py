@@ -71,6 +71,9 @@ class Scenario:
     replicates: int = 1
     speed: float = 1.0
     engines: int = 2
+    # > 0: a prefill/decode (PD) fleet behind smg --pd-disaggregation: this many simulated prefill workers and
+    # ``engines`` decode workers (each with max_total_num_tokens of KV); 0: ``engines`` regular engines
+    prefill_engines: int = 0
     max_total_num_tokens: int = 200_000
     unbounded_max_total_num_tokens: int = 4_000_000
     router_policy: str = "cache_aware"
@@ -123,6 +126,7 @@ _CHECKS = {
     "replicates": (lambda v: _is_int(v) and v >= 1, "an integer >= 1"),
     "speed": (lambda v: _is_num(v) and v > 0, "a number > 0"),
     "engines": (lambda v: _is_int(v) and v >= 1, "an integer >= 1"),
+    "prefill_engines": (lambda v: _is_int(v) and v >= 0, "an integer >= 0 (prefill workers; 0: no PD)"),
     "max_total_num_tokens": (lambda v: _is_int(v) and v >= 1, "an integer >= 1 (tokens)"),
     "unbounded_max_total_num_tokens": (lambda v: _is_int(v) and v >= 1, "an integer >= 1 (tokens)"),
     "router_policy": (lambda v: isinstance(v, str) and v != "", "an smg --policy name"),
@@ -207,6 +211,7 @@ def parse_scenario(obj: dict[str, Any], name: str = "scenario") -> Scenario:
     times.update({k: float(v) for k, v in extra_times.items()})
     data["kvgate_times"] = times
     check_engine(data.get("engine", "sim"), data.get("speed", 1.0), arms, data.get("api", "generate"))
+    check_pd(data.get("prefill_engines", 0), data.get("engine", "sim"), arms)
     split_load_monitor_interval(data.get("router_extra") or [])  # the bench scales it: a bad value stops here
     _check_kvgate_extra(data.get("kvgate_extra") or {})
     _check_sim_extra(data.get("sim_extra") or {})
@@ -225,6 +230,20 @@ def check_engine(engine: str, speed: float, arms: list[str], api: str) -> None:
         raise ValueError(f"arms: {hicache} need HiCache engines, not run on the CPU engine (engine: sglang)")
     if api != "generate":
         raise ValueError(f"api: engine: sglang runs token ids to /generate, got {api!r}")
+
+
+def check_pd(prefill_engines: int, engine: str, arms: list[str]) -> None:
+    """A PD fleet (prefill_engines > 0) runs simulated workers (SGLang's PD mode does not run on the CPU engine,
+    docs/real-engines.md) without HiCache (the simulator's prefill and decode workers do not model it). Raises
+    ValueError naming the key."""
+    if not prefill_engines:
+        return
+    if engine != "sim":
+        raise ValueError("prefill_engines: a PD fleet needs engine: sim (SGLang's PD mode does not run on the CPU "
+                         "engine, docs/real-engines.md)")
+    hicache = [a for a in arms if a.startswith("hicache")]
+    if hicache:
+        raise ValueError(f"arms: {hicache} need HiCache engines; the simulator's PD workers do not model HiCache")
 
 
 def _check_kvgate_extra(extra: dict) -> None:

@@ -2,7 +2,8 @@
 
 Owns worker discovery from the router's /workers (discovery, pure), compatibility verdicts such as "does the
 router forward session_id" (compat, pure), which engine a session's calls go to when kvgate places them
-(placement, pure), what /kvgate/health says about the router and the engines (health, pure) and the live
+(placement, pure), what /kvgate/health says about the router and the engines (health, pure), which engines hold sessions' KV
+(roles, pure: decode workers in a prefill/decode fleet, regular engines otherwise) and the live
 engine directory that keeps the list, the verdicts and the router's and engines' health fresh (directory, I/O
 edge). May import kvgate.common.
 """

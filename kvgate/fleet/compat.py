@@ -127,7 +127,8 @@ def engine_warnings(server_info: dict[str, Any] | None, metrics_status: int | No
     Rules (docs/simulator-fidelity.md, Sessions): enable_session_radix_cache must be on for session_id
     to tag KV; on 0.5.15-0.5.16 it also needs radix_eviction_policy=priority; /metrics 404 means
     --enable-metrics is off, so admission has only /v1/loads (or no signal); enable_cache_report off (said
-    explicitly) means the OpenAI routes report no cached tokens.
+    explicitly) means the OpenAI routes report no cached tokens; a PD decode worker without its radix cache
+    (disaggregation_decode_enable_radix_cache false) keeps no session KV between turns.
     """
     out: list[tuple[str, str]] = []
     if server_info is None:
@@ -142,6 +143,12 @@ def engine_warnings(server_info: dict[str, Any] | None, metrics_status: int | No
             out.append(("cache_report_off",
                         "enable_cache_report is off: chat and completions answers carry no cached-token count, so "
                         "kvgate's session records show none for them; start the engine with --enable-cache-report"))
+        if server_info.get("disaggregation_mode") == "decode" \
+                and server_info.get("disaggregation_decode_enable_radix_cache") is False:
+            # SGLang's decode worker then disables its radix cache (arg_groups/pd_disaggregation_hook.py)
+            out.append(("decode_radix_cache_off",
+                        "a decode worker without --disaggregation-decode-enable-radix-cache keeps no session KV "
+                        "between turns: every turn's prompt is sent again from a prefill worker"))
         version = parse_version(server_info.get("version"))
         if version is not None and (0, 5, 15) <= version[:3] < (0, 5, 17):
             if server_info.get("radix_eviction_policy") != "priority":

@@ -28,7 +28,7 @@ import aiohttp
 import orjson
 
 from kvgate.common.aio import cancel_tasks
-from kvgate.fleet import compat
+from kvgate.fleet import compat, roles
 from kvgate.fleet.placement import placement_active
 from kvgate.fleet.discovery import DiscoveryError, Engine, parse_list_workers, parse_workers, static_engines
 from kvgate.fleet.health import Check, Reachability, engines_check, router_check
@@ -100,6 +100,7 @@ class EngineDirectory:
         self.router_gateway_error: int | None = None  # the 502/503/504 the router answers forwarded calls with
         self.own_failures: dict[str, str] = {}  # engine URL -> why kvgate's own calls to it fail to connect
         self._verdict_line: str | None = None  # the last compatibility line logged
+        self._layout_line: str | None = None  # the last layout line logged
         # What the upstream is when it lists no engines (answers neither /workers nor /list_workers): "engine"
         # (it answers an SGLang engine's /server_info or /get_model_info), "other", or None (not asked: the
         # router lists its engines, or has not been asked yet). Asked once per discovery failure streak.
@@ -127,6 +128,27 @@ class EngineDirectory:
     @property
     def urls(self) -> list[str]:
         return [e.url for e in self.engines]
+
+    @property
+    def layout(self) -> roles.Layout:
+        """The fleet's layout now (kvgate.fleet.roles): regular, PD (prefill + decode workers), mixed, empty."""
+        return roles.layout(self.engines)
+
+    @property
+    def kv_holder_urls(self) -> list[str]:
+        """Engines whose KV pools hold sessions between turns: decode workers in a PD fleet, regular engines
+        otherwise (kvgate.fleet.roles.kv_holders)."""
+        return [e.url for e in roles.kv_holders(self.engines)]
+
+    @property
+    def prefill_urls(self) -> list[str]:
+        """The prefill workers of a PD fleet (kvgate.fleet.roles.prefill_only); empty otherwise."""
+        return [e.url for e in roles.prefill_only(self.engines)]
+
+    @property
+    def close_urls(self) -> list[str]:
+        """Where a session's close goes: every engine of every role (kvgate.fleet.roles.close_targets)."""
+        return roles.close_targets(self.engines)
 
     @property
     def session(self) -> aiohttp.ClientSession:
@@ -312,10 +334,11 @@ class EngineDirectory:
             if e.url in self.own_failures:
                 return f"(kvgate's calls fail: {self.own_failures[e.url]})"
             return None if e.healthy else "(the router reports it unhealthy)"
-        engines = [(e.url, self.usable(e), why(e)) for e in self.engines if e.worker_type != "decode"]
+        engines = [(e.url, self.usable(e), why(e)) for e in self.engines]
         if self.first_refresh.is_set():
             engines_ = engines_check(engines, self.static is None,
-                                     self.last_error if self.router.ok is not False else None, self.upstream_kind)
+                                     self.last_error if self.router.ok is not False else None, self.upstream_kind,
+                                     roles={e.url: roles.role(e) for e in self.engines})
         else:
             engines_ = Check("engines", None, "not listed yet")
         return [router_check(self.router, self.upstream, time.monotonic()), engines_]
@@ -358,6 +381,10 @@ class EngineDirectory:
             by_type[e.worker_type] = by_type.get(e.worker_type, 0) + 1
         for t, n in by_type.items():
             self.metrics.engines.labels(t).set(n)
+        line = self.layout.describe()
+        if line != self._layout_line and engines:
+            log.info("fleet layout: %s", line)
+            self._layout_line = line
         if changed:
             log.info("engines (%s): %s", self.source, ", ".join(self.urls) or "none")
             self._changed.set()
@@ -497,7 +524,9 @@ class EngineDirectory:
             "upstream": self.upstream,
             # healthy is the router's verdict; a static list has none (null)
             # healthy: usable by the router's verdict (a static list has none) and by kvgate's own calls
-            "engines": [{"url": e.url, "worker_type": e.worker_type,
+            "layout": self.layout.as_json(),
+            "engines": [{"url": e.url, "worker_type": e.worker_type, "dp_ranks": e.dp_ranks,
+                         "bootstrap_port": e.bootstrap_port, "holds_sessions": roles.role(e) != roles.PREFILL,
                          "healthy": None if self.static is not None and e.url not in self.own_failures
                          else self.usable(e),
                          "router_healthy": e.healthy if self.static is None else None,

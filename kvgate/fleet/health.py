@@ -96,13 +96,17 @@ def router_check(r: Reachability, upstream: str, now: float) -> Check:
 
 
 def engines_check(engines: Iterable[tuple[str, bool, str | None]], discovered: bool,
-                  discovery_error: str | None, upstream_kind: str | None = None) -> Check:
+                  discovery_error: str | None, upstream_kind: str | None = None,
+                  roles: dict[str, str] | None = None) -> Check:
     """The engines check from (url, usable, why not) per engine. Fatal when none is usable, or when no engine
     is known and the upstream is not a router (``upstream_kind`` "other": it answered neither /workers nor
     /list_workers nor an engine's /server_info); not fatal when some are down, the engine list could not be
     read (the last good list is kept) or the upstream is an engine (``upstream_kind`` "engine": calls reach
-    it, but kvgate knows no engine to close sessions on)."""
+    it, but kvgate knows no engine to close sessions on). ``roles`` (url -> regular|prefill|decode): in a
+    prefill/decode fleet every call needs one prefill and one decode worker (smg's PD router), so it is fatal
+    too when no prefill or no decode worker is usable."""
     engines = list(engines)
+    roles = roles or {}
     down = [(u, why) for u, usable, why in engines if not usable]
     detail: dict[str, Any] = {"engines": len(engines), "usable": len(engines) - len(down),
                               "unusable": {u: why for u, why in down}}
@@ -113,6 +117,13 @@ def engines_check(engines: Iterable[tuple[str, bool, str | None]], discovered: b
     if discovery_error is not None and not engines and upstream_kind == "engine":
         return Check("engines", False, f"the upstream is an SGLang engine, not a router ({discovery_error}): "
                      "list the engines under engines: in the config", fatal=False, detail=detail)
+    if any(roles.get(u) in ("prefill", "decode") for u, _, _ in engines):
+        usable_by = {r: sum(1 for u, ok, _ in engines if ok and roles.get(u) == r) for r in ("prefill", "decode")}
+        detail["usable_by_role"] = usable_by
+        for r in ("prefill", "decode"):
+            if engines and len(down) < len(engines) and usable_by[r] == 0:
+                return Check("engines", False, f"no {r} worker is usable: every call needs one (smg's PD router)",
+                             detail=detail)
     if discovery_error is not None and not engines:
         # the router answers (its own check says when it does not) but not with a list kvgate reads
         return Check("engines", False, f"engine discovery failed ({discovery_error}) and no engine is known",

@@ -22,7 +22,8 @@ from aiohttp import web
 from kvgate.proxy.body_budget import Ticket
 from kvgate.proxy.conn_state import Pause, Phase, ReadControl
 from kvgate.proxy.request import Request
-from kvgate.proxy.wire import (BAD_VERSION, COMMON, CONNECT_ANSWER, METHODS, VERSIONS, BadRequest, error_answer,
+from kvgate.proxy.wire import (BAD_VERSION, COMMON, CONNECT_ANSWER, METHODS, VERSIONS, BadRequest, budget_retry_after_s,
+                               error_answer,
                                error_body, origin_form, request_line_at)
 
 if TYPE_CHECKING:
@@ -412,7 +413,8 @@ class Connection(asyncio.Protocol):
     def budget_timeout(self, req: Request) -> None:
         """``req`` waited body_budget_wait_s for room in the body budget: 503, then the connection closes."""
         self.ctl.clear(Pause.BUDGET)
-        err = BadRequest(503, "kvgate's in-flight request body budget stayed full")
+        err = BadRequest(503, "kvgate's in-flight request body budget stayed full",
+                         retry_after_s=budget_retry_after_s(self.server.limits.body_budget_wait_s))
         log.info("request body from %s waited too long for the body budget, answered 503", self._peer())
         self.ctl.stop()
         self.ctl.advance(_CLOSING)
@@ -432,7 +434,8 @@ class Connection(asyncio.Protocol):
         server.busy(self)
         early = req.early
         if early is not None:
-            self._answer(req, web.Response(status=early.status, text=error_body(early.status, early)))
+            self._answer(req, web.Response(status=early.status, text=error_body(early.status, early),
+                                           headers=early.headers()))
             return
         expect = req.expect
         if expect is not None and req.version >= (1, 1):
@@ -485,7 +488,7 @@ class Connection(asyncio.Protocol):
         elif isinstance(exc, web.HTTPException):
             resp = exc
         elif isinstance(exc, BadRequest):  # the body's framing broke while the handler read it (logged once)
-            resp = web.Response(status=exc.status, text=error_body(exc.status, exc))
+            resp = web.Response(status=exc.status, text=error_body(exc.status, exc), headers=exc.headers())
         elif isinstance(exc, Exception):
             log.error("error handling %s %s", req.method, req.raw_path, exc_info=exc)
             resp = None if req.sent else web.Response(status=500, text="500 Internal Server Error")

@@ -38,6 +38,7 @@ from kvgate.proxy.conn_state import Phase, Timers
 from kvgate.proxy.connection import BODY_HIGH_WATER, BUDGET_STEP, LINGER_S, Connection
 from kvgate.proxy.request import Request, StreamResponse
 from kvgate.proxy.wire import (MAX_FIELD_BYTES, MAX_HEAD_BYTES, MAX_LINE_BYTES, SMALL_BODY_BYTES, BadRequest,
+                               budget_retry_after_s,
                                Headers, Limits, chunk_frame, header_lines, status_line)
 
 log = logging.getLogger("kvgate.proxy.server")
@@ -227,6 +228,6 @@ class HttpServer:
 
 
 # What kvgate.proxy.server has always offered its callers, wherever it now lives.
-__all__ = ["BadRequest", "Connection", "Headers", "HttpServer", "Limits", "Request", "StreamResponse", "chunk_frame",
+__all__ = ["BadRequest", "budget_retry_after_s", "Connection", "Headers", "HttpServer", "Limits", "Request", "StreamResponse", "chunk_frame",
            "header_lines", "status_line", "BODY_HIGH_WATER", "BUDGET_STEP", "LINGER_S", "MAX_FIELD_BYTES",
            "MAX_HEAD_BYTES", "MAX_LINE_BYTES", "SMALL_BODY_BYTES"]

@@ -9,6 +9,7 @@ without sockets.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from http import HTTPStatus
@@ -48,11 +49,23 @@ class Limits:
 
 
 class BadRequest(Exception):
-    """A request kvgate answers itself and then closes the connection: ``status`` and a short reason."""
+    """A request kvgate answers itself and then closes the connection: ``status``, a short reason and, for a
+    refusal the client may retry (503), ``retry_after_s``: the whole seconds of the answer's Retry-After."""
 
-    def __init__(self, status: int, message: str):
+    def __init__(self, status: int, message: str, retry_after_s: int | None = None):
         super().__init__(message)
         self.status = status
+        self.retry_after_s = retry_after_s
+
+    def headers(self) -> dict[str, str] | None:
+        """The answer's extra headers: Retry-After when set, else None."""
+        return {"Retry-After": str(self.retry_after_s)} if self.retry_after_s is not None else None
+
+
+def budget_retry_after_s(body_budget_wait_s: float) -> int:
+    """Retry-After of the body-budget 503, whole seconds (at least 1): the wait the body just had without room,
+    rounded up (an earlier retry would likely wait as long again)."""
+    return max(1, math.ceil(body_budget_wait_s))
 
 
 def error_body(status: int, message: object) -> str:
@@ -63,7 +76,8 @@ def error_body(status: int, message: object) -> str:
 def error_answer(err: BadRequest) -> bytes:
     """The whole answer to a request refused with ``err``, closing the connection."""
     body = error_body(err.status, err).encode("utf-8", "replace")
-    return b"".join((status_line(err.status), b"Content-Type: text/plain; charset=utf-8\r\n",
+    retry = b"Retry-After: %d\r\n" % err.retry_after_s if err.retry_after_s is not None else b""
+    return b"".join((status_line(err.status), retry, b"Content-Type: text/plain; charset=utf-8\r\n",
                      b"Content-Length: %d\r\nConnection: close\r\n\r\n" % len(body), body))
 
 

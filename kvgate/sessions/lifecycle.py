@@ -289,7 +289,8 @@ class SessionLifecycle:
         s = self.registry.get(session_id)
         if s is None:
             return
-        urls = self.registry.to_send(session_id, self.directory.urls, self.clock())
+        # every engine of every role: in a PD fleet the decode worker holds the session, the prefill worker its prompts
+        urls = self.registry.to_send(session_id, self.directory.close_urls, self.clock())
         for u in urls:
             self._enqueue(u, session_id, s.close_gen)
         if s.state == CLOSED:  # its last pending close was dropped (the engine left)

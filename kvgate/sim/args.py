@@ -89,6 +89,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
       help="data-parallel ranks, each with its own KV pool and radix cache; requests are spread round robin "
            "unless routed_dp_rank pins one (default: %(default)s)")
     a("--disable-metrics", action="store_true", help="/metrics answers 404")
+    a("--disaggregation-mode", choices=("null", "prefill", "decode"), default="null",
+      help="SGLang's prefill/decode disaggregation role: a prefill worker ends each request after its first token "
+           "and serves the KV on its bootstrap port; a decode worker waits for each request's bootstrap_room, "
+           "receives the KV and decodes (docs/simulator.md; default: %(default)s, a regular engine)")
+    a("--disaggregation-bootstrap-port", type=int, default=8998,
+      help="a prefill worker's bootstrap server port, the one smg is given after its URL (--prefill URL PORT) "
+           "(default: %(default)s, SGLang's)")
+    a("--disaggregation-transfer-backend", default="mooncake",
+      help="accepted for SGLang's command line; the simulator models one transfer (--sim-transfer-us-per-token)")
+    a("--disaggregation-decode-enable-radix-cache", action="store_true",
+      help="a decode worker keeps a radix cache (a session's prefix stays on it between turns); the simulator's "
+           "decode worker always does, so decode mode requires this flag")
+    a("--sim-transfer-us-per-token", type=float, default=5.0,
+      help="simulated microseconds to move one token's KV from the prefill to the decode worker (default: "
+           "%(default)s, about 128 KiB a token over 25 GB/s)")
     a("--model-name", default="kvgate-sim",
       help="model name reported by /v1/models, /server_info and the metrics labels (default: %(default)s)")
 
@@ -126,7 +141,9 @@ def options_from_args(args: argparse.Namespace) -> dict:
         host_board=args.host_board, host_contention_prefill=args.host_contention_prefill,
         host_contention_decode=args.host_contention_decode,
         tp_copies=args.tp_copies, dp_size=args.dp_size, disable_metrics=args.disable_metrics,
-        model_name=args.model_name)
+        model_name=args.model_name, disaggregation_mode=args.disaggregation_mode,
+        disaggregation_bootstrap_port=args.disaggregation_bootstrap_port,
+        disaggregation_transfer_us_per_token=args.sim_transfer_us_per_token)
 
 
 async def _serve(args: argparse.Namespace) -> int:
@@ -136,9 +153,15 @@ async def _serve(args: argparse.Namespace) -> int:
     except SessionConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except OSError as e:  # the port or the bootstrap port is taken
+        print(f"error: cannot listen: {e}", file=sys.stderr)
+        return 2
+    role = "" if args.disaggregation_mode == "null" else (
+        f" as a {args.disaggregation_mode} worker" + (f" (bootstrap port {args.disaggregation_bootstrap_port})"
+                                                      if args.disaggregation_mode == "prefill" else ""))
     board = (f" (host board {args.host_board}: contention prefill {args.host_contention_prefill:g}, decode "
              f"{args.host_contention_decode:g})" if args.host_board else "")
-    print(f"kvgate sim-engine serving on {handle.url}{board}", file=sys.stderr, flush=True)
+    print(f"kvgate sim-engine serving on {handle.url}{role}{board}", file=sys.stderr, flush=True)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -167,6 +190,14 @@ def run(args: argparse.Namespace) -> int:
         except (OSError, RuntimeError) as e:
             print(f"error: --host-board {args.host_board}: {e}", file=sys.stderr)
             return 2
+    if args.disaggregation_mode == "decode" and not args.disaggregation_decode_enable_radix_cache:
+        print("error: --disaggregation-mode decode needs --disaggregation-decode-enable-radix-cache (the "
+              "simulator's decode worker always keeps a radix cache)", file=sys.stderr)
+        return 2
+    if not (math.isfinite(args.sim_transfer_us_per_token) and args.sim_transfer_us_per_token >= 0):
+        print(f"error: --sim-transfer-us-per-token must be a number >= 0, got {args.sim_transfer_us_per_token}",
+              file=sys.stderr)
+        return 2
     if args.session_semantics == "0.5.15" and args.enable_session_radix_cache \
             and args.radix_eviction_policy != "priority":
         print("error: --enable-session-radix-cache requires --radix-eviction-policy priority",

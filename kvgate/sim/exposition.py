@@ -121,14 +121,15 @@ def _labels(d: dict) -> str:
 
 
 def render(ranks: list[RankSnapshot], model_name: str = "kvgate-sim", tp_copies: int = 1,
-           dp_size: int = 1, pid: Optional[int] = None) -> str:
+           dp_size: int = 1, pid: Optional[int] = None, engine_type: str = "unified") -> str:
     """Prometheus exposition text. ``tp_copies`` emits identical series for tp_rank 0..k-1
-    (--enable-metrics-for-all-schedulers); ``dp_size > 1`` adds a dp_rank label per rank."""
+    (--enable-metrics-for-all-schedulers); ``dp_size > 1`` adds a dp_rank label per rank; ``engine_type`` is
+    unified, or prefill / decode for a PD worker (SGLang's scheduler metrics label)."""
     pid = os.getpid() if pid is None else pid
     series: list[tuple[RankSnapshot, dict]] = []
     for snap in ranks:
         for tp in range(max(tp_copies, 1)):
-            lab = {"model_name": model_name, "engine_type": "unified", "tp_rank": str(tp),
+            lab = {"model_name": model_name, "engine_type": engine_type, "tp_rank": str(tp),
                    "pp_rank": "0", "moe_ep_rank": "0"}
             if dp_size > 1:
                 lab["dp_rank"] = str(snap.dp_rank)

@@ -16,10 +16,12 @@ import uuid
 from dataclasses import dataclass
 from typing import Any, Optional
 
+import aiohttp
 import orjson
 from aiohttp import web
 from aiohttp.http_exceptions import BadHttpMessage
 
+from kvgate.sim import disagg
 from kvgate.sim.sim_engine import EngineOptions, EngineStopped, RequestHandle, SimEngine
 from kvgate.sim.exposition import render_loads_prometheus
 from kvgate.sim.scheduler import Request
@@ -133,6 +135,7 @@ class GenSpec:
     legacy_session: Optional[dict] = None
     temperature: float = 1.0
     sampling_seed: Optional[int] = None
+    kv_transferred: bool = False   # PD decode: the prompt's KV came from a prefill worker
 
 
 def _check_sampling(sp: Any) -> dict:
@@ -185,6 +188,10 @@ class SimServer:
         self.engine = engine
         self.opts = engine.opts
         self.start_time = time.time()
+        # PD (kvgate/sim/disagg.py): a prefill worker's bootstrap rooms; a decode worker's client to reach them
+        self.rendezvous = disagg.Rendezvous() if self.opts.disaggregation_mode == "prefill" else None
+        self._pd_http: Optional[aiohttp.ClientSession] = None
+        self._pd_tasks: set = set()
 
     # ------------------------------------------------------------------ app
     def app(self) -> web.Application:
@@ -251,7 +258,9 @@ class SimServer:
             "enable_priority_scheduling": sc.enable_priority_scheduling, "random_seed": sc.random_seed,
             "enable_hierarchical_cache": o.enable_hierarchical_cache, "hicache_ratio": o.hicache_ratio,
             "hicache_size": o.hicache_size, "hicache_write_policy": o.hicache_write_policy,
-            "enable_metrics": not o.disable_metrics, "disaggregation_mode": "null",
+            "enable_metrics": not o.disable_metrics, "disaggregation_mode": o.disaggregation_mode,
+            "disaggregation_bootstrap_port": o.disaggregation_bootstrap_port,
+            "disaggregation_decode_enable_radix_cache": o.disaggregation_mode == "decode",
             "context_length": o.max_total_num_tokens, "sim_speed": sc.speed,
             "version": SIM_VERSION[o.session_semantics], "kvgate_sim": True,
         }
@@ -435,7 +444,7 @@ class SimServer:
                       session_id=spec.session_id or (str(spec.legacy_session.get("id"))
                                                      if spec.legacy_session else None),
                       priority=spec.priority, temperature=spec.temperature,
-                      sampling_seed=spec.sampling_seed)
+                      sampling_seed=spec.sampling_seed, kv_transferred=spec.kv_transferred)
         try:
             h = self.engine.submit(req, spec.dp_rank)
         except EngineStopped as e:
@@ -555,11 +564,78 @@ class SimServer:
             raise
         return handles
 
+    # ------------------------------------------------------------------ PD (kvgate/sim/disagg.py)
+    async def _pd_submit_all(self, body: dict, specs: list) -> list:
+        """``_submit_all`` for every disaggregation mode: a prefill worker runs each sequence to its first token
+        and marks its bootstrap room done (failed when it aborts); a decode worker first waits for each room's
+        prefill and for the KV transfer. Raises HTTPError 400 (no or a malformed bootstrap room) or 500 (the
+        transfer failed)."""
+        mode = self.opts.disaggregation_mode
+        if mode == "null":
+            return self._submit_all(specs)
+        try:
+            rooms = disagg.rooms_of(body, len(specs))
+            addrs = [disagg.bootstrap_address(body, i) for i in range(len(specs))] if mode == "decode" else []
+        except ValueError as e:
+            raise HTTPError(400, str(e))
+        if mode == "prefill":
+            for s in specs:
+                s.max_new_tokens = min(s.max_new_tokens, 1)
+            try:
+                handles = self._submit_all(specs)
+            except HTTPError:
+                for room in rooms:
+                    self.rendezvous.finish(room, None)
+                raise
+            for room, h in zip(rooms, handles):
+                t = asyncio.get_running_loop().create_task(self._pd_prefill_done(room, h))
+                self._pd_tasks.add(t)
+                t.add_done_callback(self._pd_tasks.discard)
+            return handles
+        if self._pd_http is None:
+            self._pd_http = aiohttp.ClientSession()
+        timeout_s = self.opts.disaggregation_bootstrap_timeout_s
+        try:
+            await asyncio.gather(*(disagg.fetch_room(self._pd_http, host, port, room, timeout_s)
+                                   for (host, port), room in zip(addrs, rooms)))
+        except disagg.TransferFailed as e:
+            raise HTTPError(500, f"KV transfer failed: {e}")
+        tokens = sum(len(s.input_ids) - self._decode_cached(s) for s in specs)
+        self.engine.pd_rooms += len(specs)
+        self.engine.pd_transferred_tokens += tokens
+        await asyncio.sleep(disagg.transfer_seconds(tokens, self.opts.disaggregation_transfer_us_per_token,
+                                                    self.opts.scheduler.speed))
+        for s in specs:
+            s.kv_transferred = True
+        return self._submit_all(specs)
+
+    def _decode_cached(self, spec: GenSpec) -> int:
+        """Tokens of ``spec``'s prompt the decode worker's radix cache holds now (its rank's, else the best
+        rank's): the part the prefill worker need not send."""
+        ranks = self.engine.ranks
+        if spec.dp_rank is not None and 0 <= spec.dp_rank < len(ranks):
+            ranks = [ranks[spec.dp_rank]]
+        ids = spec.input_ids
+        return min(max(r.cache.cached_len(ids) for r in ranks), max(len(ids) - 1, 0))
+
+    async def _pd_prefill_done(self, room: int, h: RequestHandle) -> None:
+        req = await h.wait()
+        aborted = (req.finish_reason or {}).get("type") == "abort"
+        if not aborted:
+            self.engine.pd_rooms += 1
+        self.rendezvous.finish(room, None if aborted else {"prompt_tokens": len(req.input_ids),
+                                                           "cached_tokens": req.cached_tokens})
+
+    async def close_pd(self) -> None:
+        """Close the decode worker's client (shutdown)."""
+        if self._pd_http is not None:
+            await self._pd_http.close()
+
     # ------------------------------------------------------------------ /generate
     async def generate(self, request):
         body = await _body(request)
         specs, is_batch = self._specs(body)
-        handles = self._submit_all(specs)
+        handles = await self._pd_submit_all(body, specs)
         lp = body.get("return_logprob")
         logprobs = any(lp) if isinstance(lp, list) else bool(lp)
         if body.get("stream"):
@@ -654,7 +730,7 @@ class SimServer:
 
     async def _openai(self, request, body, ids_list, max_default, chat: bool):
         specs = self._oa_specs(body, ids_list, max_default)
-        handles = self._submit_all(specs)
+        handles = await self._pd_submit_all(body, specs)
         created = int(time.time())
         model = body.get("model") or self.opts.model_name
         cid = ("chatcmpl-" if chat else "cmpl-") + (handles[0].req.rid if handles else "")
@@ -727,9 +803,11 @@ class SimEngineHandle:
     """A running in-process simulator: ``.url``, ``.port``, ``.engine``, ``.stats()``,
     ``await .close()``."""
 
-    def __init__(self, engine: SimEngine, runner: web.AppRunner, host: str, port: int):
+    def __init__(self, engine: SimEngine, runner: web.AppRunner, host: str, port: int,
+                 bootstrap: Optional[web.AppRunner] = None):
         self.engine = engine
         self.runner = runner
+        self.bootstrap = bootstrap  # a prefill worker's bootstrap server (PD)
         self.host = host
         self.port = port
         self.url = f"http://{host}:{port}"
@@ -742,6 +820,8 @@ class SimEngineHandle:
         """Stop listening, end the requests in flight (see SimEngine.stop), wait up to SHUTDOWN_GRACE_S seconds
         for their handlers, then cancel what is left and close every connection."""
         await self.runner.cleanup()  # its on_shutdown hook stops the engine
+        if self.bootstrap is not None:
+            await self.bootstrap.cleanup()
 
 
 def build_options(**opts) -> EngineOptions:
@@ -771,19 +851,27 @@ async def start_sim_engine(host: str = "127.0.0.1", port: int = 0, **opts) -> Si
     ``opts`` as in :func:`build_options`. Raises SessionConfigError for 0.5.15 semantics with
     the session cache on and radix_eviction_policy != "priority" (SGLang refuses to start)."""
     options = build_options(**opts)
+    if options.disaggregation_mode not in disagg.MODES:
+        raise ValueError(f"disaggregation_mode must be one of {disagg.MODES}, got {options.disaggregation_mode!r}")
     _quiet_http2_probe()
     engine = SimEngine(options)
     engine.start()
-    app = SimServer(engine).app()
+    server = SimServer(engine)
+    app = server.app()
+    bootstrap = None
+    if server.rendezvous is not None:
+        bootstrap = await disagg.start_bootstrap_server(server.rendezvous, host,
+                                                        options.disaggregation_bootstrap_port)
 
     async def _end_in_flight(_app: web.Application) -> None:
         # Runs after the listening socket closed and before aiohttp waits for the handlers: streams and waiting
         # requests get their abort now, instead of aiohttp waiting out its timeout for events that never come.
         await engine.stop()
+        await server.close_pd()
     app.on_shutdown.append(_end_in_flight)
     runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=SHUTDOWN_GRACE_S)
     await runner.setup()
     site = web.TCPSite(runner, host, port)
     await site.start()
     real_port = runner.addresses[0][1]
-    return SimEngineHandle(engine, runner, host, real_port)
+    return SimEngineHandle(engine, runner, host, real_port, bootstrap)

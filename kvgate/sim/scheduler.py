@@ -244,6 +244,9 @@ class Request:
     queue_seq: int = 0           # waiting-queue entry order (re-stamped on retraction)
     loading: int = 0             # tokens loaded back from the host tier in the current prefill
     session_generation: Optional[int] = None
+    # PD decode: the prompt's KV arrived from a prefill worker (the transfer time was paid before submit), so
+    # its extend allocates KV and fills the radix cache without prefill compute
+    kv_transferred: bool = False
     _seed: Optional[bytes] = None
 
     def __post_init__(self):
@@ -607,8 +610,12 @@ class Scheduler:
         4 x layers x q_heads x head_dim x (cached prefix + extend / 2) FLOPs at the same throughput
         (causal attention over the prefix and half the new tokens); a re-prefilled long agent context
         costs +60% for a 32B model at 30k tokens. Any forward pass takes at least ``forward_min_ms``
-        (the weights are read from HBM once per pass)."""
+        (the weights are read from HBM once per pass). Requests whose KV a prefill worker sent (PD decode,
+        ``kv_transferred``) cost nothing here; a batch of only those takes no time."""
         cfg = self.cfg
+        items = [(r, t) for r, t in items if not r.kv_transferred]
+        if not items:
+            return 0.0
         tokens = sum(t for _, t in items)
         dur = tokens / cfg.prefill_tokens_per_s
         if tokens and cfg.prefill_attn_flops_per_ctx_token > 0 and cfg.prefill_weight_flops_per_token > 0:

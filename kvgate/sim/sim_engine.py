@@ -53,6 +53,14 @@ class EngineOptions:
     host_board: Optional[str] = None
     host_contention_prefill: float = 0.0
     host_contention_decode: float = 0.0
+    # prefill/decode disaggregation (SGLang's --disaggregation-mode null|prefill|decode): a prefill worker serves
+    # its bootstrap rendezvous on disaggregation_bootstrap_port; a decode worker waits there for the prefill of
+    # each request's bootstrap_room, then for the KV transfer (transfer_us_per_token per token its own radix
+    # cache lacks, simulated time), at most bootstrap_timeout_s wall seconds for the prefill (kvgate/sim/disagg.py)
+    disaggregation_mode: str = "null"
+    disaggregation_bootstrap_port: int = 8998
+    disaggregation_transfer_us_per_token: float = 5.0
+    disaggregation_bootstrap_timeout_s: float = 300.0
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
 
     def host_pool_tokens(self) -> int:
@@ -124,6 +132,10 @@ class SimEngine:
         self.capacity_reads = 0
         self.legacy_sessions: dict[str, dict] = {}
         self.weight_version = "default"
+        # PD: bootstrap rooms this prefill worker finished / this decode worker received, and the tokens of KV
+        # the decode worker received by transfer (kvgate/sim/disagg.py)
+        self.pd_rooms = 0
+        self.pd_transferred_tokens = 0
         self._stopped = False
 
     # ------------------------------------------------------------------ lifecycle
@@ -301,7 +313,8 @@ class SimEngine:
 
     def metrics_text(self) -> str:
         snaps = [snapshot(r.sched, r.idx, r.ttft, r.e2e) for r in self.ranks]
-        return render(snaps, self.opts.model_name, self.opts.tp_copies, len(self.ranks))
+        engine_type = "unified" if self.opts.disaggregation_mode == "null" else self.opts.disaggregation_mode
+        return render(snaps, self.opts.model_name, self.opts.tp_copies, len(self.ranks), engine_type=engine_type)
 
     def stats(self) -> dict:
         """/sim/stats JSON (see report): totals plus per dp rank counters and KV state."""
@@ -359,6 +372,8 @@ class SimEngine:
                 cur["closed"] = cur["closed"] and st["closed"]
         totals["closes_received"] = self.closes_received
         return {"session_semantics": self.opts.session_semantics,
+                "disaggregation_mode": self.opts.disaggregation_mode, "pd_rooms": self.pd_rooms,
+                "pd_transferred_tokens": self.pd_transferred_tokens,
                 "enable_session_radix_cache": self.opts.enable_session_radix_cache,
                 "radix_eviction_policy": self.opts.radix_eviction_policy,
                 "dp_size": len(self.ranks), "sessions": sessions, "session_state": session_state,

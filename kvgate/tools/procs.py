@@ -267,6 +267,23 @@ def smg_command(port: int, worker_urls: list[str], prometheus_port: int, policy:
             "--shutdown-grace-period-secs", "0", *(extra or [])]
 
 
+def smg_pd_command(port: int, prefill: list[tuple[str, "int | None"]], decode: list[str], prometheus_port: int,
+                   policy: str = "round_robin", extra: list[str] | None = None) -> list[str]:
+    """The command line that starts smg 1.13 in prefill/decode mode on 127.0.0.1: ``prefill`` is (URL, bootstrap
+    port or None) per prefill worker, ``decode`` the decode workers' URLs (docs/compatibility.md). Raises
+    FileNotFoundError when smg is not installed."""
+    if not smg_installed():
+        raise FileNotFoundError("the smg router is not installed (pip install smg)")
+    legs: list[str] = ["--pd-disaggregation"]
+    for url, bport in prefill:
+        legs += ["--prefill", url, "none" if bport is None else str(bport)]
+    for url in decode:
+        legs += ["--decode", url]
+    return [sys.executable, "-m", "smg", "launch", "--host", "127.0.0.1", "--port", str(port), *legs,
+            "--policy", policy, "--prometheus-host", "127.0.0.1", "--prometheus-port", str(prometheus_port),
+            "--shutdown-grace-period-secs", "0", *(extra or [])]
+
+
 def legacy_router_command(port: int, worker_urls: list[str], prometheus_port: int,
                           policy: str = "round_robin") -> list[str]:
     """sglang-router 0.3.2 (python -m sglang_router.launch_router, same flags as smg)."""

@@ -1,0 +1,195 @@
+"""kvgate in front of the real smg 1.13 PD router (--pd-disaggregation) and simulated prefill and decode workers:
+discovery of the roles, session_id on both legs of every generate route, a session's turns on one decode worker,
+and a close that reaches every worker."""
+
+import asyncio
+import logging
+
+import aiohttp
+import orjson
+
+from conftest import CloseWatcher
+
+ROUTES = ("/generate", "/v1/chat/completions", "/v1/completions")
+
+
+async def _turn(http, kv, route, sid, state):
+    """One turn of session ``sid`` on ``route``; ``state`` carries the growing prompt. Returns (cached tokens,
+    the worker smg names)."""
+    hdr = {"X-Session-ID": sid}
+    if route == "/generate":
+        body = {"input_ids": state.setdefault("ids", list(range(1, 401))),
+                "sampling_params": {"max_new_tokens": 6, "ignore_eos": True}}
+    elif route == "/v1/chat/completions":
+        body = {"model": "kvgate-sim", "max_tokens": 5,
+                "messages": state.setdefault("msgs", [{"role": "user", "content": "solve the task " * 20}])}
+    else:
+        body = {"model": "kvgate-sim", "prompt": state.setdefault("text", "p" * 400), "max_tokens": 4}
+    async with http.post(kv + route, json=body, headers=hdr) as r:
+        assert r.status == 200, await r.text()
+        obj = orjson.loads(await r.read())
+        worker = r.headers.get("x-smg-routed-worker-id")
+    if route == "/generate":
+        state["ids"] = state["ids"] + obj["output_ids"] + [300] * 20
+        return obj["meta_info"]["cached_tokens"], worker
+    if route == "/v1/chat/completions":
+        state["msgs"] = state["msgs"] + [{"role": "assistant", "content": obj["choices"][0]["message"]["content"]},
+                                         {"role": "user", "content": "observation " * 5}]
+    else:
+        state["text"] = state["text"] + obj["choices"][0]["text"] + " obs " * 5
+    return obj["usage"]["prompt_tokens_details"]["cached_tokens"], worker
+
+
+async def test_kvgate_finds_the_pd_layout_and_shows_each_role(pd_fleet, kvgate_factory, caplog):
+    """/kvgate/engines lists each worker with its role (and a prefill worker's bootstrap port), the layout in one
+    log line; /kvgate/health counts prefill and decode workers alike."""
+    router, pres, decs = await pd_fleet(prefill=2, decode=3)
+    with caplog.at_level(logging.INFO, logger="kvgate.fleet.directory"):
+        gw, kv = await kvgate_factory(upstream=router, agentic_session_lifecycle=True)
+        await gw.directory.first_refresh.wait()
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("fleet layout:")]
+    assert lines == ["fleet layout: 2 prefill + 3 decode workers (PD; sessions live on the decode workers)"]
+    async with aiohttp.ClientSession() as http:
+        async with http.get(kv + "/kvgate/engines") as r:
+            out = await r.json()
+        async with http.get(kv + "/kvgate/health") as r:
+            health = await r.json()
+    assert out["layout"] == {"kind": "pd", "regular": 0, "prefill": 2, "decode": 3, "dp_ranks": 5,
+                             "description": lines[0][len("fleet layout: "):]}
+    by_url = {e["url"]: e for e in out["engines"]}
+    for p in pres:
+        assert by_url[p.url]["worker_type"] == "prefill" and not by_url[p.url]["holds_sessions"]
+        assert by_url[p.url]["bootstrap_port"] == p.engine.opts.disaggregation_bootstrap_port
+    for d in decs:
+        assert by_url[d.url]["worker_type"] == "decode" and by_url[d.url]["holds_sessions"]
+        assert by_url[d.url]["bootstrap_port"] is None
+    (engines,) = [c for c in health["checks"] if c["check"] == "engines"]
+    assert engines["ok"] is True and engines["engines"] == 5
+    assert engines["usable_by_role"] == {"prefill": 2, "decode": 3}
+    assert gw.directory.kv_holder_urls == [d.url for d in decs] or \
+        sorted(gw.directory.kv_holder_urls) == sorted(d.url for d in decs)
+    assert sorted(gw.directory.prefill_urls) == sorted(p.url for p in pres)
+
+
+async def test_a_session_reaches_both_legs_stays_on_one_decode_worker_and_its_close_reaches_every_worker(
+        pd_fleet, kvgate_factory):
+    """Three turns of a session on each generate route through kvgate and smg's PD router (--policy
+    consistent_hashing on kvgate's routing key): session_id reaches the prefill and the decode leg of every turn
+    (counted per worker), every turn is decoded on the same decode worker with more cached tokens each turn;
+    the client's close reaches every prefill and decode worker once."""
+    router, pres, decs = await pd_fleet(prefill=2, decode=3)
+    workers = [*pres, *decs]
+    watchers = {w.url: CloseWatcher(w) for w in workers}
+    gw, kv = await kvgate_factory(upstream=router, agentic_session_lifecycle=True)
+    await gw.directory.first_refresh.wait()
+    async with aiohttp.ClientSession() as http:
+        for route in ROUTES:
+            sid, state = "pd-" + route.strip("/").replace("/", "-"), {}
+            cached, routed = [], set()
+            for _ in range(3):
+                c, worker = await _turn(http, kv, route, sid, state)
+                cached.append(c)
+                routed.add(worker)
+            assert len(routed) == 1, (route, routed)
+            (home,) = [d for d in decs if d.url in routed]
+            assert cached[0] < cached[1] < cached[2], (route, cached)
+            per_decode = [d.stats()["sessions"].get(sid, 0) for d in decs]
+            assert sorted(per_decode) == [0, 0, 3] and home.stats()["sessions"][sid] == 3
+            assert sum(p.stats()["sessions"].get(sid, 0) for p in pres) == 3  # every turn's prefill leg
+            async with http.post(kv + "/close_session", json={"session_id": sid}) as r:
+                assert r.status == 200
+            await asyncio.gather(*(w.wait_for(sid) for w in watchers.values()))
+            assert all(w.ids.count(sid) == 1 for w in watchers.values())
+            assert all(w.stats()["session_state"].get(sid, {"ref_tokens": 0})["ref_tokens"] == 0 for w in workers)
+
+
+async def test_a_close_a_decode_worker_fails_is_retried_until_it_has_it(pd_fleet, kvgate_factory):
+    """A decode worker answers the first close with a 5xx: kvgate retries it (as for any engine) while the others
+    are done at once; in the end every worker closed the session."""
+    router, pres, decs = await pd_fleet(prefill=1, decode=2)
+    flaky = decs[1]
+    watchers = {w.url: CloseWatcher(w) for w in (*pres, *decs)}
+    inner, failed = flaky.engine.close_session, []
+
+    def close_once_failing(session_id):
+        if not failed:
+            failed.append(session_id)
+            raise RuntimeError("decode worker busy")
+        return inner(session_id)
+    flaky.engine.close_session = close_once_failing
+    gw, kv = await kvgate_factory(upstream=router, agentic_session_lifecycle=True, close_retry_backoff_s=0.05)
+    await gw.directory.first_refresh.wait()
+    async with aiohttp.ClientSession() as http:
+        await _turn(http, kv, "/generate", "pd-retry", {})
+        async with http.post(kv + "/close_session", json={"session_id": "pd-retry"}) as r:
+            assert r.status == 200
+        await asyncio.gather(*(w.wait_for("pd-retry") for w in watchers.values()))
+    assert failed == ["pd-retry"]
+    assert all(w.ids == ["pd-retry"] for w in watchers.values())
+    reg = gw.lifecycle.registry
+    await gw.lifecycle.wait_until(lambda: reg.get("pd-retry").state == "closed")
+    assert reg.close_stats["failed_attempts"] == 1
+
+
+async def test_smg_pd_names_the_decode_worker_by_target_worker_index(pd_fleet):
+    """smg 1.13 PD with --policy cache_aware --decode-policy consistent_hashing: X-SMG-Target-Worker: i decodes on
+    the i-th healthy decode worker of /workers (kvgate.fleet.roles.decode_target_index), whatever the prefill
+    policy picks; an index past the decode workers is a 503."""
+    from kvgate.fleet import roles
+    from kvgate.fleet.discovery import parse_workers
+    router, pres, decs = await pd_fleet(prefill=2, decode=4, policy="cache_aware",
+                                        extra=["--decode-policy", "consistent_hashing"])
+    async with aiohttp.ClientSession() as http:
+        async with http.get(router + "/workers") as r:
+            engines = parse_workers(await r.json())
+        for d in decs:
+            idx = roles.decode_target_index(engines, d.url)
+            for i in range(3):
+                body = {"input_ids": list(range(1, 50 + i)), "sampling_params": {"max_new_tokens": 2}}
+                async with http.post(router + "/generate", json=body, headers={"X-SMG-Target-Worker": str(idx)}) as r:
+                    assert r.status == 200
+                    assert r.headers["x-smg-routed-worker-id"] == d.url
+            assert d.stats()["totals"]["num_requests"] == 3
+        async with http.post(router + "/generate", json={"input_ids": [1, 2]},
+                             headers={"X-SMG-Target-Worker": str(len(decs))}) as r:
+            assert r.status == 503
+    assert sum(p.stats()["totals"]["num_requests"] for p in pres) == 3 * len(decs)
+
+
+async def test_admission_counts_the_decode_pools_and_lets_a_held_call_go_when_a_session_closes(pd_fleet,
+                                                                                               kvgate_factory):
+    """PD fleet of one prefill and two decode workers of 4,000 tokens each: the ledger's ceiling is the decode
+    workers' pools x headroom (7,200; the prefill pool holds no session between turns). Two agents hold 3,200
+    tokens each between turns; a new program's 1,700-token turn waits in kvgate until one agent's session
+    closes, then goes."""
+    router, pres, decs = await pd_fleet(prefill=1, decode=2, max_total_num_tokens=4000)
+    gw, kv = await kvgate_factory(upstream=router, agentic_session_lifecycle=True, agentic_program_admission=True,
+                                  admission_policy="program", admission_poll_interval_s=0.1,
+                                  discovery_interval_s=0.2, agentic_admission_max_wait_s=60.0)
+    await gw.directory.first_refresh.wait()
+    while gw.gate.ledger.snapshot is None:
+        await gw.poller.round_done.wait()
+    assert sorted(gw.gate.ledger.snapshot.engines) == sorted(d.url for d in decs)
+    assert gw.gate.ledger.ceiling == 7200
+
+    async def turn(http, sid, ids):
+        body = {"input_ids": ids, "sampling_params": {"max_new_tokens": 200, "ignore_eos": True}}
+        async with http.post(kv + "/generate", json=body, headers={"X-Session-ID": sid}) as r:
+            assert r.status == 200, await r.text()
+            return orjson.loads(await r.read()), r.headers
+
+    async with aiohttp.ClientSession() as http:
+        for k, sid in enumerate(("a", "b")):
+            first = list(range(10_000 * (k + 1), 10_000 * (k + 1) + 1500))
+            obj, _ = await turn(http, sid, first)
+            await turn(http, sid, first + obj["output_ids"] + list(range(50_000 + 2000 * k, 51_300 + 2000 * k)))
+        assert gw.gate.ledger.reserved == 6400
+        held = asyncio.create_task(turn(http, "c", list(range(90_000, 91_500))))
+        await gw.gate.wait_until(lambda: gw.gate.coord.waiting == 1)
+        assert not held.done()
+        async with http.post(kv + "/close_session", json={"session_id": "a"}) as r:
+            assert r.status == 200
+        obj, h = await held
+    assert obj["meta_info"]["completion_tokens"] == 200
+    assert h["X-Kvgate-Admission"] == "admit" and int(h["X-Kvgate-Queue-Ms"]) > 0
+    assert gw.gate.ledger.reserved == 3200 + 1700  # b and c between turns; a closed
