@@ -33,8 +33,9 @@ class WorkConserving(RuleBasedStateMachine):
         self.movable = movable
         self.places = [f"http://e{i}" for i in range(len(caps))]
         usage = [0.95 if hot and i == 0 and len(caps) > 1 else 0.0 for i in range(len(caps))]
-        snap = ClusterSnapshot.build({u: EngineCapacity.from_pools([(c, int(c * us), us)])
-                                      for u, c, us in zip(self.places, caps, usage)}, 0.0)
+        self._engines = {u: EngineCapacity.from_pools([(c, int(c * us), us)])
+                         for u, c, us in zip(self.places, caps, usage)}
+        snap = ClusterSnapshot.build(self._engines, 0.0)
         self.now = 0.0
         self.n = 0
         self.inflight = {}  # ticket -> program id
@@ -106,6 +107,15 @@ class WorkConserving(RuleBasedStateMachine):
         self.co.forget(sid, self.now)
         self._deliver(self.co.pump(self.now))
 
+    @rule()
+    def signal_lost(self):
+        """The capacity signal goes (router unreachable): everything bypasses, nothing is paused."""
+        self._deliver(self.co.invalidate(self.now))
+
+    @rule()
+    def signal_back(self):
+        self._deliver(self.co.reconcile(ClusterSnapshot.build(self._engines, self.now), self.now))
+
     @rule(dt=st.sampled_from([0.1, 1.0, 2.0, 5.0, 25.0]))
     def advance(self, dt):
         """Time passes; the gate's timer pumps at every deadline the coordinator names on the way."""
@@ -139,6 +149,9 @@ class WorkConserving(RuleBasedStateMachine):
         if not hasattr(self, "co"):
             return
         lg = self.lg
+        if lg.is_degraded(self.now):
+            assert not self.waiting, "a turn waits while the capacity signal is missing"
+            return
         for t, (sid, at, place, tokens) in self.waiting.items():
             waited = self.now - at
             allowed = self.places if self.movable and place is not None else [place]
@@ -159,6 +172,8 @@ class WorkConserving(RuleBasedStateMachine):
             return
         for sid in self.ended:
             assert self.lg.holding(sid) == 0, f"{sid} ({self.kind[sid]}) ended but holds {self.lg.holding(sid)}"
+        if self.lg.is_degraded(self.now):
+            return  # nothing is paused without a capacity signal (fail-open)
         ended = sum(s["ended"] for s in self.co.program_states(self.now).values())
         assert ended == 0, f"{ended} programs idle past their predicted gap still hold their KV"
 

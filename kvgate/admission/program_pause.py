@@ -1,0 +1,211 @@
+"""The program policy's pauses: whom to pause, when, and how a waiting turn makes its room (pure).
+
+Part of :class:`kvgate.admission.program.ProgramCoordinator` (a base class of it: the methods read the
+coordinator's records). When a place's working set exceeds its capacity, programs in a tool call (no request in
+flight) are paused until it fits, in the victim rule's order (kvgate.admission.victims), ended programs first:
+their resident KV stops counting, and the shell closes their engine session so SGLang evicts that KV first
+(0.5.17+: closing drops the session's references; the next request re-opens it and is tagged again). If only
+running programs are left, they are marked and pause at the end of their turn: kvgate never interrupts a
+running decode. A waiting turn pauses ended programs on its place to make its room (and, under the resident
+bound, its seat: kvgate.admission.seats); past ``resume_deadline_s`` a paused program's turn pauses in-tool
+programs by the victim rule too. A turn that has waited ``reclaim_after_s`` with no room anywhere it may go
+pauses the programs that hold KV without evidence they will come back (one answered turn, no gap between turns
+seen), longest idle first.
+
+Ended programs are indexed per place by the time they turn ended (kvgate.admission.deadlines), so finding
+them reads only what is due.
+"""
+
+from __future__ import annotations
+
+import math
+from functools import partial
+from typing import Any, Iterator
+
+from .deadlines import Deadlines
+from .ledger import Grant, Refusal
+from .records import BOUND_REASON, NO_SEAT, Action, ProgramState, WaitReason, _Program, _Waiter, one_turn
+from .seats import SEAT_FREE
+from .victims import victim_order
+from .working_set import FLEET
+
+__all__: list[str] = []
+
+
+class _Pausing:
+    """The pausing half of ProgramCoordinator (see the module doc); no state of its own."""
+
+    def _push_due(self, p: _Program) -> None:
+        """Index ``p`` (in a tool call) by the time it turns ended, on its place."""
+        if p.overdue_at == math.inf:
+            return
+        d = self._due.get(p.place)
+        if d is None:
+            d = self._due[p.place] = Deadlines(partial(self._due_current, p.place), self._programs.__len__, self._n)
+        d.push(p.overdue_at, p.sid, p.last_end)
+
+    def _due_current(self, place: Any, e: tuple) -> bool:
+        p = self._programs.get(e[2])
+        return (p is not None and p.state is ProgramState.IN_TOOL and not p.inflight and p.place == place
+                and p.last_end == e[3] and p.overdue_at == e[0])
+
+    def _next_due(self, place: Any) -> float | None:
+        d = self._due.get(place)
+        if d is None:
+            return None
+        heap = d.heap
+        if heap and self._due_current(place, heap[0]):
+            return heap[0][0]  # the usual case, read without a call per place (next_deadline reads every place)
+        due = d.first()
+        if due is None:
+            del self._due[place]
+        return due
+
+    def _overdue_on(self, place: Any, now: float) -> Iterator[_Program]:
+        """Ended programs (past their overdue time at ``now``) on ``place`` (every place for FLEET), earliest
+        first; each is taken off the index as it is yielded."""
+        for pl in (list(self._due) if place is FLEET else [place]):
+            while True:
+                due = self._next_due(pl)
+                if due is None or due > now:
+                    break
+                e = self._due[pl].pop()
+                yield self._programs[e[2]]
+
+    # ---------------------------------------------------------------- pausing
+    def _relieve(self, place: Any, now: float) -> None:
+        """Pause in-tool programs on ``place`` (victim rule) until its working set fits its capacity; then mark
+        running ones to pause at the end of their turn."""
+        if self.ledger.is_degraded(now):
+            return
+        over = self.ledger.reserved_on(place) - self.ledger.ceiling_of(place)
+        if place is FLEET:
+            over = max(over, self.ledger.reserved - self.ledger.ceiling)
+        if over <= 0:
+            return
+        on = [p for p in self._programs.values() if p.place == place]
+        for p in self._victims([p for p in on if p.state is ProgramState.IN_TOOL], now):
+            if over <= 0:
+                return
+            over -= self._pause(p, now)
+        for p in self._victims([p for p in on if p.state is ProgramState.LIVE and not p.marked], now):
+            if over <= 0:
+                return
+            p.marked = True
+            self._count("marked", now)
+            over -= sum(t for t, *_ in p.inflight.values())
+
+    def _victims(self, progs: list[_Program], now: float) -> list[_Program]:
+        """``progs`` in pause order: ended ones (idle past their predicted gap) first, then the victim rule."""
+        return victim_order(progs, self.victim, now, self._groups, self._programs)
+
+    def _pause(self, p: _Program, now: float) -> int:
+        ended = p.overdue_at <= now
+        if ended:
+            self._count("pause_overdue", now)
+        freed = self.ledger.unhold(p.sid)
+        p.overdue_at = math.inf
+        p.state = ProgramState.PAUSED
+        p.marked = False
+        if self.max_resident is not None:
+            self._bound.sync(p)
+            until = (p.last_end if p.last_end is not None else now) + self._gaps.overdue_after(p)
+            if not ended and until > now and not one_turn(p.sid):
+                self._bound.claim(p, until)  # expected back: its seat is kept until its predicted gap has passed
+        if not ended:  # an ended program's TTL still counts from its last turn (its idle entry stays current)
+            p.since = now
+            if not p.inflight:
+                self._idle_from(p, now)
+        lab = self._label(p.place)
+        self.pauses[lab] = self.pauses.get(lab, 0) + 1
+        self._count("pause", now)
+        if isinstance(p.sid, str):
+            self._actions.append(Action("close", p.sid, p.place))
+        return freed
+
+    def _seat_for(self, w: _Waiter, now: float, overdue_only: bool) -> bool:
+        """Whether a seat is free for ``w`` (resident bound), after pausing resident in-tool programs where
+        the seats are short to free one: only ended ones when ``overdue_only``, else ended ones first and then
+        the victim rule (a paused program's turn past the resume deadline)."""
+        short = self._bound.short(w)
+        while short is not SEAT_FREE:
+            scope = short
+            for p in self._seat_victims(scope, w, now, overdue_only):
+                self._pause(p, now)
+                short = self._bound.short(w)
+                if short is SEAT_FREE or short != scope:
+                    break
+            else:
+                return False  # nobody left to pause where the seats are short
+        return True
+
+    def _seat_victims(self, scope: Any, w: _Waiter, now: float, overdue_only: bool) -> Iterator[_Program]:
+        """Resident in-tool programs on ``scope`` (every place for FLEET) in the order _seat_for pauses them."""
+        if overdue_only:
+            yield from self._overdue_on(scope, now)  # ended programs hold their seat until paused
+            return
+        for p in self._victims([p for p in self._programs.values() if p.state is ProgramState.IN_TOOL
+                                and p.seat is not NO_SEAT and (scope is FLEET or p.place == scope)
+                                and p.sid != w.sid], now):
+            if p.state is ProgramState.IN_TOOL:
+                yield p
+
+    def _room_for(self, w: _Waiter, now: float, overdue_only: bool):
+        """try_acquire for ``w``; refused for room, pause in-tool programs on its place until it fits: only
+        ended ones (idle past their predicted gap) when ``overdue_only``, else ended ones first and then the
+        victim rule (a paused program's turn past the resume deadline). Under the resident bound a seat comes
+        first, freed the same way (refused: reason BOUND_REASON). Returns the last Grant or Refusal."""
+        if self.max_resident is not None and not self._seat_for(w, now, overdue_only):
+            return Refusal(w.ticket, w.tokens, BOUND_REASON)  # the coordinator's own reason, not the ledger's
+        r = self.ledger.try_acquire(w.ticket, w.tokens, now, place=w.place, blocks=w.blocks)
+        if isinstance(r, Grant) or r.reason != WaitReason.CAPACITY_EXHAUSTED:
+            return r
+        if overdue_only:
+            victims: Iterator[_Program] = self._overdue_on(w.place, now)
+        else:
+            victims = iter(self._victims([p for p in self._programs.values() if p.state is ProgramState.IN_TOOL
+                                          and (w.place is FLEET or p.place == w.place) and p.sid != w.sid], now))
+        for p in victims:
+            if p.state is not ProgramState.IN_TOOL:
+                continue
+            self._pause(p, now)
+            r = self.ledger.try_acquire(w.ticket, w.tokens, now, place=w.place, blocks=w.blocks)
+            if isinstance(r, Grant) or r.reason != WaitReason.CAPACITY_EXHAUSTED:
+                return r
+        return r
+
+    # ---------------------------------------------------------------- reclaiming KV held without evidence
+    def _unsupported(self, p: _Program, now: float) -> bool:
+        """``p`` holds KV with no evidence it will come back: in a tool call after its only answered turn, no
+        gap between turns of its own seen (a one-turn job looks like this, and so does an agent in its first
+        tool call: pausing the latter costs one re-prefill of one turn's context)."""
+        return p.state is ProgramState.IN_TOOL and p.turns <= 1 and not p.gaps and not p.inflight
+
+    def _reclaimable(self, w: _Waiter, now: float) -> bool:
+        return self.reclaim_after_s is not None and now >= w.enqueued_at + self.reclaim_after_s
+
+    def _reclaim(self, w: _Waiter, now: float) -> tuple[Grant | Refusal, Any]:
+        """``w`` has waited reclaim_after_s with no room: on the first place it may go where pausing the
+        programs that hold KV without evidence (longest idle first) could make its room, pause them one by one
+        until it fits. Returns (Grant, where) or (the last Refusal, w's place)."""
+        lg = self.ledger
+        last: Grant | Refusal = Refusal(w.ticket, w.tokens, WaitReason.CAPACITY_EXHAUSTED)
+        for pl in self._places_for(w):
+            if lg.usage_of(pl) >= lg.pressure_threshold:
+                continue
+            cands = sorted((p for p in self._programs.values() if p.place == pl and self._unsupported(p, now)),
+                           key=lambda p: p.since)
+            if not cands:
+                continue
+            room = lg.free_on(pl) + sum(lg.holding(p.sid) for p in cands)
+            if room < self._lower_bound(w):
+                continue
+            for p in cands:
+                self._pause(p, now)
+                self._count("reclaimed", now)
+                last = lg.try_acquire(w.ticket, w.tokens, now, place=pl, blocks=w.blocks)
+                if isinstance(last, Grant):
+                    self._failed.pop(pl, None)
+                    return last, pl
+            self._failed.pop(pl, None)
+        return last, w.place

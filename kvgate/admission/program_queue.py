@@ -1,0 +1,200 @@
+"""The program policy's waiting turns: the queue, the pump, and where a waiting turn fits (pure).
+
+Part of :class:`kvgate.admission.program.ProgramCoordinator` (a base class of it: the methods read the
+coordinator's records). A turn that cannot start waits in kvgate, in one queue in arrival order; paused
+programs' turns are also indexed by place to go first (the resume order, kvgate.admission.victims). Rules:
+- a new program starts only when its place has room for its whole first turn, and not ahead of a paused
+  program waiting on that place;
+- a paused program's next turn waits in kvgate and resumes when its place has room for its whole context
+  again (its KV is assumed gone, as in the paper);
+- work-conserving: a waiting turn goes to any engine with room when kvgate places it (``movable``), its own
+  engine first, and a later turn that fits is not held behind one that fits nowhere;
+- aging: any waiting turn goes after ``max_wait_s`` (bypass-aged, still reserving), so nothing starves;
+- fail-open as the fifo policy: a missing or stale capacity signal lets every waiter bypass.
+Pauses are bounded (``resume_deadline_s``): a paused program's turn that has waited that long resumes
+ahead of everything, pausing in-tool programs on its place (ended ones first, then by the victim rule) to
+make its room; when only running programs hold the place it waits for them (aging still bounds it).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterator
+
+from .coordinator import Decision, Kind
+from .ledger import Grant, Refusal
+from .records import BOUND_REASON, WaitReason, _Waiter, decrement
+from .working_set import FLEET
+
+__all__: list[str] = []
+
+
+class _WaitingTurns:
+    """The queue half of ProgramCoordinator (see the module doc); no state of its own."""
+
+    def pump(self, now: float) -> list[Decision]:
+        """Decide for waiting turns at ``now``; returns decisions for those that leave. Ages first (waited >=
+        max_wait_s -> BYPASS_AGED, reserving), degraded -> all BYPASS_DEGRADED, then paused programs' turns past
+        the resume deadline, then every waiter in order (paused programs' turns by the resume order, then new
+        programs' in arrival order): each goes where it fits (work-conserving: a waiter that fits nowhere
+        does not hold back a later one that fits).
+
+        Each refusal records the smallest charge that failed on its place; a later waiter whose charge cannot
+        be smaller than every place's record is skipped without asking the ledger, so with thousands waiting
+        on full engines a pump reads each waiter once and asks the ledger about as often as turns leave."""
+        self._expire(now)
+        out: list[Decision] = []
+        if not self._queue:
+            return out
+        if self.ledger.is_degraded(now):
+            for w in list(self._queue.values()):
+                out.append(self._leave(w, Kind.BYPASS_DEGRADED, None, max(0.0, now - w.enqueued_at), now))
+            return out
+        while self._queue:
+            w = next(iter(self._queue.values()))
+            if now < w.enqueued_at + self.max_wait_s:  # the very sum next_deadline names: no float gap
+                break
+            waited = max(0.0, now - w.enqueued_at)
+            g = self.ledger.try_acquire(w.ticket, w.tokens, now, place=w.place, blocks=w.blocks, force=True)
+            out.append(self._leave(w, Kind.BYPASS_AGED, g.lease, waited, now))
+            self._relieve(w.place, now)
+        if self.resume_deadline_s is not None:
+            stopped: set[Any] = set()
+            for w in list(self._resume_q.values()):
+                if now < w.enqueued_at + self.resume_deadline_s:
+                    break  # arrival order: the rest waited less
+                waited = max(0.0, now - w.enqueued_at)
+                if w.place in stopped:
+                    continue
+                r = self._room_for(w, now, overdue_only=False)
+                if isinstance(r, Grant):
+                    self._count("resume_deadline", now)
+                    out.append(self._leave(w, Kind.ADMIT, r.lease, waited, now))
+                else:  # only running programs hold its place: it waits for them (aging still bounds it)
+                    self._wait_reason(w, r.reason, now)
+                    stopped.add(w.place)
+        self._failed, self._failed_max = {}, 0
+        for w in self._ordered():
+            if self.max_resident is not None and not self._seat_for(w, now, overdue_only=True):
+                self._wait_reason(w, BOUND_REASON, now)
+                continue
+            if self._hopeless(w):
+                continue
+            r, where = self._fit(w, now)
+            if not isinstance(r, Grant) and self._reclaimable(w, now):
+                r, where = self._reclaim(w, now)
+            if isinstance(r, Grant):
+                out.append(self._leave(w, Kind.ADMIT, r.lease, max(0.0, now - w.enqueued_at), now, where))
+            else:
+                self._wait_reason(w, r.reason, now)
+        return out
+
+    def _wait_reason(self, w: _Waiter, reason: str, now: float) -> None:
+        if reason == BOUND_REASON:
+            self._bound_reason(w, now)
+        else:
+            w.reason = WaitReason.of(reason)
+
+    def _bound_reason(self, w: _Waiter, now: float) -> None:
+        w.reason = BOUND_REASON
+        if not w.bound:
+            w.bound = True
+            self._count("wait_resident_bound", now)
+
+    def _join(self, w: _Waiter) -> None:
+        self._queue[w.ticket] = w
+        if self.reclaim_after_s is not None:
+            self._reclaim_due.append((w.enqueued_at + self.reclaim_after_s, w.ticket))
+        self._waiting_on[w.place] = self._waiting_on.get(w.place, 0) + 1
+        if w.resume:
+            self._resuming_on[w.place] = self._resuming_on.get(w.place, 0) + 1
+            self._resume_q[w.ticket] = w
+
+    def _drop(self, w: _Waiter) -> None:
+        del self._queue[w.ticket]
+        if w.resume:
+            del self._resume_q[w.ticket]
+        for counts in (self._waiting_on, self._resuming_on) if w.resume else (self._waiting_on,):
+            decrement(counts, w.place)
+
+    def _ordered(self) -> Iterator[_Waiter]:
+        """Paused programs' turns (resume order), then new programs' in arrival order; safe to leave from."""
+        if self._resuming_on:
+            res = list(self._resume_q.values())
+            res.sort(key=self._resume_key)
+            yield from res
+        for w in list(self._queue.values()):
+            if not w.resume:
+                yield w
+
+    def _leave(self, w: _Waiter, kind: Kind, lease, waited: float, now: float, where: Any = None) -> Decision:
+        self._drop(w)
+        self._idle_waiting.pop(w.sid, None)  # its turn starts: the entry is stale
+        if lease is not None:
+            self._from_queue.add(w.ticket)
+        if where is not None:
+            self._moved(w, where, now)
+            w.place = where
+        self._start_turn(w.sid, w.ticket, w.place, w.tokens, w.prompt_tokens, w.blocks, now, resumed=w.resume)
+        return self._record(Decision(w.ticket, kind, w.tokens, waited, True, lease, w.reason), now)
+
+    # ---------------------------------------------------------------- where a waiting turn fits
+    def _places_for(self, w: _Waiter) -> list[Any]:
+        """Where ``w`` may go, its own place first: every engine (DP rank) of the snapshot when kvgate places
+        the call (``movable``) and its place is known, else its place alone."""
+        if not w.movable or w.place is FLEET:
+            return [w.place]
+        return [w.place, *(pl for pl in self.ledger.engine_places() if pl != w.place)]
+
+    def _lower_bound(self, w: _Waiter) -> int:
+        """The least ``w`` can charge on any place: its tokens less the whole blocks another holder may share
+        (0 when it is larger than any engine: oversized requests are admitted alone, so never skipped)."""
+        if w.tokens > self.ledger.max_tokens(FLEET):
+            return 0
+        return max(0, w.tokens - len(w.blocks) * self.ledger.block_tokens)
+
+    def _hopeless(self, w: _Waiter) -> bool:
+        """Within one pump: every place ``w`` may go refused a charge no larger than ``w``'s least charge."""
+        failed = self._failed
+        if not failed:
+            return False
+        lb = self._lower_bound(w)
+        if lb <= 0:
+            return False
+        if not w.movable or w.place is FLEET:
+            return w.place in failed and lb >= failed[w.place]
+        # any engine: every one must have refused no more than lb (O(1): the count and the largest record)
+        return len(failed) >= len(self.ledger.engine_places()) and lb >= self._failed_max
+
+    def _fit(self, w: _Waiter, now: float) -> tuple[Grant | Refusal, Any]:
+        """try_acquire for ``w`` on its own place, then (``movable``) on the other engines, those that already
+        hold the most of its prompt first, then the most free; returns (the Grant and where, or the first
+        Refusal and w's place). A refusal is recorded for _hopeless."""
+        places = self._places_for(w)
+        first: Refusal | None = None
+        if len(places) > 1:
+            # only the places that could take its least charge, and are not under pressure, are ranked (a
+            # full fleet of 64 engines costs one comparison each, not a prefix walk each)
+            lg = self.ledger
+            lb, th = self._lower_bound(w), lg.pressure_threshold
+            rest = [pl for pl in places[1:] if lg.free_on(pl) >= lb and lg.usage_of(pl) < th]
+            rest.sort(key=lambda pl: (lg.charge(pl, w.tokens, w.blocks), -lg.free_on(pl)))
+            places = [places[0], *rest]
+        for pl in places:
+            r = self.ledger.try_acquire(w.ticket, w.tokens, now, place=pl, blocks=w.blocks)
+            if isinstance(r, Grant):
+                return r, pl
+            self._note_refusal(w, pl, r)
+            if first is None:
+                first = r
+        return first, w.place
+
+    def _note_refusal(self, w: _Waiter, place: Any, r: Refusal) -> None:
+        failed = self._failed
+        charge = 0 if r.reason != WaitReason.CAPACITY_EXHAUSTED else self.ledger.charge(place, w.tokens, w.blocks)
+        if charge < failed.get(place, 1 << 62):
+            failed[place] = charge
+            self._failed_max = max(failed.values())
+
+    def _moved(self, w: _Waiter, where: Any, now: float) -> None:
+        if where != w.place:
+            self._count("moved", now)

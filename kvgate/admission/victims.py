@@ -1,0 +1,76 @@
+"""Which program pauses first, and which paused program resumes first (pure).
+
+Victim rule (``victim``): "smallest" pauses the smallest in-tool program first, as ThunderAgent's
+paper and code do: re-prefilling a context of c tokens costs ~c^2 attention work, so the smallest victim
+costs the least to bring back; "largest" frees the most per pause (fewest programs paused); "longest-idle"
+pauses the program whose tool call has run longest: tool times are heavy-tailed, so it is the least likely
+to come back soon and wait for room itself (the radix cache's LRU would evict it first anyway); "ahead"
+(default) aims at the step's makespan (the last program to finish): the in-tool program furthest ahead of
+its group (GRPO siblings: the programs whose first prompt is the same) in turns done pauses first, then the
+one with the most turns done, then the smallest; a program far along has the least work left, so delaying
+it is least likely to delay the step's last program (the programs with the most work left).
+Whatever the rule, ended programs (idle past their predicted gap, kvgate.admission.turn_gaps) pause first.
+
+Resume order (``resume``): "smallest" (ThunderAgent's greedy resume packs the most programs into the room freed)
+or "fifo" (default: longest waiting first, so no paused program starves behind smaller ones). On the bench's
+many-programs scenario the defaults finished as soon as ThunderAgent's smallest/smallest and a little sooner
+than longest-idle, which has the shorter TTFT tail (docs/benchmark.md).
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Mapping
+from typing import Any, Callable, Hashable, Iterable
+
+__all__ = ["VictimRule", "ResumeOrder", "VICTIM_RULES", "RESUME_ORDERS", "victim_order", "resume_key"]
+
+
+class VictimRule(enum.StrEnum):
+    """Which in-tool program pauses first (the module doc)."""
+
+    SMALLEST = "smallest"
+    LARGEST = "largest"
+    LONGEST_IDLE = "longest-idle"
+    AHEAD = "ahead"
+
+
+class ResumeOrder(enum.StrEnum):
+    """Which paused program's turn resumes first (the module doc)."""
+
+    SMALLEST = "smallest"
+    FIFO = "fifo"
+
+
+#: The rules' names, as config and the coordinator take them.
+VICTIM_RULES: tuple[str, ...] = tuple(r.value for r in VictimRule)
+RESUME_ORDERS: tuple[str, ...] = tuple(r.value for r in ResumeOrder)
+
+
+def victim_order(progs: Iterable[Any], rule: VictimRule, now: float, groups: Mapping[Hashable, set],
+                 programs: Mapping[Hashable, Any]) -> list:
+    """``progs`` in pause order: ended ones (``overdue_at`` <= ``now``) first, then by ``rule``. A program has
+    ``resident`` (tokens), ``since`` (seconds), ``turns``, ``group`` and ``overdue_at``; ``groups`` maps a group to
+    its programs' ids and ``programs`` an id to its program (the "ahead" rule compares turns within a group)."""
+    key: Callable[[Any], Any]
+    if rule == VictimRule.AHEAD:
+        def ahead(p: Any) -> float:
+            g = groups.get(p.group) if p.group is not None else None
+            if not g or len(g) < 2:
+                return 0.0
+            return p.turns - sum(programs[s].turns for s in g) / len(g)
+        key = lambda p: (-ahead(p), -p.turns, p.resident)  # noqa: E731
+    elif rule == VictimRule.LONGEST_IDLE:
+        key = lambda p: -(now - p.since)  # noqa: E731
+    elif rule == VictimRule.LARGEST:
+        key = lambda p: -p.resident  # noqa: E731
+    else:
+        key = lambda p: p.resident  # noqa: E731
+    return sorted(progs, key=lambda p: (p.overdue_at > now, key(p)))
+
+
+def resume_key(order: ResumeOrder) -> Callable[[Any], Any]:
+    """The sort key of paused programs' waiting turns (``tokens``, ``seq``: arrival) in ``order``."""
+    if order == ResumeOrder.SMALLEST:
+        return lambda w: (w.tokens, w.seq)
+    return lambda w: w.seq
