@@ -38,7 +38,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
             logging.getLogger("kvgate").warning("config: %s", line)
     if role is None and cfg.workers > 1:
         return supervise(cfg)  # starts cfg.workers kvgate processes on the port and supervises them
-    from kvgate.proxy.app import serve
+    from kvgate.proxy.bootstrap import serve
     return serve(cfg, role)
 
 

@@ -17,7 +17,7 @@ from aiohttp import web
 
 from kvgate.tools import procs
 from kvgate.config import validate
-from kvgate.proxy.app import start_gateway
+from kvgate.proxy.bootstrap import start_gateway
 
 
 @pytest.fixture

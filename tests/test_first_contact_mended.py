@@ -60,7 +60,7 @@ async def test_the_routers_prometheus_port_as_upstream_is_down_with_the_reason(k
             "answered 404, and no engine's /server_info): forwarded calls fail (is it the router's Prometheus "
             "port?)"]
         lines = [r.getMessage() for r in caplog.records if "is not an SGLang router" in r.getMessage()]
-        assert lines == [f"upstream http://127.0.0.1:{mport} is not an SGLang router: /workers answered 404, "
+        assert lines == [f"engine discovery: upstream http://127.0.0.1:{mport} is not an SGLang router: /workers answered 404, "
                          "/list_workers 404, and it does not answer an engine's /server_info (is it the router's "
                          "Prometheus port?)"]
         await gw.directory.refresh()  # asked again: said once per failure streak
@@ -77,7 +77,7 @@ async def test_an_engine_as_upstream_gets_a_hint_to_list_it_under_engines(kvgate
     assert (status, h["status"]) == (200, "degraded")
     assert h["reasons"][0].startswith("engines: the upstream is an SGLang engine, not a router")
     lines = [r.getMessage() for r in caplog.records if "is an SGLang engine" in r.getMessage()]
-    assert lines == [f"upstream {eng.url} is an SGLang engine, not a router (it answers /server_info but not "
+    assert lines == [f"engine discovery: upstream {eng.url} is an SGLang engine, not a router (it answers /server_info but not "
                      f"/workers): list the engines in the config's engines: (--engines {eng.url}) and kvgate sends "
                      "to them without a router, or start the router in front of them"]
     # as the line says: with the engine listed, kvgate serves it without a router, and health is ok

@@ -30,7 +30,7 @@ from fake_upstream import Canary, ScriptedUpstream, parse_answer, request, respo
 from kvgate.common.admission_seam import OpenGate
 from kvgate.config import validate
 from kvgate.proxy import server
-from kvgate.proxy.app import start_gateway
+from kvgate.proxy.bootstrap import start_gateway
 from kvgate.tools import procs
 from test_server import read_response
 

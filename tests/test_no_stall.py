@@ -121,7 +121,7 @@ async def test_a_20_mb_engine_metrics_is_parsed_off_the_event_loop():
 
 
 async def test_sessions_listing_is_paged_and_capped(kvgate_factory, echo_upstream):
-    from kvgate.proxy.app import SESSIONS_PAGE_MAX
+    from kvgate.proxy.admin import SESSIONS_PAGE_MAX
     gw, url = await kvgate_factory(upstream=echo_upstream.url, agentic_session_lifecycle=True)
     n = 2 * SESSIONS_PAGE_MAX + 500
     for i in range(n):

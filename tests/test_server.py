@@ -12,7 +12,7 @@ import pytest
 from fake_upstream import parse_answer, request, response, send_raw
 from kvgate.config import validate
 from kvgate.proxy import server
-from kvgate.proxy.app import start_gateway
+from kvgate.proxy.bootstrap import start_gateway
 from kvgate.proxy.relay import MAX_FIELD_BYTES, MAX_LINE_BYTES, _response_lines
 
 

@@ -22,7 +22,7 @@ from hypothesis import strategies as st
 from fake_upstream import ScriptedUpstream
 from kvgate.common.classify import inject_top_level
 from kvgate.config import validate
-from kvgate.proxy.app import start_gateway
+from kvgate.proxy.bootstrap import start_gateway
 from kvgate.sessions.identity import rid_lineage
 
 CONVENTIONS = ("body", "header", "dynamo", "routing_key", "rid", "inferred")

@@ -3,8 +3,9 @@ kvgate's arms with the plain router, the router's own limiter and unbounded KV.
 
 Pure: scenario.py (scenario file), speed.py (speed-factor scaling), workload.py (closed-loop sessions and the
 Mooncake window), report.py (metrics, ratios, the table, the mean over seeds), ranking.py (intervals, the
-seeds-as-blocks residual, Scott-Knott tiers, run-to-run comparison). Edge: runner.py (fleets, client, sampler), plots.py,
-command.py (``kvgate bench``). trace.py reads the Mooncake conversation trace (pure; the demo uses it too).
+seeds-as-blocks residual, Scott-Knott tiers, run-to-run comparison). Edge: runner.py (fleets, client, sampler),
+plots.py, command.py (``kvgate bench``), sglang_fleet.py (real SGLang engines for ``engine: sglang``). trace.py
+reads the Mooncake conversation trace (pure; the demo uses it too).
 
 Turns go out the way RL rollouts send them: token ids to /generate by default (scenario key ``api``: ``chat``
 for /v1/chat/completions message lists, ``completions`` for /v1/completions text). On /generate and chat the

@@ -1,3 +1,3 @@
 """What several rooms share, below them all: request classification and route tables (classify), the admission
-seam's request and ticket types (admit), kvgate's Prometheus declarations (metrics), asyncio task handling,
+seam's protocol, request and ticket types (admission_seam), kvgate's Prometheus declarations (metrics), asyncio task handling,
 giving memory back, chained prompt-block hashes. Imports nothing else of kvgate."""

@@ -45,23 +45,49 @@ class Ticket:
 
 class Gate(Protocol):
     """What the request path asks of admission. ``reads_headers``: whether acquire() reads the request's
-    headers (the request path builds them only for a gate that does)."""
+    headers (the request path builds them only for a gate that does). ``shared``: the state replicas share
+    (kvgate.shared.redis_state.SharedState) the gate holds its leases against too, set by the gateway when
+    there is one, else None. start() and stop() run with the gateway; stats() is GET /kvgate/stats's answer;
+    forget() is told a session the client or kvgate ended."""
 
     reads_headers: bool
+    shared: Any
 
     async def acquire(self, info: RequestInfo) -> Ticket: ...
 
     def release(self, ticket: Ticket, observed: dict | None = None) -> None: ...
 
+    async def start(self) -> None: ...
+
+    async def stop(self) -> None: ...
+
+    def stats(self) -> dict[str, Any]: ...
+
+    def forget(self, session_id: str) -> None: ...
+
 
 class OpenGate:
-    """Admission off: every request goes at once and carries no admission headers."""
+    """Admission off: every request goes at once and carries no admission headers; the rest of the protocol
+    does nothing."""
 
     OFF = Ticket()
     reads_headers = False
+    shared: Any = None
 
     async def acquire(self, info: RequestInfo) -> Ticket:
         return self.OFF
 
     def release(self, ticket: Ticket, observed: dict | None = None) -> None:
+        return None
+
+    async def start(self) -> None:
+        return None
+
+    async def stop(self) -> None:
+        return None
+
+    def stats(self) -> dict[str, Any]:
+        return {"admission": "off"}
+
+    def forget(self, session_id: str) -> None:
         return None

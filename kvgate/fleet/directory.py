@@ -240,13 +240,14 @@ class EngineDirectory:
                 kind = "engine"
                 break
         if kind == "engine":
-            log.warning("upstream %s is an SGLang engine, not a router (it answers %s but not /workers): list "
-                        "the engines in the config's engines: (--engines %s) and kvgate sends to them without a "
-                        "router, or start the router in front of them", self.upstream, path, self.upstream)
+            log.warning("engine discovery: upstream %s is an SGLang engine, not a router (it answers %s but not "
+                        "/workers): list the engines in the config's engines: (--engines %s) and kvgate sends to "
+                        "them without a router, or start the router in front of them", self.upstream, path,
+                        self.upstream)
         else:
-            log.error("upstream %s is not an SGLang router: /workers answered %d, /list_workers %d, and it does "
-                      "not answer an engine's /server_info (is it the router's Prometheus port?)", self.upstream,
-                      workers, list_workers)
+            log.error("engine discovery: upstream %s is not an SGLang router: /workers answered %d, /list_workers "
+                      "%d, and it does not answer an engine's /server_info (is it the router's Prometheus port?)",
+                      self.upstream, workers, list_workers)
         return kind
 
     def _note_auth(self, status: int, what: str) -> None:

@@ -1,49 +1,31 @@
-"""The kvgate aiohttp application: wires the request path and kvgate's own endpoints (I/O edge).
+"""The gateway: wires kvgate's parts and runs the request path (I/O edge).
 
-Request path: request in -> classify -> resolve session -> admit (gate) -> forward -> release and record.
-Forward: to the router, or, for a session's call on a route where kvgate places sessions (docs/placement.md),
-straight to the engine kvgate.fleet.placement picks (the next one on a refused connection; the router when
-none is usable).
-kvgate's own routes: GET /metrics, GET /kvgate/health, GET /kvgate/engines, GET /kvgate/sessions,
-GET /kvgate/sessions/{id}, POST /kvgate/sessions/{id}/close, and (lifecycle on) GET|POST /close_session and
-POST /finish_session (vLLM router's);
-any other path or method under /kvgate/ gets kvgate's own 404 or 405. Everything else is forwarded to the
-router unchanged.
+Request path: request in -> classify -> resolve session -> place -> admit (gate) -> forward -> release and
+record. Forward: to the router, or, for a session's call on a route where kvgate places sessions
+(docs/placement.md), straight to the engine kvgate.fleet.placement picks (the next one on a refused connection;
+the router when none is usable). kvgate's own endpoints and the admin key: kvgate.proxy.admin; starting and
+serving: kvgate.proxy.bootstrap. Everything that is not kvgate's is forwarded to the router unchanged.
 """
 
 from __future__ import annotations
 
 import asyncio
-import errno
-import hmac
 import logging
-import os
-import re
-import signal
-import socket
-import sys
 import time
-from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
-import orjson
 from aiohttp import web
-from aiohttp.http_exceptions import HttpProcessingError
-from multidict import CIMultiDict
 
-from kvgate import __version__
 from kvgate.common.classify import GENERATE_ROUTES, STEP_BOUNDARY_ROUTES, classify, parse_json_object, \
     with_session_id
 from kvgate.config import PLACEMENT_ROUTES, Config, api_key, read_admin_key
-from kvgate.fleet import compat, health
 from kvgate.fleet.placement import Placement, Target
 from kvgate.fleet.directory import EngineDirectory
-from kvgate.proxy.relay import MAX_FIELD_BYTES, MAX_LINE_BYTES, Upstream, forward_head, header_safe, \
-    BodyParts, read_body
+from kvgate.proxy.admin import Admin
+from kvgate.proxy.relay import Upstream, forward_head, header_safe, BodyParts, read_body
 from kvgate.common.admission_seam import Gate, OpenGate, RequestInfo, Ticket
 from kvgate.proxy.placed import PlacedRelay
-from kvgate.proxy.server import SMALL_BODY_BYTES, Headers, HttpServer, Limits
 from kvgate.sessions.idle_policy import IdlePolicy, StepTracker
 from kvgate.sessions.inference import SessionInference, request_units
 from kvgate.sessions.lifecycle import SessionLifecycle
@@ -55,23 +37,12 @@ from kvgate.sessions.registry import SessionRegistry
 log = logging.getLogger("kvgate")
 
 GATEWAY_KEY = web.AppKey("gateway", object)
-# With an admin key set (admin_key_file, or KVGATE_ADMIN_KEY), the request header that must carry it for
-# kvgate's endpoints that list or change state, the close API, and the admission headers below. It never
-# goes upstream (kvgate.proxy.relay drops it).
-ADMIN_HEADER = "X-Kvgate-Admin-Key"
-# The headers that let a request skip admission's queue: honoured only from a client with the admin key.
-_PRIVILEGED_HEADERS = ("X-Kvgate-Protected", "X-Kvgate-Scope")
 # The session id kvgate gave a generate call (named or inferred), told to the client on the response.
 SESSION_HEADER = "X-Kvgate-Session-Id"
 # smg 1.13 names the worker it sent a call to in this response header (docs/compatibility.md).
 ROUTED_WORKER = b"x-smg-routed-worker-id"
 # Step-boundary bodies larger than this (tensor payloads) are not parsed: they take SGLang's defaults.
 STEP_BODY_PARSE_LIMIT = 1 << 20
-# /kvgate/sessions/{sid} and /kvgate/sessions/{sid}/close on kvgate's own server (aiohttp's {sid} pattern).
-_SESSION_ROUTE = re.compile(r"/kvgate/sessions/([^{}/]+)(/close)?")
-# GET /kvgate/sessions lists at most this many sessions per page (?limit, ?offset page through the rest):
-# building the page runs on the event loop every client shares.
-SESSIONS_PAGE_MAX = 1000
 
 
 @dataclass(slots=True)
@@ -100,23 +71,6 @@ def _as_text(session_id: str | None) -> str | None:
         return session_id
     except UnicodeEncodeError:
         return session_id.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
-
-
-class _OneLineForBadRequests(logging.Filter):
-    """aiohttp logs a traceback at ERROR for every malformed request it answers 400 itself (a bad request
-    line, a raw non-ASCII byte in the URL): the client's fault, said in one INFO line instead."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        exc = record.exc_info[1] if record.exc_info else None
-        if isinstance(exc, HttpProcessingError):
-            record.exc_info, record.exc_text = None, None
-            record.levelno, record.levelname = logging.INFO, "INFO"
-            record.msg = f"{record.msg}: {type(exc).__name__}, answered {exc.code}"
-        return True
-
-
-def _json(obj: Any, status: int = 200) -> web.Response:
-    return web.Response(status=status, body=orjson.dumps(obj), content_type="application/json")
 
 
 class Gateway:
@@ -206,382 +160,49 @@ class Gateway:
             self.poller.listeners.append(self._capacity)
             self.poller.shared = self.shared  # replicas sharing state poll the engines once for all
         self.gate: Gate = gate or OpenGate()
-        if self.shared is not None and hasattr(self.gate, "shared"):
+        if self.shared is not None:
             self.gate.shared = self.shared  # admission leases held against the ceilings shared by replicas
         # Generate bodies are parsed only when a feature reads them (session ids, prompts, reservations, and
         # kvgate's session placement): features off, a 64K-token body is relayed unparsed.
-        self.reads_body = (self.lifecycle_on or not isinstance(self.gate, OpenGate)
+        self.reads_body = (self.lifecycle_on or gate is not None
                            or any(m == "kvgate" for m in self.placement_modes.values()))
         self.started = time.time()
-        self.admin_key = read_admin_key(cfg.admin_key_file)
-        self._admin_key_bytes = self.admin_key.encode("utf-8") if self.admin_key is not None else None
+        self.admin = Admin(self, read_admin_key(cfg.admin_key_file))
         self._max_sid = cfg.max_session_id_bytes
         # Read on every request: looked up once (a Config attribute goes through __getattr__).
         self._max_body = cfg.max_body_bytes
         self._join_max = max(cfg.body_parse_max_bytes, STEP_BODY_PARSE_LIMIT)
         self._parse_max = cfg.body_parse_max_bytes
         self._routing_key = cfg.routing_key_header if cfg.set_routing_key else None
-        # X-Kvgate-Session-Id value -> session id, for the ids that header cannot carry as they are
-        # (kvgate.proxy.relay.header_safe hashes them): /kvgate/sessions/<value> finds the session.
-        self._told_ids: OrderedDict[str, str] = OrderedDict()
         self.app = self._build_app()
-        self._routes = self._build_routes()
 
     # --- app -------------------------------------------------------------------------------------
 
     def _build_app(self) -> web.Application:
+        """The aiohttp app (``http_server: aiohttp``): kvgate's own routes (kvgate.proxy.admin), the generate
+        routes, kvgate's 404/405 for the rest of /kvgate/, and the router for everything else."""
         app = web.Application(client_max_size=self.cfg.max_body_bytes)
         app[GATEWAY_KEY] = self
         r = app.router
-        r.add_get("/metrics", self.handle_metrics)
-        r.add_get("/kvgate/health", self.handle_health)
-        r.add_get("/kvgate/engines", self._guard(self.handle_engines))
-        r.add_get("/kvgate/stats", self._guard(self.handle_stats))
-        r.add_get("/kvgate/sessions", self._guard(self.handle_sessions))
-        r.add_get("/kvgate/sessions/{sid}", self._guard(self.handle_session))
-        r.add_post("/kvgate/sessions/{sid}/close", self._guard(self.handle_session_close))
-        if self.process_role is not None:  # this process's own figures, which its siblings merge
-            r.add_get("/kvgate/worker/metrics", self.handle_worker_metrics)
-            r.add_get("/kvgate/worker/health", self.handle_worker_health)
-        if self.lifecycle_on:
-            r.add_route("GET", "/close_session", self._guard(self.handle_close_session))
-            r.add_route("POST", "/close_session", self._guard(self.handle_close_session))
-            r.add_route("POST", "/finish_session", self._guard(self.handle_finish_session))  # vLLM router's
+        for path, methods in self.admin.routes().items():
+            for method, handler in methods.items():
+                r.add_route(method, path, handler)
         for route in PLACEMENT_ROUTES:  # the generate routes by exact path: a dict lookup, not the catch-all's regex
             r.add_route("*", route, self.handle_proxy)
-        r.add_route("*", "/kvgate/{tail:.*}", self.handle_not_found)  # kvgate's own paths never reach the router
+        r.add_route("*", "/kvgate/{tail:.*}", self.admin.handle_not_found)  # kvgate's own paths never reach the router
         r.add_route("*", "/{tail:.*}", self.handle_proxy)
-        app.on_startup.append(self._on_startup)
-        app.on_cleanup.append(self._on_cleanup)
         return app
 
-    def _build_routes(self) -> dict[str, dict[str, Any]]:
-        """The exact-path routes for kvgate's own server: path -> method -> handler (GET routes answer HEAD
-        too, as aiohttp's add_get does). What matches none of them goes to the router (see route())."""
-        def get(handler):
-            return {"GET": handler, "HEAD": handler}
-        guard = self._guard
-        routes = {"/metrics": get(self.handle_metrics), "/kvgate/health": get(self.handle_health),
-                  "/kvgate/engines": get(guard(self.handle_engines)), "/kvgate/stats": get(guard(self.handle_stats)),
-                  "/kvgate/sessions": get(guard(self.handle_sessions))}
-        self._session_handlers = (guard(self.handle_session), guard(self.handle_session_close))
-        if self.process_role is not None:
-            routes["/kvgate/worker/metrics"] = get(self.handle_worker_metrics)
-            routes["/kvgate/worker/health"] = get(self.handle_worker_health)
-        if self.lifecycle_on:
-            close = guard(self.handle_close_session)
-            routes["/close_session"] = {"GET": close, "POST": close}
-            routes["/finish_session"] = {"POST": guard(self.handle_finish_session)}  # vLLM router's
-        return routes
-
     def route(self, request):
-        """The handler for a request on kvgate's own server: an exact path, then the /kvgate/sessions/{sid}
-        routes (match_info set), else the router (handle_proxy), as the aiohttp app routes them."""
-        path = request.path
-        methods = self._routes.get(path)
-        if methods is not None:
-            handler = methods.get(request.method)
-            if handler is not None:
-                return handler
-        elif path.startswith("/kvgate/sessions/"):
-            m = _SESSION_ROUTE.fullmatch(request.raw_path.partition("?")[0])
-            if m is not None:
-                close = m.group(2) is not None
-                if (request.method == "POST") if close else (request.method in ("GET", "HEAD")):
-                    request.match_info = {"sid": _unquote(m.group(1))}
-                    return self._session_handlers[1 if close else 0]
-        if path.startswith("/kvgate/"):
-            return self.handle_not_found
-        return self.handle_proxy
+        """The handler for a request on kvgate's own server: kvgate's own endpoint for it
+        (kvgate.proxy.admin), else the router (handle_proxy), as the aiohttp app routes them."""
+        return self.admin.lookup(request) or self.handle_proxy
 
-    def body_limit(self, request) -> int:
-        """A request's body limit on kvgate's own server, bytes: SMALL_BODY_BYTES for the routes kvgate answers
-        itself from a few bytes (/close_session, /kvgate/...), max_body_bytes for the rest."""
-        path = request.path
-        if path in self._routes or path.startswith("/kvgate/"):
-            return SMALL_BODY_BYTES
-        return self._max_body
-
-    async def _on_startup(self, app: web.Application | None) -> None:
-        log.info("kvgate %s: upstream %s, session lifecycle %s, admission %s", __version__, self.cfg.upstream,
-                 "on" if self.lifecycle_on else "off", "on" if self.cfg.agentic_program_admission else "off")
-        log.info(self._placement_line())
-        warning = self._routing_key_warning()
-        if warning is not None:
-            log.warning(warning)
-        if self.shared is not None:
-            await self.shared.start()
-        if self.process_role is not None:
-            await self.process_role.start()
-        await self.directory.start()
-        await self.lifecycle.start()
-        start = getattr(self.gate, "start", None)
-        if start is not None:
-            await start()
-        if self.poller is not None:
-            await self.poller.start()
-
-    async def _on_cleanup(self, app: web.Application | None = None) -> None:
-        if self.poller is not None:
-            await self.poller.stop()
-        stop = getattr(self.gate, "stop", None)
-        if stop is not None:
-            await stop()
-        await self.lifecycle.stop()
-        if self.shared is not None:
-            await self.shared.stop()
-        if self.process_role is not None:
-            await self.process_role.stop()
-        await self.directory.stop()
-        await self.upstream.close()
-
-    # --- the admin key ----------------------------------------------------------------------------
-
-    def is_admin(self, headers) -> bool:
-        """Whether a request may use what the admin key guards: always when no key is set, else when its
-        X-Kvgate-Admin-Key header is the key (compared in constant time)."""
-        if self._admin_key_bytes is None:
-            return True
-        sent = headers.get(ADMIN_HEADER)
-        return sent is not None and hmac.compare_digest(sent.encode("utf-8", "surrogateescape"),
-                                                        self._admin_key_bytes)
-
-    def _guard(self, handler):
-        """``handler`` as it is without an admin key; with one, answering 403 to a request without it."""
-        if self._admin_key_bytes is None:
-            return handler
-
-        async def guarded(request):
-            if not self.is_admin(request.headers):
-                return _json({"error": {"message": f"kvgate: this endpoint needs the admin key (header {ADMIN_HEADER})",
-                                        "type": "forbidden", "code": 403}}, 403)
-            return await handler(request)
-        guarded.__name__ = handler.__name__
-        return guarded
-
-    def _admission_headers(self, headers):
-        """The headers admission reads: without X-Kvgate-Protected and X-Kvgate-Scope when an admin key is
-        set and the request does not carry it (they are then ignored, and the request waits as others do)."""
-        if self._admin_key_bytes is None or not any(h in headers for h in _PRIVILEGED_HEADERS) \
-                or self.is_admin(headers):
-            return headers
-        if isinstance(headers, Headers):
-            return headers.without(_PRIVILEGED_HEADERS)
-        drop = {h.lower() for h in _PRIVILEGED_HEADERS}  # aiohttp's server: a multidict
-        return CIMultiDict((k, v) for k, v in headers.items() if k.lower() not in drop)
+    # --- session ids ----------------------------------------------------------------------------------
 
     def _sid_too_long(self, sid: str) -> bool:
         """Whether ``sid`` is over max_session_id_bytes (UTF-8 bytes; measured only when it could be)."""
         return len(sid) * 4 > self._max_sid and len(sid.encode("utf-8", "surrogatepass")) > self._max_sid
-
-    def _sid_refused(self, sid: str) -> web.Response | None:
-        if self._sid_too_long(sid):
-            return _json({"error": {"message": f"session_id is over max_session_id_bytes ({self._max_sid} bytes)",
-                                    "type": "invalid_request", "code": 400}}, 400)
-        return None
-
-    # --- kvgate's own endpoints ----------------------------------------------------------------
-
-    async def handle_metrics(self, request: web.Request) -> web.Response:
-        body, ctype = self.metrics.render()
-        if self.process_role is not None:  # the whole process set, whichever process the kernel picked
-            try:
-                body = await self.process_role.merged_metrics(body)
-            except Exception:  # a sibling's unparsable answer: this process's own figures, said in the log
-                log.exception("merging the processes' metrics failed; answering this process's own")
-        return web.Response(body=body, headers={"Content-Type": ctype})
-
-    async def handle_worker_metrics(self, request: web.Request) -> web.Response:
-        body, ctype = self.metrics.render()
-        return web.Response(body=body, headers={"Content-Type": ctype})
-
-    async def handle_worker_health(self, request: web.Request) -> web.Response:
-        return _json({"status": "ok", "worker": self.process_role.index, "pid": os.getpid()})
-
-    def health_checks(self) -> list[health.Check]:
-        """The checks /kvgate/health adds up (kvgate.fleet.health): the router, the engines. Append a
-        check here for anything else kvgate cannot serve without."""
-        return self.directory.checks()
-
-    async def handle_health(self, request: web.Request) -> web.Response:
-        """kvgate and what it depends on: ``status`` ok | degraded (HTTP 200) or starting | down (HTTP 503),
-        ``reasons`` (every check not ok), ``checks`` (each with its reason), and the features in force."""
-        workers = await self.process_role.health() if self.process_role is not None else None
-        checks = self.health_checks()
-        status, code, reasons = health.summarize(checks)
-        return _json({"status": status, "reasons": reasons, "checks": [c.as_json() for c in checks],
-                      **({"workers": workers} if workers is not None else {}),
-                      "version": __version__, "uptime_s": round(time.time() - self.started, 3),
-                      "upstream": self.cfg.upstream, "engines": len(self.directory.engines),
-                      "session_lifecycle": self.lifecycle_on,
-                      "program_admission": self.cfg.agentic_program_admission,
-                      "session_id_passthrough": self.directory.verdict,
-                      "session_id_passthrough_by_route": dict(self.directory.verdicts),
-                      "session_placement": {r: ("kvgate" if self.directory.placed(r) else "router")
-                                            for r in PLACEMENT_ROUTES},
-                      "session_placement_why": {r: self.directory.placement_why(r) for r in PLACEMENT_ROUTES},
-                      "placement_modes": dict(self.placement_modes),
-                      # the router's answer to kvgate's credentials: null (not asked yet), ok, 401 or 403
-                      "router_auth": self.directory.router_auth}, code)
-
-    async def handle_not_found(self, request: web.Request) -> web.Response:
-        """A /kvgate/ path or method kvgate does not serve: its own 404 or 405 (with Allow), never the
-        router's."""
-        path = request.path
-        methods = self._routes.get(path)
-        m = _SESSION_ROUTE.fullmatch(request.raw_path.partition("?")[0])
-        allowed = (sorted(methods) if methods is not None else
-                   (["POST"] if m.group(2) else ["GET", "HEAD"]) if m is not None else None)
-        if allowed is not None:
-            return web.Response(status=405, body=orjson.dumps({"error": {
-                "message": f"{request.method} is not allowed on {path}; allowed: {', '.join(allowed)}"}}),
-                content_type="application/json", headers={"Allow": ", ".join(allowed)})
-        own = sorted(p for p in self._routes if p.startswith("/kvgate/"))
-        return _json({"error": {"message": f"kvgate has no endpoint {path}; its endpoints: "
-                                           f"{', '.join([*own, '/kvgate/sessions/{id}', '/kvgate/sessions/{id}/close'])}"}},
-                     404)
-
-    async def handle_engines(self, request: web.Request) -> web.Response:
-        out = self.directory.as_json()
-        per_engine = self.placement.as_json()
-        for e in out["engines"]:
-            p = per_engine.get(e["url"], {})
-            e["placed_sessions"] = p.get("sessions", 0)
-            e["placed_sessions_by_rank"] = p.get("sessions_by_rank", {})
-            e["placements"] = p.get("placements", 0)
-            e["placed_in_flight_prompt_tokens"] = p.get("in_flight_prompt_tokens", 0)
-        out["placement"] = {"modes": dict(self.placement_modes), "counts": dict(self.placement.counts),
-                            "sessions": len(self.placement),
-                            "reopen_hints": self.placement.reopen_hints(self.lifecycle.clock())}
-        return _json(out)
-
-    async def handle_stats(self, request: web.Request) -> web.Response:
-        """Admission figures: counters, waiting, defer/degraded rate over the window, the ledger."""
-        stats = getattr(self.gate, "stats", None)
-        out = stats() if stats is not None else {"admission": "off"}
-        if self.poller is not None:
-            out["capacity_sources"] = dict(self.poller.last_sources)
-            if self.shared is not None:
-                out["capacity_rounds"] = dict(self.poller.shared_rounds)
-        return _json(out)
-
-    async def handle_sessions(self, request: web.Request) -> web.Response:
-        try:
-            limit = int(request.query.get("limit", str(SESSIONS_PAGE_MAX)))
-            offset = int(request.query.get("offset", "0"))
-        except ValueError:
-            return _json({"error": {"message": "limit and offset must be integers"}}, 400)
-        if limit < 0 or offset < 0:
-            return _json({"error": {"message": "limit and offset must be >= 0"}}, 400)
-        state = request.query.get("state")
-        if state not in (None, "active", "closing", "closed"):
-            return _json({"error": {"message": "state must be one of active, closing, closed"}}, 400)
-        limit = min(limit, SESSIONS_PAGE_MAX)
-        reg = self.lifecycle.registry
-        out = reg.as_json(self.lifecycle.clock(), limit=limit, state=state, offset=offset)
-        out["limit"], out["offset"] = limit, offset
-        for entry in out["sessions"]:
-            self._augment(entry)
-        out["step"] = self.lifecycle.steps.as_json()
-        out["idle_policy"] = self.lifecycle.policy.stats()
-        out["close_queues"] = self.lifecycle.stats()
-        out["inference"] = self.inference.stats() if self.inference is not None else None
-        return _json(out)
-
-    def _augment(self, entry: dict) -> dict:
-        sid = entry["session_id"]
-        entry["kv_step"] = self.lifecycle.steps.kv_step(sid)
-        entry["idle_threshold_s"] = round(self.lifecycle.policy.threshold(sid), 3)
-        where = self.placement.engine_of(sid)
-        entry["engine"] = None if where is None else {"url": where[0], "dp_rank": where[1],
-                                                      "placed_by": self.placement.placed_by(sid),
-                                                      "moves": self.placement.moves_of(sid)}
-        return entry
-
-    def _session_named(self, name: str) -> str:
-        """The session id ``name`` stands for: itself, or the id kvgate told the client as ``name`` in
-        X-Kvgate-Session-Id (a hashed id)."""
-        if self.lifecycle.registry.get(name) is None:
-            return self._told_ids.get(name, name)
-        return name
-
-    def _told(self, sid: str) -> str:
-        """The X-Kvgate-Session-Id value for ``sid``; a hashed one is remembered (at most
-        max_tracked_sessions, the oldest dropped first) so /kvgate/sessions/<value> finds the session."""
-        value = header_safe(sid)
-        if value is not sid and value != sid:
-            told = self._told_ids
-            told[value] = sid
-            told.move_to_end(value)
-            if len(told) > self.cfg.max_tracked_sessions:
-                told.popitem(last=False)
-        return value
-
-    async def handle_session(self, request: web.Request) -> web.Response:
-        refused = self._sid_refused(request.match_info["sid"])
-        if refused is not None:
-            return refused
-        sid = self._session_named(request.match_info["sid"])
-        s = self.lifecycle.registry.get(sid)
-        if s is None:
-            return _json({"error": {"message": f"unknown session {request.match_info['sid']!r}"}}, 404)
-        return _json(self._augment(self.lifecycle.registry.session_json(sid, self.lifecycle.clock())))
-
-    async def handle_session_close(self, request: web.Request) -> web.Response:
-        """Close a session (again: an unfinished close is retried at once); ``?wait=1`` answers once every
-        engine has answered this round of calls, with the per-engine results and pending retries."""
-        refused = self._sid_refused(request.match_info["sid"])
-        if refused is not None:
-            return refused
-        sid = self._session_named(request.match_info["sid"])
-        self._forget(sid)
-        self.lifecycle.close(sid, "admin_api")
-        if request.query.get("wait") in ("1", "true"):
-            await self.lifecycle.settled(sid, self.cfg.session_close_drain_s + 4 * self.cfg.close_timeout_s + 1.0)
-        s = self.lifecycle.registry.get(sid)
-        return _json(s.as_json(self.lifecycle.clock()) if s else {"session_id": sid})
-
-    async def handle_close_session(self, request: web.Request) -> web.Response:
-        """SGLang's /close_session, answered by kvgate (the router would 404 it): always 200 with an
-        empty body once the close is scheduled; missing session_id -> 400 as in SGLang."""
-        raw = await request.read()
-        sid = None
-        if raw:
-            try:
-                obj = orjson.loads(raw)
-                sid = obj.get("session_id") if isinstance(obj, dict) else None
-            except orjson.JSONDecodeError:
-                return _json({"error": {"message": "body is not JSON"}}, 400)
-        sid = sid or request.query.get("session_id")
-        if sid is None:
-            return _json({"error": {"message": "session_id is required"}}, 400)
-        if not isinstance(sid, str) or not sid:
-            return _json({"error": {"message": "session_id must be a non-empty string"}}, 400)
-        refused = self._sid_refused(sid)
-        if refused is not None:
-            return refused
-        self._forget(sid)
-        self.lifecycle.close(sid, "client")
-        return web.Response(status=200)
-
-    async def handle_finish_session(self, request: web.Request) -> web.Response:
-        """vLLM router's ``POST /finish_session?session_id=...`` (prime-rl, SkyRL send it on success, failure and
-        cancellation): the session is closed as a client's /close_session closes it. The id comes from the query
-        or a JSON body {"session_id"}; answered 200 {"status": "ok", "session_id"} (idempotent), and 400 without
-        an id, as axum's query extractor answers it."""
-        sid = request.query.get("session_id")
-        if not sid:
-            raw = await request.read()
-            obj = parse_json_object(raw) if raw else None
-            sid = obj.get("session_id") if obj is not None else None
-        if not isinstance(sid, str) or not sid:
-            return web.Response(status=400, text="Failed to deserialize query string: missing field `session_id`")
-        refused = self._sid_refused(sid)
-        if refused is not None:
-            return refused
-        self._forget(sid)
-        self.lifecycle.close(sid, "finish")
-        return _json({"status": "ok", "session_id": sid})
 
     def _turn_marks(self, sid: str, headers) -> None:
         """After the answer went out: the turn's final-turn marker closes its session, its parent header links
@@ -593,8 +214,9 @@ class Gateway:
             log.exception("reading the turn's session headers failed")
             self.metrics.faults.labels("registry").inc()
 
-    def _forget(self, sid: str) -> None:
-        # The client ended this session: later prompts that extend it start a new one.
+    def end_session(self, sid: str) -> None:
+        """The client (or kvgate's close API) ended session ``sid``: inference, placement and admission forget
+        it (the lifecycle's close is the caller's): later prompts that extend it start a new session."""
         if self.inference is not None:
             self.inference.forget(sid)
         self.lifecycle.forget(sid)
@@ -605,19 +227,17 @@ class Gateway:
         """A close kvgate started itself (idle, an abort, or another replica's idle close) ends the session's
         program in admission as a client's close does: the ledger stops counting KV the engines drop. The
         program policy's own pause is a close too, but its program lives on (its next turn resumes it); a
-        client's or the admin API's close forgot the program before closing (_forget)."""
+        client's or the admin API's close forgot the program before closing (end_session)."""
         s = self.lifecycle.registry.get(sid)
         if s is not None and s.close_reason not in ("pause", "client", "admin_api"):
             self._admission_forget(sid)
 
     def _admission_forget(self, sid: str) -> None:
-        forget = getattr(self.gate, "forget", None)
-        if forget is not None:
-            try:
-                forget(sid)
-            except Exception:
-                log.exception("admission forget failed")
-                self.metrics.faults.labels("admission").inc()
+        try:
+            self.gate.forget(sid)
+        except Exception:
+            log.exception("admission forget failed")
+            self.metrics.faults.labels("admission").inc()
 
     def _pause_session(self, sid: str) -> None:
         # The program policy paused this session: close its engine session so its KV is evicted first
@@ -626,18 +246,6 @@ class Gateway:
             self.lifecycle.close(sid, "pause")
 
     # --- session placement (the pure rules are kvgate.fleet.placement) ----------------------------------
-
-    def _routing_key_warning(self) -> str | None:
-        # kvgate relies on the router's routing key for session traffic it leaves to the router.
-        relies = (self.lifecycle_on and self.cfg.set_routing_key
-                  and not all(self.directory.placed(r) for r in PLACEMENT_ROUTES))
-        return compat.routing_key_warning(self.cfg.router_policy, self.cfg.routing_key_header,
-                                          self.cfg.router_sticky_sessions) if relies else None
-
-    def _placement_line(self) -> str:
-        return "session placement: " + ", ".join(
-            f"{r} {'kvgate' if self.directory.placed(r) else 'router'} ({self.directory.placement_why(r)})"
-            for r in PLACEMENT_ROUTES)
 
     def _learn_routed(self, sid: str, worker: str) -> None:
         """The router named the worker it sent session ``sid``'s call to (x-smg-routed-worker-id: the worker
@@ -741,7 +349,7 @@ class Gateway:
     async def _admit_stage(self, request: web.Request, c, plan: SessionPlan, target: Target | None) -> Ticket:
         """Stage 4: wait (or not) for room on the engines. A client gone while waiting never went out."""
         try:
-            info = RequestInfo(c, self._admission_headers(request.headers) if self.gate.reads_headers else {},
+            info = RequestInfo(c, self.admin.admission_headers(request.headers) if self.gate.reads_headers else {},
                                plan.session_id if self.lifecycle_on else None,
                                None if target is None else (target.engine, target.dp_rank), plan.placed)
             return await self.gate.acquire(info)
@@ -788,7 +396,7 @@ class Gateway:
         if tracked is not None:
             def observe(is_sse: bool, route=c.path, text=plan.prompt_is_text) -> ResponseObserver:
                 return ResponseObserver(is_sse, route=route, prompt_is_text=text, max_json_bytes=self._parse_max)
-        add = ticket.headers if tracked is None else [*ticket.headers, (SESSION_HEADER, self._told(tracked))]
+        add = ticket.headers if tracked is None else [*ticket.headers, (SESSION_HEADER, self.admin.told(tracked))]
         if plan.placed and target is not None:
             placed = await self.placed.relay(request, c, plan.session_id, target, plan.body, observe, add)
             if placed is not None:
@@ -986,136 +594,7 @@ class Gateway:
             self.metrics.faults.labels("registry").inc()
 
 
-def _unquote(s: str) -> str:
-    from urllib.parse import unquote
-    return unquote(s, errors="surrogateescape") if "%" in s else s
-
-
 def _completed(outcome) -> bool:
     """The upstream answered the turn in full with a success status (not cut, not abandoned)."""
     return (outcome is not None and outcome.ended == "complete" and outcome.status is not None
             and outcome.status < 400)
-
-
-async def start_gateway(cfg: Config, gate: Gate | None = None, process_role=None) -> tuple[Gateway, Any, int]:
-    """Start kvgate on cfg.host:cfg.port (port 0 = a free one). Returns (gateway, runner, bound port);
-    ``await runner.cleanup()`` stops it.
-
-    ``process_role`` (kvgate.proxy.processes.ProcessRole): this process is one of several on the same port: it
-    binds with SO_REUSEPORT, also listens on a private 127.0.0.1 port and registers it for its siblings.
-
-    ``http_server: kvgate`` (the default) serves through kvgate.proxy.server, with the same guarantees as
-    aiohttp's server below (see that module). ``http_server: aiohttp``: aiohttp's web server;
-    handler_cancellation: a client that disconnects cancels its handler, which closes the upstream
-    request. auto_decompress=False: request bodies are read and forwarded exactly as received.
-    Header limits are the router's or higher (relay.MAX_LINE_BYTES, MAX_FIELD_BYTES).
-    """
-    if process_role is None and cfg.port:
-        check_port(cfg.host, cfg.port)  # before the gateway starts talking to the router and the engines
-    gw = Gateway(cfg, gate, process_role)
-    if cfg.http_server == "kvgate":
-        await gw._on_startup(None)
-        srv = HttpServer(gw.route, cfg.max_body_bytes, on_cleanup=gw._on_cleanup, limits=server_limits(cfg),
-                         body_limit=gw.body_limit)
-        try:
-            port = await srv.listen(cfg.host, cfg.port, backlog=1024,
-                                    reuse_port=True if process_role is not None else None)
-            if process_role is not None:
-                process_role.register(await srv.listen("127.0.0.1", 0))
-        except BaseException:
-            await srv.cleanup()
-            raise
-        return gw, srv, port
-    server_log = logging.getLogger("aiohttp.server")
-    if not any(isinstance(f, _OneLineForBadRequests) for f in server_log.filters):
-        server_log.addFilter(_OneLineForBadRequests())
-    runner = web.AppRunner(gw.app, handler_cancellation=True, access_log=None, auto_decompress=False,
-                           max_line_size=MAX_LINE_BYTES, max_field_size=MAX_FIELD_BYTES)
-    await runner.setup()
-    try:
-        site = web.TCPSite(runner, cfg.host, cfg.port, backlog=1024,
-                           reuse_port=True if process_role is not None else None)
-        await site.start()
-        port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
-        if process_role is not None:
-            private = web.TCPSite(runner, "127.0.0.1", 0)
-            await private.start()
-            process_role.register(private._server.sockets[0].getsockname()[1])  # type: ignore[union-attr]
-    except BaseException:  # the port is taken, say: stop what startup began (pollers, sessions)
-        await runner.cleanup()
-        raise
-    return gw, runner, port
-
-
-def check_port(host: str, port: int) -> None:
-    """Bind ``host:port`` and let it go at once, as the server will bind it (SO_REUSEADDR), so a port in use or
-    not ours is said before kvgate starts anything. Raises OSError (EADDRINUSE, EADDRNOTAVAIL, EACCES ...)."""
-    infos = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
-    for family, kind, proto, _, addr in infos:
-        try:
-            sock = socket.socket(family, kind, proto)
-        except OSError:  # an address family this host lacks (no IPv6): the server skips it too
-            continue
-        with sock:
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            if family == socket.AF_INET6 and hasattr(socket, "IPPROTO_IPV6"):
-                sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)  # as asyncio binds each address
-            sock.bind(addr)
-
-
-def server_limits(cfg: Config) -> Limits:
-    """The limits kvgate's own HTTP server holds, from the ``http_*`` config keys."""
-    return Limits(request_line_bytes=cfg.http_max_request_line_bytes,
-                  header_line_bytes=cfg.http_max_header_line_bytes, head_bytes=cfg.http_max_head_bytes,
-                  header_count=cfg.http_max_header_count, trailer_bytes=cfg.http_max_trailer_bytes,
-                  header_timeout_s=cfg.http_header_timeout_s, body_timeout_s=cfg.http_body_timeout_s,
-                  inflight_body_bytes=cfg.http_max_inflight_body_bytes,
-                  body_budget_wait_s=cfg.http_body_budget_wait_s)
-
-
-def serve(cfg: Config, process_role=None) -> int:
-    """Run kvgate until SIGINT/SIGTERM (one of several processes also stops when its supervisor is gone).
-    Returns the exit status."""
-    async def main() -> None:
-        gw, runner, port = await start_gateway(cfg, process_role=process_role)
-        if process_role is None:
-            log.info("kvgate listening on http://%s:%d", cfg.host, port)
-        else:
-            log.info("process %d of %d serving http://%s:%d (private port %d)", process_role.index,
-                     process_role.count, cfg.host, port, process_role.private_port)
-        stop = asyncio.Event()
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(sig, stop.set)
-        watch = None
-        if process_role is not None:
-            from kvgate.proxy.processes import watch_supervisor
-            watch = asyncio.create_task(watch_supervisor(stop))
-        await stop.wait()
-        if watch is not None:
-            watch.cancel()
-        await runner.cleanup()
-
-    run = asyncio.run
-    if cfg.event_loop == "uvloop":
-        try:
-            import uvloop
-        except ImportError:
-            log.warning("event_loop: uvloop is not installed; serving on asyncio's event loop")
-        else:
-            run = uvloop.run
-    try:
-        run(main())
-    except OSError as exc:
-        if exc.errno not in _LISTEN_ERRORS:
-            raise
-        # The port is taken or not ours to bind: one line naming it, as the supervisor of processes says it.
-        print(f"kvgate: config error: port: cannot listen on {cfg.host}:{cfg.port} ({os.strerror(exc.errno)})",
-              file=sys.stderr)
-        return 2
-    return 0
-
-
-#: bind() errors that mean the configured host/port cannot be served (the user's to fix, not a kvgate fault).
-_LISTEN_ERRORS = frozenset({errno.EADDRINUSE, errno.EADDRNOTAVAIL, errno.EACCES})
-
