@@ -13,6 +13,7 @@ import asyncio
 import logging
 import time
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 from aiohttp import web
@@ -224,10 +225,9 @@ class Gateway:
         self._admission_forget(sid)
 
     def _program_ended(self, sid: str) -> None:
-        """A close kvgate started itself (idle, an abort, or another replica's idle close) ends the session's
-        program in admission as a client's close does: the ledger stops counting KV the engines drop. The
-        program policy's own pause is a close too, but its program lives on (its next turn resumes it); a
-        client's or the admin API's close forgot the program before closing (end_session)."""
+        """A close kvgate started itself (idle, an abort, a final turn, a parent's close, another replica's) ends
+        the session's program in admission as a client's close does. A pause is a close whose program lives on;
+        a client's or the admin API's close forgot the program before closing (end_session)."""
         s = self.lifecycle.registry.get(sid)
         if s is not None and s.close_reason not in ("pause", "client", "admin_api"):
             self._admission_forget(sid)
@@ -392,10 +392,7 @@ class Gateway:
     async def _forward(self, request: web.Request, c, plan: SessionPlan, target: Target | None, ticket: Ticket):
         """Stage 5: to the placed engine, else (none usable, or not placed) to the router."""
         tracked = plan.session_id if self.lifecycle_on else None
-        observe = None
-        if tracked is not None:
-            def observe(is_sse: bool, route=c.path, text=plan.prompt_is_text) -> ResponseObserver:
-                return ResponseObserver(is_sse, route=route, prompt_is_text=text, max_json_bytes=self._parse_max)
+        observe = None if tracked is None else partial(self._observer, c.path, plan.prompt_is_text)
         add = ticket.headers if tracked is None else [*ticket.headers, (SESSION_HEADER, self.admin.told(tracked))]
         if plan.placed and target is not None:
             placed = await self.placed.relay(request, c, plan.session_id, target, plan.body, observe, add)
@@ -410,6 +407,9 @@ class Gateway:
             self._learn_routed(sid, outcome.routed_worker)
         self._router_outcome(outcome)
         return resp, outcome
+
+    def _observer(self, route: str, prompt_is_text: bool, is_sse: bool) -> ResponseObserver:
+        return ResponseObserver(is_sse, route=route, prompt_is_text=prompt_is_text, max_json_bytes=self._parse_max)
 
     def _release_and_record(self, c, raw: bytes, plan: SessionPlan, session_id: str | None, ticket: Ticket,
                             outcome, elapsed: float) -> None:

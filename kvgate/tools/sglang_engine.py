@@ -16,7 +16,6 @@ from __future__ import annotations
 import fcntl
 import os
 import subprocess
-import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
