@@ -329,3 +329,12 @@ def test_api_keys_from_a_file_or_an_environment_variable_and_errors_never_name_t
             validate(raw)
         assert str(err.value).startswith(start), str(err.value)
         assert "two words" not in str(err.value) and "env-key" not in str(err.value)
+
+
+def test_an_address_not_on_this_machine_is_a_host_error_in_one_line():
+    """``--host`` an address no interface has (EADDRNOTAVAIL): the line names ``host``, not ``port``."""
+    res = subprocess.run([sys.executable, "-m", "kvgate", "serve", "--host", "10.99.99.99", "--port", "0",
+                          "--upstream", "http://127.0.0.1:9"], capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert res.returncode == 2, res.stderr
+    assert res.stderr.strip().splitlines()[-1] == \
+        "kvgate: config error: host: cannot listen on 10.99.99.99:0 (Cannot assign requested address)"

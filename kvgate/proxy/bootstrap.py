@@ -210,7 +210,8 @@ def serve(cfg: Config, process_role=None) -> int:
         if exc.errno not in _LISTEN_ERRORS:
             raise
         # The port is taken or not ours to bind: one line naming it, as the supervisor of processes says it.
-        print(f"kvgate: config error: port: cannot listen on {cfg.host}:{cfg.port} ({os.strerror(exc.errno)})",
+        key = "host" if exc.errno == errno.EADDRNOTAVAIL else "port"  # the address is not this machine's
+        print(f"kvgate: config error: {key}: cannot listen on {cfg.host}:{cfg.port} ({os.strerror(exc.errno)})",
               file=sys.stderr)
         return 2
     return 0
