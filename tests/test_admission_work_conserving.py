@@ -12,7 +12,7 @@ Programs are one-turn calls without a session, one-turn calls with one (a lifecy
 of several turns; the clock advances through the coordinator's own deadlines, as the gate's timer does.
 """
 
-from hypothesis import HealthCheck, settings, strategies as st
+from hypothesis import HealthCheck, event, settings, strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from kvgate.admission.capacity import ClusterSnapshot, EngineCapacity
@@ -24,11 +24,12 @@ POLL_S = 2.0
 
 
 class WorkConserving(RuleBasedStateMachine):
-    @initialize(caps=st.lists(st.integers(2_000, 20_000), min_size=1, max_size=4),
-                movable=st.booleans(), hot=st.booleans(), victim=st.sampled_from(["ahead", "smallest", "longest-idle"]))
-    def setup(self, caps, movable, hot, victim):
+    @initialize(caps=st.lists(st.integers(2_000, 8_000), min_size=1, max_size=4),
+                movable=st.booleans(), hot=st.booleans(), victim=st.sampled_from(["ahead", "smallest", "longest-idle"]),
+                resume=st.sampled_from(["fifo", "smallest"]))
+    def setup(self, caps, movable, hot, victim, resume):
         self.lg = Ledger(headroom=0.9, pressure_threshold=0.92, stale_after_s=1e9, lease_ttl_s=1e9)
-        self.co = ProgramCoordinator(self.lg, max_wait_s=30.0, victim=victim, program_ttl_s=300.0,
+        self.co = ProgramCoordinator(self.lg, max_wait_s=30.0, victim=victim, resume=resume, program_ttl_s=300.0,
                                      overdue_default_s=20.0, reclaim_after_s=POLL_S)
         self.movable = movable
         self.places = [f"http://e{i}" for i in range(len(caps))]
@@ -64,13 +65,14 @@ class WorkConserving(RuleBasedStateMachine):
                            prompt_tokens=tokens // 2, movable=self.movable)
         self.co.take_actions()
         if d.kind is Kind.WAIT:
+            event("a turn waited")
             self.waiting[t] = (sid, self.now, place, tokens)
         else:
             self.inflight[t] = sid
         self._deliver(self.co.pump(self.now))
 
     # --------------------------------------------------------------------------------------- events
-    @rule(kind=st.sampled_from(["call", "job", "agent"]), tokens=st.integers(100, 9_000), i=st.integers(0, 3))
+    @rule(kind=st.sampled_from(["call", "job", "agent"]), tokens=st.integers(100, 4_000), i=st.integers(0, 3))
     def start(self, kind, tokens, i):
         sid = f"p{self.n}"
         self.kind[sid] = kind
@@ -134,6 +136,12 @@ class WorkConserving(RuleBasedStateMachine):
         self.now = end
         self._deliver(self.co.pump(self.now))
 
+    def teardown(self):
+        if hasattr(self, "co"):
+            for name in ("moved", "reclaimed", "pause_overdue", "pause"):
+                if self.co.counters[name]:
+                    event(f"counted {name}")
+
     # --------------------------------------------------------------------------------------- properties
     def _reclaimable(self, place):
         """Tokens held on ``place`` by programs with one answered turn and no turn since (no evidence of return)."""
@@ -179,5 +187,5 @@ class WorkConserving(RuleBasedStateMachine):
 
 
 TestWorkConserving = WorkConserving.TestCase
-TestWorkConserving.settings = settings(max_examples=150, stateful_step_count=40, deadline=None,
+TestWorkConserving.settings = settings(max_examples=400, stateful_step_count=60, deadline=None,
                                        suppress_health_check=[HealthCheck.too_slow])

@@ -117,6 +117,7 @@ class ProgramCoordinator(_WaitingTurns, _Pausing):
             raise ValueError(f"reclaim_after_s must be >= 0 or None, got {reclaim_after_s!r}")
         self._failed: dict[Any, int] = {}  # within one pump: place -> the smallest charge refused there
         self._failed_max = 0  # the largest of those records
+        self._unsup: dict[Any, list] | None = None  # within one pump: KV held without evidence, by place
         self._reclaim_due: deque = deque()  # (enqueued_at + reclaim_after_s, ticket) per waiter, in arrival order
         self.reclaim_after_s = None if reclaim_after_s is None else float(reclaim_after_s)
         self._programs: dict[Hashable, _Program] = {}

@@ -197,11 +197,14 @@ class _Pausing:
         until it fits. Returns (Grant, where) or (the last Refusal, w's place)."""
         lg = self.ledger
         last: Grant | Refusal = Refusal(w.ticket, w.tokens, WaitReason.CAPACITY_EXHAUSTED)
+        if self._unsup is None:  # once per pump: such programs by place, longest idle first
+            self._unsup = {}
+            for p in sorted((p for p in self._programs.values() if self._unsupported(p, now)), key=lambda p: p.since):
+                self._unsup.setdefault(p.place, []).append(p)
         for pl in self._places_for(w):
             if lg.usage_of(pl) >= lg.pressure_threshold:
                 continue
-            cands = sorted((p for p in self._programs.values() if p.place == pl and self._unsupported(p, now)),
-                           key=lambda p: p.since)
+            cands = [p for p in self._unsup.get(pl, ()) if self._unsupported(p, now) and p.place == pl]
             if not cands:
                 continue
             room = lg.free_on(pl) + sum(lg.holding(p.sid) for p in cands)

@@ -72,15 +72,19 @@ class _WaitingTurns:
                 else:  # only running programs hold its place: it waits for them (aging still bounds it)
                     self._wait_reason(w, r.reason, now)
                     stopped.add(w.place)
-        self._failed, self._failed_max = {}, 0
+        self._failed, self._failed_max, self._unsup = {}, 0, None
         for w in self._ordered():
             if self.max_resident is not None and not self._seat_for(w, now, overdue_only=True):
                 self._wait_reason(w, BOUND_REASON, now)
                 continue
-            if self._hopeless(w):
-                continue
-            r, where = self._fit(w, now)
-            if not isinstance(r, Grant) and self._reclaimable(w, now):
+            reclaimable = self._reclaimable(w, now)
+            if self._hopeless(w):  # no room anywhere it may go, as things stand: only a reclaim can make some
+                if not reclaimable:
+                    continue
+                r, where = Refusal(w.ticket, w.tokens, WaitReason.CAPACITY_EXHAUSTED), w.place
+            else:
+                r, where = self._fit(w, now)
+            if not isinstance(r, Grant) and reclaimable:
                 r, where = self._reclaim(w, now)
             if isinstance(r, Grant):
                 out.append(self._leave(w, Kind.ADMIT, r.lease, max(0.0, now - w.enqueued_at), now, where))
