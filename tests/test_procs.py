@@ -146,3 +146,32 @@ def test_group_cpu_seconds_sums_the_live_processes_of_a_group(own_group):
     finally:
         p.stdin.close()
         p.wait(10)
+
+
+def test_free_port_never_hands_out_a_port_twice(monkeypatch):
+    """The kernel offered one port twice before the engine meant for it had bound it: two engines of one bench
+    fleet were given one port (the second could not listen; the router saw one worker). free_port now skips a
+    port it handed out lately."""
+    from kvgate.tools import procs
+
+    offered = iter([41_001, 41_001, 41_002, 41_001, 41_003])
+
+    class FakeSocket:
+        def __init__(self, *a):
+            self.port = next(offered)
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+        def bind(self, addr):
+            pass
+
+        def getsockname(self):
+            return ("127.0.0.1", self.port)
+
+    monkeypatch.setattr(procs, "_HANDED_OUT", procs.collections.deque(maxlen=16))
+    monkeypatch.setattr(procs.socket, "socket", FakeSocket)
+    assert [procs.free_port() for _ in range(3)] == [41_001, 41_002, 41_003]

@@ -7,6 +7,7 @@ by signalling the whole group: SIGTERM, then SIGKILL after a grace period.
 from __future__ import annotations
 
 import asyncio
+import collections
 import importlib.util
 import os
 import shutil
@@ -73,11 +74,21 @@ def stop_all(started: list["Proc"], grace_s: float = 5.0) -> None:
         signal.pthread_sigmask(signal.SIG_SETMASK, old)
 
 
+#: Ports free_port() handed out lately (newest last): the kernel may offer a port again before the process it
+#: was meant for has bound it (seen on a busy machine: two engines of one fleet given one port).
+_HANDED_OUT: collections.deque = collections.deque(maxlen=4096)
+
+
 def free_port() -> int:
-    """A TCP port on 127.0.0.1 that was free a moment ago (bind to 0, read, close)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A TCP port on 127.0.0.1 that was free a moment ago (bind to 0, read, close), never one this process
+    handed out among its last 4,096."""
+    while True:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        if port not in _HANDED_OUT:
+            _HANDED_OUT.append(port)
+            return port
 
 
 def find_executable(name: str) -> str | None:
