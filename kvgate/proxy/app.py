@@ -59,6 +59,7 @@ class SessionPlan:
     prompt_is_text: bool = False
     units: Any = None  # the prompt's units, kept for replicas sharing inference (state_backend: redis)
     placed: bool = False  # the placement stage chose its engine: it goes there, not to the router
+    prompt_tokens: int = 0  # the prompt's size as the placement stage estimated it (a placed call's)
 
 
 def _as_text(session_id: str | None) -> str | None:
@@ -335,7 +336,7 @@ class Gateway:
         if sid is None:
             return None
         if self.placed.placed(c, sid):
-            target = await self.placed.place(request, c, sid)
+            target, plan.prompt_tokens = await self.placed.place(request, c, sid)
             plan.placed = target is not None
             return target
         try:
@@ -390,16 +391,15 @@ class Gateway:
         return session_id
 
     async def _forward(self, request: web.Request, c, plan: SessionPlan, target: Target | None, ticket: Ticket):
-        """Stage 5: to the placed engine, else (none usable, or not placed) to the router."""
-        tracked = plan.session_id if self.lifecycle_on else None
+        """Stage 5: to the placed engine, else (none usable, or not placed) to the router with its headers."""
+        sid = plan.session_id
+        tracked = sid if self.lifecycle_on else None
         observe = None if tracked is None else partial(self._observer, c.path, plan.prompt_is_text)
         add = ticket.headers if tracked is None else [*ticket.headers, (SESSION_HEADER, self.admin.told(tracked))]
-        if plan.placed and target is not None:
-            placed = await self.placed.relay(request, c, plan.session_id, target, plan.body, observe, add)
+        if plan.placed:  # the placement stage chose ``target``
+            placed = await self.placed.relay(request, c, sid, target, plan.prompt_tokens, plan.body, observe, add)
             if placed is not None:
                 return placed
-        # the router's headers (with the routing key) only for a request that goes to the router
-        sid = plan.session_id
         resp, outcome = await self.upstream.relay(request, request.raw_path, forward_head(request.raw_headers, plan.extra),
                                                   plan.body, observe=observe, add_headers=add,
                                                   worker_header=ROUTED_WORKER if sid is not None else None)

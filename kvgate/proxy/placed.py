@@ -84,18 +84,23 @@ class PlacedRelay:
             log.exception("placement forget failed")
             self.metrics.faults.labels("placement").inc()
 
-    async def place(self, request, c, session_id: str, exclude: list[str] = ()) -> Target | None:
+    async def place(self, request, c, session_id: str, exclude: list[str] = ()) -> tuple[Target | None, int]:
         """The placement stage: where session ``session_id``'s call (classified ``c``, on a route kvgate places)
         goes, decided once per call (and again only for a call whose engine refused its connection, with the
-        engines tried in ``exclude``). With replicas sharing state the first replica to place a session wins
-        (its engine is adopted here). None when the call lacks the router's key (the router answers it), when
-        no engine is usable, or when placement itself failed (logged and counted: the router then routes it)."""
+        engines tried in ``exclude``), and its prompt's size (tokens, an estimate: what relay() counts in flight
+        on the engine). With replicas sharing state the first replica to place a session wins (its engine is
+        adopted here). The target is None when the call lacks the router's key (the router answers it), when no
+        engine is usable, or when placement itself failed (logged and counted: the router then routes it)."""
         if not exclude and not self._authorized(request):
             self.metrics.placement_calls.labels("router_auth").inc()
-            return None
+            return None, 0
+        tokens = 0
         try:
-            block_tokens, block_chars, _ = self.blocks
-            keys = prefix_keys(request_units(c.path, c.body), block_tokens, block_chars, memo=c.block_digests())
+            block_tokens, block_chars, chars_per_token = self.blocks
+            units = request_units(c.path, c.body)
+            tokens = (len(units) if isinstance(units, list) else
+                      int(len(units) / chars_per_token) if isinstance(units, str) else 0)
+            keys = prefix_keys(units, block_tokens, block_chars, memo=c.block_digests())
             placement, shared = self.placement, self.shared
             if shared is not None and placement.engine_of(session_id) is None:
                 await self._adopt_shared(session_id, await shared.engine_of(session_id))
@@ -110,10 +115,10 @@ class PlacedRelay:
         except Exception:  # fail-open: nothing went out yet
             log.exception("session placement failed; forwarding to the router")
             self.metrics.faults.labels("placement").inc()
-            return None
+            return None, 0
         if target is None:
             self.metrics.placement_calls.labels("router_fallback").inc()
-        return target
+        return target, tokens
 
     def moved(self, session_id: str, where: tuple[str, int | None]) -> Target | None:
         """Admission sent ``session_id``'s call to another engine with room (``where``: URL, DP rank): the
@@ -130,21 +135,13 @@ class PlacedRelay:
             self.publish()
         return target
 
-    async def relay(self, request, c, session_id: str, target: Target, body: Any, observe,
+    async def relay(self, request, c, session_id: str, target: Target, tokens: int, body: Any, observe,
                     add) -> tuple[Any, Any] | None:
-        """Relay session ``session_id``'s call (classified ``c``, ``body`` the bytes to send) to ``target``, the
-        engine the placement stage chose; on a refused connection (nothing sent) to the next engine it chooses.
-        ``observe`` and ``add`` are as for Upstream.relay. Returns (response, outcome), or None when no engine
-        is usable any more (the caller then uses the router: fail-open)."""
-        try:
-            units = request_units(c.path, c.body)
-            chars_per_token = self.blocks[2]
-            tokens = (len(units) if isinstance(units, list) else
-                      int(len(units) / chars_per_token) if isinstance(units, str) else 0)
-        except Exception:
-            log.exception("reading the prompt's size failed; counted as 0 tokens")
-            self.metrics.faults.labels("placement").inc()
-            tokens = 0
+        """Relay session ``session_id``'s call (classified ``c``, ``body`` the bytes to send, ``tokens`` its
+        prompt's size as place() gave it) to ``target``, the engine the placement stage chose; on a refused
+        connection (nothing sent) to the next engine it chooses. ``observe`` and ``add`` are as for
+        Upstream.relay. Returns (response, outcome), or None when no engine is usable any more (the caller then
+        uses the router: fail-open)."""
         headers = forward_head(request.raw_headers, self._engine_auth)  # no routing key: it is for the router
         tried: list[str] = []
         placement = self.placement
@@ -165,7 +162,7 @@ class PlacedRelay:
                 self.directory.engine_call_failed(target.engine, "refused a placed call's connection")
                 self.metrics.placement_calls.labels("connect_retry").inc()
                 tried.append(target.engine)
-                target = await self.place(request, c, session_id, tried)
+                target, _ = await self.place(request, c, session_id, tried)
                 if target is None:
                     return None
                 continue
