@@ -5,6 +5,9 @@ and no reservation outlives its evidence.
   engine when kvgate places sessions, its own place otherwise); programs that hold KV with no evidence they come
   back (one answered turn, no gap seen) do not count as holding it once the turn has waited that long. A turn
   that fits where it may go never waits at all.
+- Pause only where it pays: a turn waits no longer than re-prefilling its own reservation would take at the
+  prefill rate the coordinator has learned (what its admission displaces is at most that), nor past the aging
+  bound.
 - No ended program holds a reservation: a closed session's program, a call without a session once answered,
   and a program idle past what its gaps predict (``program_states(now)`` shows none as ``ended``).
 
@@ -26,13 +29,18 @@ POLL_S = 2.0
 class WorkConserving(RuleBasedStateMachine):
     @initialize(caps=st.lists(st.integers(2_000, 8_000), min_size=1, max_size=4),
                 movable=st.booleans(), hot=st.booleans(), victim=st.sampled_from(["ahead", "smallest", "longest-idle"]),
-                resume=st.sampled_from(["fifo", "smallest"]))
-    def setup(self, caps, movable, hot, victim, resume):
+                resume=st.sampled_from(["fifo", "smallest"]),
+                per_token=st.sampled_from([None, 2e-4, 1e-3, 4e-3]))
+    def setup(self, caps, movable, hot, victim, resume, per_token):
         self.lg = Ledger(headroom=0.9, pressure_threshold=0.92, stale_after_s=1e9, lease_ttl_s=1e9)
         self.co = ProgramCoordinator(self.lg, max_wait_s=30.0, victim=victim, resume=resume, program_ttl_s=300.0,
                                      overdue_default_s=20.0, reclaim_after_s=POLL_S)
         self.movable = movable
         self.places = [f"http://e{i}" for i in range(len(caps))]
+        if per_token is not None:  # the rate the engines' answers taught it (seconds = 0.05 + per_token x prefilled)
+            for i in range(12):
+                self.co.prefill.observe(self.places[i % len(self.places)], 0.05 + per_token * (100 + 97 * i)
+                                        + 0.01 * (i % 3), 100 + 97 * i, i % 3)
         usage = [0.95 if hot and i == 0 and len(caps) > 1 else 0.0 for i in range(len(caps))]
         self._engines = {u: EngineCapacity.from_pools([(c, int(c * us), us)])
                          for u, c, us in zip(self.places, caps, usage)}
@@ -42,6 +50,7 @@ class WorkConserving(RuleBasedStateMachine):
         self.inflight = {}  # ticket -> program id
         self.prompt = {}  # ticket -> its prompt tokens (what the engine reports back)
         self.waiting = {}  # ticket -> (program id, enqueued_at, place, tokens)
+        self.bound = {}  # waiting ticket -> the longest it may wait (the aging bound, or its re-prefill cost)
         self.turns = {}  # program id -> turns answered
         self.kind = {}  # program id -> "call" (no session) | "job" (one turn) | "agent"
         self.ended = set()  # programs the client ended (closed, or a call without a session answered)
@@ -67,6 +76,8 @@ class WorkConserving(RuleBasedStateMachine):
         if d.kind is Kind.WAIT:
             event("a turn waited")
             self.waiting[t] = (sid, self.now, place, tokens)
+            rate = self.co.prefill.per_token_s(self.lg.resolve_place(place))
+            self.bound[t] = min(self.co.max_wait_s, tokens * rate) if rate is not None else self.co.max_wait_s
         else:
             self.inflight[t] = sid
         self._deliver(self.co.pump(self.now))
@@ -85,8 +96,8 @@ class WorkConserving(RuleBasedStateMachine):
         t = data.draw(st.sampled_from(sorted(self.inflight)))
         sid = self.inflight.pop(t)
         self.turns[sid] += 1
-        self._deliver(self.co.release(t, self.now, {"prompt_tokens": self.prompt[t], "completion_tokens": output,
-                                                    "cached_tokens": 0}))
+        # no cached_tokens: the answers teach no new rate (time stands still between events here)
+        self._deliver(self.co.release(t, self.now, {"prompt_tokens": self.prompt[t], "completion_tokens": output}))
         if self.kind[sid] == "call":
             self.ended.add(sid)
         elif not any(s == sid for s in self.inflight.values()):
@@ -138,7 +149,7 @@ class WorkConserving(RuleBasedStateMachine):
 
     def teardown(self):
         if hasattr(self, "co"):
-            for name in ("moved", "reclaimed", "pause_overdue", "pause"):
+            for name in ("moved", "reclaimed", "pause_overdue", "pause", "bypass_cost"):
                 if self.co.counters[name]:
                     event(f"counted {name}")
 
@@ -173,6 +184,15 @@ class WorkConserving(RuleBasedStateMachine):
                 assert not fits, (f"{t} of {sid} ({self.kind[sid]}) waited {waited:.1f} s for {charge} tokens while "
                                   f"{pl} had room: reserved {lg.reserved_on(pl)} (reclaimable {extra}) of "
                                   f"{lg.ceiling_of(pl)}")
+
+    @invariant()
+    def no_wait_past_its_cost(self):
+        if not hasattr(self, "co"):
+            return
+        for t, (sid, at, place, tokens) in self.waiting.items():
+            assert self.now - at <= self.bound[t] + 1e-9, (
+                f"{t} of {sid} waited {self.now - at:.3f} s; re-prefilling its {tokens} tokens costs "
+                f"{self.bound[t]:.3f} s")
 
     @invariant()
     def no_ended_program_holds(self):

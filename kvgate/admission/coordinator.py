@@ -59,6 +59,7 @@ class Kind(str, enum.Enum):
     BYPASS_PROTECTED = "bypass-protected"
     BYPASS_DEGRADED = "bypass-degraded"
     BYPASS_AGED = "bypass-aged"
+    BYPASS_COST = "bypass-cost"  # waited as long as re-prefilling what its admission displaces would take
 
     @property
     def is_bypass(self) -> bool:
@@ -66,7 +67,7 @@ class Kind(str, enum.Enum):
 
     @property
     def bypass_reason(self) -> str | None:
-        """'protected' | 'degraded' | 'aged' for bypasses, else None (Prometheus label)."""
+        """'protected' | 'degraded' | 'aged' | 'cost' for bypasses, else None (Prometheus label)."""
         return self.value.removeprefix("bypass-") if self.is_bypass else None
 
 

@@ -86,7 +86,8 @@ class AdmissionGate:
                                             resume_deadline_s=cfg.admission_resume_deadline_s,
                                             max_resident=cfg.admission_program_max_resident,
                                             # KV held without evidence of return counts for one poll at most
-                                            reclaim_after_s=cfg.admission_poll_interval_s)
+                                            reclaim_after_s=cfg.admission_poll_interval_s,
+                                            wait_bound=cfg.admission_wait_bound)
         else:
             self.coord = AdmissionCoordinator(self.ledger, cfg.agentic_admission_max_wait_s,
                                               window_s=cfg.admission_window_s, backfill=cfg.admission_backfill)
@@ -433,8 +434,9 @@ class _AdmissionCollector:
                 m.add_metric([result], n)
             yield m
         m = CounterMetricFamily(p + "admission_bypass", "Requests that bypassed the FIFO, by reason", labels=["reason"])
-        for reason in ("protected", "degraded", "aged"):
-            m.add_metric([reason], c["bypass_" + reason])
+        for reason in ("protected", "degraded", "aged", "cost"):
+            if "bypass_" + reason in c:  # cost: the program policy's alone
+                m.add_metric([reason], c["bypass_" + reason])
         yield m
         gauges = [
             ("admission_waiting", s["waiting"], "Requests waiting in the FIFO now"),

@@ -43,6 +43,7 @@ from .capacity import ClusterSnapshot
 from .coordinator import Decision, DecisionTally, Kind
 from .deadlines import Deadlines
 from .ledger import Grant, Ledger, check_tokens
+from .prefill_rate import PrefillRate
 from .program_pause import _Pausing
 from .program_queue import _WaitingTurns
 from .records import (BOUND_REASON, NO_SEAT, Action, ProgramState, WaitReason, _Program, _Waiter, nonneg_int,
@@ -53,7 +54,11 @@ from .victims import RESUME_ORDERS, VICTIM_RULES, ResumeOrder, VictimRule, resum
 from .working_set import FLEET
 
 __all__ = ["ProgramCoordinator", "ProgramState", "Action", "VICTIM_RULES", "RESUME_ORDERS", "BOUND_REASON",
-           "VictimRule", "ResumeOrder", "WaitReason"]
+           "VictimRule", "ResumeOrder", "WaitReason", "WAIT_BOUNDS"]
+
+#: How long a turn waiting for room may wait: "reprefill" (what re-prefilling the KV its admission displaces
+#: would cost, within the aging bound) or "aging" (the aging bound alone).
+WAIT_BOUNDS = ("reprefill", "aging")
 
 _NO_SEAT = NO_SEAT  # its former name (tests read a program's seat against it)
 
@@ -71,17 +76,22 @@ class ProgramCoordinator(_WaitingTurns, _Pausing):
     off; else an int >= 1): at most this many programs resident per KV pool, new programs waiting for a seat
     (kvgate.admission.seats). reclaim_after_s (None: off; else >= 0): a turn that has waited this long
     (the capacity poll interval) with no room anywhere it may go pauses programs that hold KV without evidence
-    they will come back (one answered turn, no gap between turns seen), longest idle first. Raises ValueError
-    on bad values.
+    they will come back (one answered turn, no gap between turns seen), longest idle first. wait_bound: one
+    of WAIT_BOUNDS: "reprefill" (a turn that waits for room waits no longer than re-prefilling the KV its
+    admission would displace takes, at the prefill rate learned from the answers (kvgate.admission.prefill_rate),
+    then goes as bypass-cost; max_wait_s still bounds it) or "aging" (max_wait_s alone). Raises ValueError on
+    bad values.
     """
 
     def __init__(self, ledger: Ledger, max_wait_s: float = 30.0, *, window_s: float | None = None,
                  victim: str = "ahead", resume: str = "fifo", program_ttl_s: float = 600.0,
                  overdue_multiple: float = 3.0, overdue_quantile: float = 0.9, overdue_default_s: float = 60.0,
                  resume_deadline_s: float | None = None, max_resident: int | None = None,
-                 reclaim_after_s: float | None = 2.0) -> None:
+                 reclaim_after_s: float | None = 2.0, wait_bound: str = "reprefill") -> None:
         if isinstance(max_wait_s, bool) or not isinstance(max_wait_s, (int, float)) or not max_wait_s >= 0:
             raise ValueError(f"max_wait_s must be >= 0, got {max_wait_s!r}")
+        if wait_bound not in WAIT_BOUNDS:
+            raise ValueError(f"wait_bound must be one of {WAIT_BOUNDS}, got {wait_bound!r}")
         if victim not in VICTIM_RULES:
             raise ValueError(f"victim must be one of {VICTIM_RULES}, got {victim!r}")
         if resume not in RESUME_ORDERS:
@@ -117,6 +127,7 @@ class ProgramCoordinator(_WaitingTurns, _Pausing):
             raise ValueError(f"reclaim_after_s must be >= 0 or None, got {reclaim_after_s!r}")
         self._failed: dict[Any, int] = {}  # within one pump: place -> the smallest charge refused there
         self._failed_max = 0  # the largest of those records
+        self._freed = False  # within one pump: a reclaim paused programs
         self._unsup: dict[Any, list] | None = None  # within one pump: KV held without evidence, by place
         self._reclaim_due: deque = deque()  # (enqueued_at + reclaim_after_s, ticket) per waiter, in arrival order
         self.reclaim_after_s = None if reclaim_after_s is None else float(reclaim_after_s)
@@ -134,6 +145,10 @@ class ProgramCoordinator(_WaitingTurns, _Pausing):
         # (no turn in flight) with that ``since``. Expiry and the next deadline read the top instead of scanning
         # every program on every request.
         self._ttl = Deadlines(self._idle_current, self._programs.__len__, self._n)
+        self.wait_bound = wait_bound
+        self.prefill = PrefillRate()  # seconds per prefilled token, learned from the answers
+        # waiters bounded by the re-prefill their admission would cause: (cost_due, n, ticket, cost_due)
+        self._cost_due = Deadlines(self._cost_current, self._queue_len, self._n)
         # entries that came due while their program had a turn waiting: back in the heap when the waiter leaves
         self._idle_waiting: dict[Hashable, tuple[float, int, Hashable, float]] = {}
         self._ticket_sid: dict[Hashable, Hashable] = {}
@@ -149,7 +164,7 @@ class ProgramCoordinator(_WaitingTurns, _Pausing):
         self.tally = DecisionTally((
             "admit", "wait", "bypass", "bypass_protected", "bypass_degraded", "bypass_aged", "cancelled",
             "backfilled", "pause", "resume", "marked", "programs_ended", "prefix_miss_tokens", "pause_overdue",
-            "resume_deadline", "wait_resident_bound", "moved", "reclaimed"), self.window_s)
+            "resume_deadline", "wait_resident_bound", "moved", "reclaimed", "bypass_cost"), self.window_s)
         self.counters = self.tally.counters  # the same dict: lifetime counters
 
     # the books under their former names (read by tests and tools)
@@ -279,7 +294,7 @@ class ProgramCoordinator(_WaitingTurns, _Pausing):
         p.since = now
         p.overdue_at = math.inf
         # (reservation, prompt, blocks, resident before, prefix expected cached: none after a pause)
-        p.inflight[ticket] = (tokens, prompt, tuple(blocks), p.resident, 0 if resumed else p.resident)
+        p.inflight[ticket] = (tokens, prompt, tuple(blocks), p.resident, 0 if resumed else p.resident, now)
         self._ticket_sid[ticket] = sid
         self._bound.sync(p)
 
@@ -310,7 +325,9 @@ class ProgramCoordinator(_WaitingTurns, _Pausing):
         p = self._programs.get(sid) if sid is not None else None
         if p is None or ticket not in p.inflight:
             return
-        tokens, prompt, blocks, before, expected_prefix = p.inflight.pop(ticket)
+        tokens, prompt, blocks, before, expected_prefix, started = p.inflight.pop(ticket)
+        if not cancelled and isinstance(observed, Mapping):
+            self._learn_rate(p.place, now - started, observed)
         if one_turn(sid):
             self._remove(p)
             return
@@ -353,6 +370,13 @@ class ProgramCoordinator(_WaitingTurns, _Pausing):
                 p.overdue_at = p.last_end + self._gaps.overdue_after(p)
                 self._push_due(p)
             self._relieve(p.place, now)
+
+    def _learn_rate(self, place: Any, seconds: float, m: Mapping[str, Any]) -> None:
+        """One answered call's figures into the prefill rate (the engine's own token counts)."""
+        pt, ct, cached = (nonneg_int(m.get("prompt_tokens")), nonneg_int(m.get("completion_tokens")),
+                          nonneg_int(m.get("cached_tokens")))
+        if pt is not None and cached is not None and place is not FLEET:
+            self.prefill.observe(place, seconds, max(0, pt - cached), ct or 0)
 
     def cancel(self, ticket: Hashable, now: float) -> bool:
         """The waiter for ``ticket`` left before it used its decision: removes it from the queue, or releases a
@@ -498,6 +522,9 @@ class ProgramCoordinator(_WaitingTurns, _Pausing):
         if self._queue:
             # the queue is in arrival order (monotonic clock): its first waiter ages first
             cands.append(next(iter(self._queue.values())).enqueued_at + self.max_wait_s)
+            due = self._cost_due.first()
+            if due is not None:
+                cands.append(due)
             stale = self.ledger.degraded_at()
             if stale is not None:
                 cands.append(stale)
@@ -563,6 +590,8 @@ class ProgramCoordinator(_WaitingTurns, _Pausing):
             "window_s": self.window_s,
             **self.tally.window(now),
             "max_wait_s": self.max_wait_s,
+            "wait_bound": self.wait_bound,
+            "prefill_tokens_per_s": self.prefill.stats(self._label),
             "victim": self.victim.value,
             "resume_order": self.resume.value,
             "programs": self.program_states(now),

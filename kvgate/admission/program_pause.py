@@ -208,11 +208,16 @@ class _Pausing:
             if not cands:
                 continue
             room = lg.free_on(pl) + sum(lg.holding(p.sid) for p in cands)
-            if room < self._lower_bound(w):
+            need = lg.charge(pl, w.tokens, w.blocks)
+            if need > lg.ceiling_of(pl):  # larger than the place: it goes alone, so only an empty place will do
+                if lg.reserved_on(pl) > sum(lg.holding(p.sid) for p in cands):
+                    continue
+            elif room < need:
                 continue
             for p in cands:
                 self._pause(p, now)
                 self._count("reclaimed", now)
+                self._freed = True  # room made: waiters refused earlier in this pump may fit now
                 last = lg.try_acquire(w.ticket, w.tokens, now, place=pl, blocks=w.blocks)
                 if isinstance(last, Grant):
                     self._failed.pop(pl, None)

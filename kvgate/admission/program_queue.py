@@ -10,6 +10,13 @@ programs' turns are also indexed by place to go first (the resume order, kvgate.
 - work-conserving: a waiting turn goes to any engine with room when kvgate places it (``movable``), its own
   engine first, and a later turn that fits is not held behind one that fits nowhere;
 - aging: any waiting turn goes after ``max_wait_s`` (bypass-aged, still reserving), so nothing starves;
+- pause only where it pays (``wait_bound`` "reprefill"): a turn waiting for room waits no longer than
+  re-prefilling the KV its admission would displace takes at the engine's learned prefill rate, then goes
+  (bypass-cost, over the ceiling, on the place where it displaces least; the place's in-tool programs pause
+  to make the room). Waiting longer than that costs more than the eviction it avoids: the rent-or-buy rule
+  (ski rental), which is never worse than twice the better of the two in hindsight. Where re-prefill is cheap
+  (a small model, short contexts) turns barely wait and the policy behaves as lifecycle alone does; where a
+  context takes as long to re-prefill as a tool call lasts, it holds turns as long as that pays;
 - fail-open as the fifo policy: a missing or stale capacity signal lets every waiter bypass.
 Pauses are bounded (``resume_deadline_s``): a paused program's turn that has waited that long resumes
 ahead of everything, pausing in-tool programs on its place (ended ones first, then by the victim rule) to
@@ -36,7 +43,8 @@ class _WaitingTurns:
         max_wait_s -> BYPASS_AGED, reserving), degraded -> all BYPASS_DEGRADED, then paused programs' turns past
         the resume deadline, then every waiter in order (paused programs' turns by the resume order, then new
         programs' in arrival order): each goes where it fits (work-conserving: a waiter that fits nowhere
-        does not hold back a later one that fits).
+        does not hold back a later one that fits); last, those still waiting whose wait has cost what their
+        admission would (BYPASS_COST, ``wait_bound`` "reprefill").
 
         Each refusal records the smallest charge that failed on its place; a later waiter whose charge cannot
         be smaller than every place's record is skipped without asking the ledger, so with thousands waiting
@@ -72,24 +80,82 @@ class _WaitingTurns:
                 else:  # only running programs hold its place: it waits for them (aging still bounds it)
                     self._wait_reason(w, r.reason, now)
                     stopped.add(w.place)
-        self._failed, self._failed_max, self._unsup = {}, 0, None
-        for w in self._ordered():
-            if self.max_resident is not None and not self._seat_for(w, now, overdue_only=True):
-                self._wait_reason(w, BOUND_REASON, now)
-                continue
-            reclaimable = self._reclaimable(w, now)
-            if self._hopeless(w):  # no room anywhere it may go, as things stand: only a reclaim can make some
-                if not reclaimable:
+        while True:  # again while a reclaim made room that the turn reclaiming could not use
+            self._failed, self._failed_max, self._unsup, self._freed = {}, 0, None, False
+            for w in self._ordered():
+                if self.max_resident is not None and not self._seat_for(w, now, overdue_only=True):
+                    self._wait_reason(w, BOUND_REASON, now)
                     continue
-                r, where = Refusal(w.ticket, w.tokens, WaitReason.CAPACITY_EXHAUSTED), w.place
-            else:
-                r, where = self._fit(w, now)
-            if not isinstance(r, Grant) and reclaimable:
-                r, where = self._reclaim(w, now)
-            if isinstance(r, Grant):
-                out.append(self._leave(w, Kind.ADMIT, r.lease, max(0.0, now - w.enqueued_at), now, where))
-            else:
-                self._wait_reason(w, r.reason, now)
+                reclaimable = self._reclaimable(w, now)
+                if self._hopeless(w):  # no room anywhere it may go, as things stand: only a reclaim can make some
+                    if not reclaimable:
+                        continue
+                    r, where = Refusal(w.ticket, w.tokens, WaitReason.CAPACITY_EXHAUSTED), w.place
+                else:
+                    r, where = self._fit(w, now)
+                if not isinstance(r, Grant) and reclaimable:
+                    r, where = self._reclaim(w, now)
+                if isinstance(r, Grant):
+                    out.append(self._leave(w, Kind.ADMIT, r.lease, max(0.0, now - w.enqueued_at), now, where))
+                else:
+                    self._wait_reason(w, r.reason, now)
+            if not self._freed:
+                break
+        cost = self._cost_due.heap
+        if cost and cost[0][0] <= now:  # those still here found no room: their wait has cost enough
+            out.extend(self._cost_paid(now))
+        return out
+
+    # ---------------------------------------------------------------- the wait's cost bound
+    def _queue_len(self) -> int:
+        return len(self._queue)
+
+    def _cost_current(self, e: tuple) -> bool:
+        w = self._queue.get(e[2])
+        return w is not None and w.cost_due == e[0]
+
+    def _least_displacing(self, w: _Waiter) -> tuple[Any, int]:
+        """(the place ``w`` may go where admitting it now displaces the fewest tokens, that many tokens): its
+        charge beyond the ledger's free room there, or beyond the engine's measured free KV if that is less."""
+        lg = self.ledger
+        best, least = w.place, None
+        for pl in self._places_for(w):
+            charge = lg.charge(pl, w.tokens, w.blocks) if lg.shares_start(pl, w.blocks) else w.tokens
+            free = lg.free_on(pl)
+            if pl is not FLEET:
+                free = min(free, int(lg.max_tokens(pl) * (1.0 - lg.usage_of(pl))))
+            d = max(0, charge - max(0, free))  # over the ceiling already: it displaces its own charge
+            if least is None or d < least:
+                best, least = pl, d
+                if d == 0:
+                    break
+        return best, least or 0
+
+    def _bound_cost(self, w: _Waiter) -> None:
+        """Set ``w``'s cost bound at its arrival: its wait may cost what re-prefilling the KV its admission
+        displaces would (never past the aging bound). Unknown while no prefill rate has been learned."""
+        if self.wait_bound != "reprefill" or w.reason not in (WaitReason.CAPACITY_EXHAUSTED,
+                                                               WaitReason.PRESSURE_GUARD):
+            return
+        place, displaced = self._least_displacing(w)
+        s = self.prefill.seconds(place, displaced)
+        if s is None or s >= self.max_wait_s:
+            return
+        w.cost_due = w.enqueued_at + s
+        self._cost_due.push(w.cost_due, w.ticket, w.cost_due)
+
+    def _cost_paid(self, now: float) -> list[Decision]:
+        """Waiters whose wait has cost what their admission would: each goes over the ceiling where it
+        displaces least (bypass-cost, reserving), and that place's in-tool programs pause to make the room."""
+        out = []
+        for e in list(self._cost_due.pop_due(now)):
+            w = self._queue.get(e[2])
+            if w is None or w.cost_due != e[0]:
+                continue  # left while an earlier one went
+            where, _ = self._least_displacing(w)
+            g = self.ledger.try_acquire(w.ticket, w.tokens, now, place=where, blocks=w.blocks, force=True)
+            out.append(self._leave(w, Kind.BYPASS_COST, g.lease, max(0.0, now - w.enqueued_at), now, where))
+            self._relieve(where, now)
         return out
 
     def _wait_reason(self, w: _Waiter, reason: str, now: float) -> None:
@@ -106,6 +172,7 @@ class _WaitingTurns:
 
     def _join(self, w: _Waiter) -> None:
         self._queue[w.ticket] = w
+        self._bound_cost(w)
         if self.reclaim_after_s is not None:
             self._reclaim_due.append((w.enqueued_at + self.reclaim_after_s, w.ticket))
         self._waiting_on[w.place] = self._waiting_on.get(w.place, 0) + 1

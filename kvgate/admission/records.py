@@ -101,6 +101,7 @@ class _Waiter:
     reason: WaitReason | None = None
     bound: bool = False  # counted once in wait_resident_bound
     movable: bool = False  # kvgate places it: it may go to any engine with room
+    cost_due: float = float("inf")  # it goes then (bypass-cost): its wait has cost what its admission would
 
 
 def one_turn(sid: Hashable) -> bool:

@@ -105,8 +105,7 @@ def summarize(raw: dict, speed: float, ideal_prefill_tokens: int) -> dict:
         "queue_p99_s": percentile(q, 99) if q else None,
         "admit": counters["admit"] if counters else None,
         "wait": counters["wait"] if counters else None,
-        "bypass": (counters["bypass_protected"] + counters["bypass_degraded"] + counters["bypass_aged"])
-        if counters else None,
+        "bypass": sum(v for k, v in counters.items() if k.startswith("bypass_")) if counters else None,
         "bypass_by_reason": {k[len("bypass_"):]: counters[k] for k in counters if k.startswith("bypass_")}
         if counters else None,
     }

@@ -663,8 +663,9 @@ def _run_once(args: argparse.Namespace, records, sessions, admission: bool, log_
         print(f"  {placement_line(placement['counts'])}")
     if admission:
         c = stats["counters"]
-        print(f"  admission  admit {c['admit']}, wait {c['wait']}, bypass {c['bypass_protected'] + c['bypass_degraded'] + c['bypass_aged']} "
-              f"(protected {c['bypass_protected']}, degraded {c['bypass_degraded']}, aged {c['bypass_aged']}), "
+        print(f"  admission  admit {c['admit']}, wait {c['wait']}, bypass {c['bypass']} "
+              f"(protected {c['bypass_protected']}, degraded {c['bypass_degraded']}, aged {c['bypass_aged']}, "
+              f"cost {c.get('bypass_cost', 0)}), "
               f"cancelled {c['cancelled']}; queue wait p50 {summary['queue_ms_p50']} ms, p99 {summary['queue_ms_p99']} ms, "
               f"max {max(rep.queue_ms) if rep.queue_ms else 0:.0f} ms; ceiling {stats['ledger']['ceiling']} tokens")
     summary["failed"] = rep.ok != len(records) or close_fail > 0 or bool(off)
