@@ -89,7 +89,7 @@ async def echo_upstream():
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1", 0)
     await site.start()
-    echo.port = site._server.sockets[0].getsockname()[1]
+    echo.port = runner.addresses[0][1]
     echo.url = f"http://127.0.0.1:{echo.port}"
     yield echo
     await runner.cleanup()

@@ -221,3 +221,37 @@ async def test_a_router_answering_5xx_to_workers_is_not_called_no_router(kvgate_
     finally:
         server.close()
         await server.wait_closed()
+
+
+def test_kvgate_reads_no_private_name_of_a_library():
+    """Every ``x._name`` in kvgate/ (x not self or cls) names an attribute kvgate defines itself: a private name
+    of aiohttp, asyncio or any other library is an internal that may change in any release (aiohttp's
+    ``Payload._value``, ``TCPSite._server`` were read once). Known and documented exceptions are listed."""
+    import ast
+    allowed = {"_exit",  # os._exit: public, documented
+               "_value_",  # Enum's documented sunder name
+               "_actions", "_SubParsersAction"}  # argparse has no public way to list a parser's actions
+    files = sorted((ROOT / "kvgate").rglob("*.py"))
+    trees = {p: ast.parse(p.read_text()) for p in files}
+    own: set[str] = set()
+    for tree in trees.values():
+        for n in ast.walk(tree):
+            if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                own.add(n.name)
+            elif isinstance(n, ast.Attribute) and isinstance(n.ctx, ast.Store):
+                own.add(n.attr)
+            elif isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store):
+                own.add(n.id)
+        for n in ast.walk(tree):  # slotted and dataclass fields: annotated names in class bodies
+            if isinstance(n, ast.AnnAssign) and isinstance(n.target, ast.Name):
+                own.add(n.target.id)
+            elif isinstance(n, ast.Constant) and isinstance(n.value, str) and n.value.startswith("_"):
+                own.add(n.value)  # __slots__ entries
+    found = []
+    for p, tree in trees.items():
+        for n in ast.walk(tree):
+            if (isinstance(n, ast.Attribute) and n.attr.startswith("_") and not n.attr.startswith("__")
+                    and not (isinstance(n.value, ast.Name) and n.value.id in ("self", "cls"))
+                    and n.attr not in own and n.attr not in allowed):
+                found.append(f"{p.relative_to(ROOT)}:{n.lineno} {ast.unparse(n)}")
+    assert found == []
