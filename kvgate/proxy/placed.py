@@ -168,7 +168,7 @@ class PlacedRelay:
                 continue
             self.metrics.placement_calls.labels("engine").inc()
             if outcome.status is not None:
-                self.directory.engine_answered(target.engine)
+                self.directory.engine_answered(target.engine, placed=True)
             return resp, outcome
 
     async def _adopt_shared(self, sid: str, where: tuple[str, int | None] | None) -> None:
