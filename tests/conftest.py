@@ -198,13 +198,13 @@ async def sim_factory():
 
 @pytest.fixture
 async def scripted():
-    """``await make(answer)`` -> a started fake_upstream.ScriptedUpstream (a raw-socket upstream answering
-    ``answer``); all closed after the test."""
+    """``await make(answer, keep_alive=False)`` -> a started fake_upstream.ScriptedUpstream (a raw-socket upstream
+    answering ``answer``, keeping its connections open with ``keep_alive``); all closed after the test."""
     from fake_upstream import ScriptedUpstream
     ups = []
 
-    async def make(answer=None):
-        up = await ScriptedUpstream(answer).start()
+    async def make(answer=None, keep_alive: bool = False):
+        up = await ScriptedUpstream(answer, keep_alive=keep_alive).start()
         ups.append(up)
         return up
 

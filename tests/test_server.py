@@ -239,7 +239,8 @@ async def test_head_is_answered_without_a_body(kvgate_factory, scripted):
     head, body = await read_response(reader)
     writer.close()
     assert orjson.loads(body)["checks"][0] == {"check": "router", "ok": True, "reason": f"{up.url} answers",
-                                               "upstream": up.url, "since_s": orjson.loads(body)["checks"][0]["since_s"]}
+                                               "upstream": up.url, "since_s": orjson.loads(body)["checks"][0]["since_s"],
+                                               "failures": 0, "placed_routes": []}
 
 
 async def test_non_utf8_header_bytes_round_trip_on_a_streamed_answer(kvgate_factory, scripted):
