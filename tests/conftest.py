@@ -198,13 +198,14 @@ async def sim_factory():
 
 @pytest.fixture
 async def scripted():
-    """``await make(answer, keep_alive=False)`` -> a started fake_upstream.ScriptedUpstream (a raw-socket upstream
-    answering ``answer``, keeping its connections open with ``keep_alive``); all closed after the test."""
+    """``await make(answer, keep_alive=False, answers_discovery=True)`` -> a started fake_upstream.ScriptedUpstream
+    (a raw-socket upstream answering ``answer``, keeping its connections open with ``keep_alive``, leaving kvgate's
+    discovery calls to ``answer`` too without ``answers_discovery``); all closed after the test."""
     from fake_upstream import ScriptedUpstream
     ups = []
 
-    async def make(answer=None, keep_alive: bool = False):
-        up = await ScriptedUpstream(answer, keep_alive=keep_alive).start()
+    async def make(answer=None, keep_alive: bool = False, answers_discovery: bool = True):
+        up = await ScriptedUpstream(answer, keep_alive=keep_alive, answers_discovery=answers_discovery).start()
         ups.append(up)
         return up
 

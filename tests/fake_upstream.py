@@ -65,16 +65,18 @@ class ScriptedUpstream:
     a tuple (bytes, "close") to answer and then close, None to close without answering, or an async iterator of
     byte pieces (each written and drained in turn: an answer that arrives in parts). GET /workers and
     /list_workers (kvgate's engine discovery) get a 404 and GET /server_info and /get_model_info a 200
-    (discovery then takes it for an engine), whatever ``answer`` is. ``received`` lists every other request
-    (with its connection and its place on it); ``arrived`` is set on each; ``connections`` counts the
+    (discovery then takes it for an engine), whatever ``answer`` is, unless ``answers_discovery`` is False
+    (``answer`` then answers them too). ``received`` lists every other request (with its connection and its place
+    on it); ``arrived`` is set on each; ``connections`` counts the
     connections that carried one.
     """
 
     def __init__(self, answer: Callable[[Received], Any] | None = None, keep_bodies_up_to: int = 1 << 40,
-                 keep_alive: bool = False):
+                 keep_alive: bool = False, answers_discovery: bool = True):
         self.answer = answer or (lambda r: response(200, b'{"ok":true}', [(b"Content-Type", b"application/json")]))
         self.keep_bodies_up_to = keep_bodies_up_to  # larger bodies: only size and sha256 (no big copies)
         self.keep_alive = keep_alive
+        self.answers_discovery = answers_discovery
         self.received: list[Received] = []
         self.arrived = asyncio.Event()
         self.url = ""
@@ -130,7 +132,7 @@ class ScriptedUpstream:
             elif (rec.header(b"transfer-encoding") or b"").lower() == b"chunked":
                 rec.body = await _read_chunked(reader)
             path = rec.path.split(b"?")[0]
-            if path in (b"/workers", b"/list_workers", b"/server_info", b"/get_model_info"):
+            if self.answers_discovery and path in (b"/workers", b"/list_workers", b"/server_info", b"/get_model_info"):
                 ok = path in (b"/server_info", b"/get_model_info")  # what lists no engine: an engine
                 answer = (b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 2\r\n\r\n{}" if ok
                           else b"HTTP/1.1 404 Not Found\r\nContent-Length: 0\r\n\r\n")

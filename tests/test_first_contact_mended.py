@@ -196,31 +196,28 @@ def test_the_readme_stays_within_120_lines_and_names_the_commands_that_exist():
         assert name in commands, name
 
 
-async def test_a_router_answering_5xx_to_workers_is_not_called_no_router(kvgate_factory, caplog):
+async def test_a_router_answering_5xx_to_workers_is_not_called_no_router(kvgate_factory, scripted, caplog):
     """A router that is starting or failing answers /workers with 503: that is not "no router" (down), and no
     hint is logged; only paths that do not exist (404, 405) are."""
     from fake_upstream import response
-    up_answer = response(503, b"starting")
+    up = await scripted(lambda r: response(503, b"starting"), answers_discovery=False)  # /workers included
+    caplog.set_level(logging.INFO, logger="kvgate")
+    gw, kv = await kvgate_factory(upstream=up.url, discovery_interval_s=60)
+    status, h = await _health(kv)
+    assert (status, h["status"]) == (200, "degraded")
+    assert h["reasons"] == ["engines: engine discovery failed (DiscoveryError: /workers answered 503, "
+                            "/list_workers answered 503) and no engine is known"]
+    assert gw.directory.upstream_kind is None
+    assert not [r for r in caplog.records if "SGLang" in r.getMessage()]
 
-    async def handle(reader, writer):  # every path 503, /workers and /list_workers included
-        await reader.readuntil(b"\r\n\r\n")
-        writer.write(up_answer)
-        await writer.drain()
-        writer.close()
-    server = await asyncio.start_server(handle, "127.0.0.1", 0)
-    url = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
-    try:
-        caplog.set_level(logging.INFO, logger="kvgate")
-        gw, kv = await kvgate_factory(upstream=url, discovery_interval_s=60)
-        status, h = await _health(kv)
-        assert (status, h["status"]) == (200, "degraded")
-        assert h["reasons"] == ["engines: engine discovery failed (DiscoveryError: /workers answered 503, "
-                                "/list_workers answered 503) and no engine is known"]
-        assert gw.directory.upstream_kind is None
-        assert not [r for r in caplog.records if "SGLang" in r.getMessage()]
-    finally:
-        server.close()
-        await server.wait_closed()
+
+def test_tests_share_one_raw_fake_upstream():
+    """A raw-socket upstream is fake_upstream.ScriptedUpstream (the ``scripted`` fixture), not a loop of a test
+    module's own (netgate.py is a proxy that cuts connections, not an upstream)."""
+    own = [p.name for p in sorted((ROOT / "tests").rglob("*.py"))
+           if p.name not in ("fake_upstream.py", "netgate.py", Path(__file__).name)
+           and "asyncio.start_server(" in p.read_text()]
+    assert own == []
 
 
 def test_kvgate_reads_no_private_name_of_a_library():
