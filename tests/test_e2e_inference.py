@@ -84,7 +84,7 @@ async def test_only_an_abort_the_client_asked_for_closes_its_session(kvgate_fact
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1", 0)
     await site.start()
-    router = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
+    router = f"http://127.0.0.1:{runner.addresses[0][1]}"
     try:
         # the turns go to the router (its answers are the aborts), not to the engine kvgate would place them on
         gw, kv = await kvgate_factory(upstream=router, agentic_session_lifecycle=True, engines=[e1.url],

@@ -197,7 +197,7 @@ async def test_discovery_falls_back_to_list_workers(kvgate_factory):
     site = web.TCPSite(runner, "127.0.0.1", 0)
     await site.start()
     try:
-        router = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
+        router = f"http://127.0.0.1:{runner.addresses[0][1]}"
         gw, url = await kvgate_factory(upstream=router)
         await gw.directory.first_refresh.wait()
         assert gw.directory.urls == ["http://10.0.0.1:1", "http://10.0.0.2:2"]
