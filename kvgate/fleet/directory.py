@@ -361,7 +361,8 @@ class EngineDirectory:
                                      roles={e.url: roles.role(e) for e in self.engines})
         else:
             engines_ = Check("engines", None, "not listed yet")
-        usable = sum(1 for _, ok, _ in engines if ok)
+        # the engines a placed call can go to: regular ones (the gateway places none on PD workers)
+        usable = sum(1 for e in self.engines if e.worker_type == "regular" and self.usable(e))
         return [router_check(self.router, self.upstream, time.monotonic(), self.placed_routes, usable,
                              self.placed_answers - self._placed_answers_at_down), engines_]
 
