@@ -90,8 +90,8 @@ def router_check(r: Reachability, upstream: str, now: float, placed_routes: Iter
                  usable_engines: int = 0, placed_answered: int = 0) -> Check:
     """The router check. ``placed_routes``: the routes on which kvgate places a session's calls on the engines
     itself (they never reach the router); ``usable_engines``: engines a placed call can go to (regular engines,
-    not PD workers) usable now; ``placed_answered``: placed
-    calls an engine answered since the router became unreachable. Unreachable, it is fatal unless kvgate
+    not PD workers) usable now; ``placed_answered``: placed calls an engine answered since the router became
+    unreachable. Unreachable, it is fatal unless kvgate
     places calls and an engine is usable: those calls are served (not fatal: degraded), every other gets
     kvgate's 502. ``detail`` has the figures: since_s (since the last change), failures (attempts failed
     since), placed_routes, usable_engines, placed_calls_answered."""

@@ -34,10 +34,11 @@ Rules (docs/placement.md):
     ``max_sessions`` hints, the oldest dropped first). SGLang 0.5.17+ re-opens a closed id on its next request
     (SGLang's mem_cache/unified_cache/session_ref_tracker.py, ``ensure_session_generation``), and kvgate
     re-opens a session that comes back after an idle close; its prefix may still sit in that engine's radix
-    cache (a closed session's KV is evictable, not gone), so the re-opened session goes back there while that rank is usable and below ``pressure_threshold``, before the
-    prefix rule (whose index may point a shared prompt at a sibling's engine, or hold no key at all for a
-    prompt that was rewritten or is under one block). At or above the threshold it is placed by the rules,
-    unless no other usable rank is below the threshold either: then it goes back all the same (as for prefix).
+    cache (a closed session's KV is evictable, not gone), so the re-opened session goes back there while that
+    rank is usable and below ``pressure_threshold``, before the prefix rule (whose index may point a shared
+    prompt at a sibling's engine, or hold no key at all for a prompt that was rewritten or is under one block).
+    At or above the threshold it is placed by the rules, unless no other usable rank is below the threshold
+    either: then it goes back all the same (as for prefix).
   - a closed session is otherwise forgotten; at most ``max_sessions`` are kept (the longest idle dropped first).
   - in flight: a call's prompt counts on its engine from the moment kvgate sends it until the engine's next
     KV figures that were requested after it went out (``set_capacity``'s ``taken_at``): SGLang's

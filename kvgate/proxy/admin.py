@@ -4,8 +4,8 @@ The endpoints: GET /metrics and GET /kvgate/health (open: probes and Prometheus)
 GET /kvgate/stats, GET /kvgate/sessions, GET /kvgate/sessions/{id}, POST /kvgate/sessions/{id}/close,
 GET|POST /close_session and vLLM router's POST /finish_session (these answer 403 without X-Kvgate-Admin-Key when
 an admin key is set; the last two whether session lifecycle is on or off: the router answers neither, and kvgate
-knows the engines to send the close to); GET /kvgate/worker/metrics and /kvgate/worker/health when the process is one of several on a port (its
-siblings read them); kvgate's own 404 or 405 for any other path or method under /kvgate/. :meth:`Admin.routes`
+knows the engines to send the close to); GET /kvgate/worker/metrics and /kvgate/worker/health when the process
+is one of several on a port (its siblings read them); kvgate's own 404 or 405 for any other path or method under /kvgate/. :meth:`Admin.routes`
 is the one route table: kvgate's HTTP server looks requests up in it (:meth:`Admin.lookup`) and the aiohttp app
 is built from it (kvgate.proxy.app). Every answer reads the gateway's parts (kvgate.proxy.app.Gateway); none
 changes the request path.
@@ -349,7 +349,8 @@ class Admin:
             return bad_request('session_id is required: send {"session_id": "<id>"} or ?session_id=<id>')
         if not isinstance(sid, str) or not sid:
             return bad_request("session_id must be a non-empty string")
-        return self._sid_refused(sid) or sid
+        refused = self._sid_refused(sid)
+        return sid if refused is None else refused
 
     async def handle_close_session(self, request: web.Request) -> web.Response:
         """SGLang's /close_session, answered by kvgate (the router would 404 it), session lifecycle on or off:

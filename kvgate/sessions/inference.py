@@ -201,8 +201,7 @@ class SessionInference:
         self._index: dict[int, Any] = {}  # p_key -> sid (str) or list of sids
         self.counts = {"infer": 0, "unsupported": 0, "new": 0, "ambiguous": 0, DECISIVE: 0, PARTIAL: 0,
                        RERENDER: 0, PROMPT_ONLY: 0, REASK: 0, "diverged": 0, "busy_skipped": 0, "dropped": 0,
-                       "output_ignored": 0, "retry": 0, "abandoned": 0,
-                       "refused": 0}
+                       "output_ignored": 0, "retry": 0, "abandoned": 0, "refused": 0}
 
     # --- lookup ------------------------------------------------------------------------------------
 

@@ -210,7 +210,7 @@ class SessionLifecycle:
         it (kvgate.sessions.registry.SessionRegistry.request_refused). Returns True when the session is gone
         (refused requests alone made it): its idle timing and step are forgotten too."""
         now = self.clock()
-        dropped = self.registry.request_refused(session_id, now)
+        dropped = self.registry.request_refused(session_id)
         if dropped:
             self.policy.forget(session_id)
             self.steps.forget(session_id)

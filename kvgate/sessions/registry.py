@@ -216,7 +216,7 @@ class SessionRegistry:
             if usage_source:
                 s.usage_source = usage_source
 
-    def request_refused(self, session_id: str, now: float) -> bool:
+    def request_refused(self, session_id: str) -> bool:
         """Record the end of a request of ``session_id`` the upstream refused (a 4xx: nothing ran on an engine):
         it is no turn, so the turn :meth:`request_started` counted is taken back. A session no turn is left of
         (active, none in flight: refused requests alone made it) is dropped. Returns True when it was dropped."""
