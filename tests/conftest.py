@@ -89,7 +89,7 @@ async def echo_upstream():
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1", 0)
     await site.start()
-    echo.port = site._server.sockets[0].getsockname()[1]
+    echo.port = runner.addresses[0][1]
     echo.url = f"http://127.0.0.1:{echo.port}"
     yield echo
     await runner.cleanup()
@@ -198,13 +198,14 @@ async def sim_factory():
 
 @pytest.fixture
 async def scripted():
-    """``await make(answer)`` -> a started fake_upstream.ScriptedUpstream (a raw-socket upstream answering
-    ``answer``); all closed after the test."""
+    """``await make(answer, keep_alive=False, answers_discovery=True)`` -> a started fake_upstream.ScriptedUpstream
+    (a raw-socket upstream answering ``answer``, keeping its connections open with ``keep_alive``, leaving kvgate's
+    discovery calls to ``answer`` too without ``answers_discovery``); all closed after the test."""
     from fake_upstream import ScriptedUpstream
     ups = []
 
-    async def make(answer=None):
-        up = await ScriptedUpstream(answer).start()
+    async def make(answer=None, keep_alive: bool = False, answers_discovery: bool = True):
+        up = await ScriptedUpstream(answer, keep_alive=keep_alive, answers_discovery=answers_discovery).start()
         ups.append(up)
         return up
 

@@ -13,7 +13,7 @@ import hashlib
 import re
 import time
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Any, Callable
 
 import aiohttp
 
@@ -26,6 +26,8 @@ class Received:
     body: bytes
     size: int = 0  # body bytes received
     sha256: str = ""  # of the body, when the upstream was told not to keep large bodies
+    conn: int = 0  # which connection it came on (0 = the first the upstream accepted)
+    number: int = 0  # its place on that connection (0 = the first; kvgate's discovery calls not counted)
 
     @property
     def path(self) -> bytes:
@@ -57,19 +59,35 @@ def response(status: int = 200, body: bytes = b"", headers: list[tuple[bytes, by
 
 
 class ScriptedUpstream:
-    """``answer(received) -> bytes`` is written back raw, then the connection is closed.
+    """``answer(received)`` is written back raw, then the connection is closed.
 
-    GET /workers and /list_workers (kvgate's engine discovery) get a 404 and GET /server_info and
-    /get_model_info a 200 (discovery then takes it for an engine), whatever ``answer`` is. ``received`` lists every other request; ``arrived`` is set on each.
+    With ``keep_alive`` the connection stays open for the next request instead, and ``answer`` may also return
+    a tuple (bytes, "close") to answer and then close, None to close without answering, or an async iterator of
+    byte pieces (each written and drained in turn: an answer that arrives in parts). GET /workers and
+    /list_workers (kvgate's engine discovery) get a 404 and GET /server_info and /get_model_info a 200
+    (discovery then takes it for an engine), whatever ``answer`` is, unless ``answers_discovery`` is False
+    (``answer`` then answers them too). ``received`` lists every other request (with its connection and its place
+    on it); ``arrived`` is set on each; ``connections`` counts the
+    connections that carried one.
     """
 
-    def __init__(self, answer: Callable[[Received], bytes] | None = None, keep_bodies_up_to: int = 1 << 40):
+    def __init__(self, answer: Callable[[Received], Any] | None = None, keep_bodies_up_to: int = 1 << 40,
+                 keep_alive: bool = False, answers_discovery: bool = True):
         self.answer = answer or (lambda r: response(200, b'{"ok":true}', [(b"Content-Type", b"application/json")]))
         self.keep_bodies_up_to = keep_bodies_up_to  # larger bodies: only size and sha256 (no big copies)
+        self.keep_alive = keep_alive
+        self.answers_discovery = answers_discovery
         self.received: list[Received] = []
         self.arrived = asyncio.Event()
         self.url = ""
+        self.opened = 0  # connections accepted
+        self._used: set[int] = set()  # connections that carried a request (not kvgate's discovery)
         self._server: asyncio.AbstractServer | None = None
+
+    @property
+    def connections(self) -> int:
+        """Connections that carried a request other than kvgate's discovery calls."""
+        return len(self._used)
 
     async def start(self) -> "ScriptedUpstream":
         self._server = await asyncio.start_server(self._handle, "127.0.0.1", 0, limit=1 << 24)
@@ -82,9 +100,22 @@ class ScriptedUpstream:
             await self._server.wait_closed()
 
     async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        conn, number = self.opened, 0
+        self.opened += 1
         try:
+            while await self._one(reader, writer, conn, number):
+                number += 1
+        except (asyncio.IncompleteReadError, ConnectionError, asyncio.LimitOverrunError):
+            pass
+        finally:
+            writer.close()
+
+    async def _one(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, conn: int, number: int):
+        """Read requests up to one that is not kvgate's discovery call (those are answered here) and answer it
+        with ``answer``; returns whether the connection carries another request."""
+        while True:
             head = (await reader.readuntil(b"\r\n\r\n"))[:-4]
-            rec = Received(head, b"")
+            rec = Received(head, b"", conn=conn, number=number)
             length = rec.header(b"content-length")
             if length is not None and int(length) > self.keep_bodies_up_to:
                 digest, left = hashlib.sha256(), int(length)
@@ -100,19 +131,35 @@ class ScriptedUpstream:
                 rec.size = len(rec.body)
             elif (rec.header(b"transfer-encoding") or b"").lower() == b"chunked":
                 rec.body = await _read_chunked(reader)
-            if rec.path.split(b"?")[0] in (b"/workers", b"/list_workers"):
-                writer.write(response(404))
-            elif rec.path.split(b"?")[0] in (b"/server_info", b"/get_model_info"):  # what lists no engine: an engine
-                writer.write(response(200, b"{}", [(b"Content-Type", b"application/json")]))
+            path = rec.path.split(b"?")[0]
+            if self.answers_discovery and path in (b"/workers", b"/list_workers", b"/server_info", b"/get_model_info"):
+                ok = path in (b"/server_info", b"/get_model_info")  # what lists no engine: an engine
+                answer = (b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 2\r\n\r\n{}" if ok
+                          else b"HTTP/1.1 404 Not Found\r\nContent-Length: 0\r\n\r\n")
+                if not self.keep_alive:
+                    writer.write(answer.replace(b"\r\n\r\n", b"\r\nConnection: close\r\n\r\n", 1))
+                    await writer.drain()
+                    return False
+                writer.write(answer)
+                await writer.drain()
+                continue  # a discovery call takes no number
+            self._used.add(conn)
+            self.received.append(rec)
+            self.arrived.set()
+            answer = self.answer(rec)
+            if answer is None:
+                return False
+            close = isinstance(answer, tuple) or not self.keep_alive
+            if isinstance(answer, tuple):
+                answer = answer[0]
+            if hasattr(answer, "__aiter__"):
+                async for piece in answer:
+                    writer.write(piece)
+                    await writer.drain()
             else:
-                self.received.append(rec)
-                self.arrived.set()
-                writer.write(self.answer(rec))
-            await writer.drain()
-        except (asyncio.IncompleteReadError, ConnectionError, asyncio.LimitOverrunError):
-            pass
-        finally:
-            writer.close()
+                writer.write(answer)
+                await writer.drain()
+            return not close
 
 
 async def _read_chunked(reader: asyncio.StreamReader) -> bytes:

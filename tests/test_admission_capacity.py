@@ -1,4 +1,5 @@
-"""Capacity signal parsing (issue 3 "Capacity signal"; reference sglang-engine-api.md GET /metrics)."""
+"""Capacity signal parsing: SGLang's GET /metrics gauges (python/sglang/srt/observability/metrics_collector.py)
+and GET /v1/loads (python/sglang/srt/entrypoints/v1_loads.py)."""
 
 import math
 

@@ -14,83 +14,16 @@ from kvgate.proxy.connection_pool import ConnectFailed, Disconnected, Connection
 from kvgate.tools.procs import free_port
 
 
-class KeepAliveUpstream:
-    """A raw upstream that keeps connections open: ``script(conn_no, req_no, head)`` returns the bytes to answer
-    with, a tuple (bytes, "close") to answer and then close, or None to close the connection without
-    answering. Counts connections; records request heads and bodies. kvgate's discovery paths (404) and the
-    questions it asks an upstream that lists no engines (200, an engine's answer) are not counted."""
-
-    def __init__(self, script):
-        self.script = script
-        self.opened = 0
-        self.used: set[int] = set()  # connections that carried a request (not kvgate's engine discovery)
-        self.heads: list[bytes] = []
-        self.bodies: list[bytes] = []
-        self.url = ""
-
-    async def start(self) -> "KeepAliveUpstream":
-        self._server = await asyncio.start_server(self._handle, "127.0.0.1", 0)
-        self.url = f"http://127.0.0.1:{self._server.sockets[0].getsockname()[1]}"
-        return self
-
-    async def close(self) -> None:
-        self._server.close()
-        await self._server.wait_closed()
-
-    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        conn_no = self.opened
-        self.opened += 1
-        req_no = 0
-        try:
-            while True:
-                head = (await reader.readuntil(b"\r\n\r\n"))[:-4]
-                length = 0
-                for line in head.split(b"\r\n")[1:]:
-                    k, _, v = line.partition(b":")
-                    if k.strip().lower() == b"content-length":
-                        length = int(v)
-                body = await reader.readexactly(length)
-                path = head.split(b" ", 2)[1]
-                if path in (b"/workers", b"/list_workers"):
-                    writer.write(b"HTTP/1.1 404 Not Found\r\nContent-Length: 0\r\n\r\n")
-                    continue
-                if path in (b"/server_info", b"/get_model_info"):  # what kvgate asks an upstream listing none
-                    writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\n{}")
-                    continue
-                self.used.add(conn_no)
-                self.heads.append(head)
-                self.bodies.append(body)
-                answer = self.script(conn_no, req_no, head)
-                req_no += 1
-                if answer is None:
-                    break
-                close = isinstance(answer, tuple)
-                writer.write(answer[0] if close else answer)
-                await writer.drain()
-                if close:
-                    break
-        except (asyncio.IncompleteReadError, ConnectionError, asyncio.CancelledError):
-            pass
-        finally:
-            writer.close()
-
-    @property
-    def connections(self) -> int:
-        return len(self.used)
-
-
 @pytest.fixture
-async def keepalive():
-    ups = []
+def keepalive(scripted):
+    """``await keepalive(script)``: the shared raw upstream (fake_upstream.ScriptedUpstream) keeping its connections
+    open; ``script(received)`` answers with bytes, (bytes, "close") to answer and then close, or None to close
+    without answering (``received.conn``, ``received.number``: which connection, which request on it)."""
+    return lambda script: scripted(script, keep_alive=True)
 
-    async def make(script):
-        up = await KeepAliveUpstream(script).start()
-        ups.append(up)
-        return up
 
-    yield make
-    for up in ups:
-        await up.close()
+def _heads(up) -> list[bytes]:
+    return [r.head for r in up.received]
 
 
 def _port(url: str) -> int:
@@ -101,24 +34,24 @@ OK = b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 11\r
 
 
 async def test_connections_are_reused_and_counted(kvgate_factory, keepalive):
-    up = await keepalive(lambda c, r, h: OK)
+    up = await keepalive(lambda q: OK)
     gw, url = await kvgate_factory(upstream=up.url)
     async with aiohttp.ClientSession() as http:
         for i in range(5):
             async with http.post(url + "/generate", data=b'{"input_ids":[%d]}' % i) as r:
                 assert r.status == 200 and await r.read() == b'{"ok":true}'
     assert up.connections == 1 and gw.upstream.pool.connections_made == 1
-    assert [b for b in up.bodies] == [b'{"input_ids":[%d]}' % i for i in range(5)]
+    assert [r.body for r in up.received] == [b'{"input_ids":[%d]}' % i for i in range(5)]
     assert gw.upstream.pool.idle_count(gw.upstream.base) == 1
     # the request head: request line, Host, the client's headers in order, Content-Length last
-    lines = up.heads[0].split(b"\r\n")
+    lines = _heads(up)[0].split(b"\r\n")
     assert lines[0] == b"POST /generate HTTP/1.1"
     assert lines[1] == b"Host: " + up.url[len("http://"):].encode()
     assert lines[-1] == b"Content-Length: 17"
 
 
 async def test_concurrent_requests_open_one_connection_each_then_share_them(kvgate_factory, keepalive):
-    up = await keepalive(lambda c, r, h: OK)
+    up = await keepalive(lambda q: OK)
     gw, url = await kvgate_factory(upstream=up.url)
     async with aiohttp.ClientSession() as http:
         async def one():
@@ -143,7 +76,7 @@ async def test_concurrent_requests_open_one_connection_each_then_share_them(kvga
                   b"HTTP/1.1 201 Created\r\nContent-Length: 2\r\n\r\nok", 201, b"ok"),
 ])
 async def test_every_body_framing_is_relayed_byte_for_byte(kvgate_factory, keepalive, framing, answer, status, body):
-    up = await keepalive(lambda c, r, h: answer)
+    up = await keepalive(lambda q: answer)
     gw, url = await kvgate_factory(upstream=up.url)
     for _ in range(2):
         raw = await send_raw(_port(url), request(body=b"{}"))
@@ -158,8 +91,8 @@ async def test_every_body_framing_is_relayed_byte_for_byte(kvgate_factory, keepa
 
 
 async def test_head_response_ends_with_its_head(kvgate_factory, keepalive):
-    up = await keepalive(lambda c, r, h: b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\nX-Up: 1\r\n\r\n"
-                         if h.startswith(b"HEAD") else OK)
+    up = await keepalive(lambda q: b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\nX-Up: 1\r\n\r\n"
+                         if q.head.startswith(b"HEAD") else OK)
     gw, url = await kvgate_factory(upstream=up.url)
     async with aiohttp.ClientSession() as http:
         async with http.head(url + "/thing") as r:
@@ -167,11 +100,11 @@ async def test_head_response_ends_with_its_head(kvgate_factory, keepalive):
             assert await r.read() == b""
         async with http.post(url + "/generate", data=b"{}") as r:  # the next request is answered in full
             assert r.status == 200 and await r.read() == b'{"ok":true}'
-    assert [h.split(b" ", 1)[0] for h in up.heads] == [b"HEAD", b"POST"]
+    assert [h.split(b" ", 1)[0] for h in _heads(up)] == [b"HEAD", b"POST"]
 
 
 async def test_upstream_closing_mid_body_cuts_the_client(kvgate_factory, keepalive):
-    up = await keepalive(lambda c, r, h: (b"HTTP/1.1 200 OK\r\nContent-Length: 10\r\n\r\nhalf", "close"))
+    up = await keepalive(lambda q: (b"HTTP/1.1 200 OK\r\nContent-Length: 10\r\n\r\nhalf", "close"))
     gw, url = await kvgate_factory(upstream=up.url)
     raw = await send_raw(_port(url), request(body=b"{}"))
     # the head and the bytes there were, then the cut: never a complete-looking answer
@@ -195,7 +128,7 @@ async def test_refused_connect_raises_connect_failed_and_sends_nothing():
 async def test_stale_connection_resent_only_for_methods_safe_to_send_twice(keepalive):
     # The upstream closes its first connection on the second request without answering (an idle
     # connection it dropped as the request went out): a GET is sent again on a new connection, a POST is not.
-    up = await keepalive(lambda c, r, h: None if (c == 0 and r == 1) or (c == 1 and r == 1) else OK)
+    up = await keepalive(lambda q: None if (q.conn == 0 and q.number == 1) or (q.conn == 1 and q.number == 1) else OK)
     pool = ConnectionPool(connect_timeout_s=5.0, read_timeout_s=0.0)
     port = _port(up.url)
     pool.set_address("up", "127.0.0.1", port)
@@ -212,10 +145,10 @@ async def test_stale_connection_resent_only_for_methods_safe_to_send_twice(keepa
 
     assert await send("GET", True) == 200  # connection 0, request 0
     assert await send("GET", True) == 200  # connection 0 closes unanswered; resent on connection 1
-    assert up.connections == 2 and len(up.heads) == 3
+    assert up.connections == 2 and len(_heads(up)) == 3
     with pytest.raises(Disconnected):
         await send("POST", False)  # connection 1, request 1: closed unanswered, not resent
-    assert up.connections == 2 and len(up.heads) == 4
+    assert up.connections == 2 and len(_heads(up)) == 4
     assert await send("POST", False) == 200  # a new connection
     assert up.connections == 3
     pool.close()
@@ -256,7 +189,7 @@ async def test_kvgate_patches_no_private_name_of_aiohttp(kvgate_factory, echo_up
 
 
 async def test_pool_limit_holds_a_request_until_a_connection_frees(keepalive):
-    up = await keepalive(lambda c, r, h: OK)
+    up = await keepalive(lambda q: OK)
     pool = ConnectionPool(connect_timeout_s=5.0, read_timeout_s=0.0, limit=1)
     pool.set_address("up", "127.0.0.1", _port(up.url))
     head = b"POST /x HTTP/1.1\r\nHost: x\r\nContent-Length: 0\r\n\r\n"
@@ -275,8 +208,12 @@ async def test_pool_limit_holds_a_request_until_a_connection_frees(keepalive):
     ex.release()
     assert pool.connections_made == 1 and up.connections == 1
     third = await pool.exchange("up", head, b"", 0, "POST", False, 1 << 20)  # the limit is free again
+    fourth = asyncio.create_task(pool.exchange("up", head, b"", 0, "POST", False, 1 << 20))
+    for _ in range(5):
+        await asyncio.sleep(0)
+    assert not fourth.done()  # and still one: the cancelled waiter gave back nothing it did not hold
     third.release()
-    assert pool._limit._value == 1
+    (await fourth).release()
     pool.close()
 
 
@@ -284,7 +221,7 @@ async def test_trailers_are_not_relayed_as_headers_and_an_endless_head_is_refuse
     from kvgate.proxy import connection_pool as pool
     answers = [b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n2\r\nok\r\n0\r\nX-Trailer: t\r\n\r\n",
                b"HTTP/1.1 200 OK\r\nX-Big: " + b"v" * (pool.MAX_HEAD_BYTES + 10) + b"\r\nContent-Length: 0\r\n\r\n"]
-    up = await keepalive(lambda c, r, h: answers[len(up.heads) - 1])
+    up = await keepalive(lambda q: answers[len(_heads(up)) - 1])
     gw, url = await kvgate_factory(upstream=up.url)
     ans = parse_answer(await send_raw(_port(url), request(body=b"{}")))
     assert (ans.status, ans.body, ans.header(b"x-trailer")) == (200, b"ok", None)
@@ -301,7 +238,7 @@ async def test_trailers_are_not_relayed_as_headers_and_an_endless_head_is_refuse
 async def test_serve_relays_on_asyncios_event_loop(keepalive, log_dir, flags, entry, line):
     import sys
     from kvgate.tools import procs
-    up = await keepalive(lambda c, r, h: OK)
+    up = await keepalive(lambda q: OK)
     port = procs.free_port()
     p = procs.start("kvgate", [sys.executable, *entry, "serve", "--upstream", up.url, "--port", str(port),
                                "--no-compat-probe", *flags], log_dir, url=f"http://127.0.0.1:{port}")
@@ -313,14 +250,14 @@ async def test_serve_relays_on_asyncios_event_loop(keepalive, log_dir, flags, en
                     assert r.status == 200 and await r.read() == b'{"ok":true}'
     finally:
         p.stop()
-    assert up.connections == 1 and len(up.heads) == 3
+    assert up.connections == 1 and len(_heads(up)) == 3
     log = p.log_path.read_text()
     assert (line in log) if line else ("uvloop" not in log), log[-500:]
     assert log.count("event_loop") == (1 if line else 0)
 
 
 async def test_a_second_response_to_one_request_is_a_502(kvgate_factory, keepalive):
-    up = await keepalive(lambda c, r, h: OK + b"HTTP/1.1 404 Not Found\r\nContent-Length: 0\r\n\r\n")
+    up = await keepalive(lambda q: OK + b"HTTP/1.1 404 Not Found\r\nContent-Length: 0\r\n\r\n")
     gw, url = await kvgate_factory(upstream=up.url)
     for _ in range(2):  # the connection is not reused: the next request gets the same, complete answer
         ans = parse_answer(await send_raw(_port(url), request(body=b"{}")))
@@ -349,7 +286,7 @@ async def _exchange_with_hook(pool: ConnectionPool, calls: list):
 
 
 async def test_a_response_that_arrives_whole_is_handed_to_on_complete_before_the_exchange_returns(keepalive):
-    up = await keepalive(lambda c, r, h: OK)
+    up = await keepalive(lambda q: OK)
     pool = ConnectionPool(connect_timeout_s=5.0, read_timeout_s=0.0)
     pool.set_address("up", "127.0.0.1", _port(up.url))
     for _ in range(2):  # a new connection, then the same one reused: the hook is armed per request
@@ -363,24 +300,19 @@ async def test_a_response_that_arrives_whole_is_handed_to_on_complete_before_the
     pool.close()
 
 
-async def test_a_response_still_arriving_when_its_head_is_read_never_reaches_on_complete():
+async def test_a_response_still_arriving_when_its_head_is_read_never_reaches_on_complete(keepalive):
     # Head and first chunk, then (once the test says so) the last chunk: the relay streams it; the hook,
     # disarmed when the exchange returned the head, must not answer the request a second time.
     rest = asyncio.Event()
 
-    async def handle(reader, writer):
-        await reader.readuntil(b"\r\n\r\n")
-        await reader.readexactly(2)
-        writer.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n5\r\nhello\r\n")
+    async def in_two_parts():
+        yield b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n5\r\nhello\r\n"
         await rest.wait()
-        writer.write(b"6\r\n world\r\n0\r\n\r\n")
-        await writer.drain()
-        await reader.read()  # until the client closes
-        writer.close()
+        yield b"6\r\n world\r\n0\r\n\r\n"
 
-    srv = await asyncio.start_server(handle, "127.0.0.1", 0)
+    up = await keepalive(lambda q: in_two_parts())
     pool = ConnectionPool(connect_timeout_s=5.0, read_timeout_s=0.0)
-    pool.set_address("up", "127.0.0.1", srv.sockets[0].getsockname()[1])
+    pool.set_address("up", "127.0.0.1", _port(up.url))
     calls: list = []
     ex = await _exchange_with_hook(pool, calls)
     assert ex.early is None and not ex.complete
@@ -390,12 +322,10 @@ async def test_a_response_still_arriving_when_its_head_is_read_never_reaches_on_
     assert calls == []
     ex.release()
     pool.close()
-    srv.close()
-    await srv.wait_closed()
 
 
 async def test_a_malformed_response_never_reaches_on_complete(keepalive):
-    up = await keepalive(lambda c, r, h: b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\nContent-Length: 3\r\n\r\nabc")
+    up = await keepalive(lambda q: b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\nContent-Length: 3\r\n\r\nabc")
     pool = ConnectionPool(connect_timeout_s=5.0, read_timeout_s=0.0)
     pool.set_address("up", "127.0.0.1", _port(up.url))
     calls: list = []
@@ -412,7 +342,7 @@ async def test_an_error_answering_from_the_data_callback_is_a_500_never_an_empti
     client gets the server's 500 (as for any handler error), not the upstream's status with an empty body;
     the next request is answered whole."""
     from kvgate.proxy import server as kv_server
-    up = await keepalive(lambda c, r, h: OK)
+    up = await keepalive(lambda q: OK)
     gw, url = await kvgate_factory(upstream=up.url)
     real = kv_server.Request.answer
     failures = {"left": 1}

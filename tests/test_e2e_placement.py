@@ -230,7 +230,7 @@ async def recorders():
         await runner.setup()
         site = web.TCPSite(runner, "127.0.0.1", 0)
         await site.start()
-        rec.url = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
+        rec.url = f"http://127.0.0.1:{runner.addresses[0][1]}"
         made.append(rec)
         runners.append(runner)
         return rec

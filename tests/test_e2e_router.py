@@ -79,7 +79,7 @@ class HeldEngine:
         await self.runner.setup()
         site = web.TCPSite(self.runner, "127.0.0.1", 0)
         await site.start()
-        self.url = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
+        self.url = f"http://127.0.0.1:{self.runner.addresses[0][1]}"
         return self
 
     async def __aexit__(self, *exc):

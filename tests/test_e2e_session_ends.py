@@ -61,7 +61,7 @@ async def test_finish_session_query_and_body_forms_answer_as_vllm_router(sim_fac
         async with http.post(kv + "/finish_session", params={"session_id": "r-1"}) as r:  # again: idempotent
             assert r.status == 200
         async with http.post(kv + "/finish_session") as r:
-            assert r.status == 400 and "missing field `session_id`" in await r.text()
+            assert r.status == 400 and (await r.json())["error"]["message"].startswith("session_id is required")
         for w in (wa, wb):
             await w.wait_for("r-1")
             await w.wait_for("r-2")
@@ -114,3 +114,80 @@ async def test_smg_routing_key_and_rid_lineage_name_the_session(sim_factory, kvg
             await _post(http, kv + "/v1/completions", TURN, {"X-SMG-Routing-Key": "rk-7"})
     assert (reg.get("conv").turns, reg.get("conv").source) == (3, "rid")
     assert (reg.get("rk-7").turns, reg.get("rk-7").source) == (2, "routing_key")
+
+
+async def test_with_lifecycle_off_a_close_still_reaches_every_engine(sim_factory, router_factory, kvgate_factory):
+    """Session lifecycle off, behind the real smg (which answers /close_session and /finish_session with 404): a
+    session the client named in its bodies is closed on every engine all the same, by kvgate."""
+    a, b = await sim_factory(**SIM), await sim_factory(**SIM)
+    wa, wb = CloseWatcher(a), CloseWatcher(b)
+    router = await router_factory([a.url, b.url])
+    gw, kv = await kvgate_factory(upstream=router, agentic_session_lifecycle=False)
+    await gw.directory.first_refresh.wait()
+    assert sorted(gw.directory.urls) == sorted([a.url, b.url])
+    async with aiohttp.ClientSession() as http:
+        for sid in ("off-1", "off-2"):
+            st, _ = await _post(http, kv + "/generate", {"text": "o" * 300, "session_id": sid,
+                                                         "sampling_params": {"max_new_tokens": 2}})
+            assert st == 200
+        async with http.post(router + "/close_session", json={"session_id": "off-1"}) as r:
+            assert r.status == 404  # the router alone: what a client got through kvgate before
+        async with http.post(kv + "/close_session", json={"session_id": "off-1"}) as r:
+            assert r.status == 200 and await r.read() == b""
+        async with http.post(kv + "/finish_session", params={"session_id": "off-2"}) as r:
+            assert r.status == 200 and await r.json() == {"status": "ok", "session_id": "off-2"}
+        for w in (wa, wb):
+            await w.wait_for("off-1")
+            await w.wait_for("off-2")
+    reg = gw.lifecycle.registry
+    await gw.lifecycle.wait_until(lambda: all(reg.get(s).state == "closed" for s in ("off-1", "off-2")))
+    assert [reg.get(s).close_reason for s in ("off-1", "off-2")] == ["client", "finish"]
+    assert reg.get("off-1").close_results == {a.url: "ok", b.url: "ok"}
+    m = gw.metrics.render()[0].decode()
+    assert 'agentic_kv_session_close_total{reason="client"} 1.0' in m
+    assert 'agentic_kv_session_close_total{reason="finish"} 1.0' in m
+    assert 'agentic_kv_session_close_calls_total{result="ok"} 4.0' in m
+
+
+async def test_close_and_finish_refuse_a_request_without_a_usable_id_with_one_json_shape(sim_factory,
+                                                                                         kvgate_factory):
+    """Whatever is wrong with the request (no body, a body that is not JSON or not an object, no id, an id that
+    is not a non-empty string, one over max_session_id_bytes; in the query or not), /close_session and
+    /finish_session answer the same: 400, application/json, {"error": {"message", "type", "code"}}."""
+    import asyncio
+    from hypothesis import HealthCheck, given, settings, strategies as st
+
+    gw, kv, (wa, wb) = await _fleet(sim_factory, kvgate_factory, max_session_id_bytes=64)
+    loop = asyncio.get_running_loop()
+    bodies = st.one_of(
+        st.just(None), st.binary(min_size=1, max_size=40).filter(lambda b: _not_json(b)),
+        st.sampled_from([b"[]", b"1", b'"s"', b"null", b"{}", b'{"other": "x"}']),
+        st.sampled_from([None, 0, 1.5, True, [], {}, "", "x" * 65]).map(lambda v: orjson.dumps({"session_id": v})))
+    queries = st.sampled_from([None, "", "x" * 65])
+
+    async def ask(http, path, body, query):
+        params = None if query is None else {"session_id": query}
+        async with http.post(kv + path, data=body, params=params) as r:
+            return r.status, r.headers.get("Content-Type"), await r.read()
+
+    async with aiohttp.ClientSession() as http:
+        @settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck))
+        @given(body=bodies, query=queries)
+        def check(body, query):
+            for path in ("/close_session", "/finish_session"):
+                status, ctype, raw = asyncio.run_coroutine_threadsafe(ask(http, path, body, query), loop).result(30)
+                assert (status, ctype) == (400, "application/json"), (path, body, query, raw)
+                err = orjson.loads(raw)["error"]
+                assert set(err) == {"message", "type", "code"} and (err["type"], err["code"]) == ("invalid_request", 400)
+                assert isinstance(err["message"], str) and "session_id" in err["message"]
+
+        await asyncio.to_thread(check)
+    assert wa.ids == [] and wb.ids == []  # nothing was closed
+
+
+def _not_json(raw: bytes) -> bool:
+    try:
+        orjson.loads(raw)
+    except orjson.JSONDecodeError:
+        return True
+    return False

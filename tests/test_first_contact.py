@@ -265,3 +265,38 @@ async def test_the_routers_502s_are_logged_once_per_change(kvgate_factory, scrip
                      f"it answers otherwise", f"router {up} answers 200 again (after 502)",
                      f"router {up} answers 502 to forwarded calls (it cannot reach an engine); said again when "
                      f"it answers otherwise"]
+
+
+def test_health_says_down_only_when_no_call_can_be_served():
+    """Over random router states, placed routes and engine sets: the status is down exactly when kvgate can serve
+    no call (the router unreachable with nothing placed or no engine usable, or no engine usable at all), degraded
+    when only some calls can be served, and the router check's figures are the ones given."""
+    from hypothesis import given, settings, strategies as st
+    from kvgate.fleet.health import Reachability, engines_check, router_check, summarize
+
+    routes = st.lists(st.sampled_from(["/generate", "/v1/chat/completions", "/v1/completions"]), unique=True)
+
+    @settings(max_examples=300, deadline=None)
+    @given(router=st.sampled_from([True, False]), placed=routes, usable=st.lists(st.booleans(), min_size=1,
+           max_size=4), answered=st.integers(0, 10 ** 6), since=st.floats(0, 10 ** 4))
+    def check(router, placed, usable, answered, since):
+        r = Reachability()
+        r.note(router, None if router else "ClientConnectorError: refused", 0.0)
+        engines = [(f"http://e{i}", ok, None if ok else "(x)") for i, ok in enumerate(usable)]
+        n = sum(usable)
+        rc = router_check(r, "http://router", since, placed, n, answered)
+        status, code, reasons = summarize([rc, engines_check(engines, True, None)])
+        served = n > 0 and (router or bool(placed))
+        assert (status == "down") == (not served) and (code == 503) == (status == "down")
+        if served and not router:
+            assert status == "degraded" and reasons[0].startswith("router: http://router unreachable (")
+            assert f"({n} usable, {answered} calls answered since)" in reasons[0]
+            assert all(route in reasons[0] for route in placed)
+            j = rc.as_json()
+            assert (j["usable_engines"], j["placed_calls_answered"], j["placed_routes"], j["failures"]) == (
+                n, answered, placed, 1)
+            assert j["since_s"] == round(since, 3)
+        if router and all(usable):
+            assert (status, reasons) == ("ok", [])
+
+    check()

@@ -39,9 +39,10 @@ async def test_health_follows_the_router_and_the_engines_with_the_reason(kvgate_
         await asyncio.gather(fleet.start_engine(0), fleet.start_engine(1))
         await fleet.start_router(healthy=2)
         router = fleet.router.url
+        # the router routes every call (kvgate places none): without it nothing is served
         gw, kv = await kvgate_factory(upstream=router, discovery_interval_s=INTERVAL_S, agentic_session_lifecycle=True,
                                       session_inference=False, close_retry_backoff_s=0.1,
-                                      close_retry_max_backoff_s=0.3, close_retries=1000)
+                                      close_retry_max_backoff_s=0.3, close_retries=1000, session_placement="router")
         d = gw.directory
         async with aiohttp.ClientSession() as http:
             status, h = await _health(http, kv)
@@ -112,5 +113,74 @@ async def test_health_follows_the_router_and_the_engines_with_the_reason(kvgate_
             async with http.post(kv + "/v1/completions", json={"model": "kvgate-sim", "prompt": "hi", "max_tokens": 1}) as r:
                 assert r.status == 200
         print(f"health down {elapsed:.2f} s after the router was killed (discovery interval {INTERVAL_S} s)")
+    finally:
+        fleet.stop_all()
+
+
+async def test_with_the_router_dead_health_says_what_kvgate_still_serves(kvgate_factory, log_dir, caplog):
+    """kvgate places a session's calls on the engines itself (lifecycle on): with smg dead those calls are still
+    answered, so /kvgate/health is degraded (200) naming the router, with the figures; it checks the engines
+    itself meanwhile (the router's verdicts are stale), and is down once no engine answers either."""
+    from kvgate.tools import procs
+    if not procs.smg_installed():
+        pytest.skip("the smg router is not installed (pip install smg)")
+    fleet = Fleet(log_dir)
+    caplog.set_level(logging.INFO, logger="kvgate")
+    try:
+        await asyncio.gather(fleet.start_engine(0), fleet.start_engine(1))
+        await fleet.start_router(healthy=2)
+        router = fleet.router.url
+        gw, kv = await kvgate_factory(upstream=router, discovery_interval_s=INTERVAL_S, agentic_session_lifecycle=True,
+                                      session_inference=False, session_idle_close_s=0)
+        d = gw.directory
+        turn = {"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 2}}
+        async with aiohttp.ClientSession() as http:
+            assert (await _health(http, kv))[1]["status"] == "ok"
+            fleet.kill(fleet.router)
+            while d.router.ok is not False:
+                await d.refreshed.wait()
+            statuses = []
+            for sid in ("a", "b", "c"):  # a session's calls: placed by kvgate, straight to an engine
+                async with http.post(kv + "/generate", json=turn, headers={"X-Session-ID": sid}) as r:
+                    statuses.append(r.status)
+            async with http.post(kv + "/generate", json=turn) as r:  # no session: the router's, and it is gone
+                statuses.append(r.status)
+            assert statuses == [200, 200, 200, 502]
+            status, h = await _health(http, kv)
+            assert (status, h["status"]) == (200, "degraded")
+            assert h["reasons"][0].startswith(f"router: {router} unreachable (")
+            assert h["reasons"][0].endswith("; a session's calls on /generate, /v1/chat/completions, /v1/completions "
+                                            "go straight to the engines kvgate places them on (2 usable, 3 calls "
+                                            "answered since), every other call gets kvgate's 502")
+            rc = h["checks"][0]
+            assert (rc["ok"], rc["usable_engines"], rc["placed_calls_answered"]) == (False, 2, 3)
+            assert rc["failures"] >= 1 and rc["since_s"] >= 0
+            assert len(_lines(caplog, "still go straight to the engines")) == 1
+
+            # an engine dies too: kvgate's own check finds it within a discovery interval (no call needed)
+            fleet.kill(fleet.engines[0])
+            dead = fleet.engine_urls[0]
+            while dead not in d.own_failures:
+                await d.refreshed.wait()
+            status, h = await _health(http, kv)
+            assert (status, h["status"]) == (200, "degraded")
+            assert h["checks"][0]["usable_engines"] == 1 and h["checks"][1]["usable"] == 1
+            assert d.own_failures[dead] == "GET /health: connect error while the router is unreachable"
+            async with http.post(kv + "/generate", json=turn, headers={"X-Session-ID": "d"}) as r:
+                assert r.status == 200
+
+            # and the other: nothing can be served, down
+            fleet.kill(fleet.engines[1])
+            while fleet.engine_urls[1] not in d.own_failures:
+                await d.refreshed.wait()
+            status, h = await _health(http, kv)
+            assert (status, h["status"]) == (503, "down")
+            assert h["checks"][0]["usable_engines"] == 0
+
+            # everything back: ok
+            await asyncio.gather(fleet.start_engine(0), fleet.start_engine(1))
+            await fleet.start_router(healthy=2)
+            while (await _health(http, kv))[1]["status"] != "ok":
+                await d.refreshed.wait()
     finally:
         fleet.stop_all()

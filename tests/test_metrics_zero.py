@@ -25,7 +25,7 @@ def test_known_labels_are_exported_at_zero_from_the_start():
                                                          "admission"]),
         "agentic_kv_placement_calls_total": ("outcome", ["engine", "router_fallback", "connect_retry"]),
         "agentic_kv_session_inference_total": ("result", ["decisive", "partial", "rerender", "prompt-only", "new",
-                                                          "new-ambiguous", "unsupported", "shared"]),
+                                                          "new-ambiguous", "unsupported", "shared", "refused"]),
     }
     for name, (label, values) in expected.items():
         for v in values:

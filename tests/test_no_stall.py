@@ -107,7 +107,7 @@ async def test_a_20_mb_engine_metrics_is_parsed_off_the_event_loop():
     stop, gaps = asyncio.Event(), []
     ticker = asyncio.create_task(_loop_ticks(stop, gaps))
     try:
-        url = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
+        url = f"http://127.0.0.1:{runner.addresses[0][1]}"
         cap = await poller.scrape(url)
     finally:
         stop.set()

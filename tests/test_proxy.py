@@ -160,10 +160,11 @@ async def test_own_endpoints(kvgate_factory, echo_upstream):
         async with http.get(url + "/kvgate/engines") as r:
             e = await r.json()
         async with http.post(url + "/close_session", json={"session_id": "x"}) as r:
-            assert r.status == 200  # lifecycle off: forwarded to the upstream like any path
+            assert r.status == 200  # lifecycle off: still kvgate's, its close goes to the engines, not the router
     assert h["status"] == "ok" and h["session_lifecycle"] is False
     assert [x["url"] for x in e["engines"]] == ["http://127.0.0.1:1"]
-    assert echo_upstream.received[-1]["path"] == "/close_session"
+    assert "/close_session" not in [r["path"] for r in echo_upstream.received]
+    assert gw.lifecycle.registry.get("x").close_reason == "client"
 
 
 async def test_kvgate_fault_fails_open(kvgate_factory, echo_upstream):
@@ -196,7 +197,7 @@ async def test_discovery_falls_back_to_list_workers(kvgate_factory):
     site = web.TCPSite(runner, "127.0.0.1", 0)
     await site.start()
     try:
-        router = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
+        router = f"http://127.0.0.1:{runner.addresses[0][1]}"
         gw, url = await kvgate_factory(upstream=router)
         await gw.directory.first_refresh.wait()
         assert gw.directory.urls == ["http://10.0.0.1:1", "http://10.0.0.2:2"]

@@ -239,7 +239,8 @@ async def test_head_is_answered_without_a_body(kvgate_factory, scripted):
     head, body = await read_response(reader)
     writer.close()
     assert orjson.loads(body)["checks"][0] == {"check": "router", "ok": True, "reason": f"{up.url} answers",
-                                               "upstream": up.url, "since_s": orjson.loads(body)["checks"][0]["since_s"]}
+                                               "upstream": up.url, "since_s": orjson.loads(body)["checks"][0]["since_s"],
+                                               "failures": 0, "placed_routes": []}
 
 
 async def test_non_utf8_header_bytes_round_trip_on_a_streamed_answer(kvgate_factory, scripted):
@@ -429,3 +430,48 @@ async def test_shutdown_waits_for_a_handler_finishing_after_its_answer():
     await asyncio.wait_for(stop, 30)
     assert done == [1]
     writer.close()
+
+
+# --- an aiohttp Response whose body is a payload ------------------------------------------------------------------
+
+async def test_a_response_body_aiohttp_holds_as_a_payload_goes_out_byte_for_byte():
+    """A handler's web.Response built from text or a byte stream holds its body as an aiohttp Payload, not bytes:
+    kvgate's server sends exactly the payload's bytes, read through aiohttp's public API (for any text, any bytes).
+    """
+    import io
+    from aiohttp import payload, web
+    from hypothesis import HealthCheck, given, settings, strategies as st
+
+    current: list = []
+
+    async def handler(req: server.Request):
+        return current[0]
+
+    srv, port = await _raw_server(handler)
+    try:
+        async def answer(resp) -> bytes:
+            current[:] = [resp]
+            ans = parse_answer(await send_raw(port, request(b"GET", b"/")), b"GET")
+            assert ans is not None and ans.status == 200
+            return ans.body
+
+        loop = asyncio.get_running_loop()
+
+        @settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck))
+        @given(text=st.text(max_size=200), raw=st.binary(max_size=200),
+               charset=st.sampled_from(["utf-8", "utf-16", "latin-1"]))
+        def check(text, raw, charset):
+            if charset == "latin-1":
+                text = text.encode("latin-1", "replace").decode("latin-1")
+            as_text = web.Response(body=text, content_type="text/plain")
+            as_text.body = payload.StringPayload(text, encoding=charset)
+            assert not isinstance(as_text.body, (bytes, bytearray))  # a payload: the case under test
+            sent = asyncio.run_coroutine_threadsafe(answer(as_text), loop)
+            assert sent.result(30) == text.encode(charset)
+            as_stream = web.Response(body=io.BytesIO(raw), content_type="application/octet-stream")
+            sent = asyncio.run_coroutine_threadsafe(answer(as_stream), loop)
+            assert sent.result(30) == raw
+
+        await asyncio.to_thread(check)
+    finally:
+        await srv.cleanup()

@@ -1,9 +1,9 @@
 """Property test of the session lifecycle's pure core (registry, step tracker, client aborts) over random
 interleavings of turns, aborts (client-asked and step boundaries), abandoned attempts and their retries,
 closes (client, admin_api, idle, asked again), engine outages, calls that are lost or answered late, cache
-flushes and time. Engines follow SGLang 0.5.17+ (sglang-engine-api.md, Sessions): a request with an id
-re-opens it (tombstone cleared) and a completed one references its KV; a close drops the references and
-tombstones the id; a flush drops every reference.
+flushes and time. Engines follow SGLang 0.5.17+ (python/sglang/srt/mem_cache/unified_cache/session_ref_tracker.py):
+a request with an id re-opens it (tombstone cleared) and a completed one references its KV; a close drops the
+references and tombstones the id; a flush drops every reference.
 
 After everything ends (every engine back, every call answered, every retry due, failed closes asked again):
 every closed session holds no references on any engine, no session is left closing, and every continuing

@@ -205,7 +205,9 @@ def parse_engine_metrics(text: str) -> EngineCapacity | None:
     (tp_rank, pp_rank, moe_ep_rank, engine_type, model_name, ...) is collapsed with max, so identical
     TP-rank copies count once. Returns None when the text does not parse or no pool has a positive
     max_total_num_tokens (missing signal -> caller treats the engine as unhealthy). Never raises.
-    Source: reference sglang-engine-api.md "GET /metrics" (aggregate max over TP copies, sum over DP).
+    Source: SGLang's scheduler gauges (python/sglang/srt/observability/metrics_collector.py, 0.5.23), one
+    series per scheduler labelled tp_rank and dp_rank: TP ranks of one DP rank report the same pool (max),
+    DP ranks own separate pools.
     """
     if not isinstance(text, str) or not text:
         return None
@@ -236,7 +238,7 @@ def parse_engine_loads(obj: Any) -> EngineCapacity | None:
     its list index). Entries repeating a dp_rank are collapsed with max (TP copies); distinct ranks are
     separate pools. Missing or non-numeric keys are tolerated; an entry without a positive
     max_total_num_tokens is skipped. Returns None if no usable entry. Never raises.
-    Source: reference sglang-engine-api.md (GET /v1/loads).
+    Source: SGLang's GET /v1/loads (python/sglang/srt/entrypoints/v1_loads.py, 0.5.23).
     """
     if not isinstance(obj, Mapping):
         return None

@@ -7,8 +7,8 @@ kvgate does not know where a session goes) the working set is the resident KV of
 the in-flight reservations, counted in the ledger (shared prompt prefixes once) against the place's
 capacity (max_total_num_tokens x headroom).
 
-Rules (ThunderAgent's program scheduler, reference program-scheduling.md section 1, adapted to a proxy
-that can only hold requests and close engine sessions):
+Rules (ThunderAgent's program scheduler: the ThunderAgent paper, arXiv 2602.13692, section 4, adapted to a
+proxy that can only hold requests and close engine sessions):
 - a continuing turn of a live program is never held: it reserves its increment (its prompt minus the
   prefix it already holds, plus its decode budget) and goes at once;
 - a new program starts only when its place has room for its whole first turn, and not ahead of a paused

@@ -5,8 +5,8 @@ fixed-size blocks, each chained to the previous one so equal hashes mean equal p
 tokens of its own (the rest of the prompt, the output, the decode budget). On one place (an engine, one
 data-parallel rank of it, or the whole fleet when the engine is unknown) a block held by several
 holders is counted once: SGLang's radix cache keeps one copy of a shared prefix and every request that
-matches it reuses it (reference sglang-engine-api.md: "the radix cache matches the longest cached
-prefix"; a running request's prompt is shareable once its prefill ends). So eight siblings over one
+matches it reuses it (SGLang's python/sglang/srt/mem_cache/radix_cache.py, ``match_prefix``: the longest
+cached prefix; a running request's prompt is shareable once its prefill ends). So eight siblings over one
 8,000-token prompt hold 8,000 + 8 x their own tokens, not 8 x 8,000.
 """
 

@@ -208,7 +208,8 @@ class Metrics:
         self.session_inference = Counter(p + "session_inference", "Generate calls without a named session, by what "
                                          "prefix inference found (decisive, partial, rerender, prompt-only, new, "
                                          "new-ambiguous, unsupported; retry: the same prompt as its session's turn in flight; shared: a turn "
-                                         "another replica relayed)", ["result"], registry=r)
+                                         "another replica relayed; refused: the upstream refused the call, no turn)",
+                                         ["result"], registry=r)
         self.inference_tracked = Gauge(p + "session_inference_tracked", "Sessions tracked by prefix inference",
                                        registry=r)
         self.inference_dropped = Gauge(p + "session_inference_dropped", "Sessions dropped by the inference cap",
@@ -275,7 +276,7 @@ class Metrics:
         for cause in ("client", "other"):
             self.session_aborts.labels(cause)
         for result in ("decisive", "partial", "rerender", "prompt-only", "reask", "retry", "new", "new-ambiguous",
-                       "unsupported", "shared"):
+                       "unsupported", "shared", "refused"):
             self.session_inference.labels(result)
 
 

@@ -10,7 +10,9 @@ Health (kvgate.fleet.health, /kvgate/health): the router is reachable or not fro
 static engine list, a GET /health of the router each interval) and from every forwarded call's result
 (:meth:`router_result`); an engine is usable when the router reports it healthy and kvgate's own calls
 to it (closes, placed calls, KV polls) do not fail to connect (:meth:`engine_call_failed`; an engine so
-marked is asked GET /health each interval, and any answer clears it). Each change is one log line.
+marked is asked GET /health each interval, and any answer clears it). While the router is unreachable and
+kvgate places calls itself, every engine is asked GET /health each interval (the router's verdicts are
+stale then, and placed calls still go to the engines). Each change is one log line.
 Parsing and verdicts are pure (kvgate.fleet.discovery, kvgate.fleet.compat); this module only moves bytes.
 """
 
@@ -99,6 +101,8 @@ class EngineDirectory:
         self.router = Reachability()  # does the router answer (discovery, forwarded calls)
         self.router_gateway_error: int | None = None  # the 502/503/504 the router answers forwarded calls with
         self.own_failures: dict[str, str] = {}  # engine URL -> why kvgate's own calls to it fail to connect
+        self.placed_answers = 0  # placed calls an engine answered (straight from kvgate, not via the router)
+        self._placed_answers_at_down = 0  # placed_answers when the router last became unreachable
         self._verdict_line: str | None = None  # the last compatibility line logged
         self._layout_line: str | None = None  # the last layout line logged
         # What the upstream is when it lists no engines (answers neither /workers nor /list_workers): "engine"
@@ -278,12 +282,25 @@ class EngineDirectory:
 
     # --- health ----------------------------------------------------------------------------------
 
+    @property
+    def placed_routes(self) -> list[str]:
+        """The routes on which kvgate places a session's calls on the engines itself now (they reach no router)."""
+        return [r for r in self.placement_modes if self.placed(r)]
+
     def router_result(self, ok: bool, reason: str | None = None) -> None:
         """One call to the router answered (``ok``) or could not connect (``reason``); logs a change."""
         change = self.router.note(ok, reason, time.monotonic())
         if change == "down":
-            log.warning("router %s unreachable (%s): forwarded calls get kvgate's 502 and /kvgate/health says "
-                        "down until it answers again", self.upstream, reason)
+            self._placed_answers_at_down = self.placed_answers
+            routes = self.placed_routes
+            if routes:
+                log.warning("router %s unreachable (%s): a session's calls on %s still go straight to the engines "
+                            "kvgate places them on, every other call gets kvgate's 502; /kvgate/health says "
+                            "degraded until it answers again (down if no engine is usable)", self.upstream, reason,
+                            ", ".join(routes))
+            else:
+                log.warning("router %s unreachable (%s): forwarded calls get kvgate's 502 and /kvgate/health says "
+                            "down until it answers again", self.upstream, reason)
         elif change == "up":
             log.info("router %s answers again", self.upstream)
 
@@ -312,8 +329,11 @@ class EngineDirectory:
                     url, reason)
         self._notify_change()
 
-    def engine_answered(self, url: str) -> None:
-        """kvgate's own call to engine ``url`` got an answer: it is usable again if it was marked."""
+    def engine_answered(self, url: str, placed: bool = False) -> None:
+        """kvgate's own call to engine ``url`` got an answer (``placed``: a placed call, counted): it is usable
+        again if it was marked."""
+        if placed:
+            self.placed_answers += 1
         if self.own_failures.pop(url, None) is not None:
             log.info("engine %s answers kvgate's calls again", url)
             self._notify_change()
@@ -341,19 +361,35 @@ class EngineDirectory:
                                      roles={e.url: roles.role(e) for e in self.engines})
         else:
             engines_ = Check("engines", None, "not listed yet")
-        return [router_check(self.router, self.upstream, time.monotonic()), engines_]
+        # the engines a placed call can go to: regular ones (the gateway places none on PD workers)
+        usable = sum(1 for e in self.engines if e.worker_type == "regular" and self.usable(e))
+        return [router_check(self.router, self.upstream, time.monotonic(), self.placed_routes, usable,
+                             self.placed_answers - self._placed_answers_at_down), engines_]
 
     async def _recheck_failed(self) -> None:
         # Engines kvgate's own calls failed on: any answer to GET /health makes them usable again.
         for url in list(self.own_failures):
-            try:
-                async with self.session.get(url + "/health") as resp:
-                    await resp.read()
-            except _UNREACHABLE:
-                continue
-            except aiohttp.ClientError:
-                pass
-            self.engine_answered(url)
+            if await self._answers(url):
+                self.engine_answered(url)
+
+    async def _answers(self, url: str) -> bool:
+        """Whether engine ``url`` answers GET /health (any answer counts); False when it cannot be reached."""
+        try:
+            async with self.session.get(url + "/health", headers=self.engine_headers) as resp:
+                await resp.read()
+        except _UNREACHABLE:
+            return False
+        except aiohttp.ClientError:
+            pass
+        return True
+
+    async def _check_engines(self) -> None:
+        """The router is unreachable and kvgate places calls: each engine not marked yet is asked GET /health
+        (at once); one that cannot be reached is marked as kvgate's own failing calls mark it."""
+        urls = [u for u in self.urls if u not in self.own_failures]
+        for url, ok in zip(urls, await asyncio.gather(*(self._answers(u) for u in urls))):
+            if not ok:
+                self.engine_call_failed(url, "GET /health: connect error while the router is unreachable")
 
     def _notify_change(self) -> None:
         for cb in self.on_change:
@@ -408,6 +444,8 @@ class EngineDirectory:
             await self.refresh()
             if self.own_failures:
                 await self._recheck_failed()
+            if self.router.ok is False and self.placed_routes:
+                await self._check_engines()
             self._refreshed()
 
     # --- compatibility ---------------------------------------------------------------------------

@@ -3,15 +3,17 @@
 A check is one thing kvgate depends on (the router, the engines, ...) with ``ok`` True, False or None (not
 known yet) and a reason a user can act on. The status:
 
-  - ``down`` (HTTP 503): a check kvgate cannot serve without failed: the router is unreachable (every
-    forwarded call gets kvgate's 502), the upstream is not a router at all (it answers neither /workers nor
-    /list_workers nor an engine's /server_info: the router's Prometheus port, say, where every call gets a
-    404), or no engine is usable (the router lists none, or every one is unhealthy by the router's checks or
-    kvgate's own calls),
+  - ``down`` (HTTP 503): a check kvgate cannot serve without failed: the router is unreachable and kvgate
+    places no calls itself (every call gets kvgate's 502), the upstream is not a router at all (it answers
+    neither /workers nor /list_workers nor an engine's /server_info: the router's Prometheus port, say, where
+    every call gets a 404), or no engine is usable (the router lists none, or every one is unhealthy by the
+    router's checks or kvgate's own calls),
   - ``starting`` (HTTP 503): a check has no answer yet,
-  - ``degraded`` (HTTP 200): kvgate serves, but a check that is not fatal failed (an engine of several is
-    down, the router's answer to /workers has a shape kvgate does not know, the upstream is an engine rather
-    than a router and no ``engines:`` are configured),
+  - ``degraded`` (HTTP 200): kvgate serves, but a check that is not fatal failed (the router is unreachable
+    while kvgate places a session's calls on the engines itself and an engine is usable: those calls are
+    served, every other call gets kvgate's 502; an engine of several is down; the router's answer to /workers
+    has a shape kvgate does not know; the upstream is an engine rather than a router and no ``engines:`` are
+    configured),
   - ``ok`` (HTTP 200): every check passed.
 
 Other parts of kvgate add their checks to the list; the status rule does not change. The router's state is
@@ -84,13 +86,28 @@ class Reachability:
         return None
 
 
-def router_check(r: Reachability, upstream: str, now: float) -> Check:
-    """The router check: fatal when the router is unreachable."""
+def router_check(r: Reachability, upstream: str, now: float, placed_routes: Iterable[str] = (),
+                 usable_engines: int = 0, placed_answered: int = 0) -> Check:
+    """The router check. ``placed_routes``: the routes on which kvgate places a session's calls on the engines
+    itself (they never reach the router); ``usable_engines``: engines a placed call can go to (regular engines,
+    not PD workers) usable now; ``placed_answered``: placed calls an engine answered since the router became
+    unreachable. Unreachable, it is fatal unless kvgate
+    places calls and an engine is usable: those calls are served (not fatal: degraded), every other gets
+    kvgate's 502. ``detail`` has the figures: since_s (since the last change), failures (attempts failed
+    since), placed_routes, usable_engines, placed_calls_answered."""
     if r.ok is None:
         return Check("router", None, f"{upstream} not asked yet")
-    detail = {"upstream": upstream, "since_s": None if r.since is None else round(now - r.since, 3)}
+    routes = list(placed_routes)
+    detail: dict[str, Any] = {"upstream": upstream, "since_s": None if r.since is None else round(now - r.since, 3),
+                              "failures": r.failures, "placed_routes": routes}
     if r.ok:
         return Check("router", True, f"{upstream} answers", detail=detail)
+    detail.update(usable_engines=usable_engines, placed_calls_answered=placed_answered)
+    if routes and usable_engines > 0:
+        return Check("router", False, f"{upstream} unreachable ({r.reason}); a session's calls on "
+                     f"{', '.join(routes)} go straight to the engines kvgate places them on ({usable_engines} "
+                     f"usable, {placed_answered} calls answered since), every other call gets kvgate's 502",
+                     fatal=False, detail=detail)
     return Check("router", False, f"{upstream} unreachable ({r.reason}); forwarded calls get kvgate's 502",
                  detail=detail)
 

@@ -7,8 +7,8 @@ poller's snapshot, engine-reported) and each call's prompt prefix keys, and send
 Rules (docs/placement.md):
   - sticky: a placed session stays on its engine and DP rank while that engine is usable; its radix cache
     holds the session's prefix. On an engine with DP > 1 a rank is pinned with ``routed_dp_rank``
-    (SGLang's DP controller round-robins otherwise and splits the prefix across ranks' radix trees,
-    sglang-engine-api.md "Data parallel inside one engine").
+    (otherwise SGLang's DP controller round-robins and splits the prefix across ranks' radix trees:
+    python/sglang/srt/managers/data_parallel_controller.py).
   - prefix: a new session whose prompt extends a prompt kvgate already placed (GRPO siblings share the
     task prompt; a session reopened after a close continues its old prompt) goes to that prompt's engine and
     rank, while that rank is below ``pressure_threshold`` (engine-reported usage plus the prompt tokens of
@@ -32,16 +32,18 @@ Rules (docs/placement.md):
     ``unreachable_s`` seconds.
   - reopened: a closed session's engine (and rank) is kept as a hint for ``reopen_hint_s`` seconds (at most
     ``max_sessions`` hints, the oldest dropped first). SGLang 0.5.17+ re-opens a closed id on its next request
-    (sglang-engine-api.md "sessions"), and kvgate re-opens a session that comes back after an idle close; its
-    prefix may still sit in that engine's radix cache (a closed session's KV is evictable, not gone), so the
-    re-opened session goes back there while that rank is usable and below ``pressure_threshold``, before the
-    prefix rule (whose index may point a shared prompt at a sibling's engine, or hold no key at all for a
-    prompt that was rewritten or is under one block). At or above the threshold it is placed by the rules,
-    unless no other usable rank is below the threshold either: then it goes back all the same (as for prefix).
+    (SGLang's mem_cache/unified_cache/session_ref_tracker.py, ``ensure_session_generation``), and kvgate
+    re-opens a session that comes back after an idle close; its prefix may still sit in that engine's radix
+    cache (a closed session's KV is evictable, not gone), so the re-opened session goes back there while that
+    rank is usable and below ``pressure_threshold``, before the prefix rule (whose index may point a shared
+    prompt at a sibling's engine, or hold no key at all for a prompt that was rewritten or is under one block).
+    At or above the threshold it is placed by the rules, unless no other usable rank is below the threshold
+    either: then it goes back all the same (as for prefix).
   - a closed session is otherwise forgotten; at most ``max_sessions`` are kept (the longest idle dropped first).
   - in flight: a call's prompt counts on its engine from the moment kvgate sends it until the engine's next
     KV figures that were requested after it went out (``set_capacity``'s ``taken_at``): SGLang's
-    num_used_tokens / token_usage include the KV of every running request (sglang-engine-api.md "metrics"),
+    num_used_tokens / token_usage include the KV of every running request (SGLang's
+    managers/scheduler_components/pool_stats_observer.py: used = max_total_num_tokens - (available + evictable)),
     so counting the prompt on top of those figures as well would count it twice, and a busy engine would
     look full for as long as its calls run. A call still in the engine's waiting queue at the scrape is
     in neither figure until its prefill runs (the engines do not report queued tokens).

@@ -1,10 +1,11 @@
 """kvgate's own endpoints, the one table they are routed by, and the admin key that guards them (I/O edge).
 
 The endpoints: GET /metrics and GET /kvgate/health (open: probes and Prometheus), GET /kvgate/engines,
-GET /kvgate/stats, GET /kvgate/sessions, GET /kvgate/sessions/{id}, POST /kvgate/sessions/{id}/close and, with
-session lifecycle on, GET|POST /close_session and vLLM router's POST /finish_session (these answer 403 without
-X-Kvgate-Admin-Key when an admin key is set); GET /kvgate/worker/metrics and /kvgate/worker/health when the process is one of several on a port (its
-siblings read them); kvgate's own 404 or 405 for any other path or method under /kvgate/. :meth:`Admin.routes`
+GET /kvgate/stats, GET /kvgate/sessions, GET /kvgate/sessions/{id}, POST /kvgate/sessions/{id}/close,
+GET|POST /close_session and vLLM router's POST /finish_session (these answer 403 without X-Kvgate-Admin-Key when
+an admin key is set; the last two whether session lifecycle is on or off: the router answers neither, and kvgate
+knows the engines to send the close to); GET /kvgate/worker/metrics and /kvgate/worker/health when the process
+is one of several on a port (its siblings read them); kvgate's own 404 or 405 for any other path or method under /kvgate/. :meth:`Admin.routes`
 is the one route table: kvgate's HTTP server looks requests up in it (:meth:`Admin.lookup`) and the aiohttp app
 is built from it (kvgate.proxy.app). Every answer reads the gateway's parts (kvgate.proxy.app.Gateway); none
 changes the request path.
@@ -26,7 +27,6 @@ from aiohttp import web
 from multidict import CIMultiDict
 
 from kvgate import __version__
-from kvgate.common.classify import parse_json_object
 from kvgate.config import PLACEMENT_ROUTES
 from kvgate.fleet import health
 from kvgate.proxy.relay import header_safe
@@ -55,6 +55,13 @@ Handler = Callable[[Any], Any]
 
 def _json(obj: Any, status: int = 200) -> web.Response:
     return web.Response(status=status, body=orjson.dumps(obj), content_type="application/json")
+
+
+def bad_request(message: str) -> web.Response:
+    """kvgate's 400 for a request to one of its own endpoints it cannot act on: one JSON shape,
+    ``{"error": {"message", "type": "invalid_request", "code": 400}}`` (SGLang's error object, nested as
+    OpenAI's), whichever endpoint refuses."""
+    return _json({"error": {"message": message, "type": "invalid_request", "code": 400}}, 400)
 
 
 def _unquote(s: str) -> str:
@@ -89,10 +96,11 @@ class Admin:
         if self.gw.process_role is not None:  # this process's own figures, which its siblings merge
             table["/kvgate/worker/metrics"] = get(self.handle_worker_metrics)
             table["/kvgate/worker/health"] = get(self.handle_worker_health)
-        if self.gw.lifecycle_on:
-            close = guard(self.handle_close_session)
-            table["/close_session"] = {"GET": close, "POST": close}
-            table["/finish_session"] = {"POST": guard(self.handle_finish_session)}  # vLLM router's
+        # Whatever session lifecycle is: the router answers neither (smg 1.13: 404), and a session the client
+        # named holds references on the engines' radix KV until its close reaches them.
+        close = guard(self.handle_close_session)
+        table["/close_session"] = {"GET": close, "POST": close}
+        table["/finish_session"] = {"POST": guard(self.handle_finish_session)}  # vLLM router's
         return table
 
     def body_limit(self, request) -> int:
@@ -161,8 +169,7 @@ class Admin:
 
     def _sid_refused(self, sid: str) -> web.Response | None:
         if self.gw._sid_too_long(sid):
-            return _json({"error": {"message": f"session_id is over max_session_id_bytes ({self.gw._max_sid} bytes)",
-                                    "type": "invalid_request", "code": 400}}, 400)
+            return bad_request(f"session_id is over max_session_id_bytes ({self.gw._max_sid} bytes)")
         return None
 
     # --- the endpoints ---------------------------------------------------------------------------
@@ -326,41 +333,45 @@ class Admin:
         s = self.gw.lifecycle.registry.get(sid)
         return _json(s.as_json(self.gw.lifecycle.clock()) if s else {"session_id": sid})
 
-    async def handle_close_session(self, request: web.Request) -> web.Response:
-        """SGLang's /close_session, answered by kvgate (the router would 404 it): always 200 with an
-        empty body once the close is scheduled; missing session_id -> 400 as in SGLang."""
+    async def _close_target(self, request: web.Request) -> str | web.Response:
+        """The session id a /close_session or /finish_session names (a JSON body's ``session_id``, else the
+        query's), or the 400 (:func:`bad_request`) that says what is wrong with the request."""
         raw = await request.read()
         sid = None
         if raw:
             try:
                 obj = orjson.loads(raw)
-                sid = obj.get("session_id") if isinstance(obj, dict) else None
             except orjson.JSONDecodeError:
-                return _json({"error": {"message": "body is not JSON"}}, 400)
-        sid = sid or request.query.get("session_id")
+                return bad_request('the body is not JSON: send {"session_id": "<id>"} or ?session_id=<id>')
+            sid = obj.get("session_id") if isinstance(obj, dict) else None
+        sid = sid if sid is not None else request.query.get("session_id")
         if sid is None:
-            return _json({"error": {"message": "session_id is required"}}, 400)
+            return bad_request('session_id is required: send {"session_id": "<id>"} or ?session_id=<id>')
         if not isinstance(sid, str) or not sid:
-            return _json({"error": {"message": "session_id must be a non-empty string"}}, 400)
+            return bad_request("session_id must be a non-empty string")
         refused = self._sid_refused(sid)
-        if refused is not None:
-            return refused
+        return sid if refused is None else refused
+
+    async def handle_close_session(self, request: web.Request) -> web.Response:
+        """SGLang's /close_session, answered by kvgate (the router would 404 it), session lifecycle on or off:
+        200 with an empty body once the close is scheduled on every engine; a request without a usable
+        session_id gets :func:`bad_request` (SGLang answers 400 too)."""
+        sid = await self._close_target(request)
+        if not isinstance(sid, str):
+            return sid
         self.gw.end_session(sid)
         self.gw.lifecycle.close(sid, "client")
         return web.Response(status=200)
 
     async def handle_finish_session(self, request: web.Request) -> web.Response:
         """vLLM router's ``POST /finish_session?session_id=...`` (prime-rl, SkyRL send it on success, failure and
-        cancellation): the session is closed as a client's /close_session closes it. The id comes from the query
-        or a JSON body {"session_id"}; answered 200 {"status": "ok", "session_id"} (idempotent), and 400 without
-        an id, as axum's query extractor answers it."""
-        sid = request.query.get("session_id")
-        if not sid:
-            raw = await request.read()
-            obj = parse_json_object(raw) if raw else None
-            sid = obj.get("session_id") if obj is not None else None
-        if not isinstance(sid, str) or not sid:
-            return web.Response(status=400, text="Failed to deserialize query string: missing field `session_id`")
+        cancellation): the session is closed as a client's /close_session closes it, session lifecycle on or off.
+        The id comes from the query or a JSON body {"session_id"}; answered 200 {"status": "ok", "session_id"}
+        (idempotent), and without a usable id the same 400 as /close_session (:func:`bad_request`; the clients
+        that send it read only the status)."""
+        sid = request.query.get("session_id") or await self._close_target(request)
+        if not isinstance(sid, str):
+            return sid
         refused = self._sid_refused(sid)
         if refused is not None:
             return refused

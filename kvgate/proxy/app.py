@@ -60,6 +60,7 @@ class SessionPlan:
     units: Any = None  # the prompt's units, kept for replicas sharing inference (state_backend: redis)
     placed: bool = False  # the placement stage chose its engine: it goes there, not to the router
     prompt_tokens: int = 0  # the prompt's size as the placement stage estimated it (a placed call's)
+    inference_result: str | None = None  # what prefix inference found, counted when the call ends
 
 
 def _as_text(session_id: str | None) -> str | None:
@@ -357,7 +358,7 @@ class Gateway:
         except asyncio.CancelledError:  # client gone while waiting for admission: it never went out
             self.metrics.client_disconnects.inc()
             if plan.inferred:
-                self._finish_inference(plan.session_id, None, False)
+                self._finish_inference(plan, None, False)
             raise
         except Exception:
             log.exception("admission failed; forwarding at once")
@@ -383,7 +384,7 @@ class Gateway:
         except asyncio.CancelledError:  # client gone while its session's close calls were answered
             self._release(ticket)
             if plan.inferred:
-                self._finish_inference(plan.session_id, None, False)
+                self._finish_inference(plan, None, False)
             raise
         except Exception:
             self.metrics.faults.labels("registry").inc()
@@ -417,10 +418,14 @@ class Gateway:
         obs = self._observed_safe(outcome)
         self._release(ticket, obs.meta_info if obs else None)
         self._record(c.route, outcome, elapsed)
+        refused = _refused(outcome)
         if session_id is not None:
-            self._finish_session(session_id, obs, c.body)
+            if refused:
+                self._refused_turn(session_id)
+            else:
+                self._finish_session(session_id, obs, c.body)
         if plan.inferred:
-            self._finish_inference(plan.session_id, obs, _completed(outcome))
+            self._finish_inference(plan, obs, _completed(outcome), refused)
             if plan.units is not None and obs is not None and obs.output and _completed(outcome):
                 self._share_turn(plan.session_id, plan.units, obs.output)
         if self.lifecycle_on and c.method == "POST" and c.path in STEP_BOUNDARY_ROUTES:
@@ -477,7 +482,8 @@ class Gateway:
                     other = await self.shared.continued_session(units, self._block(units))
                     if other is not None:
                         sid, reason = other, "shared"
-                self.metrics.child(self.metrics.session_inference, reason).inc()
+                if sid is None:  # unsupported: counted now; a call with a session when it ends (refused or not)
+                    self.metrics.child(self.metrics.session_inference, reason).inc()
         if sid is None:
             return SessionPlan(body=raw)
         # /v1/responses: smg 1.13 refuses a top-level session_id there (400, an unknown field), so kvgate adds
@@ -485,6 +491,8 @@ class Gateway:
         new_body = None if path == "/v1/responses" else with_session_id(raw, body_obj, sid)
         if new_body is None and "session_params" in body_obj:
             self.metrics.session_params_skipped.inc()
+            if inferred is not None:
+                self.metrics.child(self.metrics.session_inference, reason).inc()
             return SessionPlan(body=raw)
         if inferred is not None:
             # Synchronously, before the admission wait: a concurrent turn must see this session busy.
@@ -497,7 +505,8 @@ class Gateway:
             extra[rk] = header_safe(sid)
         return SessionPlan(sid, source, new_body if new_body is not None else raw, extra,
                            inferred=inferred is not None, prompt_is_text=isinstance(units, str),
-                           units=units if inferred is not None and self.shared is not None else None)
+                           units=units if inferred is not None and self.shared is not None else None,
+                           inference_result=reason if inferred is not None else None)
 
     def _release(self, ticket: Ticket, meta: dict | None = None) -> None:
         try:
@@ -564,14 +573,34 @@ class Gateway:
             log.exception("session registry update failed")
             self.metrics.faults.labels("registry").inc()
 
-    def _finish_inference(self, session_id: str, obs, completed: bool) -> None:
-        # Always end the request in the index, or the session would look busy forever. Only a completed
-        # turn moves the session on: a retry of an abandoned attempt must still extend the last one.
+    def _refused_turn(self, session_id: str) -> None:
+        """The upstream refused the call (a 4xx): no turn of its session. A session refused calls alone made is
+        dropped, and placement and admission forget it too (kvgate.sessions.lifecycle.request_refused)."""
+        if self.shared is not None:
+            self.shared.turn_finished(session_id)
         try:
+            dropped = self.lifecycle.request_refused(session_id)
+        except Exception:
+            log.exception("session registry update failed")
+            self.metrics.faults.labels("registry").inc()
+            return
+        if dropped:
+            self.placed.forget(session_id, hint=False)
+            self._admission_forget(session_id)
+
+    def _finish_inference(self, plan: SessionPlan, obs, completed: bool, refused: bool = False) -> None:
+        # Always end the request in the index, or the session would look busy forever. Only a completed
+        # turn moves the session on: a retry of an abandoned attempt must still extend the last one. A refused
+        # call is no turn: counted as refused, not as what inference found.
+        session_id = plan.session_id
+        try:
+            if plan.inference_result is not None:
+                self.metrics.child(self.metrics.session_inference,
+                                   "refused" if refused else plan.inference_result).inc()
             now = self.lifecycle.clock()
             if completed and obs is not None and obs.output:
                 self.inference.on_response(session_id, obs.output, now)
-            self.inference.on_request_end(session_id, now, completed)
+            self.inference.on_request_end(session_id, now, completed, refused)
         except Exception:
             log.exception("session inference update failed")
             self.metrics.faults.labels("inference").inc()
@@ -592,6 +621,12 @@ class Gateway:
         except Exception:
             log.exception("step boundary handling failed")
             self.metrics.faults.labels("registry").inc()
+
+
+def _refused(outcome) -> bool:
+    """The upstream refused the call: a 4xx answer (a bad body, an unknown route or model, no credentials, too
+    many requests). Nothing ran on an engine, so it is no turn of its session (docs/sessions.md)."""
+    return outcome is not None and outcome.status is not None and 400 <= outcome.status < 500
 
 
 def _completed(outcome) -> bool:

@@ -136,11 +136,11 @@ async def start_gateway(cfg: Config, gate: Gate | None = None, process_role=None
         site = web.TCPSite(runner, cfg.host, cfg.port, backlog=1024,
                            reuse_port=True if process_role is not None else None)
         await site.start()
-        port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+        port = runner.addresses[0][1]  # the first socket of the one site started so far
         if process_role is not None:
             private = web.TCPSite(runner, "127.0.0.1", 0)
             await private.start()
-            process_role.register(private._server.sockets[0].getsockname()[1])  # type: ignore[union-attr]
+            process_role.register(runner.addresses[-1][1])  # the private site's one socket, started last
     except BaseException:  # the port is taken, say: stop what startup began (pollers, sessions)
         await runner.cleanup()
         raise

@@ -75,10 +75,11 @@ class PlacedRelay:
         for url in self.directory.urls:
             self.metrics.placed_sessions.labels(url).set(self.placement.sessions_on(url))
 
-    def forget(self, sid: str) -> None:
-        """A closed session: placement keeps only its re-open hint. Never raises (counted as a fault)."""
+    def forget(self, sid: str, hint: bool = True) -> None:
+        """A closed session: placement keeps only its re-open hint (``hint`` False: not even that, for a session
+        that never had a turn). Never raises (counted as a fault)."""
         try:
-            if self.placement.forget(sid, self.clock()):
+            if self.placement.forget(sid, self.clock() if hint else None):
                 self.publish()
         except Exception:
             log.exception("placement forget failed")
@@ -168,7 +169,7 @@ class PlacedRelay:
                 continue
             self.metrics.placement_calls.labels("engine").inc()
             if outcome.status is not None:
-                self.directory.engine_answered(target.engine)
+                self.directory.engine_answered(target.engine, placed=True)
             return resp, outcome
 
     async def _adopt_shared(self, sid: str, where: tuple[str, int | None] | None) -> None:

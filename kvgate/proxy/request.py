@@ -296,12 +296,14 @@ class Request:
 
     def write_response(self, resp, date: str) -> None:
         """Answer with an aiohttp Response (kvgate's own endpoints, kvgate-made errors, HTTP exceptions);
-        ``date``: the Date header's value when it has none."""
+        ``date``: the Date header's value when it has none. A body aiohttp holds as a Payload (a Response built
+        from a str or a file object) is read with its public ``decode``: latin-1 maps each byte to one character
+        and back, so the bytes go out exactly (a file object is read at once: kvgate's handlers send none)."""
         body = getattr(resp, "body", None)
         if body is None:
             body = b""
         elif not isinstance(body, (bytes, bytearray)):
-            body = bytes(body._value) if hasattr(body, "_value") else bytes(body)
+            body = body.decode("latin-1").encode("latin-1")
         headers = resp.headers
         items = [(k, v) for k, v in headers.items() if k.lower() not in SERIALISED]
         if "Content-Type" not in headers and body:

@@ -201,7 +201,7 @@ class SessionInference:
         self._index: dict[int, Any] = {}  # p_key -> sid (str) or list of sids
         self.counts = {"infer": 0, "unsupported": 0, "new": 0, "ambiguous": 0, DECISIVE: 0, PARTIAL: 0,
                        RERENDER: 0, PROMPT_ONLY: 0, REASK: 0, "diverged": 0, "busy_skipped": 0, "dropped": 0,
-                       "output_ignored": 0, "retry": 0, "abandoned": 0}
+                       "output_ignored": 0, "retry": 0, "abandoned": 0, "refused": 0}
 
     # --- lookup ------------------------------------------------------------------------------------
 
@@ -390,24 +390,33 @@ class SessionInference:
                     t.probe = None
         t.last_active = now
 
-    def on_request_end(self, session_id: str, now: float, completed: bool = True) -> None:
+    def on_request_end(self, session_id: str, now: float, completed: bool = True, refused: bool = False) -> None:
         """The session's request ended; call after :meth:`on_response`. ``completed``: the upstream answered
         it in full with a success status. When the last turn in flight ends and none of them completed,
-        the session's prompt and output go back to what they were before (counted as ``abandoned``)."""
+        the session's prompt and output go back to what they were before (counted as ``abandoned``).
+        ``refused``: the upstream refused it (a 4xx: nothing ran on an engine): it is no turn (counted as
+        ``refused``), and a session no turn is left of is forgotten."""
         t = self._tracks.get(session_id)
         if t is None:
             return
         t.in_flight = max(0, t.in_flight - 1)
         t.last_active = now
+        if refused:
+            t.turns = max(0, t.turns - 1)
+            self.counts["refused"] += 1
         if completed:
             t.before = None
         if t.in_flight == 0:
             t.pending = None
+            if refused and t.turns == 0:
+                self.forget(session_id)
+                return
             if t.before is not None:
                 self._unindex(t)
                 t.restore(t.before)
                 self._reindex(t)
-                self.counts["abandoned"] += 1
+                if not refused:
+                    self.counts["abandoned"] += 1
             t.before = None
         self._tracks.move_to_end(session_id)
 

@@ -205,6 +205,24 @@ class SessionLifecycle:
             if asked and self.close_on_abort:
                 self.close(session_id, "abort")
 
+    def request_refused(self, session_id: str) -> bool:
+        """A request of the session ended refused by the upstream (a 4xx: nothing ran on an engine): no turn of
+        it (kvgate.sessions.registry.SessionRegistry.request_refused). Returns True when the session is gone
+        (refused requests alone made it): its idle timing and step are forgotten too."""
+        now = self.clock()
+        dropped = self.registry.request_refused(session_id)
+        if dropped:
+            self.policy.forget(session_id)
+            self.steps.forget(session_id)
+        else:
+            self.policy.on_turn_end(session_id, now)
+            s = self.registry.get(session_id)
+            if s is not None and s.in_flight == 0:
+                ev = self._drained.get(session_id)
+                if ev is not None:
+                    ev.set()
+        return dropped
+
     def turn_marks(self, session_id: str, headers) -> str | None:
         """What the turn's request headers said about its session, applied once its answer has gone out (call
         after :meth:`request_finished`): a subagent's parent (x-dynamo-parent-session-id) is linked; a final-turn

@@ -216,6 +216,21 @@ class SessionRegistry:
             if usage_source:
                 s.usage_source = usage_source
 
+    def request_refused(self, session_id: str) -> bool:
+        """Record the end of a request of ``session_id`` the upstream refused (a 4xx: nothing ran on an engine):
+        it is no turn, so the turn :meth:`request_started` counted is taken back. A session no turn is left of
+        (active, none in flight: refused requests alone made it) is dropped. Returns True when it was dropped."""
+        s = self._sessions.get(session_id)
+        if s is None:
+            return False
+        s.in_flight = max(0, s.in_flight - 1)
+        s.turns = max(0, s.turns - 1)
+        if s.turns == 0 and s.in_flight == 0 and s.state == ACTIVE:
+            self._unlink(s)
+            del self._sessions[session_id]
+            return True
+        return False
+
     def link_parent(self, session_id: str, parent: str) -> bool:
         """Record that ``session_id`` is a subagent's session of ``parent`` (which may not be tracked yet). A
         session names one parent: a later, different parent moves it. False when nothing changed (unknown
