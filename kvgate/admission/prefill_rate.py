@@ -17,9 +17,14 @@ Until a place has ``min_samples`` calls the fleet's fit stands in; until the fle
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any, Hashable
 
-__all__ = ["PrefillRate"]
+__all__ = ["PrefillRate", "WAIT_BOUNDS"]
+
+#: How long the program policy lets a turn wait for room: "reprefill" (what re-prefilling the KV its admission
+#: displaces would cost, within the aging bound) or "aging" (the aging bound alone).
+WAIT_BOUNDS = ("reprefill", "aging")
 
 
 class _Fit:
@@ -107,6 +112,17 @@ class PrefillRate:
         fit.add(float(seconds), float(prefilled), float(decoded), self.forget)
         self._fleet.add(float(seconds), float(prefilled), float(decoded), self.forget)
         self._cache.clear()
+
+    def observe_answer(self, place: Hashable, seconds: float, meta: Any) -> None:
+        """One answered call from its meta_info (prompt_tokens, cached_tokens, completion_tokens: the engine's
+        own counts); ignored without the first two or for the whole fleet (no engine known)."""
+        if not isinstance(meta, Mapping) or place is None:  # None: the whole fleet (kvgate.admission.working_set)
+            return
+        pt, cached, ct = meta.get("prompt_tokens"), meta.get("cached_tokens"), meta.get("completion_tokens")
+        if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in (pt, cached)):
+            return
+        ct = ct if isinstance(ct, int) and not isinstance(ct, bool) and ct >= 0 else 0
+        self.observe(place, seconds, max(0, pt - cached), ct)
 
     def per_token_s(self, place: Hashable) -> float | None:
         """Seconds one prefilled token costs on ``place`` (its own fit, else the fleet's), or None (no figure)."""

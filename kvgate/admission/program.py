@@ -43,7 +43,7 @@ from .capacity import ClusterSnapshot
 from .coordinator import Decision, DecisionTally, Kind
 from .deadlines import Deadlines
 from .ledger import Grant, Ledger, check_tokens
-from .prefill_rate import PrefillRate
+from .prefill_rate import WAIT_BOUNDS, PrefillRate
 from .program_pause import _Pausing
 from .program_queue import _WaitingTurns
 from .records import (BOUND_REASON, NO_SEAT, Action, ProgramState, WaitReason, _Program, _Waiter, nonneg_int,
@@ -55,10 +55,6 @@ from .working_set import FLEET
 
 __all__ = ["ProgramCoordinator", "ProgramState", "Action", "VICTIM_RULES", "RESUME_ORDERS", "BOUND_REASON",
            "VictimRule", "ResumeOrder", "WaitReason", "WAIT_BOUNDS"]
-
-#: How long a turn waiting for room may wait: "reprefill" (what re-prefilling the KV its admission displaces
-#: would cost, within the aging bound) or "aging" (the aging bound alone).
-WAIT_BOUNDS = ("reprefill", "aging")
 
 _NO_SEAT = NO_SEAT  # its former name (tests read a program's seat against it)
 
@@ -327,7 +323,7 @@ class ProgramCoordinator(_WaitingTurns, _Pausing):
             return
         tokens, prompt, blocks, before, expected_prefix, started = p.inflight.pop(ticket)
         if not cancelled and isinstance(observed, Mapping):
-            self._learn_rate(p.place, now - started, observed)
+            self.prefill.observe_answer(p.place, now - started, observed)
         if one_turn(sid):
             self._remove(p)
             return
@@ -370,13 +366,6 @@ class ProgramCoordinator(_WaitingTurns, _Pausing):
                 p.overdue_at = p.last_end + self._gaps.overdue_after(p)
                 self._push_due(p)
             self._relieve(p.place, now)
-
-    def _learn_rate(self, place: Any, seconds: float, m: Mapping[str, Any]) -> None:
-        """One answered call's figures into the prefill rate (the engine's own token counts)."""
-        pt, ct, cached = (nonneg_int(m.get("prompt_tokens")), nonneg_int(m.get("completion_tokens")),
-                          nonneg_int(m.get("cached_tokens")))
-        if pt is not None and cached is not None and place is not FLEET:
-            self.prefill.observe(place, seconds, max(0, pt - cached), ct or 0)
 
     def cancel(self, ticket: Hashable, now: float) -> bool:
         """The waiter for ``ticket`` left before it used its decision: removes it from the queue, or releases a
