@@ -79,13 +79,14 @@ def test_a_waiting_turn_goes_once_its_wait_costs_what_its_admission_would():
     assert co.submit("big", 1500, False, t, place=E0, session_id="a", prompt_tokens=1400).kind is Kind.ADMIT
     d = co.submit("next", 600, False, t, place=E0, session_id="b", prompt_tokens=500)
     assert d.kind is Kind.WAIT
-    # ceiling 1800, 1500 reserved: admitting it displaces 600 - 300 = 300 tokens, 0.6 s of re-prefill
+    # ceiling 1800, 1500 reserved: admitting it displaces 600 - 300 = 300 tokens, 0.6 s of re-prefill, which
+    # stalls the one call running there as well as the program it belongs to: 1.2 s
     due = co.next_deadline(t)
-    assert due == pytest.approx(t + 0.6)
+    assert due == pytest.approx(t + 1.2)
     assert co.pump(due - 1e-6) == []
     out = co.pump(due)
     assert [(x.ticket, x.kind) for x in out] == [("next", Kind.BYPASS_COST)]
-    assert out[0].waited_s == pytest.approx(0.6)
+    assert out[0].waited_s == pytest.approx(1.2)
     assert co.counters["bypass_cost"] == 1 and co.stats(due)["prefill_tokens_per_s"]["fleet"] == pytest.approx(500)
 
 

@@ -6,8 +6,8 @@ and no reservation outlives its evidence.
   back (one answered turn, no gap seen) do not count as holding it once the turn has waited that long. A turn
   that fits where it may go never waits at all.
 - Pause only where it pays: a turn waits no longer than re-prefilling its own reservation would take at the
-  prefill rate the coordinator has learned (what its admission displaces is at most that), nor past the aging
-  bound.
+  prefill rate the coordinator has learned (what its admission displaces is at most that), for its program and
+  for each call running where it may go, nor past the aging bound.
 - No ended program holds a reservation: a closed session's program, a call without a session once answered,
   and a program idle past what its gaps predict (``program_states(now)`` shows none as ``ended``).
 
@@ -77,7 +77,10 @@ class WorkConserving(RuleBasedStateMachine):
             event("a turn waited")
             self.waiting[t] = (sid, self.now, place, tokens)
             rate = self.co.prefill.per_token_s(self.lg.resolve_place(place))
-            self.bound[t] = min(self.co.max_wait_s, tokens * rate) if rate is not None else self.co.max_wait_s
+            allowed = self.places if self.movable else [place]
+            running = max(self.lg.leases_on(pl) for pl in allowed)  # each stalls while the displaced KV re-prefills
+            self.bound[t] = (min(self.co.max_wait_s, tokens * rate * (1 + running)) if rate is not None
+                             else self.co.max_wait_s)
         else:
             self.inflight[t] = sid
         self._deliver(self.co.pump(self.now))

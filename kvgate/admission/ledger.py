@@ -150,6 +150,7 @@ class Ledger:
         self._ceiling = 0
         self._epoch = 0
         self._leases: dict[Hashable, Lease] = {}
+        self._lease_n: dict[Any, int] = {}  # place -> leases granted there
         # A lower bound on every lease's expires_at: expire() scans the leases only once it is reached, so
         # admitting a request does not walk every lease in flight.
         self._expiry_floor = math.inf
@@ -269,6 +270,7 @@ class Ledger:
         if expires < self._expiry_floor:
             self._expiry_floor = expires
         self._leases[ticket] = lease
+        self._lease_n[place] = self._lease_n.get(place, 0) + 1
         self._granted_total += 1
         if oversized:
             self._oversized_total += 1
@@ -465,7 +467,16 @@ class Ledger:
         lease = self._leases.pop(ticket, None)
         if lease is None:
             return 0
+        n = self._lease_n.get(lease.place, 0) - 1
+        if n > 0:
+            self._lease_n[lease.place] = n
+        else:
+            self._lease_n.pop(lease.place, None)
         return self._hold.remove(ticket)
+
+    def leases_on(self, place: Any) -> int:
+        """Calls holding a lease on ``place`` now (granted there, not yet released), O(1)."""
+        return self._lease_n.get(self.resolve_place(place), 0)
 
     def renew(self, ticket: Hashable, now: float) -> bool:
         """Push ``ticket``'s lease expiry to now + lease_ttl_s (long streams); False if it holds none."""

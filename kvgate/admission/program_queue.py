@@ -10,8 +10,9 @@ programs' turns are also indexed by place to go first (the resume order, kvgate.
 - work-conserving: a waiting turn goes to any engine with room when kvgate places it (``movable``), its own
   engine first, and a later turn that fits is not held behind one that fits nowhere;
 - aging: any waiting turn goes after ``max_wait_s`` (bypass-aged, still reserving), so nothing starves;
-- pause only where it pays (``wait_bound`` "reprefill"): a turn waiting for room waits no longer than
-  re-prefilling the KV its admission would displace takes at the engine's learned prefill rate, then goes
+- pause only where it pays (``wait_bound`` "reprefill"): a turn waiting for room waits no longer than what
+  re-prefilling the KV its admission would displace costs: its seconds at the engine's learned prefill rate, once
+  for the program it belongs to and once for each call running there (a prefill batch stalls their decode), then goes
   (bypass-cost, over the ceiling, on the place where it displaces least; the place's in-tool programs pause
   to make the room). Waiting longer than that costs more than the eviction it avoids: the rent-or-buy rule
   (ski rental), which is never worse than twice the better of the two in hindsight. Where re-prefill is cheap
@@ -139,7 +140,12 @@ class _WaitingTurns:
             return
         place, displaced = self._least_displacing(w)
         s = self.prefill.seconds(place, displaced)
-        if s is None or s >= self.max_wait_s:
+        if s is None:
+            return
+        # SGLang runs a prefill batch instead of a decode step: re-prefilling the displaced KV delays every
+        # call running on that engine as well as the program it belongs to
+        s *= 1 + self.ledger.leases_on(place)
+        if s >= self.max_wait_s:
             return
         w.cost_due = w.enqueued_at + s
         self._cost_due.push(w.cost_due, w.ticket, w.cost_due)
