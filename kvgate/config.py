@@ -410,7 +410,7 @@ KEYS: list[Key] = [
     Key("admission_pause_victim", str, "ahead",
         "program policy: which in-tool program pauses first when an engine overflows.",
         choices=("smallest", "largest", "longest-idle", "ahead")),
-    Key("admission_wait_bound", str, "reprefill",
+    Key("admission_wait_bound", str, "aging",
         "program policy: how long a turn waits for room. reprefill: no longer than re-prefilling the KV its "
         "admission would displace takes, at the prefill rate learned from the engines' answers (then it goes "
         "over the ceiling as bypass-cost), never past agentic_admission_max_wait_s; aging: "

@@ -101,7 +101,7 @@ def test_the_aging_bound_alone_keeps_the_old_wait():
 
 def test_no_rate_yet_means_the_aging_bound():
     lg = Ledger(headroom=0.9, pressure_threshold=0.99, stale_after_s=1e9, lease_ttl_s=1e9)
-    co = ProgramCoordinator(lg, max_wait_s=30.0, reclaim_after_s=None)
+    co = ProgramCoordinator(lg, max_wait_s=30.0, reclaim_after_s=None, wait_bound="reprefill")
     co.reconcile(ClusterSnapshot.build({E0: EngineCapacity.from_pools([(2000, 0, 0.0)])}, 0.0), 0.0)
     co.submit("big", 1500, False, 0.0, place=E0, session_id="a", prompt_tokens=1400)
     assert co.submit("next", 600, False, 0.0, place=E0, session_id="b", prompt_tokens=500).kind is Kind.WAIT

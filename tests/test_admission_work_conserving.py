@@ -34,7 +34,8 @@ class WorkConserving(RuleBasedStateMachine):
     def setup(self, caps, movable, hot, victim, resume, per_token):
         self.lg = Ledger(headroom=0.9, pressure_threshold=0.92, stale_after_s=1e9, lease_ttl_s=1e9)
         self.co = ProgramCoordinator(self.lg, max_wait_s=30.0, victim=victim, resume=resume, program_ttl_s=300.0,
-                                     overdue_default_s=20.0, reclaim_after_s=POLL_S)
+                                     overdue_default_s=20.0, reclaim_after_s=POLL_S,
+                                     wait_bound="reprefill")
         self.movable = movable
         self.places = [f"http://e{i}" for i in range(len(caps))]
         if per_token is not None:  # the rate the engines' answers taught it (seconds = 0.05 + per_token x prefilled)

@@ -314,9 +314,9 @@ async def test_burst_of_closes_reaches_every_engine(sim_factory, kvgate_factory,
     # nothing else to warn about from kvgate: its loggers, or asyncio reporting a task of kvgate's code (another
     # test's client collected meanwhile may log through asyncio about its own task)
     pkg = os.path.dirname(kvgate.__file__) + os.sep
-    retried = "/close_session failed"
+    retried = ("/close_session failed", "answers /close_session again")  # a timed-out close, then its retry's answer
     assert not [r for r in caplog.records if (r.name.startswith("kvgate") or pkg in r.getMessage())
-                and not (timeouts and retried in r.getMessage())]
+                and not (timeouts and any(m in r.getMessage() for m in retried))]
     print(f"{n} closes x 2 engines: answered in {answered:.2f}s ({n / answered:.0f}/s), "
           f"delivered in {took:.2f}s ({2 * n / took:.0f} engine calls/s)")
 

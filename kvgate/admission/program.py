@@ -83,7 +83,7 @@ class ProgramCoordinator(_WaitingTurns, _Pausing):
                  victim: str = "ahead", resume: str = "fifo", program_ttl_s: float = 600.0,
                  overdue_multiple: float = 3.0, overdue_quantile: float = 0.9, overdue_default_s: float = 60.0,
                  resume_deadline_s: float | None = None, max_resident: int | None = None,
-                 reclaim_after_s: float | None = 2.0, wait_bound: str = "reprefill") -> None:
+                 reclaim_after_s: float | None = 2.0, wait_bound: str = "aging") -> None:
         if isinstance(max_wait_s, bool) or not isinstance(max_wait_s, (int, float)) or not max_wait_s >= 0:
             raise ValueError(f"max_wait_s must be >= 0, got {max_wait_s!r}")
         if wait_bound not in WAIT_BOUNDS:
