@@ -121,7 +121,7 @@ class _WaitingTurns:
         lg = self.ledger
         best, least = w.place, None
         for pl in self._places_for(w):
-            charge = lg.charge(pl, w.tokens, w.blocks) if lg.shares_start(pl, w.blocks) else w.tokens
+            charge = self._charge_on(w, pl)
             free = lg.free_on(pl)
             if pl is not FLEET:
                 free = min(free, int(lg.max_tokens(pl) * (1.0 - lg.usage_of(pl))))
@@ -254,10 +254,7 @@ class _WaitingTurns:
             lg = self.ledger
             lb, th = self._lower_bound(w), lg.pressure_threshold
             rest = [pl for pl in places[1:] if lg.free_on(pl) >= lb and lg.usage_of(pl) < th]
-            # the charge (a walk of the prompt's blocks) only where the prompt's start is held: elsewhere it is
-            # the whole turn, the same on every engine
-            rest.sort(key=lambda pl: (lg.charge(pl, w.tokens, w.blocks) if lg.shares_start(pl, w.blocks)
-                                      else w.tokens, -lg.free_on(pl)))
+            rest.sort(key=lambda pl: (self._charge_on(w, pl), -lg.free_on(pl)))
             places = [places[0], *rest]
         for pl in places:
             r = self.ledger.try_acquire(w.ticket, w.tokens, now, place=pl, blocks=w.blocks)
@@ -267,6 +264,12 @@ class _WaitingTurns:
             if first is None:
                 first = r
         return first, w.place
+
+    def _charge_on(self, w: _Waiter, place: Any) -> int:
+        """What ``w`` would add on ``place``: the walk of its prompt's blocks only where the prompt's start is
+        held (elsewhere it is the whole turn, the same on every engine)."""
+        lg = self.ledger
+        return lg.charge(place, w.tokens, w.blocks) if lg.shares_start(place, w.blocks) else w.tokens
 
     def _note_refusal(self, w: _Waiter, place: Any, r: Refusal) -> None:
         failed = self._failed
