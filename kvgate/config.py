@@ -22,6 +22,8 @@ from urllib.parse import urlsplit
 import yaml
 
 from kvgate import config_checks
+from kvgate.admission.pause_gate import START_RATIO, STOP_RATIO
+
 
 class ConfigError(ValueError):
     """A configuration problem; ``str(err)`` is one line that names the key."""
@@ -417,6 +419,16 @@ KEYS: list[Key] = [
         "admission would displace takes, at the prefill rate learned from the engines' answers (then it goes "
         "over the ceiling as bypass-cost), never past agentic_admission_max_wait_s; aging: "
         "agentic_admission_max_wait_s alone.", choices=("reprefill", "aging")),
+    Key("admission_pause_start_ratio", float, START_RATIO,
+        "program policy: hold turns and pause programs only once re-prefilling KV the engines had evicted costs "
+        "the calls this many seconds per engine second (measured from the answers at the learned prefill rate; "
+        "CPU engines with short contexts measure 0.2-0.7, thrashing GPU-class engines 6-7); until then every turn "
+        "goes at once, as with lifecycle alone; 0 = always.", _nonneg, ">= 0",
+        only_when="agentic_program_admission"),
+    Key("admission_pause_stop_ratio", float, STOP_RATIO,
+        "program policy: stop holding and pausing once that figure falls below this (<= "
+        "admission_pause_start_ratio; ignored when it is 0).", _nonneg, ">= 0",
+        only_when="agentic_program_admission"),
     Key("admission_resume_order", str, "fifo",
         "program policy: which paused program resumes first as room frees.", choices=("smallest", "fifo")),
     Key("admission_program_overdue_multiple", float, 3.0,
@@ -538,6 +550,9 @@ def validate(raw: dict[str, Any]) -> Config:
             re.compile(values["session_field_regex"])
         except re.error as exc:
             raise ConfigError(f"session_field_regex: not a valid regular expression ({exc})") from None
+    if 0 < values["admission_pause_start_ratio"] < values["admission_pause_stop_ratio"]:
+        raise ConfigError(f"admission_pause_stop_ratio: must be <= admission_pause_start_ratio "
+                          f"({values['admission_pause_start_ratio']}), got {values['admission_pause_stop_ratio']}")
     if values["session_idle_floor_s"] > values["session_idle_ceiling_s"]:
         raise ConfigError(f"session_idle_floor_s: must be <= session_idle_ceiling_s "
                           f"({values['session_idle_ceiling_s']}), got {values['session_idle_floor_s']}")

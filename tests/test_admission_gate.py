@@ -9,7 +9,8 @@ from kvgate.common.metrics import Metrics
 
 
 def _gate(policy="fifo", **kw):
-    cfg = validate({"agentic_program_admission": True, "admission_policy": policy})
+    cfg = validate({"agentic_program_admission": True, "admission_policy": policy,
+                    "admission_pause_start_ratio": 0})  # the program policy's rules, paused whatever re-prefill costs
     return AdmissionGate(cfg, Metrics(), clock=lambda: 0.0, **kw)
 
 
@@ -40,7 +41,7 @@ async def test_the_place_stage_decides_where_the_lease_counts_and_a_movable_call
 def test_the_resident_bound_reaches_the_program_policy_and_its_series():
     from prometheus_client import generate_latest
 
-    cfg = validate({"agentic_program_admission": True, "admission_policy": "program",
+    cfg = validate({"agentic_program_admission": True, "admission_policy": "program", "admission_pause_start_ratio": 0,
                     "admission_program_max_resident": 1})
     g = AdmissionGate(cfg, Metrics(), clock=lambda: 0.0)
     co = g.coord
@@ -217,3 +218,25 @@ async def test_a_release_wakes_the_timer_only_for_a_deadline_sooner_than_its_own
                 await _timer_asleep(g, until=g.cfg.admission_program_overdue_default_s)
         finally:
             await g.stop()
+
+
+def test_the_pause_gate_keys_reach_the_program_policy():
+    """The shipped default holds and pauses only once re-prefill costs 1.5 s per engine second, stops below 0.2;
+    a stop ratio above the start ratio stops startup naming the key."""
+    import pytest
+
+    from kvgate.config import ConfigError
+
+    from prometheus_client import generate_latest
+
+    cfg = validate({"agentic_program_admission": True, "admission_policy": "program"})
+    g = AdmissionGate(cfg, Metrics(), clock=lambda: 0.0)
+    co = g.coord
+    assert (co.gate.open_share, co.gate.close_share, co.gate.is_open) == (1.5, 0.2, False)
+    text = generate_latest(g.metrics.registry).decode()
+    assert "agentic_kv_program_pausing 0.0" in text and "agentic_kv_program_reprefill_ratio NaN" in text
+    assert g.stats()["pause_gate"]["start_ratio"] == 1.5
+    assert _gate("program").coord.gate.is_open  # 0: always
+    with pytest.raises(ConfigError, match="^admission_pause_stop_ratio: must be <= admission_pause_start_ratio"):
+        validate({"agentic_program_admission": True, "admission_policy": "program",
+                  "admission_pause_start_ratio": 0.5, "admission_pause_stop_ratio": 0.8})

@@ -30,7 +30,7 @@ async def test_program_policy_pauses_an_in_tool_program_and_resumes_it(sim_facto
     e = await sim_factory(max_total_num_tokens=2000, speed=4.0)  # ceiling 2,000 x 0.9 = 1,800
     watcher = CloseWatcher(e)
     router = await router_factory([e.url])
-    gw, kv = await kvgate_factory(upstream=router, agentic_program_admission=True, admission_policy="program",
+    gw, kv = await kvgate_factory(upstream=router, agentic_program_admission=True, admission_policy="program", admission_pause_start_ratio=0,
                                   agentic_session_lifecycle=True, session_inference=False,
                                   admission_poll_interval_s=POLL, discovery_interval_s=0.2,
                                   agentic_admission_max_wait_s=60.0)
@@ -93,7 +93,7 @@ async def test_an_idle_close_ends_the_program_and_frees_its_room(sim_factory, ro
     e = await sim_factory(max_total_num_tokens=2000, speed=4.0)  # ceiling 2,000 x 0.9 = 1,800
     watcher = CloseWatcher(e)
     router = await router_factory([e.url])
-    gw, kv = await kvgate_factory(upstream=router, agentic_program_admission=True, admission_policy="program",
+    gw, kv = await kvgate_factory(upstream=router, agentic_program_admission=True, admission_policy="program", admission_pause_start_ratio=0,
                                   agentic_session_lifecycle=True, session_inference=False,
                                   session_idle_close_mode="fixed", session_idle_close_s=30.0,
                                   admission_poll_interval_s=POLL, discovery_interval_s=0.2,
@@ -131,7 +131,7 @@ async def test_place_first_then_admit_through_the_proxy(sim_factory, router_fact
     to, never fleet-wide (before, the first turn counted on the fleet until the session's next turn)."""
     e0, e1 = await sim_factory(max_total_num_tokens=20_000), await sim_factory(max_total_num_tokens=20_000)
     router = await router_factory([e0.url, e1.url])
-    gw, kv = await kvgate_factory(upstream=router, agentic_program_admission=True, admission_policy="program",
+    gw, kv = await kvgate_factory(upstream=router, agentic_program_admission=True, admission_policy="program", admission_pause_start_ratio=0,
                                   agentic_session_lifecycle=True, session_inference=False,
                                   session_placement="kvgate", admission_poll_interval_s=POLL,
                                   discovery_interval_s=0.2)

@@ -164,7 +164,8 @@ async def test_admission_counts_the_decode_pools_and_lets_a_held_call_go_when_a_
     closes, then goes."""
     router, pres, decs = await pd_fleet(prefill=1, decode=2, max_total_num_tokens=4000)
     gw, kv = await kvgate_factory(upstream=router, agentic_session_lifecycle=True, agentic_program_admission=True,
-                                  admission_policy="program", admission_poll_interval_s=0.1,
+                                  admission_policy="program", admission_pause_start_ratio=0,
+                                  admission_poll_interval_s=0.1,
                                   discovery_interval_s=0.2, agentic_admission_max_wait_s=60.0)
     await gw.directory.first_refresh.wait()
     while gw.gate.ledger.snapshot is None:

@@ -9,7 +9,9 @@ import aiohttp
 import orjson
 
 POLL = 0.1
-CONFIG = dict(agentic_program_admission=True, admission_policy="program", agentic_session_lifecycle=True,
+# the program policy's rules whatever re-prefill costs (admission_pause_start_ratio 0: the gate is off)
+CONFIG = dict(agentic_program_admission=True, admission_policy="program", admission_pause_start_ratio=0,
+              agentic_session_lifecycle=True,
               session_placement="kvgate", admission_poll_interval_s=POLL, discovery_interval_s=0.2,
               agentic_admission_max_wait_s=60.0)
 

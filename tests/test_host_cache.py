@@ -94,7 +94,7 @@ async def _turn(http, kv, sid, ids, max_new=200):
 async def _fleet(sim_factory, router_factory, kvgate_factory, policy="program", **kw):
     e = await sim_factory(max_total_num_tokens=2000, speed=4.0, enable_hierarchical_cache=True)
     router = await router_factory([e.url])
-    gw, kv = await kvgate_factory(upstream=router, agentic_program_admission=True, admission_policy=policy,
+    gw, kv = await kvgate_factory(upstream=router, agentic_program_admission=True, admission_policy=policy, admission_pause_start_ratio=0,
                                   agentic_session_lifecycle=True, session_inference=False,
                                   admission_poll_interval_s=POLL, discovery_interval_s=0.2,
                                   agentic_admission_max_wait_s=60.0, **kw)
@@ -143,7 +143,7 @@ async def test_host_pool_set_in_gb_is_read_through_the_kv_bytes_per_token(sim_fa
                                                                           kvgate_factory):
     e = await sim_factory(max_total_num_tokens=200_000, speed=4.0, enable_hierarchical_cache=True, hicache_size=40)
     router = await router_factory([e.url])
-    gw, kv = await kvgate_factory(upstream=router, agentic_program_admission=True, admission_policy="program",
+    gw, kv = await kvgate_factory(upstream=router, agentic_program_admission=True, admission_policy="program", admission_pause_start_ratio=0,
                                   admission_poll_interval_s=POLL, discovery_interval_s=0.2)
     await gw.directory.first_refresh.wait()
     while e.url not in gw.poller.host_tokens:

@@ -36,7 +36,7 @@ async def test_place_first_then_admit_a_new_sessions_first_turn_reserves_on_its_
     queue (4 of 4 admitted, e0's working set 8,400 + 4 x 1,500 = 14,400 against its 9,000). Now placement
     picks the engine first and the turn reserves there: on e0 it waits (working set stays 8,400); placed on
     e1 by free KV, e1's reservation is exactly the turn's 1,500 tokens."""
-    cfg = validate({"agentic_program_admission": True, "admission_policy": "program",
+    cfg = validate({"agentic_program_admission": True, "admission_policy": "program", "admission_pause_start_ratio": 0,
                     "agentic_session_lifecycle": True})
     placement = Placement()
     placement.set_engines([(E0, True), (E1, True)])

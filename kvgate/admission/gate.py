@@ -87,7 +87,14 @@ class AdmissionGate:
                                             max_resident=cfg.admission_program_max_resident,
                                             # KV held without evidence of return counts for one poll at most
                                             reclaim_after_s=cfg.admission_poll_interval_s,
-                                            wait_bound=cfg.admission_wait_bound)
+                                            wait_bound=cfg.admission_wait_bound,
+                                            pause_start_ratio=cfg.admission_pause_start_ratio,
+                                            pause_stop_ratio=cfg.admission_pause_stop_ratio,
+                                            # the re-prefill ratio now: over the last 20 polls (a window of
+                                            # minutes would start pausing long after the KV began to thrash),
+                                            # deciding nothing before 4 polls of answers
+                                            pause_window_s=20 * cfg.admission_poll_interval_s,
+                                            pause_min_span_s=4 * cfg.admission_poll_interval_s)
         else:
             self.coord = AdmissionCoordinator(self.ledger, cfg.agentic_admission_max_wait_s,
                                               window_s=cfg.admission_window_s, backfill=cfg.admission_backfill)
@@ -508,7 +515,22 @@ def _program_metrics(s: dict[str, Any], p: str):
             ("program_reclaimed", "reclaimed", "Programs paused because they held KV without evidence of return "
                                                "(one answered turn, no gap seen) while a turn waited a poll interval"),
             ("program_ended_paused", "pause_overdue", "Programs paused as they turned ended (idle past what their "
-                                                      "own and their group's gaps between turns predict)")):
+                                                      "own and their group's gaps between turns predict)"),
+            ("program_admitted_not_pausing", "admit_gate_closed", "Turns admitted at once because re-prefill costs "
+                                                                  "too little for pausing to pay")):
         m = CounterMetricFamily(p + name, doc)
         m.add_metric([], s["counters"][key])
         yield m
+    gate = s["pause_gate"]
+    m = GaugeMetricFamily(p + "program_pausing", "1 while the program policy holds turns and pauses programs (the "
+                          "re-prefill ratio reached admission_pause_start_ratio), 0 while every turn goes at once")
+    m.add_metric([], 1.0 if gate["open"] else 0.0)
+    yield m
+    m = GaugeMetricFamily(p + "program_reprefill_ratio", "Call seconds spent re-prefilling KV the engines had "
+                          "evicted, per engine second, over admission_window_s (NaN before it is measured)")
+    m.add_metric([], float("nan") if gate["ratio"] is None else gate["ratio"])
+    yield m
+    m = CounterMetricFamily(p + "program_reprefill_tokens", "Tokens of programs' own context the engines "
+                            "re-prefilled (cached_tokens below what the program held, resumed programs included)")
+    m.add_metric([], gate["reprefill_tokens"])
+    yield m

@@ -43,7 +43,9 @@ from .capacity import ClusterSnapshot
 from .coordinator import Decision, DecisionTally, Kind
 from .deadlines import Deadlines
 from .ledger import Grant, Ledger, check_tokens
+from .pause_gate import START_RATIO, STOP_RATIO, PauseGate
 from .prefill_rate import WAIT_BOUNDS, PrefillRate
+from .program_figures import _Figures
 from .program_pause import _Pausing
 from .program_queue import _WaitingTurns
 from .records import (BOUND_REASON, NO_SEAT, Action, ProgramState, WaitReason, _Program, _Waiter, nonneg_int,
@@ -59,7 +61,7 @@ __all__ = ["ProgramCoordinator", "ProgramState", "Action", "VICTIM_RULES", "RESU
 _NO_SEAT = NO_SEAT  # its former name (tests read a program's seat against it)
 
 
-class ProgramCoordinator(_WaitingTurns, _Pausing):
+class ProgramCoordinator(_WaitingTurns, _Pausing, _Figures):
     """Program-level admission in front of a :class:`Ledger` (the rules: the module doc and the modules it names).
 
     Args: ledger; max_wait_s (>= 0): aging bound, seconds; window_s: window for rates (default the ledger's);
@@ -75,7 +77,13 @@ class ProgramCoordinator(_WaitingTurns, _Pausing):
     they will come back (one answered turn, no gap between turns seen), longest idle first. wait_bound: one
     of WAIT_BOUNDS: "reprefill" (a turn that waits for room waits no longer than re-prefilling the KV its
     admission would displace takes, at the prefill rate learned from the answers (kvgate.admission.prefill_rate),
-    then goes as bypass-cost; max_wait_s still bounds it) or "aging" (max_wait_s alone). Raises ValueError on
+    then goes as bypass-cost; max_wait_s still bounds it) or "aging" (max_wait_s alone). pause_start_ratio (>= 0;
+    0, the default here: always; the shell's default is START_RATIO) and pause_stop_ratio (<= pause_start_ratio):
+    the policy holds turns and pauses programs only from
+    when re-prefilling evicted KV costs the calls pause_start_ratio x the engines' wall time until it falls
+    below pause_stop_ratio x (kvgate.admission.pause_gate); otherwise every turn goes at once, as with
+    lifecycle alone; the ratio is measured over the last pause_window_s (> 0; None: window_s) seconds, nothing
+    decided until answers span pause_min_span_s (>= 0) seconds. Raises ValueError on
     bad values.
     """
 
@@ -83,7 +91,9 @@ class ProgramCoordinator(_WaitingTurns, _Pausing):
                  victim: str = "ahead", resume: str = "fifo", program_ttl_s: float = 600.0,
                  overdue_multiple: float = 3.0, overdue_quantile: float = 0.9, overdue_default_s: float = 60.0,
                  resume_deadline_s: float | None = None, max_resident: int | None = None,
-                 reclaim_after_s: float | None = 2.0, wait_bound: str = "aging") -> None:
+                 reclaim_after_s: float | None = 2.0, wait_bound: str = "aging",
+                 pause_start_ratio: float = 0.0, pause_stop_ratio: float = STOP_RATIO,
+                 pause_window_s: float | None = None, pause_min_span_s: float = 5.0) -> None:
         if isinstance(max_wait_s, bool) or not isinstance(max_wait_s, (int, float)) or not max_wait_s >= 0:
             raise ValueError(f"max_wait_s must be >= 0, got {max_wait_s!r}")
         if wait_bound not in WAIT_BOUNDS:
@@ -143,6 +153,11 @@ class ProgramCoordinator(_WaitingTurns, _Pausing):
         self._ttl = Deadlines(self._idle_current, self._programs.__len__, self._n)
         self.wait_bound = wait_bound
         self.prefill = PrefillRate()  # seconds per prefilled token, learned from the answers
+        # whether pausing can pay: what re-prefilling evicted KV costs the calls, per engine second (validates
+        # the ratios)
+        self.gate = PauseGate(pause_start_ratio, pause_stop_ratio if pause_start_ratio else 0.0,
+                              window_s=self.window_s if pause_window_s is None else pause_window_s,
+                              min_span_s=pause_min_span_s)
         # waiters bounded by the re-prefill their admission would cause: (cost_due, n, ticket, cost_due)
         self._cost_due = Deadlines(self._cost_current, self._queue_len, self._n)
         # entries that came due while their program had a turn waiting: back in the heap when the waiter leaves
@@ -160,7 +175,7 @@ class ProgramCoordinator(_WaitingTurns, _Pausing):
         self.tally = DecisionTally((
             "admit", "wait", "bypass", "bypass_protected", "bypass_degraded", "bypass_aged", "cancelled",
             "backfilled", "pause", "resume", "marked", "programs_ended", "prefix_miss_tokens", "pause_overdue",
-            "resume_deadline", "wait_resident_bound", "moved", "reclaimed", "bypass_cost"), self.window_s)
+            "resume_deadline", "wait_resident_bound", "moved", "reclaimed", "bypass_cost", "admit_gate_closed"), self.window_s)
         self.counters = self.tally.counters  # the same dict: lifetime counters
 
     # the books under their former names (read by tests and tools)
@@ -176,6 +191,10 @@ class ProgramCoordinator(_WaitingTurns, _Pausing):
 
     def _record(self, d: Decision, now: float) -> Decision:
         return self.tally.record(d, now)
+
+    def _pausing(self, now: float) -> bool:
+        """Whether holding and pausing may pay now (kvgate.admission.pause_gate); else every turn goes at once."""
+        return self.gate.update(now, len(self.ledger.engine_places()))
 
     @staticmethod
     def _label(place: Any) -> str:
@@ -230,11 +249,16 @@ class ProgramCoordinator(_WaitingTurns, _Pausing):
             if lease is not None:
                 self._relieve(place, now)
             return d
-        if p is not None and p.state is not ProgramState.PAUSED and not (
-                p.seat is NO_SEAT and p.state is ProgramState.IN_TOOL and self.max_resident is not None):
+        self.gate.started(now)
+        continuing = p is not None and p.state is not ProgramState.PAUSED and not (
+            p.seat is NO_SEAT and p.state is ProgramState.IN_TOOL and self.max_resident is not None)
+        if continuing or not self._pausing(now):
             # a continuing turn of a live program: never held (its KV is resident; holding it would thrash).
             # Under the resident bound, a program whose only turn was cancelled holds no KV and no seat: its
-            # next turn waits for a seat like a new program's.
+            # next turn waits for a seat like a new program's. Where pausing cannot pay (the gate is closed)
+            # every turn goes at once, as with lifecycle alone.
+            if not continuing:
+                self._count("admit_gate_closed", now)
             self.ledger.unhold(sid)
             lease = self.ledger.try_acquire(ticket, tokens, now, place=place, blocks=blocks, force=True).lease
             self._start_turn(sid, ticket, place, tokens, prompt, blocks, now, resumed=False)
@@ -337,6 +361,10 @@ class ProgramCoordinator(_WaitingTurns, _Pausing):
             cached = nonneg_int(m.get("cached_tokens"))
             if pt is not None:
                 resident = pt + (ct or 0)
+                if cached is not None and before > cached:  # it re-prefilled KV it had held: the gate's evidence
+                    miss = min(before, pt) - cached
+                    if miss > 0:
+                        self.gate.observe(now, miss, self.prefill.seconds(p.place, miss))
                 if prompt > 0:
                     p.scale = min(4.0, max(0.25, pt * p.scale / prompt))
                 if cached is not None and expected_prefix > 0:
@@ -355,9 +383,10 @@ class ProgramCoordinator(_WaitingTurns, _Pausing):
             return
         if not cancelled:
             p.last_end = now
-        if p.marked:
+        if p.marked and self._pausing(now):
             self._pause(p, now)  # idle from now on: _pause keeps its end
         else:
+            p.marked = False
             self._idle_from(p, now)
             p.state = ProgramState.IN_TOOL
             self._bound.sync(p)  # a program whose only turn so far was cancelled holds no KV, hence no seat
@@ -450,7 +479,7 @@ class ProgramCoordinator(_WaitingTurns, _Pausing):
         if self._bound.claim_due.heap:
             self._bound.expire_claims(now)
         due = self._due_all.heap
-        if due and due[0][0] <= now and not self.ledger.is_degraded(now):
+        if due and due[0][0] <= now and not self.ledger.is_degraded(now) and self._pausing(now):
             # No reservation outlives the evidence for it: a program idle past what its own and its group's
             # gaps predict has ended; pausing it closes its engine session, so its KV is freed for real.
             for e in self._due_all.pop_due(now):
@@ -547,49 +576,3 @@ class ProgramCoordinator(_WaitingTurns, _Pausing):
                     cands.append(due)
                     break
         return max(now, min(cands)) if cands else None
-
-    def program_states(self, now: float | None = None) -> dict[str, dict[str, int]]:
-        """{place label: {state: programs}} (one-turn requests without a session are not programs); with
-        ``now``, programs in a tool call past their predicted gap count as ``ended``."""
-        out: dict[str, dict[str, int]] = {}
-        for p in self._programs.values():
-            if one_turn(p.sid):
-                continue
-            d = out.setdefault(self._label(p.place), {s.value: 0 for s in ProgramState})
-            state = p.state
-            if state is ProgramState.IN_TOOL and now is not None and p.overdue_at <= now:
-                state = ProgramState.ENDED
-            d[state.value] += 1
-        return out
-
-    def seats(self, now: float) -> dict[str, dict[str, int]]:
-        """The resident bound by place label: {resident: programs holding KV there, kept_for_paused: seats kept
-        for paused programs expected back, limit: max_resident x the place's KV pools}; {} while it is off."""
-        return self._bound.by_place(self._label)
-
-    def stats(self, now: float) -> dict[str, Any]:
-        """JSON-able figures: counters, waiting (resumes / new; waiting_bound: for a seat), programs by place and
-        state, pauses and resumes by place, the resident bound's seats by place, window rates and the ledger's
-        figures."""
-        return {
-            "policy": "program",
-            "counters": dict(self.counters),
-            "waiting": self.waiting,
-            "waiting_resume": sum(1 for w in self._queue.values() if w.resume),
-            "window_s": self.window_s,
-            **self.tally.window(now),
-            "max_wait_s": self.max_wait_s,
-            "wait_bound": self.wait_bound,
-            "prefill_tokens_per_s": self.prefill.stats(self._label),
-            "victim": self.victim.value,
-            "resume_order": self.resume.value,
-            "programs": self.program_states(now),
-            "overdue_multiple": self.overdue_multiple,
-            "resume_deadline_s": self.resume_deadline_s,
-            "max_resident": self.max_resident,
-            "waiting_bound": sum(1 for w in self._queue.values() if w.reason == BOUND_REASON),
-            "seats": self.seats(now),
-            "pauses": dict(self.pauses),
-            "resumes": dict(self.resumes),
-            "ledger": self.ledger.stats(now),
-        }

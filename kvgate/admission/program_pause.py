@@ -83,7 +83,7 @@ class _Pausing:
     def _relieve(self, place: Any, now: float) -> None:
         """Pause in-tool programs on ``place`` (victim rule) until its working set fits its capacity; then mark
         running ones to pause at the end of their turn."""
-        if self.ledger.is_degraded(now):
+        if self.ledger.is_degraded(now) or not self._pausing(now):
             return
         over = self.ledger.reserved_on(place) - self.ledger.ceiling_of(place)
         if place is FLEET:

@@ -58,6 +58,12 @@ class _WaitingTurns:
             for w in list(self._queue.values()):
                 out.append(self._leave(w, Kind.BYPASS_DEGRADED, None, max(0.0, now - w.enqueued_at), now))
             return out
+        if not self._pausing(now):  # holding cannot pay (kvgate.admission.pause_gate): all go, as lifecycle alone
+            for w in list(self._queue.values()):
+                g = self.ledger.try_acquire(w.ticket, w.tokens, now, place=w.place, blocks=w.blocks, force=True)
+                self._count("admit_gate_closed", now)
+                out.append(self._leave(w, Kind.ADMIT, g.lease, max(0.0, now - w.enqueued_at), now))
+            return out
         while self._queue:
             w = next(iter(self._queue.values()))
             if now < w.enqueued_at + self.max_wait_s:  # the very sum next_deadline names: no float gap

@@ -37,6 +37,7 @@ COLUMNS = [
     ("queue_p99_s", "kvgate queue p99 s", "{:.2f}"),
     ("admit_wait_bypass", "admit/wait/bypass", "{}"),
     ("pause_resume", "pauses/resumes", "{}"),
+    ("reprefill_share", "re-prefill share", "{:.2f}"),
     ("session_precision", "session precision", "{:.3f}"),
     ("session_recall", "session recall", "{:.3f}"),
     ("engine_sessions_seen", "session ids seen by engines", "{:.0f}"),
@@ -114,6 +115,11 @@ def summarize(raw: dict, speed: float, ideal_prefill_tokens: int) -> dict:
     m["pauses"] = counters["pause"] if counters and "pause" in counters else None
     m["resumes"] = counters["resume"] if counters and "resume" in counters else None
     m["pause_resume"] = (f"{m['pauses']}/{m['resumes']}" if m["pauses"] is not None else "-")
+    # program policy only: the engines' time re-prefilling KV the programs had held, as kvgate's pause gate
+    # measured it (learned prefill rate), over the engines' wall time of the step
+    gate = raw.get("kvgate_pause_gate")
+    engines = len(raw.get("sim_engines_prompt_tokens") or []) or 1
+    m["reprefill_share"] = (gate["reprefill_s"] / (span * engines)) if gate and span > 0 else None
     # the resident bound (admission_program_max_resident): turns that waited for a seat
     m["bound_waits"] = counters.get("wait_resident_bound") if counters else None
     # the arm did not run to the end (its fleet failed to start, or --arm-timeout-s cut it): not comparable

@@ -617,6 +617,7 @@ async def run_arm_async(fleet: Fleet, workload, scaled: Scaled, sc: Scenario, pr
             "sim_engines_session_ids": [sorted(s["sessions"]) for s in sims],
             "kvgate_counters": kv_stats["counters"] if kv_stats else None,
             "kvgate_ledger": kv_stats["ledger"] if kv_stats else None, "kvgate_health": kv_health,
+            "kvgate_pause_gate": kv_stats.get("pause_gate") if kv_stats else None,
             "kvgate_replicas": replicas, "kvgate_placement": placement}
 
 
