@@ -232,7 +232,7 @@ def test_the_pause_gate_keys_reach_the_program_policy():
     cfg = validate({"agentic_program_admission": True, "admission_policy": "program"})
     g = AdmissionGate(cfg, Metrics(), clock=lambda: 0.0)
     co = g.coord
-    assert (co.gate.open_share, co.gate.close_share, co.gate.is_open) == (1.5, 0.2, False)
+    assert (co.gate.start_ratio, co.gate.stop_ratio, co.gate.is_open) == (1.5, 0.2, False)
     text = generate_latest(g.metrics.registry).decode()
     assert "agentic_kv_program_pausing 0.0" in text and "agentic_kv_program_reprefill_ratio NaN" in text
     assert g.stats()["pause_gate"]["start_ratio"] == 1.5

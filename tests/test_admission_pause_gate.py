@@ -1,5 +1,5 @@
-"""Pause only where it can pay: the share of the engines' time spent re-prefilling KV they had evicted
-(kvgate.admission.pause_gate), and the program policy admitting as lifecycle alone does while it is small."""
+"""Pause only where it can pay: the re-prefill ratio (call seconds re-prefilling KV the engines had evicted, per
+engine second; kvgate.admission.pause_gate), and the program policy admitting as lifecycle alone does below it."""
 
 import pytest
 from hypothesis import given, settings, strategies as st
@@ -13,21 +13,21 @@ from kvgate.admission.program import ProgramCoordinator
 E0, E1 = "http://e0", "http://e1"
 
 
-def test_share_is_reprefill_seconds_over_engine_seconds_in_the_window():
+def test_ratio_is_reprefill_seconds_over_engine_seconds_in_the_window():
     g = PauseGate(0.3, window_s=10.0, min_span_s=2.0)
     g.started(0.0)
     g.observe(1.0, 500, 1.0)
-    assert g.share(1.5, 2) is None  # before min_span_s: no figure, closed
+    assert g.ratio(1.5, 2) is None  # before min_span_s: no figure, closed
     assert g.update(1.5, 2) is False
-    assert g.share(2.0, 2) == pytest.approx(1.0 / (2 * 2.0))
+    assert g.ratio(2.0, 2) == pytest.approx(1.0 / (2 * 2.0))
     g.observe(4.0, 1000, 2.0)
-    assert g.share(5.0, 2) == pytest.approx(3.0 / (2 * 5.0))
-    assert g.share(12.0, 2) == pytest.approx(2.0 / (2 * 10.0))  # the first left the window
-    assert g.share(15.0, 2) == 0.0
+    assert g.ratio(5.0, 2) == pytest.approx(3.0 / (2 * 5.0))
+    assert g.ratio(12.0, 2) == pytest.approx(2.0 / (2 * 10.0))  # the first left the window
+    assert g.ratio(15.0, 2) == 0.0
     assert g.reprefill_tokens == 1500 and g.reprefill_s == pytest.approx(3.0)
 
 
-def test_hysteresis_opens_at_open_share_and_closes_below_close_share():
+def test_hysteresis_opens_at_start_ratio_and_closes_below_stop_ratio():
     g = PauseGate(0.4, 0.2, window_s=10.0, min_span_s=1.0)
     g.started(0.0)
     g.observe(0.5, 100, 3.0)
@@ -53,12 +53,12 @@ def test_off_gate_is_always_open_and_bad_values_are_refused():
 
 @settings(max_examples=200, deadline=None)
 @given(events=st.lists(st.tuples(st.floats(0.0, 5.0), st.integers(0, 5000), st.floats(0.0, 3.0)), max_size=60),
-       open_share=st.floats(0.01, 2.0), engines=st.integers(1, 8), window=st.floats(1.0, 100.0))
-def test_share_matches_a_direct_sum_and_the_gate_state_its_thresholds(events, open_share, engines, window):
-    """Over any sequence of answers: the share equals the re-prefill seconds inside the window over engines x
-    span, and the gate is open after an update only if the share reached open_share at some update and has
-    not fallen below close_share since."""
-    g = PauseGate(open_share, window_s=window, min_span_s=0.0)
+       start_ratio=st.floats(0.01, 2.0), engines=st.integers(1, 8), window=st.floats(1.0, 100.0))
+def test_ratio_matches_a_direct_sum_and_the_gate_state_its_thresholds(events, start_ratio, engines, window):
+    """Over any sequence of answers: the ratio equals the re-prefill seconds inside the window over engines x
+    span, and the gate is open after an update only if the ratio reached start_ratio at some update and has
+    not fallen below stop_ratio since."""
+    g = PauseGate(start_ratio, window_s=window, min_span_s=0.0)
     t, seen = 0.0, []
     g.started(0.0)
     prev_open = False
@@ -67,7 +67,7 @@ def test_share_matches_a_direct_sum_and_the_gate_state_its_thresholds(events, op
         g.observe(t, tokens, sec)
         if tokens > 0 and sec > 0:
             seen.append((t, sec))
-        s = g.share(t, engines)
+        s = g.ratio(t, engines)
         span = min(window, t)
         if span <= 0:
             continue
@@ -75,14 +75,14 @@ def test_share_matches_a_direct_sum_and_the_gate_state_its_thresholds(events, op
         assert s == pytest.approx(want, rel=1e-6, abs=1e-9)
         now_open = g.update(t, engines)
         if now_open != prev_open:
-            assert (s >= open_share) if now_open else (s < g.close_share)
+            assert (s >= start_ratio) if now_open else (s < g.stop_ratio)
         prev_open = now_open
 
 
-def _fleet(share, cap=2000, engines=(E0, E1)):
+def _fleet(start, cap=2000, engines=(E0, E1)):
     lg = Ledger(headroom=1.0, pressure_threshold=0.99, stale_after_s=1e9, lease_ttl_s=1e9)
     co = ProgramCoordinator(lg, max_wait_s=30.0, program_ttl_s=600.0, overdue_default_s=100.0,
-                            reclaim_after_s=None, pause_start_ratio=share, pause_stop_ratio=share / 2,
+                            reclaim_after_s=None, pause_start_ratio=start, pause_stop_ratio=start / 2,
                             pause_min_span_s=1.0)
     co.reconcile(ClusterSnapshot.build({e: EngineCapacity.from_pools([(cap, 0, 0.0)]) for e in engines}, 0.0), 0.0)
     return co
@@ -102,7 +102,7 @@ def _teach_rate(co, t, place=E0, per_token=0.001):
 def test_closed_gate_admits_as_lifecycle_alone_and_pauses_nobody():
     """A full engine and no evidence that re-prefill costs anything: new programs go at once (over the
     ceiling), nobody pauses, and the figures say why."""
-    co = _fleet(share=0.3, engines=(E0,))
+    co = _fleet(start=0.3, engines=(E0,))
     t = _teach_rate(co, 0.0)
     for i in range(6):  # six programs of 900 tokens on a 2,000-token engine
         d = co.submit(f"a{i}", 900, False, t, place=E0, session_id=f"s{i}", prompt_tokens=880)
@@ -117,8 +117,8 @@ def test_closed_gate_admits_as_lifecycle_alone_and_pauses_nobody():
 
 def test_gate_opens_when_reprefill_dominates_and_the_policy_pauses_again():
     """Programs whose engine keeps re-prefilling their own prefix (cached_tokens far below what they held) make
-    the share large: the gate opens and the next new program waits for room, an in-tool program pauses."""
-    co = _fleet(share=0.3, engines=(E0,))
+    the ratio large: the gate opens and the next new program waits for room, an in-tool program pauses."""
+    co = _fleet(start=0.3, engines=(E0,))
     t = _teach_rate(co, 0.0)  # 0.001 s a token
 
     def answer(ticket, prompt, cached):  # timed as the engine's rate says
@@ -150,7 +150,7 @@ def test_a_gate_that_never_opens_never_holds_or_pauses(ops, cap, engines):
     """Over random fleets, programs and event orders: with the gate closed the policy is lifecycle alone: every
     turn is admitted when it arrives, nothing waits, nothing pauses, and no ended program keeps a reservation."""
     places = [f"http://e{i}" for i in range(engines)]
-    co = _fleet(share=1000.0, cap=cap, engines=tuple(places))
+    co = _fleet(start=1000.0, cap=cap, engines=tuple(places))
     t, inflight, n = 0.0, {}, 0
     for op, i, size, dt in ops:
         t += dt

@@ -650,7 +650,7 @@ async def test_a_live_programs_next_turn_is_not_held_in_the_shared_queue(redis_s
     held on the shared ceilings at once, even when a third party holds all the room and waits before it."""
     e = await sim_factory(max_total_num_tokens=2000, speed=1000)
     b, url_b = await kvgate_factory(upstream=e.url, engines=[e.url], agentic_program_admission=True,
-                                    admission_policy="program", agentic_session_lifecycle=True,
+                                    admission_policy="program", admission_pause_start_ratio=0, agentic_session_lifecycle=True,
                                     session_inference=False, admission_poll_interval_s=0.1,
                                     agentic_admission_max_wait_s=120.0, state_backend="redis",
                                     redis_url=redis_server.url)
@@ -688,7 +688,7 @@ async def test_a_program_paused_by_one_replica_resumes_through_another(redis_ser
     reps = []
     for _ in range(2):
         gw, url = await kvgate_factory(upstream=e.url, engines=[e.url], agentic_program_admission=True,
-                                       admission_policy="program", agentic_session_lifecycle=True,
+                                       admission_policy="program", admission_pause_start_ratio=0, agentic_session_lifecycle=True,
                                        session_inference=False, admission_poll_interval_s=0.1,
                                        agentic_admission_max_wait_s=60.0, state_backend="redis",
                                        redis_url=redis_server.url)

@@ -527,7 +527,7 @@ def _program_metrics(s: dict[str, Any], p: str):
     m.add_metric([], 1.0 if gate["open"] else 0.0)
     yield m
     m = GaugeMetricFamily(p + "program_reprefill_ratio", "Call seconds spent re-prefilling KV the engines had "
-                          "evicted, per engine second, over admission_window_s (NaN before it is measured)")
+                          "evicted, per engine second, over the last 20 capacity polls (NaN before it is measured)")
     m.add_metric([], float("nan") if gate["ratio"] is None else gate["ratio"])
     yield m
     m = CounterMetricFamily(p + "program_reprefill_tokens", "Tokens of programs' own context the engines "

@@ -38,28 +38,28 @@ class PauseGate:
     """The re-prefill ratio (call seconds re-prefilling evicted KV per engine wall second) and whether pausing
     may pay.
 
-    Args: open_share (>= 0): pausing starts when the ratio reaches it (0: always open, the gate is off);
-    close_share (0 <= close_share <= open_share; None: half of open_share): pausing stops when the ratio falls
+    Args: start_ratio (>= 0): pausing starts when the ratio reaches it (0: always open, the gate is off);
+    stop_ratio (0 <= stop_ratio <= start_ratio; None: half of start_ratio): pausing stops when the ratio falls
     below it; window_s (> 0): the sliding window, seconds; min_span_s (>= 0): no decision (closed) until the
     first answer is this old. Raises ValueError on bad values.
     """
 
-    def __init__(self, open_share: float, close_share: float | None = None, *, window_s: float = 60.0,
+    def __init__(self, start_ratio: float, stop_ratio: float | None = None, *, window_s: float = 60.0,
                  min_span_s: float = 10.0) -> None:
-        if not (isinstance(open_share, (int, float)) and math.isfinite(open_share) and open_share >= 0):
-            raise ValueError(f"open_share must be a finite number >= 0, got {open_share!r}")
-        close = open_share / 2 if close_share is None else close_share
-        if not (isinstance(close, (int, float)) and 0 <= close <= open_share):
-            raise ValueError(f"close_share must be in [0, open_share], got {close_share!r}")
+        if not (isinstance(start_ratio, (int, float)) and math.isfinite(start_ratio) and start_ratio >= 0):
+            raise ValueError(f"start_ratio must be a finite number >= 0, got {start_ratio!r}")
+        close = start_ratio / 2 if stop_ratio is None else stop_ratio
+        if not (isinstance(close, (int, float)) and 0 <= close <= start_ratio):
+            raise ValueError(f"stop_ratio must be in [0, start_ratio], got {stop_ratio!r}")
         if not (isinstance(window_s, (int, float)) and window_s > 0):
             raise ValueError(f"window_s must be > 0, got {window_s!r}")
         if not (isinstance(min_span_s, (int, float)) and min_span_s >= 0):
             raise ValueError(f"min_span_s must be >= 0, got {min_span_s!r}")
-        self.open_share = float(open_share)
-        self.close_share = float(close)
+        self.start_ratio = float(start_ratio)
+        self.stop_ratio = float(close)
         self.window_s = float(window_s)
         self.min_span_s = float(min_span_s)
-        self.is_open = self.open_share == 0  # off: always open
+        self.is_open = self.start_ratio == 0  # off: always open
         self._events: deque[tuple[float, float]] = deque()  # (time, re-prefill seconds) in the window
         self._sum = 0.0
         self._since: float | None = None  # the first answer's time
@@ -88,7 +88,7 @@ class PauseGate:
         if self._since is None:
             self._since = now
 
-    def share(self, now: float, engines: int) -> float | None:
+    def ratio(self, now: float, engines: int) -> float | None:
         """The re-prefill ratio: re-prefill seconds over ``engines`` x the window's span ending at ``now``; None
         before min_span_s."""
         if self._since is None:
@@ -104,19 +104,19 @@ class PauseGate:
         return max(0.0, self._sum) / (max(1, engines) * span)
 
     def update(self, now: float, engines: int) -> bool:
-        """Whether pausing may pay at ``now`` (opens at open_share, closes below close_share); ``engines``: the
+        """Whether pausing may pay at ``now`` (opens at start_ratio, closes below stop_ratio); ``engines``: the
         KV pools (engines or DP ranks) the fleet has."""
-        if self.open_share == 0:
+        if self.start_ratio == 0:
             return True
-        s = self.share(now, engines)
+        s = self.ratio(now, engines)
         if s is None:
             return self.is_open
         if s > self.peak:
             self.peak = s
-        if not self.is_open and s >= self.open_share:
+        if not self.is_open and s >= self.start_ratio:
             self.is_open = True
             self.opened += 1
-        elif self.is_open and s < self.close_share:
+        elif self.is_open and s < self.stop_ratio:
             self.is_open = False
             self.closed += 1
         return self.is_open
@@ -124,8 +124,8 @@ class PauseGate:
     def stats(self, now: float, engines: int) -> dict[str, Any]:
         """JSON-able figures: open, the ratio now and its peak, thresholds, lifetime re-prefill tokens and seconds,
         times opened and closed, the window."""
-        s = self.share(now, engines)
-        return {"open": self.is_open, "ratio": None if s is None else round(s, 4), "start_ratio": self.open_share,
-                "stop_ratio": self.close_share, "reprefill_tokens": self.reprefill_tokens,
+        s = self.ratio(now, engines)
+        return {"open": self.is_open, "ratio": None if s is None else round(s, 4), "start_ratio": self.start_ratio,
+                "stop_ratio": self.stop_ratio, "reprefill_tokens": self.reprefill_tokens,
                 "reprefill_s": round(self.reprefill_s, 3), "opened": self.opened, "closed": self.closed,
                 "peak_ratio": round(self.peak, 4), "window_s": self.window_s}

@@ -43,7 +43,7 @@ from .capacity import ClusterSnapshot
 from .coordinator import Decision, DecisionTally, Kind
 from .deadlines import Deadlines
 from .ledger import Grant, Ledger, check_tokens
-from .pause_gate import START_RATIO, STOP_RATIO, PauseGate
+from .pause_gate import STOP_RATIO, PauseGate
 from .prefill_rate import WAIT_BOUNDS, PrefillRate
 from .program_figures import _Figures
 from .program_pause import _Pausing
@@ -78,13 +78,12 @@ class ProgramCoordinator(_WaitingTurns, _Pausing, _Figures):
     of WAIT_BOUNDS: "reprefill" (a turn that waits for room waits no longer than re-prefilling the KV its
     admission would displace takes, at the prefill rate learned from the answers (kvgate.admission.prefill_rate),
     then goes as bypass-cost; max_wait_s still bounds it) or "aging" (max_wait_s alone). pause_start_ratio (>= 0;
-    0, the default here: always; the shell's default is START_RATIO) and pause_stop_ratio (<= pause_start_ratio):
-    the policy holds turns and pauses programs only from
-    when re-prefilling evicted KV costs the calls pause_start_ratio x the engines' wall time until it falls
-    below pause_stop_ratio x (kvgate.admission.pause_gate); otherwise every turn goes at once, as with
-    lifecycle alone; the ratio is measured over the last pause_window_s (> 0; None: window_s) seconds, nothing
-    decided until answers span pause_min_span_s (>= 0) seconds. Raises ValueError on
-    bad values.
+    0, the default here: always; kvgate serves with pause_gate.START_RATIO) and pause_stop_ratio (<= it): the
+    policy holds turns and pauses programs only from when re-prefilling evicted KV costs the calls
+    pause_start_ratio x the engines' wall time until that falls below pause_stop_ratio x
+    (kvgate.admission.pause_gate); otherwise every turn goes at once, as with lifecycle alone. The ratio is
+    measured over the last pause_window_s (> 0; None: window_s) seconds, nothing decided before answers span
+    pause_min_span_s (>= 0) seconds. Raises ValueError on bad values.
     """
 
     def __init__(self, ledger: Ledger, max_wait_s: float = 30.0, *, window_s: float | None = None,
@@ -175,7 +174,8 @@ class ProgramCoordinator(_WaitingTurns, _Pausing, _Figures):
         self.tally = DecisionTally((
             "admit", "wait", "bypass", "bypass_protected", "bypass_degraded", "bypass_aged", "cancelled",
             "backfilled", "pause", "resume", "marked", "programs_ended", "prefix_miss_tokens", "pause_overdue",
-            "resume_deadline", "wait_resident_bound", "moved", "reclaimed", "bypass_cost", "admit_gate_closed"), self.window_s)
+            "resume_deadline", "wait_resident_bound", "moved", "reclaimed", "bypass_cost", "admit_gate_closed"),
+            self.window_s)
         self.counters = self.tally.counters  # the same dict: lifetime counters
 
     # the books under their former names (read by tests and tools)

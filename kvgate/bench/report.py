@@ -37,7 +37,7 @@ COLUMNS = [
     ("queue_p99_s", "kvgate queue p99 s", "{:.2f}"),
     ("admit_wait_bypass", "admit/wait/bypass", "{}"),
     ("pause_resume", "pauses/resumes", "{}"),
-    ("reprefill_share", "re-prefill share", "{:.2f}"),
+    ("reprefill_share", "re-prefill ratio", "{:.2f}"),
     ("session_precision", "session precision", "{:.3f}"),
     ("session_recall", "session recall", "{:.3f}"),
     ("engine_sessions_seen", "session ids seen by engines", "{:.0f}"),

@@ -111,7 +111,9 @@ async def test_one_turn_jobs_never_wait_out_the_aging_bound_beside_kv_they_no_lo
     yet), holding its KV in the ledger, so the last three jobs waited the full overdue time beside engines whose
     jobs had ended. Now its KV is held without evidence of return, and a turn that has waited one poll interval
     reclaims it: every job is admitted (none aged) and none waits much longer than the jobs ahead of it run."""
-    gw, kv = await kvgate_factory(upstream=fleet.smg, admission_policy="program", **ADMISSION)
+    # the program policy's rules whatever re-prefill costs (the pause gate off)
+    gw, kv = await kvgate_factory(upstream=fleet.smg, admission_policy="program", admission_pause_start_ratio=0,
+                                  **ADMISSION)
     await _ready(gw)
     system = ids(300, 90)
     async with aiohttp.ClientSession() as http:
