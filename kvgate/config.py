@@ -353,9 +353,7 @@ KEYS: list[Key] = [
         lambda v: all(k in PLACEMENT_ROUTES and m in PLACEMENT_MODES for k, m in v.items()),
         "a mapping from /generate, /v1/chat/completions or /v1/completions to auto, kvgate or router"),
     Key("placement_pressure_threshold", float, 0.85,
-        "A new session joins the engine holding its prefix while that engine's projected KV (used, plus what its "
-        "sessions are expected to grow to, plus the new session) stays below this share of its capacity, else only "
-        "if no other engine would have more room; a closed session goes back to its engine below this KV usage.",
+        "A new session joins the engine holding its prefix only while that engine's KV usage is below this.",
         _unit, "in (0, 1]"),
     Key("placement_busier_margin", int, 4,
         "A new session joins the engine holding its prefix only while that engine's running + waiting requests "
