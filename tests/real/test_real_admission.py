@@ -141,7 +141,7 @@ async def test_a_new_program_placed_on_a_full_engine_goes_to_the_empty_one_at_on
         pytest.skip("needs two engines")
     # prefix affinity up to 0.95 usage, so home's 0.8 cannot move the new program off its engine by itself
     gw, kv = await kvgate_factory(upstream=fleet.smg, placement_pressure_threshold=0.95, admission_policy="program",
-                                  **ADMISSION)
+                                  admission_pause_start_ratio=0, **ADMISSION)
     await _ready(gw)
     first = ids(1500, 70)
     async with aiohttp.ClientSession() as http:
