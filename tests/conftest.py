@@ -242,7 +242,7 @@ async def pd_fleet(sim_factory, log_dir):
     """``await make(prefill=1, decode=2, policy="consistent_hashing", extra=None, **sim)`` -> (router URL,
     prefill handles, decode handles): in-process simulated prefill and decode workers (each prefill worker with
     a bootstrap port of its own) behind the real smg 1.13 in PD mode (``--pd-disaggregation``), waited on until
-    /readiness reports every worker healthy."""
+    /readiness reports every worker healthy. ``make.metrics[router URL]`` is smg's Prometheus /metrics URL."""
     started: list[procs.Proc] = []
 
     async def make(prefill: int = 1, decode: int = 2, policy: str = "consistent_hashing",
@@ -258,9 +258,11 @@ async def pd_fleet(sim_factory, log_dir):
                                    [d.url for d in ds], mport, policy=policy, extra=extra)
         p = procs.start(f"pd-router{len(started)}", cmd, log_dir, url=f"http://127.0.0.1:{port}")
         started.append(p)
+        make.metrics[p.url] = f"http://127.0.0.1:{mport}/metrics"
         await asyncio.to_thread(procs.wait_http, p.url + "/readiness", 60, p, procs.router_ready(prefill + decode))
         return p.url, ps, ds
 
+    make.metrics = {}
     yield make
     for p in started:
         p.stop()

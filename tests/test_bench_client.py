@@ -114,6 +114,31 @@ def test_router_command_per_arm(tmp_path):
     assert "--assignment-mode" in cmd
 
 
+def test_kvgate_router_extra_goes_only_to_the_arms_with_kvgate(tmp_path):
+    """kvgate_router_extra (the router setup kvgate relies on) is added to smg's flags in kvgate's arms, never
+    in smg-alone arms (direct, the sweep)."""
+    import pytest
+
+    from kvgate.tools import procs
+    from kvgate.bench.runner import Fleet, expand_arms
+    from kvgate.bench.scenario import parse_scenario
+    if not procs.smg_installed():
+        pytest.skip("smg router not installed")
+    sc = parse_scenario({"arms": ["direct", "lifecycle"], "workload": {"kind": "agentic"},
+                         "kvgate_router_extra": ["--decode-policy", "consistent_hashing"]})
+    scaled = scale(sc.speed, sc.kvgate_times, sc.router_queue_timeout_s, sc.sample_interval_s)
+    cmds = {}
+    for arm in expand_arms(sc):
+        f = Fleet(sc, arm, scaled, tmp_path)
+        f.engine_urls = ["http://127.0.0.1:1", "http://127.0.0.1:2"]
+        cmds[arm.name] = f.router_command(5, 6)
+    assert "--decode-policy" not in cmds["direct"]
+    lc = cmds["lifecycle"]
+    assert lc[lc.index("--decode-policy") + 1] == "consistent_hashing"
+    with pytest.raises(ValueError, match="kvgate_router_extra"):
+        parse_scenario({"arms": ["direct"], "workload": {"kind": "agentic"}, "kvgate_router_extra": "x"})
+
+
 def test_a_pd_scenario_starts_smg_in_pd_mode_and_is_checked(tmp_path):
     """prefill_engines > 0: smg gets --pd-disaggregation with each prefill worker's bootstrap port and the decode
     workers; a PD fleet needs simulated engines and no HiCache arm; the shipped pd-programs scenario parses."""

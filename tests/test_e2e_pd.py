@@ -133,27 +133,182 @@ async def test_a_close_a_decode_worker_fails_is_retried_until_it_has_it(pd_fleet
 
 async def test_smg_pd_names_the_decode_worker_by_target_worker_index(pd_fleet):
     """smg 1.13 PD with --policy cache_aware --decode-policy consistent_hashing: X-SMG-Target-Worker: i decodes on
-    the i-th healthy decode worker of /workers (kvgate.fleet.roles.decode_target_index), whatever the prefill
-    policy picks; an index past the decode workers is a 503."""
-    from kvgate.fleet import roles
+    one decode worker per index, whatever the prefill policy picks; on /generate the i-th healthy decode worker
+    of /workers (kvgate's first guess), on the OpenAI routes another fixed order (learned from the answers by
+    kvgate.fleet.decode_naming); an index past the decode workers is a 503 no_available_workers."""
+    from kvgate.fleet.decode_naming import DecodeNaming
     from kvgate.fleet.discovery import parse_workers
     router, pres, decs = await pd_fleet(prefill=2, decode=4, policy="cache_aware",
                                         extra=["--decode-policy", "consistent_hashing"])
+    naming = DecodeNaming()
     async with aiohttp.ClientSession() as http:
         async with http.get(router + "/workers") as r:
-            engines = parse_workers(await r.json())
-        for d in decs:
-            idx = roles.decode_target_index(engines, d.url)
-            for i in range(3):
-                body = {"input_ids": list(range(1, 50 + i)), "sampling_params": {"max_new_tokens": 2}}
-                async with http.post(router + "/generate", json=body, headers={"X-SMG-Target-Worker": str(idx)}) as r:
+            naming.set_workers(parse_workers(await r.json()))
+        orders = {}
+        for route, body in (("/generate", {"input_ids": list(range(1, 50)), "sampling_params": {"max_new_tokens": 2}}),
+                            ("/v1/chat/completions", {"model": "kvgate-sim", "max_tokens": 2,
+                                                      "messages": [{"role": "user", "content": "hi"}]}),
+                            ("/v1/completions", {"model": "kvgate-sim", "max_tokens": 2, "prompt": "hi"})):
+            orders[route] = []
+            for i in (0, 1, 2, 3, 0, 1, 2, 3):
+                async with http.post(router + route, json=body, headers={"X-SMG-Target-Worker": str(i)}) as r:
                     assert r.status == 200
-                    assert r.headers["x-smg-routed-worker-id"] == d.url
-            assert d.stats()["totals"]["num_requests"] == 3
+                    orders[route].append(r.headers["x-smg-routed-worker-id"])
+            assert orders[route][:4] == orders[route][4:] and sorted(orders[route][:4]) == sorted(d.url for d in decs)
+        assert orders["/generate"][:4] == [naming.index(d, "/generate", 0.0) is not None and d
+                                           for d in sorted(orders["/generate"][:4],
+                                                           key=lambda u: naming.index(u, "/generate", 0.0))]
         async with http.post(router + "/generate", json={"input_ids": [1, 2]},
                              headers={"X-SMG-Target-Worker": str(len(decs))}) as r:
-            assert r.status == 503
-    assert sum(p.stats()["totals"]["num_requests"] for p in pres) == 3 * len(decs)
+            assert r.status == 503 and r.headers["X-SMG-Error-Code"] == "no_available_workers"
+    assert sum(p.stats()["totals"]["num_requests"] for p in pres) == 3 * 8
+
+
+async def _smg_branches(http, url) -> dict[str, float]:
+    """smg's consistent_hashing policy's decisions by branch, from its Prometheus /metrics."""
+    async with http.get(url) as r:
+        text = await r.text()
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        if line.startswith("smg_consistent_hashing_policy_branch_total{"):
+            branch = line.split('branch="', 1)[1].split('"', 1)[0]
+            out[branch] = out.get(branch, 0.0) + float(line.rsplit(" ", 1)[1])
+    return out
+
+
+async def test_kvgate_places_each_session_on_a_decode_worker_and_smg_decodes_it_there(pd_fleet, kvgate_factory):
+    """2 prefill + 3 decode workers behind smg (--policy cache_aware --decode-policy consistent_hashing), session
+    lifecycle on: kvgate places six sessions with prompts of their own on the decode workers (two each: the
+    least loaded first, no prefix to follow) and names the worker
+    in each call; every turn of a session is decoded on the worker kvgate chose, with more cached tokens each
+    turn, on every generate route. smg counts every named call as a target_worker_hit; kvgate learns the OpenAI
+    routes' order in at most two answers a route (three workers)."""
+    router, pres, decs = await pd_fleet(prefill=2, decode=3, policy="cache_aware",
+                                        extra=["--decode-policy", "consistent_hashing"])
+    gw, kv = await kvgate_factory(upstream=router, agentic_session_lifecycle=True)
+    await gw.directory.first_refresh.wait()
+    calls = 0
+    async with aiohttp.ClientSession() as http:
+        for k in range(6):
+            route, sid = ROUTES[k % 3], f"pd-placed-{k}"
+            state = {"ids": list(range(1000 * k + 1, 1000 * k + 401)), "text": f"task {k} " * 60,
+                     "msgs": [{"role": "user", "content": f"solve task {k} " * 20}]}
+            cached, routed = [], []
+            for _ in range(3):
+                c, worker = await _turn(http, kv, route, sid, state)
+                calls += 1
+                cached.append(c)
+                routed.append(worker)
+                assert worker == gw.placement.engine_of(sid)[0], (route, k)
+            assert len(set(routed)) == 1 and cached[0] < cached[1] < cached[2], (route, routed, cached)
+        branches = await _smg_branches(http, pd_fleet.metrics[router])
+        async with http.get(kv + "/kvgate/health") as r:
+            health = await r.json()
+        async with http.get(kv + "/kvgate/engines") as r:
+            engines = await r.json()
+    assert set(health["session_placement"].values()) == {"kvgate"}
+    assert all("kvgate names the decode worker" in w for w in health["session_placement_why"].values())
+    assert engines["placement"]["decode_naming"]["state"] == "naming"
+    naming = gw.placed.naming
+    assert naming.state == "naming" and naming.refusals == 0 and naming.contradicted == 0
+    assert naming.hits + naming.relearned == calls == 18 and naming.relearned <= 2 * 2  # two OpenAI routes
+    assert branches.get("target_worker_hit") == calls and branches.get("target_worker_miss", 0) == 0
+    assert sorted(gw.placement.sessions_on(d.url) for d in decs) == [2, 2, 2]
+    per_decode = sorted(sum(1 for s in d.stats()["sessions"] if s.startswith("pd-placed-")) for d in decs)
+    assert per_decode == [2, 2, 2]
+
+
+async def test_a_new_program_on_a_full_decode_worker_goes_to_one_with_room_at_once(pd_fleet, kvgate_factory):
+    """One prefill and two decode workers of 4,000 tokens (ceilings 3,600), program admission: a session holds
+    3,200 tokens on its decode worker between turns; a new program sharing its prompt's start is placed there
+    by its prefix, finds no room, and goes at once to the other decode worker (moved, counted per session),
+    where smg decodes it because kvgate names it. Nothing waits or pauses."""
+    router, pres, decs = await pd_fleet(prefill=1, decode=2, policy="cache_aware",
+                                        extra=["--decode-policy", "consistent_hashing"],
+                                        max_total_num_tokens=4000, speed=20)
+    gw, kv = await kvgate_factory(upstream=router, agentic_program_admission=True, admission_policy="program",
+                                  admission_pause_start_ratio=0, agentic_session_lifecycle=True,
+                                  session_placement="kvgate", admission_poll_interval_s=0.1,
+                                  discovery_interval_s=0.2, agentic_admission_max_wait_s=60.0,
+                                  placement_pressure_threshold=0.95)
+    await gw.directory.first_refresh.wait()
+    while gw.gate.ledger.snapshot is None or len(gw.gate.ledger.snapshot.engines) < 2:
+        await gw.poller.round_done.wait()
+
+    async def post(http, ids, sid):
+        body = {"input_ids": ids, "sampling_params": {"max_new_tokens": 100, "ignore_eos": True}}
+        async with http.post(kv + "/generate", json=body, headers={"X-Session-ID": sid}) as r:
+            assert r.status == 200, await r.text()
+            return orjson.loads(await r.read()), r.headers
+
+    first = list(range(1000, 2500))
+    async with aiohttp.ClientSession() as http:
+        t1, _ = await post(http, first, "home")
+        t2, h2 = await post(http, first + t1["output_ids"] + list(range(3000, 4500)), "home")
+        home = gw.placement.engine_of("home")[0]
+        assert h2["x-smg-routed-worker-id"] == home and gw.gate.ledger.reserved_on(home) == 3200
+        obj, h = await post(http, first + list(range(5000, 6800)), "new")
+        async with http.get(kv + "/kvgate/sessions/new") as r:
+            new = await r.json()
+    other = next(d.url for d in decs if d.url != home)
+    assert obj["meta_info"]["completion_tokens"] == 100
+    assert (h["X-Kvgate-Admission"], h["X-Kvgate-Queue-Ms"]) == ("admit", "0")
+    assert h["x-smg-routed-worker-id"] == other
+    assert new["engine"]["url"] == other and new["engine"]["moves"] == 1, new
+    counters = gw.gate.stats()["counters"]
+    assert counters["moved"] == 1 and counters["pause"] == 0, counters
+    assert next(d for d in decs if d.url == other).stats()["sessions"].get("new") == 1
+
+
+async def test_kvgate_stops_naming_where_smg_decode_policy_ignores_the_name(pd_fleet, kvgate_factory, caplog):
+    """smg with --policy round_robin on both sides ignores X-SMG-Target-Worker: answers for one index come
+    from different decode workers, kvgate switches naming off after three such contradictions (one warning)
+    and leaves the decode worker to smg; every call is answered."""
+    router, pres, decs = await pd_fleet(prefill=1, decode=3, policy="round_robin")
+    gw, kv = await kvgate_factory(upstream=router, agentic_session_lifecycle=True)
+    await gw.directory.first_refresh.wait()
+    naming = gw.placed.naming
+    async with aiohttp.ClientSession() as http:
+        with caplog.at_level(logging.WARNING, logger="kvgate"):
+            for k in range(12):
+                c, worker = await _turn(http, kv, "/generate", f"rr-{k % 4}", {})
+                assert worker in {d.url for d in decs}
+        async with http.get(kv + "/kvgate/health") as r:
+            health = await r.json()
+    assert health["session_placement"]["/generate"] == "router"
+    assert "did not honour" in health["session_placement_why"]["/generate"]
+    assert naming.state == "off" and naming.contradicted == 3, naming.as_json(0)
+    warned = [r for r in caplog.records if "does not read X-SMG-Target-Worker" in r.getMessage()]
+    assert len(warned) == 1
+    assert sum(d.stats()["totals"]["num_requests"] for d in decs) == 12
+
+
+async def test_a_refused_name_goes_again_unnamed_and_the_client_never_sees_it(pd_fleet, kvgate_factory, caplog):
+    """smg with consistent_hashing on both sides (one prefill, three decode workers): an index past the prefill
+    workers is refused (503 no_available_workers) before any worker sees the call. kvgate sends that call again
+    unnamed, leaves the decode worker to smg from then on (one warning), and the client gets every answer:
+    the prefill workers and the decode workers served each call once."""
+    router, pres, decs = await pd_fleet(prefill=1, decode=3)
+    gw, kv = await kvgate_factory(upstream=router, agentic_session_lifecycle=True)
+    await gw.directory.first_refresh.wait()
+    with caplog.at_level(logging.WARNING, logger="kvgate"):
+        async with aiohttp.ClientSession() as http:
+            for k in range(6):
+                state = {"ids": list(range(1000 * k + 1, 1000 * k + 401))}  # prompts of their own: placed apart
+                for _ in range(2):
+                    c, worker = await _turn(http, kv, "/generate", f"ch-{k}", state)
+                    assert worker in {d.url for d in decs}
+                    assert gw.placement.engine_of(f"ch-{k}")[0] == worker
+    naming = gw.placed.naming
+    sample = gw.metrics.registry.get_sample_value
+    calls = {o: sample("agentic_kv_placement_calls_total", {"outcome": o}) or 0
+             for o in ("decode_named", "decode_name_refused", "decode_unnamed")}
+    assert naming.state == "off" and naming.refusals == 1 and calls["decode_name_refused"] == 1, naming.as_json(0)
+    assert calls["decode_named"] == naming.hits >= 1  # the calls before the refusal, on index 0
+    assert calls["decode_named"] + calls["decode_name_refused"] + calls["decode_unnamed"] == 12
+    assert len([r for r in caplog.records if "503 no_available_workers" in r.getMessage()]) == 1
+    assert sum(p.stats()["totals"]["num_requests"] for p in pres) == 12
+    assert sum(d.stats()["totals"]["num_requests"] for d in decs) == 12
 
 
 async def test_admission_counts_the_decode_pools_and_lets_a_held_call_go_when_a_session_closes(pd_fleet,

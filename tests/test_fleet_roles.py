@@ -69,13 +69,6 @@ def test_health_is_fatal_without_a_usable_worker_of_either_role():
     assert no_dec.fatal and "no decode worker is usable" in no_dec.reason
 
 
-def test_decode_target_index_counts_healthy_decode_workers_in_listed_order():
-    e = [Engine("http://d:3", "decode"), Engine("http://p:1", "prefill"), Engine("http://d:1", "decode", False),
-         Engine("http://d:2", "decode")]
-    assert [roles.decode_target_index(e, u) for u in ("http://d:3", "http://d:2", "http://d:1", "http://p:1")] \
-        == [0, 1, None, None]
-
-
 def test_a_decode_worker_without_its_radix_cache_is_warned_about():
     from kvgate.fleet import compat
     base = {"enable_session_radix_cache": True, "version": "0.5.23"}

@@ -237,7 +237,9 @@ def _run(args, sc, arms, seeds, workloads, previous, pool) -> int:
               + (f"{sc.prefill_engines} prefill + {sc.engines} decode workers (PD, smg --pd-disaggregation) "
                  if sc.prefill_engines else f"{sc.engines} engines ")
               + f"x {sc.max_total_num_tokens:,} KV tokens "
-              f"(unbounded-kv: {sc.unbounded_max_total_num_tokens:,}), smg policy {sc.router_policy}, turns sent "
+              f"(unbounded-kv: {sc.unbounded_max_total_num_tokens:,}), smg policy {sc.router_policy}"
+              + (f" (with kvgate: {' '.join(map(str, sc.kvgate_router_extra))})" if sc.kvgate_router_extra else "")
+              + ", turns sent "
               f"to {API_PATHS[sc.api]}; "
               f"{per_seed}; bench wall time {wall:.0f} s on {platform.machine()} ({_cores()} cores, load average "
               f"{_load()})."

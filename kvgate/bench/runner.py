@@ -264,10 +264,12 @@ class Fleet:
                             lambda st, body: st == 200 and not json.loads(body)["ledger"]["degraded"])
 
     def router_command(self, port: int, prometheus_port: int) -> list[str]:
-        """smg's command line for this arm: the scenario's policy and router_extra in every arm, the limiter
-        flags in router-limit arms (queue timeout scaled by the speed factor), and the load-monitor interval
-        scaled by it (kvgate.bench.speed)."""
+        """smg's command line for this arm: the scenario's policy and router_extra in every arm (and
+        kvgate_router_extra in the arms with kvgate), the limiter flags in router-limit arms (queue timeout
+        scaled by the speed factor), and the load-monitor interval scaled by it (kvgate.bench.speed)."""
         extra = split_load_monitor_interval(self.sc.router_extra)[0] + list(self.arm.router_flags)
+        if self.arm.kvgate:
+            extra += [str(x) for x in self.sc.kvgate_router_extra]
         extra += ["--load-monitor-interval", str(self.scaled.router_load_monitor_interval_s)]
         if self.arm.router_limit:
             extra += ["--max-concurrent-requests", str(self.arm.router_limit),

@@ -79,6 +79,9 @@ class Scenario:
     router_policy: str = "cache_aware"
     # more smg flags, the same in every arm (e.g. ["--assignment-mode", "min_group"] for policy manual)
     router_extra: list[str] = field(default_factory=list)
+    # more smg flags in the arms with kvgate in front (the router setup kvgate relies on, e.g. a PD fleet's
+    # --decode-policy consistent_hashing, which lets kvgate name the decode worker it places a session on)
+    kvgate_router_extra: list[str] = field(default_factory=list)
     # the router configurations of the router-sweep arm: [{name, policy, extra: [smg flags]}]
     router_sweep: list[dict] = field(default_factory=lambda: [dict(c) for c in DEFAULT_ROUTER_SWEEP])
     router_limits: list[int] = field(default_factory=lambda: [8, 16])
@@ -132,6 +135,8 @@ _CHECKS = {
     "router_policy": (lambda v: isinstance(v, str) and v != "", "an smg --policy name"),
     "router_extra": (lambda v: isinstance(v, list) and all(isinstance(x, (str, int, float)) for x in v),
                      "a list of smg flags and values"),
+    "kvgate_router_extra": (lambda v: isinstance(v, list) and all(isinstance(x, (str, int, float)) for x in v),
+                            "a list of smg flags and values"),
     "router_sweep": (lambda v: isinstance(v, list) and v != [] and all(_sweep_entry_ok(c) for c in v)
                      and len({c["name"] for c in v}) == len(v),
                      "a non-empty list of {name, policy, extra} mappings with distinct names (letters, digits, "

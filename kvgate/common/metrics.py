@@ -239,7 +239,10 @@ class Metrics:
                                            "they went (engine; router_fallback: no engine usable; connect_retry: "
                                            "an engine refused the connection and the next was tried; "
                                            "router_auth: the call lacked the router's API key, so the router "
-                                           "answered it)",
+                                           "answered it; in a prefill/decode fleet, decode_named: smg decoded it on "
+                                           "the decode worker kvgate named, decode_name_ignored: on another, "
+                                           "decode_name_refused: smg refused the name and the call went again "
+                                           "unnamed, decode_unnamed: sent unnamed, naming off or refused there)",
                                            ("outcome",), r)
         self.engine_warning = Gauge(p + "engine_warning", "1 when an engine is misconfigured for kvgate",
                                     ["engine", "kind"], registry=r)

@@ -20,14 +20,15 @@ _DP_SUFFIX = re.compile(r"@\d+$")
 class Engine:
     """One engine base URL, its role (regular|prefill|decode), the router's health verdict, its DP ranks (the
     ranks smg --dp-aware lists, else the worker's ``dp_size``; 1 when unknown) and, for a prefill worker, the
-    bootstrap port the router hands the decode worker (None when not known). kvgate.fleet.roles says which
-    engines hold a session's KV."""
+    bootstrap port the router hands the decode worker (None when not known), and the router's id for it (smg's
+    /workers ``id``; None when not listed). kvgate.fleet.roles says which engines hold a session's KV."""
 
     url: str
     worker_type: str = "regular"
     healthy: bool = True
     dp_ranks: int = 1
     bootstrap_port: int | None = None
+    worker_id: str | None = None
 
 
 def engine_base_url(url: str) -> str:
@@ -58,6 +59,7 @@ def parse_workers(obj: Any) -> list[Engine]:
         wtype = w.get("worker_type") if isinstance(w.get("worker_type"), str) else "regular"
         healthy = w.get("is_healthy", True) is not False
         bport = _int(w.get("bootstrap_port"))
+        wid = w.get("id") if isinstance(w.get("id"), str) else None
         dp_size = _int(w.get("dp_size")) or _int((w.get("labels") or {}).get("dp_size")
                                                  if isinstance(w.get("labels"), dict) else None) or 1
         rank = _DP_SUFFIX.search(w["url"].strip().rstrip("/"))
@@ -69,8 +71,9 @@ def parse_workers(obj: Any) -> list[Engine]:
             wtype = prev.worker_type
             bport = prev.bootstrap_port if prev.bootstrap_port is not None else bport
             dp_size = max(dp_size, prev.dp_ranks)
+            wid = prev.worker_id if prev.worker_id is not None else wid
         listed = len(ranks.get(base, ()))
-        merged[base] = Engine(base, wtype, healthy, listed or dp_size, bport)
+        merged[base] = Engine(base, wtype, healthy, listed or dp_size, bport, wid)
     return list(merged.values())
 
 

@@ -51,20 +51,6 @@ def close_targets(engines: Iterable[Engine]) -> list[str]:
     return [e.url for e in engines]
 
 
-def decode_target_index(engines: Iterable[Engine], url: str) -> int | None:
-    """The ``X-SMG-Target-Worker`` value that makes smg 1.13's PD router decode a call on the decode worker
-    ``url``: its position among the healthy decode workers in the order the router's /workers lists them
-    (``engines`` as kvgate.fleet.discovery.parse_workers returns them, order kept). None when ``url`` is no
-    healthy decode worker. Holds only with ``--decode-policy consistent_hashing`` and a prefill policy that
-    ignores the header (cache_aware, round_robin, ...; with consistent_hashing on the prefill side too the same
-    index picks the prefill worker, and an index past the prefill workers is a 503), and without ``--dp-aware``
-    (then every DP rank is a worker of its own). smg counts only the workers it deems available (healthy and
-    circuit closed): a decode worker whose circuit is open shifts the index of those after it, which /workers
-    does not show (measured and read in smg's consistent_hashing.rs; docs/compatibility.md)."""
-    healthy = [e.url for e in engines if role(e) == DECODE and e.healthy]
-    return healthy.index(url) if url in healthy else None
-
-
 @dataclass(frozen=True)
 class Layout:
     """What the fleet looks like: ``kind`` (empty, regular, pd, mixed) and the engine URLs per role."""

@@ -209,12 +209,27 @@ class Admin:
                       "program_admission": self.gw.cfg.agentic_program_admission,
                       "session_id_passthrough": self.gw.directory.verdict,
                       "session_id_passthrough_by_route": dict(self.gw.directory.verdicts),
-                      "session_placement": {r: ("kvgate" if self.gw.directory.placed(r) else "router")
-                                            for r in PLACEMENT_ROUTES},
-                      "session_placement_why": {r: self.gw.directory.placement_why(r) for r in PLACEMENT_ROUTES},
+                      "session_placement": {r: self._placer(r)[0] for r in PLACEMENT_ROUTES},
+                      "session_placement_why": {r: self._placer(r)[1] for r in PLACEMENT_ROUTES},
                       "placement_modes": dict(self.gw.placement_modes),
                       # the router's answer to kvgate's credentials: null (not asked yet), ok, 401 or 403
                       "router_auth": self.gw.directory.router_auth}, code)
+
+    def _placer(self, route: str) -> tuple[str, str]:
+        """Who places ``route``'s session calls now (kvgate | router) and why, in a few words. In a
+        prefill/decode fleet kvgate places them only while it can name the decode worker to smg."""
+        directory, naming = self.gw.directory, self.gw.placed.naming
+        why = directory.placement_why(route)
+        if not directory.placed(route) or not directory.layout.pd:
+            return ("kvgate" if directory.placed(route) else "router"), why
+        if naming is None:
+            return "router", why + "; prefill/decode fleet: placement_pd_decode is off, smg picks the decode worker"
+        if not naming.supported:
+            return "router", why + "; prefill/decode fleet: decode workers with DP ranks, smg picks the decode worker"
+        if naming.state == "off":
+            return "router", why + ("; prefill/decode fleet: smg did not honour kvgate's X-SMG-Target-Worker, it "
+                                    "picks the decode worker (tried again later)")
+        return "kvgate", why + "; prefill/decode fleet: kvgate names the decode worker to smg (X-SMG-Target-Worker)"
 
     async def handle_not_found(self, request: web.Request) -> web.Response:
         """A /kvgate/ path or method kvgate does not serve: its own 404 or 405 (with Allow), never the
@@ -245,6 +260,9 @@ class Admin:
         out["placement"] = {"modes": dict(self.gw.placement_modes), "counts": dict(self.gw.placement.counts),
                             "sessions": len(self.gw.placement),
                             "reopen_hints": self.gw.placement.reopen_hints(self.gw.lifecycle.clock())}
+        naming = self.gw.placed.naming
+        if naming is not None and self.gw.directory.layout.pd:
+            out["placement"]["decode_naming"] = naming.as_json(self.gw.lifecycle.clock())
         return _json(out)
 
     async def handle_stats(self, request: web.Request) -> web.Response:

@@ -21,10 +21,11 @@ from aiohttp import web
 from kvgate.common.classify import GENERATE_ROUTES, STEP_BOUNDARY_ROUTES, classify, parse_json_object, \
     with_session_id
 from kvgate.config import PLACEMENT_ROUTES, Config, api_key, read_admin_key
+from kvgate.fleet.decode_naming import DecodeNaming
 from kvgate.fleet.placement import Placement, Target
 from kvgate.fleet.directory import EngineDirectory
 from kvgate.proxy.admin import Admin
-from kvgate.proxy.relay import Upstream, forward_head, header_safe, BodyParts, read_body
+from kvgate.proxy.relay import ROUTED_WORKER, Upstream, forward_head, header_safe, BodyParts, read_body
 from kvgate.common.admission_seam import Gate, OpenGate, RequestInfo, Ticket
 from kvgate.proxy.placed import PlacedRelay
 from kvgate.sessions.idle_policy import IdlePolicy, StepTracker
@@ -41,7 +42,6 @@ GATEWAY_KEY = web.AppKey("gateway", object)
 # The session id kvgate gave a generate call (named or inferred), told to the client on the response.
 SESSION_HEADER = "X-Kvgate-Session-Id"
 # smg 1.13 names the worker it sent a call to in this response header (docs/compatibility.md).
-ROUTED_WORKER = b"x-smg-routed-worker-id"
 # Step-boundary bodies larger than this (tensor payloads) are not parsed: they take SGLang's defaults.
 STEP_BODY_PARSE_LIMIT = 1 << 20
 
@@ -103,6 +103,9 @@ class Gateway:
         self.placed = PlacedRelay(self.placement, self.directory, self.upstream, self.metrics, None,
                                   lambda: self.lifecycle.clock(), self._placement_blocks,
                                   router_key=router_key, engine_key=engine_key)
+        if cfg.placement_pd_decode and self.upstream.can_hold():
+            # a PD fleet's decode workers are placed on and named to smg (an https router: not named)
+            self.placed.naming = DecodeNaming()
         self.directory.on_change.append(self._engines_changed)
         self._engines_changed(self.directory.engines)  # a static list is there from the start
         for r in PLACEMENT_ROUTES:
@@ -263,7 +266,13 @@ class Gateway:
             self.metrics.faults.labels("placement").inc()
 
     def _engines_changed(self, engines) -> None:
-        self.placement.set_engines([(e.url, e.healthy) for e in engines if e.worker_type == "regular"])
+        """The router's engine list changed: placement's engines are the regular ones, and in a PD fleet the
+        decode workers kvgate can name to smg (kvgate.fleet.decode_naming)."""
+        naming = self.placed.naming
+        if naming is not None:
+            naming.set_workers(engines)
+        self.placement.set_engines([(e.url, e.healthy) for e in engines
+                                    if e.worker_type == "regular" or (naming is not None and naming.names(e.url))])
         self.placed.publish()
 
     def _capacity(self, snapshot) -> None:
@@ -398,7 +407,8 @@ class Gateway:
         observe = None if tracked is None else partial(self._observer, c.path, plan.prompt_is_text)
         add = ticket.headers if tracked is None else [*ticket.headers, (SESSION_HEADER, self.admin.told(tracked))]
         if plan.placed:  # the placement stage chose ``target``
-            placed = await self.placed.relay(request, c, sid, target, plan.prompt_tokens, plan.body, observe, add)
+            placed = await self.placed.relay(request, c, sid, target, plan.prompt_tokens, plan.body, observe, add,
+                                             plan.extra)
             if placed is not None:
                 return placed
         resp, outcome = await self.upstream.relay(request, request.raw_path, forward_head(request.raw_headers, plan.extra),

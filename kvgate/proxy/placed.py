@@ -4,6 +4,10 @@ The decisions (which engine, sticky, prefix, free KV, re-opened) are kvgate.flee
 asks it, relays the call to that engine over the gateway's pooled client, tries the next engine on a
 connection refused before any byte went out, and falls back to the router (returns None) when no engine is
 usable or placement itself failed (fail-open). docs/placement.md describes the rules and the modes.
+
+In a prefill/decode fleet the engine placement picks is a decode worker, which no call may reach but through
+smg's PD router: the call goes to the router with the worker named (``X-SMG-Target-Worker``,
+kvgate.fleet.decode_naming), and smg picks the prefill worker and runs the bootstrap handshake.
 """
 
 from __future__ import annotations
@@ -13,8 +17,10 @@ import secrets
 from typing import Any, Callable
 
 from kvgate.common.classify import inject_top_level
+from kvgate.fleet.decode_naming import TARGET_WORKER_HEADER, DecodeNaming
+from kvgate.fleet.discovery import engine_base_url
 from kvgate.fleet.placement import Placement, Target
-from kvgate.proxy.relay import forward_head
+from kvgate.proxy.relay import ROUTED_WORKER, forward_head
 from kvgate.sessions.inference import prefix_keys, request_units
 
 log = logging.getLogger("kvgate")
@@ -56,6 +62,8 @@ class PlacedRelay:
         self.blocks = blocks
         self._router_auth = f"Bearer {router_key}".encode("ascii") if router_key else None
         self._engine_auth = {"Authorization": f"Bearer {engine_key}"} if engine_key else None
+        # decode workers of a PD fleet, named to the router (None: placement_pd_decode off)
+        self.naming: DecodeNaming | None = None
 
     def placed(self, c, session_id: str | None) -> bool:
         """True when a classified call ``c`` (with its parsed body) of session ``session_id`` goes to an
@@ -119,6 +127,11 @@ class PlacedRelay:
             return None, 0
         if target is None:
             self.metrics.placement_calls.labels("router_fallback").inc()
+        elif self.naming is not None and self.naming.names(target.engine) \
+                and self.naming.index(target.engine, c.path, self.clock()) is None:
+            # a decode worker kvgate cannot name now: smg picks it, and admission counts the call fleet-wide
+            self.metrics.placement_calls.labels("decode_unnamed").inc()
+            return None, tokens
         return target, tokens
 
     def moved(self, session_id: str, where: tuple[str, int | None]) -> Target | None:
@@ -137,12 +150,17 @@ class PlacedRelay:
         return target
 
     async def relay(self, request, c, session_id: str, target: Target, tokens: int, body: Any, observe,
-                    add) -> tuple[Any, Any] | None:
+                    add, router_extra: dict[str, str] | None = None) -> tuple[Any, Any] | None:
         """Relay session ``session_id``'s call (classified ``c``, ``body`` the bytes to send, ``tokens`` its
         prompt's size as place() gave it) to ``target``, the engine the placement stage chose; on a refused
         connection (nothing sent) to the next engine it chooses. ``observe`` and ``add`` are as for
-        Upstream.relay. Returns (response, outcome), or None when no engine is usable any more (the caller then
-        uses the router: fail-open)."""
+        Upstream.relay; ``router_extra``: the headers a call to the router carries (a PD decode worker's call
+        goes through it). Returns (response, outcome), or None when no engine is usable any more, or smg
+        refused or cannot take the decode worker's name (the caller then uses the router: fail-open)."""
+        naming = self.naming
+        if naming is not None and naming.names(target.engine):
+            return await self._relay_named(request, c.path, session_id, target, tokens, body, observe, add,
+                                           router_extra or {})
         headers = forward_head(request.raw_headers, self._engine_auth)  # no routing key: it is for the router
         tried: list[str] = []
         placement = self.placement
@@ -172,6 +190,56 @@ class PlacedRelay:
                 self.directory.engine_answered(target.engine, placed=True)
             return resp, outcome
 
+    async def _relay_named(self, request, route: str, session_id: str, target: Target, tokens: int, body: Any,
+                           observe, add, extra: dict[str, str]) -> tuple[Any, Any] | None:
+        """A PD call to the router with its decode worker named (``target``); None when naming is off now or
+        smg refused the name before any worker saw the call (the caller sends it to the router unnamed)."""
+        naming, placement = self.naming, self.placement
+        index = naming.index(target.engine, route, self.clock())
+        if index is None:  # naming went off since the placement stage
+            self.metrics.placement_calls.labels("decode_unnamed").inc()
+            return None
+        headers = forward_head(request.raw_headers, {**extra, TARGET_WORKER_HEADER: str(index)})
+        call = placement.call_started(target, tokens, self.clock())
+        try:
+            resp, outcome = await self.upstream.relay(request, request.raw_path, headers, body, observe=observe,
+                                                      add_headers=add, worker_header=ROUTED_WORKER,
+                                                      hold=_no_available_workers)
+        finally:
+            placement.call_finished(target, call, self.clock())
+        if outcome.ended == "held":  # smg picked no worker: nothing was sent to one, so it goes again unnamed
+            if naming.refused(target.engine, route, self.clock()) is not None:
+                log.warning("smg refused a %s call named for decode worker %s (index %d: 503 no_available_workers): "
+                            "kvgate leaves the decode worker to smg for %.0f s (a prefill policy that reads "
+                            "X-SMG-Target-Worker too? use --prefill-policy cache_aware; docs/compatibility.md)",
+                            route, target.engine, index, naming.retry_s)
+            self.metrics.placement_calls.labels("decode_name_refused").inc()
+            return None
+        routed = engine_base_url(outcome.routed_worker) if outcome.routed_worker else None
+        self._naming(naming.answered(target.engine, route, index, routed, self.clock()))
+        if routed is not None and routed != target.engine:
+            # smg decoded it elsewhere: the session is where its KV now is
+            self.metrics.placement_calls.labels("decode_name_ignored").inc()
+            try:
+                placement.learn(session_id, Target(routed, None), self.clock())
+            except Exception:
+                log.exception("learning where smg decoded a session's call failed")
+                self.metrics.faults.labels("placement").inc()
+        else:
+            self.metrics.placement_calls.labels("decode_named").inc()
+        return resp, outcome
+
+    def _naming(self, state: str | None) -> None:
+        # one log line when naming decode workers starts, stops or is retried
+        if state == "naming":
+            log.info("smg decodes calls on the decode worker kvgate names (X-SMG-Target-Worker)")
+        elif state == "off":
+            log.warning("smg decoded calls named alike on different decode workers (%d of the last %d answers): "
+                        "its decode policy does not read X-SMG-Target-Worker, so kvgate leaves the decode worker "
+                        "to smg for %.0f s (start smg with --decode-policy consistent_hashing and a prefill "
+                        "policy such as cache_aware; docs/compatibility.md)",
+                        self.naming.max_misses, self.naming.window, self.naming.retry_s)
+
     async def _adopt_shared(self, sid: str, where: tuple[str, int | None] | None) -> None:
         # The engine another replica placed the session on becomes its sticky engine here.
         if where is None:
@@ -195,3 +263,14 @@ class PlacedRelay:
             self.publish()
         placement.remember_prefix(keys, target)
         return target
+
+
+def _no_available_workers(status: int, headers: list[tuple[bytes, bytes]]) -> bool:
+    """smg's answer when its policy picked no worker (a named index it does not count): nothing was sent to a
+    worker, so the call may go again (X-SMG-Error-Code: no_available_workers)."""
+    if status != 503:
+        return False
+    for k, v in headers:
+        if k.lower() == b"x-smg-error-code":
+            return v.strip() == b"no_available_workers"
+    return False

@@ -247,13 +247,18 @@ def error_response(status: int, message: str, kind: str, upstream: str) -> web.R
                         headers={"X-Kvgate-Error": kind})
 
 
+#: smg 1.13's response header naming the worker that served a call (in a PD fleet: the decode worker)
+ROUTED_WORKER = b"x-smg-routed-worker-id"
+
+
 @dataclass
 class RelayOutcome:
     """What happened: upstream status (None if it never answered), what the observer saw, and why it ended."""
 
     status: int | None
     observer: ResponseObserver | None
-    ended: str  # "complete" | "upstream_error" | "client_gone" | "unreachable" | "timeout" | "protocol_error"
+    # "complete" | "upstream_error" | "client_gone" | "unreachable" | "timeout" | "protocol_error" | "held"
+    ended: str
     # False only when the connection was never made, so no byte of the request went out (safe to resend).
     sent: bool = True
     observer_fault: bool = False  # the observer raised; it was switched off, the bytes went on
@@ -299,6 +304,10 @@ class Upstream:
         if self._session is not None:
             await self._session.close()
 
+    def can_hold(self) -> bool:
+        """Whether relay() honours ``hold`` for the router (a plain-http router: kvgate's own pool)."""
+        return self._target(self.base) is not None
+
     def _target(self, base: str) -> tuple[bytes, bytes] | None:
         """(path prefix, Host header line) for a plain-http ``base``; None for others (aiohttp serves them)."""
         try:
@@ -319,12 +328,16 @@ class Upstream:
     async def relay(self, request: web.Request, path_qs: str, headers: CIMultiDict | bytes, body: bytes | BodyParts,
                     observe: Callable[[bool], ResponseObserver] | None, add_headers: Iterable[tuple[str, str]] = (),
                     on_headers: Callable[[int], None] | None = None,
-                    base: str | None = None, worker_header: bytes | None = None) -> tuple[web.StreamResponse, RelayOutcome]:
+                    base: str | None = None, worker_header: bytes | None = None,
+                    hold: Callable[[int, list], bool] | None = None) -> tuple[web.StreamResponse, RelayOutcome]:
         """Send ``body`` to base+``path_qs`` and stream the answer to ``request``'s client.
 
         headers: the request headers to send, as forward_head() bytes or a forward_headers() multidict.
         base: another base URL than the router's (an engine kvgate placed a session on); same pool.
         worker_header: a response header name (lower-case bytes) whose value goes to outcome.routed_worker.
+        hold: a test of the answer's status and raw header pairs; an answer it holds is not sent to the
+        client (the caller sends the call again): the outcome's ``ended`` is "held" and the response None.
+        Honoured for plain-http upstreams only (see can_hold()).
 
         observe: None, or a factory (is_sse -> ResponseObserver) for responses kvgate reads as they pass.
         Returns the response object (already prepared and finished, or an error Response to return)
@@ -354,7 +367,7 @@ class Upstream:
             body = b"".join(body.parts)  # resent once when a pooled connection turns out closed: must be whole
         # A response that arrives whole is answered from the connection's data callback, at once.
         answer = functools.partial(self._answer_arrived, request, path_qs, observe, add_headers) \
-            if on_headers is None and type(request) is server.Request else None
+            if on_headers is None and hold is None and type(request) is server.Request else None
         try:
             up = await self.pool.exchange(base, head, body if isinstance(body, bytes) else
                                           body.pieces if streamed else body.parts, size,
@@ -381,6 +394,8 @@ class Upstream:
                 if isinstance(early, Exception):  # raised answering from the data callback, nothing sent
                     raise early
                 out = None, early
+            elif hold is not None and hold(up.status, up.headers):
+                out = None, RelayOutcome(up.status, None, "held")
             else:
                 out = await self._stream(request, path_qs, up, observe, add_headers, on_headers, base)
             if worker_header is not None:
