@@ -9,6 +9,7 @@ from kvgate.admission.coordinator import Kind
 from kvgate.admission.ledger import Ledger
 from kvgate.admission.pause_gate import PauseGate
 from kvgate.admission.program import ProgramCoordinator
+from program_helpers import teach_prefill_rate
 
 E0, E1 = "http://e0", "http://e1"
 
@@ -90,13 +91,8 @@ def _fleet(start, cap=2000, engines=(E0, E1)):
 
 def _teach_rate(co, t, place=E0, per_token=0.001):
     """Ten one-turn answers timed as 0.05 s + per_token x prefilled: the prefill rate is learned."""
-    for i in range(10):
-        d = co.submit(f"r{i}", 50, False, t, place=place, session_id=None, prompt_tokens=40)
-        assert d.kind is Kind.ADMIT
-        pre = 100 + 50 * i
-        t += 0.05 + per_token * pre
-        co.release(f"r{i}", t, {"prompt_tokens": pre, "cached_tokens": 0, "completion_tokens": 5})
-    return t
+    return teach_prefill_rate(co, t, place, per_token, [100 + 50 * i for i in range(10)], reserve=50,
+                              prompt_tokens=40, completion_tokens=5)
 
 
 def test_closed_gate_admits_as_lifecycle_alone_and_pauses_nobody():

@@ -9,6 +9,7 @@ from kvgate.admission.coordinator import Kind
 from kvgate.admission.ledger import Ledger
 from kvgate.admission.prefill_rate import PrefillRate
 from kvgate.admission.program import ProgramCoordinator
+from program_helpers import teach_prefill_rate
 
 E0 = "http://e0"
 
@@ -63,13 +64,8 @@ def _coordinator(wait_bound, per_token=0.002, cap=2000):
                             reclaim_after_s=None, wait_bound=wait_bound)
     co.reconcile(ClusterSnapshot.build({E0: EngineCapacity.from_pools([(cap, 0, 0.0)])}, 0.0), 0.0)
     # the engine answered 10 calls: seconds = 0.05 + per_token x prefilled (learned through release)
-    t = 0.0
-    for i in range(10):
-        d = co.submit(f"w{i}", 100, False, t, place=E0, session_id=None, prompt_tokens=90)
-        assert d.kind is Kind.ADMIT
-        prefilled = 50 + 40 * i
-        t += 0.05 + per_token * prefilled
-        co.release(f"w{i}", t, {"prompt_tokens": prefilled, "cached_tokens": 0, "completion_tokens": 10})
+    t = teach_prefill_rate(co, 0.0, E0, per_token, [50 + 40 * i for i in range(10)], reserve=100,
+                           prompt_tokens=90, completion_tokens=10, prefix="w")
     return co, t
 
 
