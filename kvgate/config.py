@@ -355,7 +355,8 @@ KEYS: list[Key] = [
     Key("placement_pd_decode", bool, True,
         "In a prefill/decode fleet, kvgate places a session on a decode worker (room first, then its prefix) and "
         "names it to smg in X-SMG-Target-Worker (smg --decode-policy consistent_hashing, a prefill policy that "
-        "ignores the header); naming stops by itself while smg does not honour it. false: smg's decode policy picks."),
+        "ignores the header, --disable-worker-overload-protection); naming stops by itself while smg does not "
+        "honour it. false: smg's decode policy picks."),
     Key("placement_pressure_threshold", float, 0.85,
         "A new session joins the engine holding its prefix only while that engine's KV usage is below this.",
         _unit, "in (0, 1]"),

@@ -56,6 +56,17 @@ def test_contradicting_answers_switch_naming_off_and_it_is_tried_again_later():
     assert n.index("http://d:0", "/generate", 61.0) == 0 and n.state == TRYING
 
 
+def test_answers_to_calls_named_before_naming_went_off_leave_it_off():
+    """Calls in flight when naming goes off come back later; a hit among them does not switch naming on."""
+    n = DecodeNaming(max_misses=3, retry_s=60.0)
+    n.set_workers(_fleet(3))
+    for routed in ("http://d:0", "http://d:1", "http://d:2", "http://d:0"):
+        n.answered("http://d:0", "/generate", 0, routed, 1.0)
+    assert n.state == OFF
+    assert n.answered("http://d:1", "/generate", 1, "http://d:1", 2.0) is None and n.state == OFF
+    assert n.index("http://d:1", "/generate", 30.0) is None
+
+
 def test_a_refusal_switches_naming_off_for_the_retry_time():
     n = DecodeNaming(retry_s=30.0)
     n.set_workers(_fleet(3))
@@ -107,6 +118,10 @@ def test_a_policy_that_ignores_the_name_switches_naming_off(n_dec, seed):
             break
         n.answered(url, "/generate", i, rng.choice(workers), 0.0)
     assert n.state == OFF and n.contradicted >= 3
+    for _ in range(50):  # answers still in flight: off stays off until the retry time
+        url = rng.choice(workers)
+        n.answered(url, "/generate", 0, url, 1.0)
+        assert n.state == OFF and n.index(url, "/generate", 59.0) is None
 
 
 def test_a_new_worker_list_starts_learning_again():

@@ -114,8 +114,9 @@ class DecodeNaming:
 
     def answered(self, url: str, route: str, index: int, routed: str | None, now: float) -> str | None:
         """A call on ``route`` named ``index`` for ``url`` was decoded, smg says, on ``routed`` (a base URL;
-        None when smg did not say: counted neither way). Returns the new state if it changed."""
-        if routed is None or routed not in self._workers:
+        None when smg did not say: counted neither way). Returns the new state if it changed. An answer to a call
+        named before naming went off changes nothing (it says how smg was, not how it is)."""
+        if routed is None or routed not in self._workers or self.state == OFF:
             return None
         seen = self._seen.setdefault(route, {})
         before = seen.get(index)
