@@ -71,3 +71,30 @@ def test_the_budget_is_never_overdrawn_and_every_byte_comes_back(ops):
         b.release(t)
     assert b.held == 0 and b.waiting == 0
 
+
+
+@given(st.lists(st.tuples(st.sampled_from(["admit", "release", "tick"]), st.integers(0, 5), st.integers(1, 150)),
+                max_size=60))
+def test_admit_is_a_new_ticket_then_take(ops):
+    """admit(owner, n) (the server's one call a request with a body) leaves the budget, the queue and the ticket
+    as Ticket(owner) then take(ticket, n) does, whatever came before."""
+    clocks = Clock(), Clock()
+    one, two = BodyBudget(100, 3.0, clocks[0]), BodyBudget(100, 3.0, clocks[1])
+    mine: dict[int, Ticket] = {}
+    theirs: dict[int, Ticket] = {}
+    for op, i, n in ops:
+        if op == "admit" and i not in mine:
+            mine[i] = t = one.admit(i, n)
+            theirs[i] = u = Ticket(i)
+            assert (t.want == 0) == two.take(u, n)
+        elif op == "release" and i in mine:
+            assert [x.owner for x in one.release(mine.pop(i))] == [x.owner for x in two.release(theirs.pop(i))]
+        elif op == "tick":
+            for c in clocks:
+                c.t += n / 50
+            (late1, got1), (late2, got2) = one.expire(), two.expire()
+            assert [x.owner for x in late1] == [x.owner for x in late2]
+            assert [x.owner for x in got1] == [x.owner for x in got2]
+        assert (one.held, one.waiting) == (two.held, two.waiting)
+        assert {k: (t.held, t.want, t.since, t.owner) for k, t in mine.items()} == \
+               {k: (t.held, t.want, t.since, t.owner) for k, t in theirs.items()}

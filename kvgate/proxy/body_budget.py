@@ -30,6 +30,9 @@ class Ticket:
         self.owner = owner
 
 
+_new_ticket = object.__new__
+
+
 class BodyBudget:
     """``total`` bytes shared by the request bodies in flight; ``wait_s`` the longest wait for room, seconds;
     ``clock()`` seconds (monotonic)."""
@@ -47,6 +50,25 @@ class BodyBudget:
     def waiting(self) -> int:
         """How many tickets wait for room."""
         return len(self._queue)
+
+    def admit(self, owner: Any, n: int) -> Ticket:
+        """A new ticket for ``owner`` taking ``n`` bytes: granted at once (``want`` 0) when take() would grant
+        it, else waiting (``want`` n). One call where Ticket() and take() were two: the server asks this for
+        every request with a body."""
+        t = _new_ticket(Ticket)  # (no __init__ call: the four fields are set here)
+        t.owner = owner
+        held = self.held
+        if not self._queue and (held + n <= self.total or held == 0):
+            self.held = held + n
+            t.held = n
+            t.want = 0
+            t.since = 0.0
+            return t
+        t.held = 0
+        t.want = n
+        t.since = self.clock()
+        self._queue.append(t)
+        return t
 
     def take(self, ticket: Ticket, n: int) -> bool:
         """Take ``n`` more bytes for ``ticket``: True when granted now; False when it waits (queued behind the

@@ -19,7 +19,6 @@ from typing import TYPE_CHECKING
 import httptools
 from aiohttp import web
 
-from kvgate.proxy.body_budget import Ticket
 from kvgate.proxy.conn_state import Pause, Phase, ReadControl
 from kvgate.proxy.request import Request
 from kvgate.proxy.wire import (BAD_VERSION, COMMON, CONNECT_ANSWER, METHODS, VERSIONS, BadRequest, budget_retry_after_s,
@@ -45,6 +44,8 @@ _WRITE = Pause.WRITE.value
 _BODY = Pause.BODY.value
 _STOPPED = Pause.STOPPED.value
 _OPEN, _CLOSING, _LOST = Phase.OPEN, Phase.CLOSING, Phase.LOST  # module names: no class lookup per request
+# The lengths of the header names the connection reads itself: Upgrade, Expect, Content-Length, Transfer-Encoding.
+_FRAMING_NAME_LENGTHS = frozenset(len(n) for n in (b"upgrade", b"expect", b"content-length", b"transfer-encoding"))
 
 
 class _Stop(Exception):
@@ -59,7 +60,7 @@ class Connection(asyncio.Protocol):
                  "_chunked_in", "_in_head", "_head_bytes", "_trailer_bytes", "_reading", "current", "_queue",
                  "task", "_drain_waiter", "_refused", "_limit_error", "_lim", "_max_fields", "_max_field", "_max_head",
                  "_max_line", "_upgrade", "_synthetic", "_pending_error", "_next_waiting", "_timed", "_chunk", "_seen",
-                 "_seen_more", "_seen_at", "_seen_room", "__weakref__")
+                 "_seen_more", "_seen_at", "_seen_room", "_line_room", "__weakref__")
 
     def __init__(self, server: "HttpServer"):
         self.server = server
@@ -87,6 +88,7 @@ class Connection(asyncio.Protocol):
         self._max_field = self._lim.header_line_bytes
         self._max_head = self._lim.head_bytes
         self._max_line = self._lim.request_line_bytes
+        self._line_room = self._max_line + 16  # bytes of later reads kept for a request line begun in one
         self._upgrade = False  # the request being read asked for Upgrade: its body is read as a plain one's
         self._synthetic = False  # the parser is reading the framing-only head that follows an Upgrade
         self._pending_error: BadRequest | None = None  # answered once the requests before it are
@@ -129,13 +131,15 @@ class Connection(asyncio.Protocol):
     def data_received(self, data: bytes) -> None:
         if self.ctl.bits & _STOPPED:
             return  # after a malformed request, a refusal or a Connection: close: dropped
-        if self._in_head or self._reading is None:
-            self._head_bytes += len(data)
-            if self._head_bytes > self._max_head:
+        in_head = self._in_head
+        if in_head or self._reading is None:
+            n = len(data)
+            head = self._head_bytes = self._head_bytes + n
+            if head > self._max_head:
                 self._bad(BadRequest(431, f"request head over {self._max_head} bytes"))
                 return
-            if self._in_head and self._seen_room > 0:
-                self._seen_room -= len(data)
+            if in_head and self._seen_room > 0:
+                self._seen_room -= n
                 if self._seen_more is None:
                     self._seen_more = [data]
                 else:
@@ -247,20 +251,19 @@ class Connection(asyncio.Protocol):
         if self.ctl.bits & _STOPPED:
             raise _Stop
         self._in_head = True
-        if self._seen is not self._chunk:  # this request's line starts in the read being parsed
-            self._seen = self._chunk
+        chunk = self._chunk
+        if self._seen is not chunk:  # this request's line starts in the read being parsed
+            self._seen = chunk
             self._seen_more = None
             self._seen_at = 0
-        self._seen_room = self._max_line + 16
+        self._seen_room = self._line_room
         if self._synthetic:
             return
         self._url = b""
         self._fields = []
-        self._expect = None
-        self._length = None
-        self._chunked_in = False
+        self._expect = self._length = None
+        self._chunked_in = self._upgrade = False
         self._trailer_bytes = 0
-        self._upgrade = False
 
     def _refusal(self, *answer) -> BadRequest:
         """Record the answer (status, reason) for a request refused inside a parser callback and return it to
@@ -280,26 +283,27 @@ class Connection(asyncio.Protocol):
             if self._trailer_bytes > self._lim.trailer_bytes:
                 raise self._refusal(400, f"trailer section over {self._lim.trailer_bytes} bytes")
             return
-        if len(name) + len(value) > self._max_field:
-            raise self._refusal(431, f"a header line over {self._max_field} bytes")
-        if len(self._fields) >= self._max_fields:
-            raise self._refusal(431, f"more than {self._max_fields // 2} header lines")
         n = len(name)
-        if n == 6 or n == 14 or n == 17 or n == 7:
+        if n + len(value) > self._max_field:
+            raise self._refusal(431, f"a header line over {self._max_field} bytes")
+        fields = self._fields
+        if len(fields) >= self._max_fields:
+            raise self._refusal(431, f"more than {self._max_fields // 2} header lines")
+        if n in _FRAMING_NAME_LENGTHS:  # (one set lookup: most headers are none of these)
             lname = name.lower()
-            if lname == b"upgrade":
-                self._upgrade = True
-            elif lname == b"expect":
-                self._expect = value.strip().lower()
-            elif lname == b"content-length":
+            if lname == b"content-length":
                 try:
                     self._length = int(value)
                 except ValueError:
                     pass  # llhttp refuses the request
+            elif lname == b"expect":
+                self._expect = value.strip().lower()
+            elif lname == b"upgrade":
+                self._upgrade = True
             elif lname == b"transfer-encoding":
                 self._chunked_in = b"chunked" in value.lower()
         value = value.rstrip(b" \t")
-        self._fields += (COMMON.get(name, name), COMMON.get(value, value))
+        fields += (COMMON.get(name, name), COMMON.get(value, value))  # (in place: the same list)
 
     def on_headers_complete(self) -> None:
         if self.ctl.bits & _STOPPED:
@@ -336,25 +340,26 @@ class Connection(asyncio.Protocol):
             raise self._refusal(*CONNECT_ANSWER)
         if self._upgrade:  # an Upgrade header: llhttp stops at the head only when Connection names it too
             self._upgrade = p.should_upgrade()
-        if self._chunked_in and version == (1, 0):
+        chunked = self._chunked_in
+        if chunked and version == (1, 0):
             # RFC 9112 6.1: Transfer-Encoding on HTTP/1.0 is faulty framing; smg and nginx answer 400
             raise self._refusal(400, "Transfer-Encoding on an HTTP/1.0 request")
         if url[0] != 0x2F and url != b"*":  # not origin-form (/...): absolute-form
             url = origin_form(url)
+        length = self._length
         req = Request(self, METHODS.get(method) or method.decode("ascii"), url.decode("ascii"), tuple(self._fields),
-                      version, p.should_keep_alive(), self._expect, self._length, server.client_max_size)
+                      version, p.should_keep_alive(), self._expect, length, server.client_max_size)
         self._fields = []
         self._reading = req
-        length = self._length
-        if server.body_limit is not None and (length or self._chunked_in):  # (only a body needs its limit)
+        if (length or chunked) and server.body_limit is not None:  # (only a body needs its limit)
             req.max_body = server.body_limit(req)
         if length is not None and length > req.max_body:
             # Refused from its head: the body is not read, the answer goes when its turn comes, then the close.
             req.early = BadRequest(413, f"a body of {length} bytes is over the limit of {req.max_body}")
             self._refused = True
-        elif length or self._chunked_in:
-            req.ticket = t = Ticket(req)
-            if not server.budget.take(t, length if length is not None else BUDGET_STEP):
+        elif length or chunked:
+            req.ticket = t = server.budget.admit(req, length if length is not None else BUDGET_STEP)
+            if t.want:  # no room now: its body waits (reading paused) until granted or refused
                 self.pause(Pause.BUDGET)
         if self.current is None:
             self._dispatch(req)
@@ -368,7 +373,8 @@ class Connection(asyncio.Protocol):
         req = self._reading
         if req is None or self._refused:
             return
-        if self.ctl.bits & _STOPPED:
+        ctl = self.ctl
+        if ctl.bits & _STOPPED:
             raise _Stop
         buffered = req.feed(body)
         ticket = req.ticket
@@ -376,7 +382,7 @@ class Connection(asyncio.Protocol):
             # chunked: the next step of the body budget (reading pauses while the budget is full)
             if not self.server.budget.take(ticket, req.received - ticket.held + BUDGET_STEP):
                 self.pause(Pause.BUDGET)
-        if buffered > BODY_HIGH_WATER and not self.ctl.bits & _BODY:
+        if buffered > BODY_HIGH_WATER and not ctl.bits & _BODY:
             self.pause(Pause.BODY)
 
     def on_message_complete(self) -> None:
@@ -431,7 +437,7 @@ class Connection(asyncio.Protocol):
         handler's own."""
         self.current = req
         server = self.server
-        server.busy(self)
+        server.idle.pop(self, None)  # busy
         early = req.early
         if early is not None:
             self._answer(req, web.Response(status=early.status, text=error_body(early.status, early),
@@ -515,20 +521,26 @@ class Connection(asyncio.Protocol):
     def _finished(self, req: Request) -> None:
         self.task = None
         self.current = None
+        server = self.server
         ticket = req.ticket
         if ticket is not None:
             req.ticket = None  # the ticket points back at the request: no cycle left for the GC
-            granted = self.server.budget.release(ticket)
+            granted = server.budget.release(ticket)
             if granted:
-                self.server.grant(granted)
-        if self.ctl.phase is _LOST:
+                server.grant(granted)
+        ctl = self.ctl
+        phase = ctl.phase
+        if phase is _LOST:
             return
-        if self.ctl.phase is not _OPEN or not req.keep_alive or not req.body_done or self.server.closing:
+        if phase is not _OPEN or not req.keep_alive or not req.body_done or server.closing:
             self._close_after()
             return
-        if self.ctl.bits & _WRITE:  # the client has not read the answers written: the next request waits
+        if ctl.bits & _WRITE:  # the client has not read the answers written: the next request waits
             self._next_waiting = True
-            self.server.idle_since(self)  # a client that never reads them is closed after keepalive_s
+            server.idle[self] = self.loop.time()  # a client that never reads them is closed after keepalive_s
+            return
+        if self._queue is None and self._pending_error is None:  # nothing waits its turn: _next, in short
+            server.idle[self] = self.loop.time()
             return
         self._next()
 
@@ -547,7 +559,7 @@ class Connection(asyncio.Protocol):
             self._pending_error = None
             self._write_error(err)
             return
-        self.server.idle_since(self)
+        self.server.idle[self] = self.loop.time()  # idle since now: closed after keepalive_s
 
     def _close_after(self) -> None:
         """Close once the answer is written: half-close, then drop what the client still sends for at most

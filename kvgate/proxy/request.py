@@ -131,6 +131,18 @@ class Request:
         HTTPRequestEntityTooLarge (413) past ``max_bytes`` or past this request's own ``max_body``."""
         if self.max_body < max_bytes:
             max_bytes = self.max_body
+        chunks = self._chunks
+        if self.body_done and len(chunks) == 1 and self._error is None:
+            # the common case, the whole body arrived in one piece: the loop below, in short
+            body = chunks[0]
+            n = len(body)
+            if n <= max_bytes and n <= join_max and n < yield_every:
+                self._chunks = ()  # (_taken, inline)
+                self._buffered = 0
+                conn = self._conn
+                if conn.ctl.bits & _BODY:
+                    conn.body_taken()
+                return body
         parts: list[bytes] = []
         size = since_yield = 0
         while True:
@@ -251,13 +263,20 @@ class Request:
         """Write a whole answer in one write: status line, ``lines`` (header lines as bytes), framing and
         connection headers, ``body``. has_length: ``lines`` already carry a Content-Length."""
         conn = self._conn
-        if conn.ctl.phase is _LOST:
+        phase = conn.ctl.phase
+        if phase is _LOST:
             raise ConnectionResetError(_GONE)
         bodied = status >= 200 and status not in NO_BODY_STATUS  # wire.has_body
-        length = None if has_length or not bodied or (self.head_only and not body) else len(body)
-        head = self._head(status, reason, lines, length, False)
+        head_only = self.head_only
+        length = None if has_length or not bodied or (head_only and not body) else len(body)
+        # (response_head called here, not through _head: one call fewer on every whole answer; a whole
+        # answer is never chunked)
+        head, _, keep = response_head(status, reason, lines, length, False, self.version,
+                                      self.keep_alive and phase is _OPEN, head_only)
+        if not keep:
+            self.keep_alive = False
         self.sent = 2
-        if body and not self.head_only and bodied:
+        if body and not head_only and bodied:
             conn.transport.write(head + body)
         else:
             conn.transport.write(head)

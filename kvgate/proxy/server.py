@@ -78,8 +78,9 @@ class HttpServer:
         self.limits = limits or Limits()
         self.loop = asyncio.get_running_loop()
         # connections idle, whose head (since it started) or body (since its last byte) is still arriving,
-        # and that answered and drop what the client still sends
-        self._idle = Timers()
+        # and that answered and drop what the client still sends (a connection enters and leaves ``idle``
+        # itself, twice a request: a dict operation each, not a call)
+        self.idle = Timers()
         self.heads = Timers()
         self.bodies = Timers()
         self._lingering = Timers()
@@ -116,18 +117,12 @@ class HttpServer:
             conn.close()
             return
         self._conns[conn] = None
-        self._idle[conn] = self.loop.time()
+        self.idle[conn] = self.loop.time()
 
     def closed(self, conn: Connection) -> None:
         self._conns.pop(conn, None)
-        for table in (self._idle, self.heads, self.bodies, self._lingering):
+        for table in (self.idle, self.heads, self.bodies, self._lingering):
             table.drop(conn)
-
-    def busy(self, conn: Connection) -> None:
-        self._idle.pop(conn, None)
-
-    def idle_since(self, conn: Connection) -> None:
-        self._idle[conn] = self.loop.time()
 
     def lingering(self, conn: Connection) -> None:
         self._lingering[conn] = self.loop.time()
@@ -159,7 +154,7 @@ class HttpServer:
         connections; note a shortage of file descriptors; refresh the Date value."""
         self.date = formatdate(usegmt=True)
         now = self.loop.time()
-        for conn in self._idle.expired(now - self.keepalive_s):
+        for conn in self.idle.expired(now - self.keepalive_s):
             conn.close()
         lim = self.limits
         for table, limit, what in ((self.heads, lim.header_timeout_s, "head"),
@@ -201,9 +196,9 @@ class HttpServer:
         for srv in self._servers:
             srv.close()
         await asyncio.sleep(0)  # connections accepted just before the close are made
-        for conn in list(self._idle):
+        for conn in list(self.idle):
             conn.close()
-        self._idle.clear()
+        self.idle.clear()
         tasks = [c.task for c in self._conns if c.task is not None and not c.task.done()]
         tasks += [t for t in self.finishing if not t.done()]
         for c in self._conns:

@@ -98,10 +98,9 @@ def request_line_at(seen: bytes, start: int, method: bytes, url: bytes, version:
     before it in the same read ended (their request lines). Returns (ok, where this line ends): not ok when
     a spaced-out form of the line comes before its strict form; ok when the strict form comes first, or
     when neither is found (what cannot be seen is not refused)."""
-    n, u = len(method), len(url)
-    if (seen.startswith(method, start) and seen[start + n:start + n + 1] == b" " and seen.startswith(url, start + n + 1)
-            and seen.startswith(_HTTP_TAIL.get(version) or b"-", start + n + 1 + u)):
-        return True, start + n + u + 12  # the common case: the line where the request starts, strict
+    end = start + len(method) + len(url) + 12
+    if seen[start:end] == b"".join((method, b" ", url, _HTTP_TAIL.get(version, b"-"))):
+        return True, end  # the common case: the line where the request starts, strict (one compare)
     strict = b"%s %s HTTP/%s\r\n" % (method, url, version.encode("ascii"))
     at = seen.find(strict, start)
     stop = at if at >= 0 else len(seen)
