@@ -1,6 +1,6 @@
 """The HTTP/1.1 wire rules of kvgate's server, with no I/O (pure; no asyncio): what a client may send
 (``Limits``), how a refusal is said (``BadRequest``, ``error_answer``), a request's headers (``Headers``),
-how a request line must look (``request_line_ok``) and how a response is framed (``response_head``,
+how a request line must look (``request_line_at``) and how a response is framed (``response_head``,
 ``header_lines``, ``chunk_frame``).
 
 kvgate.proxy.server is the asyncio shell that applies them on a connection; tests/test_wire.py tests them
