@@ -168,7 +168,7 @@ class Admin:
         return CIMultiDict((k, v) for k, v in headers.items() if k.lower() not in drop)
 
     def _sid_refused(self, sid: str) -> web.Response | None:
-        if self.gw._sid_too_long(sid):
+        if self.gw.sid_too_long(sid):
             return bad_request(f"session_id is over max_session_id_bytes ({self.gw._max_sid} bytes)")
         return None
 

@@ -1,7 +1,7 @@
 """The gateway: wires kvgate's parts and runs the request path (I/O edge).
 
-Request path: request in -> classify -> resolve session -> place -> admit (gate) -> forward -> release and
-record. Forward: to the router, or, for a session's call on a route where kvgate places sessions
+Request path: request in -> classify -> resolve session (kvgate.proxy.session_stage) -> place -> admit (gate) ->
+forward -> release and record. Forward: to the router, or, for a session's call on a route where kvgate places sessions
 (docs/placement.md), straight to the engine kvgate.fleet.placement picks (the next one on a refused connection;
 the router when none is usable). kvgate's own endpoints and the admin key: kvgate.proxy.admin; starting and
 serving: kvgate.proxy.bootstrap. Everything that is not kvgate's is forwarded to the router unchanged.
@@ -12,24 +12,22 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from dataclasses import dataclass, field
 from functools import partial
-from typing import Any
 
 from aiohttp import web
 
-from kvgate.common.classify import GENERATE_ROUTES, STEP_BOUNDARY_ROUTES, classify, parse_json_object, \
-    with_session_id
+from kvgate.common.classify import GENERATE_ROUTES, STEP_BOUNDARY_ROUTES, classify, parse_json_object
 from kvgate.config import PLACEMENT_ROUTES, Config, api_key, read_admin_key
 from kvgate.fleet.decode_naming import DecodeNaming
 from kvgate.fleet.placement import Placement, Target
 from kvgate.fleet.directory import EngineDirectory
 from kvgate.proxy.admin import Admin
-from kvgate.proxy.relay import ROUTED_WORKER, Upstream, forward_head, header_safe, BodyParts, read_body
+from kvgate.proxy.relay import ROUTED_WORKER, Upstream, forward_head, read_body
 from kvgate.common.admission_seam import Gate, OpenGate, RequestInfo, Ticket
 from kvgate.proxy.placed import PlacedRelay
+from kvgate.proxy.session_stage import SessionPlan, as_text, resolve_session
 from kvgate.sessions.idle_policy import IdlePolicy, StepTracker
-from kvgate.sessions.inference import SessionInference, request_units
+from kvgate.sessions.inference import SessionInference
 from kvgate.sessions.lifecycle import SessionLifecycle
 from kvgate.common.metrics import Metrics
 from kvgate.sessions.observe import ResponseObserver
@@ -41,39 +39,8 @@ log = logging.getLogger("kvgate")
 GATEWAY_KEY = web.AppKey("gateway", object)
 # The session id kvgate gave a generate call (named or inferred), told to the client on the response.
 SESSION_HEADER = "X-Kvgate-Session-Id"
-# smg 1.13 names the worker it sent a call to in this response header (docs/compatibility.md).
 # Step-boundary bodies larger than this (tensor payloads) are not parsed: they take SGLang's defaults.
 STEP_BODY_PARSE_LIMIT = 1 << 20
-
-
-@dataclass(slots=True)
-class SessionPlan:
-    """How one generate call is tied to a session: the id and where it came from (body, header, field,
-    inferred), the body and extra headers to forward, and whether prefix inference tracks it."""
-
-    session_id: str | None = None
-    source: str | None = None
-    body: "bytes | BodyParts" = b""
-    extra: dict[str, str] = field(default_factory=dict)
-    inferred: bool = False
-    prompt_is_text: bool = False
-    units: Any = None  # the prompt's units, kept for replicas sharing inference (state_backend: redis)
-    placed: bool = False  # the placement stage chose its engine: it goes there, not to the router
-    prompt_tokens: int = 0  # the prompt's size as the placement stage estimated it (a placed call's)
-    inference_result: str | None = None  # what prefix inference found, counted when the call ends
-
-
-def _as_text(session_id: str | None) -> str | None:
-    """A session id as valid Unicode text. Header bytes that were not UTF-8 reach kvgate as lone
-    surrogates (aiohttp decodes with surrogateescape); they become ``\\xNN`` escapes so the id can go
-    into a JSON body and the registry. Others are returned unchanged."""
-    if session_id is None:
-        return None
-    try:
-        session_id.encode("utf-8")
-        return session_id
-    except UnicodeEncodeError:
-        return session_id.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
 
 
 class Gateway:
@@ -179,7 +146,7 @@ class Gateway:
         self._max_body = cfg.max_body_bytes
         self._join_max = max(cfg.body_parse_max_bytes, STEP_BODY_PARSE_LIMIT)
         self._parse_max = cfg.body_parse_max_bytes
-        self._routing_key = cfg.routing_key_header if cfg.set_routing_key else None
+        self.routing_key = cfg.routing_key_header if cfg.set_routing_key else None
         self.app = self._build_app()
 
     # --- app -------------------------------------------------------------------------------------
@@ -206,7 +173,7 @@ class Gateway:
 
     # --- session ids ----------------------------------------------------------------------------------
 
-    def _sid_too_long(self, sid: str) -> bool:
+    def sid_too_long(self, sid: str) -> bool:
         """Whether ``sid`` is over max_session_id_bytes (UTF-8 bytes; measured only when it could be)."""
         return len(sid) * 4 > self._max_sid and len(sid.encode("utf-8", "surrogatepass")) > self._max_sid
 
@@ -320,7 +287,7 @@ class Gateway:
         plan = SessionPlan(body=raw)
         if self.lifecycle_on and c.body is not None:
             try:
-                plan = await self._resolve_session(c.path, c.body, raw, request)
+                plan = await resolve_session(self, c.path, c.body, raw, request)
             except Exception:  # fail-open: a kvgate fault never alters or drops the request
                 log.exception("session resolution failed; forwarding unchanged")
                 self.metrics.faults.labels("session").inc()
@@ -329,10 +296,10 @@ class Gateway:
             # Lifecycle off, placement on: the session only picks the engine; the body goes out unchanged.
             try:
                 res = self.resolver.resolve(c.body, request.headers)
-                if res.session_id is not None and self._sid_too_long(res.session_id):
+                if res.session_id is not None and self.sid_too_long(res.session_id):
                     self.metrics.body_features_skipped.labels("session_id_size").inc()
                 else:
-                    plan = SessionPlan(_as_text(res.session_id), res.source, raw)
+                    plan = SessionPlan(as_text(res.session_id), res.source, raw)
             except Exception:
                 log.exception("session resolution failed; forwarding unchanged")
                 self.metrics.faults.labels("session").inc()
@@ -471,53 +438,6 @@ class Gateway:
             return None
         return parse_json_object(raw)
 
-    async def _resolve_session(self, path: str, body_obj: dict, raw: bytes, request: web.Request) -> SessionPlan:
-        if not isinstance(body_obj.get("session_id"), (str, type(None))):
-            return SessionPlan(body=raw)  # a session_id SGLang rejects (a number, a list): its answer, unchanged
-        res = self.resolver.resolve(body_obj, request.headers)
-        if res.session_id is not None and self._sid_too_long(res.session_id):
-            # Tracked, it would go whole into the registry, every close call and every listing: forwarded
-            # untouched instead (the engine answers it as it would directly).
-            self.metrics.body_features_skipped.labels("session_id_size").inc()
-            return SessionPlan(body=raw)
-        sid, source, units, inferred = _as_text(res.session_id), res.source, None, None
-        if sid is None and self.inference is not None:
-            units = request_units(path, body_obj)
-            if units is not None:
-                inferred = self.inference.infer(units, self.lifecycle.clock())
-                reason = inferred.reason
-                sid, source = inferred.session_id, "inferred"
-                if reason == "new" and self.shared is not None:
-                    # Its previous turn may have gone through another replica.
-                    other = await self.shared.continued_session(units, self._block(units))
-                    if other is not None:
-                        sid, reason = other, "shared"
-                if sid is None:  # unsupported: counted now; a call with a session when it ends (refused or not)
-                    self.metrics.child(self.metrics.session_inference, reason).inc()
-        if sid is None:
-            return SessionPlan(body=raw)
-        # /v1/responses: smg 1.13 refuses a top-level session_id there (400, an unknown field), so kvgate adds
-        # none; the session is still tracked, routed by its key and closed.
-        new_body = None if path == "/v1/responses" else with_session_id(raw, body_obj, sid)
-        if new_body is None and "session_params" in body_obj:
-            self.metrics.session_params_skipped.inc()
-            if inferred is not None:
-                self.metrics.child(self.metrics.session_inference, reason).inc()
-            return SessionPlan(body=raw)
-        if inferred is not None:
-            # Synchronously, before the admission wait: a concurrent turn must see this session busy.
-            self.inference.on_request_start(sid, units, self.lifecycle.clock(), inferred.prepared)
-        if new_body is not None or body_obj.get("session_id") == sid:
-            self.metrics.session_id_injected.labels(source).inc()
-        extra = {}
-        rk = self._routing_key
-        if rk is not None and rk not in request.headers:
-            extra[rk] = header_safe(sid)
-        return SessionPlan(sid, source, new_body if new_body is not None else raw, extra,
-                           inferred=inferred is not None, prompt_is_text=isinstance(units, str),
-                           units=units if inferred is not None and self.shared is not None else None,
-                           inference_result=reason if inferred is not None else None)
-
     def _release(self, ticket: Ticket, meta: dict | None = None) -> None:
         try:
             self.gate.release(ticket, meta)
@@ -560,13 +480,14 @@ class Gateway:
             self.metrics.faults.labels("observer").inc()
             return None
 
-    def _block(self, units) -> int:
+    def block_of(self, units) -> int:
+        """The prefix block a prompt is hashed in: characters for a text prompt, tokens for token ids."""
         block_tokens, block_chars, _ = self._placement_blocks
         return block_chars if isinstance(units, str) else block_tokens
 
     def _share_turn(self, sid: str, units, output) -> None:
         try:
-            self.shared.link_turn(sid, units, output, self._block(units))
+            self.shared.link_turn(sid, units, output, self.block_of(units))
         except Exception:
             log.exception("sharing a turn for session inference failed")
             self.metrics.faults.labels("inference").inc()
