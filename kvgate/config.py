@@ -270,7 +270,9 @@ KEYS: list[Key] = [
         nullable=True),
     Key("set_routing_key", bool, True,
         "Set the routing-key header to the session id unless the client set one, so smg keeps a session on one engine."),
-    Key("routing_key_header", str, "X-SMG-Routing-Key", "Header smg's manual policy reads (the others ignore it)."),
+    Key("routing_key_header", str, "X-SMG-Routing-Key",
+        "The routing-key header kvgate sets: smg reads it under --policy manual and consistent_hashing, and under "
+        "any policy with --sticky-sessions (the others ignore it)."),
     Key("router_policy", str, None,
         "The --policy the router was started with (smg does not report it); kvgate warns at startup when it "
         "ignores the routing key kvgate sets (every policy but manual and consistent_hashing, unless "

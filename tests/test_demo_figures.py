@@ -111,22 +111,25 @@ def test_the_last_line_says_what_kvgate_gained_or_lost_against_smg_alone():
     from kvgate.tools.demo import gain_line
     alone = _run("smg", 1_000_000, 200_000, 1.0, 4.0)
     assert gain_line(alone, _run("lifecycle", 1_000_000, 600_000, 0.5, 3.0)) == (
-        "result: kvgate (session lifecycle) gained against smg alone on the same 100 turns: the engines computed "
+        "result: kvgate (session lifecycle) gained (prompt compute, p50, p99 beyond 5%; one run each) against smg "
+        "alone on the same 100 turns: the engines computed "
         "400,000 prompt tokens against 800,000 (0.50x; cache hit 60.0% against 20.0%), turn latency p50 0.500 s "
         "against 1.000 s (0.50x), p99 3.000 s against 4.000 s (0.75x)")
     assert gain_line(alone, _run("admission", 1_000_000, 100_000, 1.5, 5.0, ok=99)).startswith(
-        "result: kvgate (session lifecycle + admission) lost against smg alone on the same 100 turns: the engines "
-        "computed 900,000 prompt tokens against 800,000 (1.12x; cache hit 10.0% against 20.0%)")
+        "result: kvgate (session lifecycle + admission) lost (prompt compute, p50, p99 beyond 5%; one run each) "
+        "against smg alone on the same 100 turns: the engines computed 900,000 prompt tokens against 800,000 (1.12x; "
+        "cache hit 10.0% against 20.0%)")
     assert gain_line(alone, _run("admission", 1_000_000, 100_000, 1.5, 5.0, ok=99)).endswith(
         "; answered 99/100 against 100/100")
     mixed = gain_line(alone, _run("lifecycle", 1_000_000, 600_000, 1.2, 3.0))
-    assert " gained and lost against smg alone" in mixed
+    assert " gained and lost (prompt compute, p50, p99 beyond 5%; one run each) against smg alone" in mixed
     assert " changed nothing beyond 5% " in gain_line(alone, _run("lifecycle", 1_000_000, 200_000, 1.0, 4.0))
     # within 5% is the same: 1.00x the tokens and 0.98x the p99; a 1.06x p50 beyond it (a measured demo's figures)
     assert " changed nothing beyond 5% " in gain_line(alone, _run("lifecycle", 1_000_000, 195_000, 1.04, 3.92))
     measured = gain_line({**_run("smg", 3707648, 1030794, 0.742, 5.146), "requests": 287, "ok": 287},
                          {**_run("lifecycle", 3707648, 1026992, 0.787, 5.049), "requests": 287, "ok": 287})
     assert measured == (
-        "result: kvgate (session lifecycle) lost against smg alone on the same 287 turns: the engines computed "
+        "result: kvgate (session lifecycle) lost (p50 beyond 5%; one run each) against smg alone on the same 287 "
+        "turns: the engines computed "
         "2,680,656 prompt tokens against 2,676,854 (1.00x; cache hit 27.7% against 27.8%), turn latency p50 0.787 s "
         "against 0.742 s (1.06x), p99 5.049 s against 5.146 s (0.98x)")

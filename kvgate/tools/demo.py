@@ -432,6 +432,9 @@ def gain_line(alone: dict, kv: dict) -> str:
     worse = [k > a * (1 + SAME_WITHIN) for k, a in pairs]
     verdict = ("gained" if any(better) and not any(worse) else "lost" if any(worse) and not any(better)
                else "gained and lost" if any(better) else f"changed nothing beyond {SAME_WITHIN:.0%}")
+    moved = [n for n, b, w in zip(("prompt compute", "p50", "p99"), better, worse) if b or w]
+    if moved:  # say which figures moved: a gain in the tail alone reads differently from one in every figure
+        verdict += f" ({', '.join(moved)} beyond {SAME_WITHIN:.0%}; one run each)"
 
     def ratio(a: float, b: float) -> str:
         return f"{a / b:.2f}x" if b else "-"
