@@ -33,6 +33,15 @@ class _Place:
     refs: dict[int, int] = field(default_factory=dict)
     tail: int = 0
     holders: int = 0
+    # blocks not held here, per prompt asked about since the place last changed: id(blocks) -> (blocks, count).
+    # A waiting turn is asked about on every pump, on each engine it may go to, and its refusal asks again;
+    # while the place holds the same blocks the answer is the same, and the set difference behind it is the
+    # costliest step of a refusal. Cleared whenever a holder comes or goes.
+    cache: dict[int, tuple[tuple, int]] = field(default_factory=dict)
+
+
+#: Prompts remembered per place between changes (a bound for a place that stays unchanged for long).
+_CACHED_PER_PLACE = 256
 
 
 class Holdings:
@@ -48,12 +57,24 @@ class Holdings:
         self._places: dict[Hashable, _Place] = {}
         self._holders: dict[Hashable, tuple[Hashable, tuple[int, ...], int]] = {}
         self._total = 0  # grand_total(), kept as holdings come and go: every admission reads it
+        # places whose total changed since the owner last read this set (kvgate.admission.free_rank keeps the
+        # engines ordered by free room from it; bounded by the places ever held)
+        self.touched: set[Hashable] = set()
 
     def cost(self, place: Hashable, blocks: Iterable[int], tail: int) -> int:
         """Tokens that adding (blocks, tail) on ``place`` would add: blocks not yet held there + tail."""
         p = self._places.get(place)
-        distinct = set(blocks)  # set operations: C speed, not a Python step per block
-        new = len(distinct.difference(p.refs)) if p is not None else len(distinct)
+        if p is None:
+            return len(set(blocks)) * self.block_tokens + max(0, int(tail))
+        if type(blocks) is tuple:  # noqa: E721 (a tuple is the only kind remembered: it cannot change)
+            hit = p.cache.get(id(blocks))
+            if hit is not None and hit[0] is blocks:  # the very object (it is kept, so its id is not reused)
+                return hit[1] * self.block_tokens + max(0, int(tail))
+        new = len(set(blocks).difference(p.refs))  # set operations: C speed, not a Python step per block
+        if type(blocks) is tuple:  # noqa: E721
+            if len(p.cache) >= _CACHED_PER_PLACE:
+                p.cache.clear()
+            p.cache[id(blocks)] = (blocks, new)
         return new * self.block_tokens + max(0, int(tail))
 
     def add(self, holder: Hashable, place: Hashable, blocks: Iterable[int], tail: int) -> int:
@@ -66,6 +87,9 @@ class Holdings:
         p = self._places.get(place)
         if p is None:
             p = self._places[place] = _Place()
+        elif p.cache:
+            p.cache.clear()
+        self.touched.add(place)
         refs = p.refs
         new = 0
         if bl:  # refs[b] += 1 for every block, in C (map/zip), not a Python step per block
@@ -86,6 +110,9 @@ class Holdings:
             return 0
         place, bl, tail = h
         p = self._places[place]
+        self.touched.add(place)
+        if p.cache:
+            p.cache.clear()
         if p.holders == 1:  # the place's last holder: every block it holds is its alone
             del self._places[place]
             freed = len(bl) * self.block_tokens + tail
@@ -109,6 +136,10 @@ class Holdings:
         """Whether some holder on ``place`` holds ``block``."""
         p = self._places.get(place)
         return p is not None and block in p.refs
+
+    def places_with(self, block: int) -> set[Hashable]:
+        """The places where some holder holds ``block``."""
+        return {pl for pl, p in self._places.items() if block in p.refs}
 
     def holds(self, holder: Hashable) -> bool:
         return holder in self._holders
