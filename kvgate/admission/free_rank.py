@@ -17,6 +17,9 @@ from .working_set import Holdings
 
 __all__ = ["FreeRank"]
 
+#: Places moved one by one up to this many changed since the last read; beyond it, one sort of them all.
+_FEW = 8
+
 
 class FreeRank:
     """Engine places as (held - ceiling, index, place), i.e. most free room first, ties in the given order.
@@ -47,6 +50,7 @@ class FreeRank:
         touched = self._hold.touched
         if touched:
             order, key, total = self._order, self._key, self._hold.total
+            few = len(touched) <= _FEW
             for place in touched:
                 old = key.get(place)
                 if old is None:
@@ -54,8 +58,11 @@ class FreeRank:
                 i, ceiling = self._ceiling[place]
                 new = (total(place) - ceiling, i, place)
                 if new != old:
-                    del order[bisect_left(order, old)]
-                    insort(order, new)
                     key[place] = new
+                    if few:
+                        del order[bisect_left(order, old)]
+                        insort(order, new)
+            if not few:  # most places moved: one sort (in C) beats a search and a list insert each
+                order[:] = sorted(key.values())
             touched.clear()
         return self._order

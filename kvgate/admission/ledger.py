@@ -127,9 +127,9 @@ class Ledger(_LedgerFigures):
         a program between turns may sit in host memory, which SGLang loads back instead of recomputing). A single
         reservation is still clamped to the device pool (max_tokens) and the pressure guard reads device usage.
 
-    Read-only figures: ceiling, reserved, available_tokens, reserved_utilization, lease_count,
-    lease_expired_total, epoch, snapshot; is_degraded(now); usage_window(now); stats(now) (the last two:
-    kvgate.admission.ledger_figures).
+    Read-only figures: snapshot; is_degraded(now); and in kvgate.admission.ledger_figures: ceiling, reserved,
+    available_tokens, reserved_utilization, lease_count, lease_expired_total, epoch, usage_window(now),
+    stats(now).
     """
 
     def __init__(
@@ -292,15 +292,22 @@ class Ledger(_LedgerFigures):
                     return r, pl, refused
                 refused.append((pl, r))
             return None, None, refused
-        hold = self._hold
+        hold, resolved = self._hold, self._resolved
         bt, reserved = hold.block_tokens, hold.grand_total()
         blocks = tuple(blocks) if blocks else ()
+        last = None  # (clamp, tokens, blocks, tail) of the previous place: engines of one size share them
         for pl in places:
-            place = self.resolve_place(pl)
+            try:
+                place = resolved[pl]
+            except (KeyError, TypeError):  # not resolved yet, or not hashable: as try_acquire resolves it
+                place = self.resolve_place(pl)
             clamp, usage, place_ceiling = self._figures_of(place)
-            t = min(tokens, clamp)
-            bl = blocks[: t // bt]
-            cost = hold.cost(place, bl, t - len(bl) * bt)
+            if last is None or last[0] != clamp:
+                t = min(tokens, clamp)
+                bl = blocks[: t // bt]
+                last = (clamp, t, bl, t - len(bl) * bt)
+            _, t, bl, tail = last
+            cost = hold.cost(place, bl, tail)
             verdict = self._verdict(place, cost, usage, place_ceiling, reserved)
             if verdict is None or verdict == "oversized":
                 return self.try_acquire(ticket, tokens, now, place=pl, blocks=blocks), pl, refused  # grants
@@ -558,36 +565,6 @@ class Ledger(_LedgerFigures):
         """When expire() may next reclaim a lease (seconds): a lower bound on every lease's expires_at, exact
         after expire() ran; None without leases. O(1): the admission timer asks on every release."""
         return self._expiry_floor if self._leases else None
-
-    # ---------------------------------------------------------------- figures
-    @property
-    def ceiling(self) -> int:
-        return self._ceiling
-
-    @property
-    def reserved(self) -> int:
-        return self._hold.grand_total()
-
-    @property
-    def available_tokens(self) -> int:
-        return max(0, self._ceiling - self.reserved)
-
-    @property
-    def reserved_utilization(self) -> float:
-        """reserved / ceiling (0 when the ceiling is 0; can exceed 1 after an oversized grant)."""
-        return self.reserved / self._ceiling if self._ceiling > 0 else 0.0
-
-    @property
-    def lease_count(self) -> int:
-        return len(self._leases)
-
-    @property
-    def lease_expired_total(self) -> int:
-        return self._lease_expired_total
-
-    @property
-    def epoch(self) -> int:
-        return self._epoch
 
     def _prune(self, now: float) -> None:
         horizon = now - self.window_s

@@ -1,4 +1,4 @@
-"""The token ledger's figures: the usage window and /kvgate/stats (pure: read-only, injected ``now``).
+"""The token ledger's figures: ceiling, reserved and the like, the usage window and /kvgate/stats (pure: read-only, injected ``now``).
 
 Part of :class:`kvgate.admission.ledger.Ledger` (a base class of it: the methods read the ledger's records).
 """
@@ -14,6 +14,41 @@ __all__: list[str] = []
 
 class _LedgerFigures:
     """The figures half of Ledger; no state of its own."""
+
+    @property
+    def ceiling(self) -> int:
+        """The fleet's ceiling: floor(healthy engines' max_total_num_tokens x headroom), tokens."""
+        return self._ceiling
+
+    @property
+    def reserved(self) -> int:
+        """Tokens held by leases and resident KV on every place (shared prefixes once per place)."""
+        return self._hold.grand_total()
+
+    @property
+    def available_tokens(self) -> int:
+        """ceiling - reserved, at least 0 (tokens)."""
+        return max(0, self._ceiling - self.reserved)
+
+    @property
+    def reserved_utilization(self) -> float:
+        """reserved / ceiling (0 when the ceiling is 0; can exceed 1 after an oversized grant)."""
+        return self.reserved / self._ceiling if self._ceiling > 0 else 0.0
+
+    @property
+    def lease_count(self) -> int:
+        """Live leases."""
+        return len(self._leases)
+
+    @property
+    def lease_expired_total(self) -> int:
+        """Leases reclaimed by expire() since start."""
+        return self._lease_expired_total
+
+    @property
+    def epoch(self) -> int:
+        """Increments whenever the set of healthy engines changes."""
+        return self._epoch
 
     def usage_window(self, now: float) -> tuple[float, float] | None:
         """(mean of cluster mean_usage, max of worst pool usage) over snapshots taken in [now - window_s, now].

@@ -261,8 +261,9 @@ class _WaitingTurns:
             return r, w.place
         # the others are ranked only now: a refusal changes no holding, so the order is the one it had before
         g, where, refused = self.ledger.first_fit(w.ticket, w.tokens, now, self._others(w), w.blocks)
+        note = self._note_refusal
         for pl, no in refused:
-            self._note_refusal(w, pl, no)
+            note(w, pl, no)
         return (g, where) if g is not None else (r, w.place)
 
     def _others(self, w: _Waiter) -> list[Any]:

@@ -70,6 +70,7 @@ class Holdings:
         # counts them as freed. Anything else that reads or writes that place's blocks takes them off first
         # (_settle); totals count the removal at once (_Place.freeing).
         self._pending: tuple | None = None
+        self._distinct: tuple = ((), 0)  # (the last prompt cost() found held nowhere on a place, its blocks)
 
     def cost(self, place: Hashable, blocks: Iterable[int], tail: int) -> int:
         """Tokens that adding (blocks, tail) on ``place`` would add: blocks not yet held there + tail."""
@@ -80,16 +81,23 @@ class Holdings:
             hit = p.cache.get(id(blocks))
             if hit is not None and hit[0] is blocks:  # the very object (it is kept, so its id is not reused)
                 return hit[1] * self.block_tokens + max(0, int(tail))
-        distinct = set(blocks)  # set operations: C speed, not a Python step per block
         pending = self._pending
         if pending is not None and pending[1] is p:
+            distinct = set(blocks)  # set operations: C speed, not a Python step per block
             if distinct.issuperset(pending[2]):  # every block the removal freed would be added again
                 new = len(distinct.difference(p.refs)) + p.freeing
             else:
                 self._settle()
                 new = len(distinct.difference(p.refs))
+        elif type(blocks) is tuple and p.refs.keys().isdisjoint(blocks):  # noqa: E721
+            # none held here (a prompt asked about on every engine: most hold none of it): a lookup a block,
+            # no set built; its distinct count is the same on every place
+            memo = self._distinct
+            if memo[0] is not blocks:
+                memo = self._distinct = (blocks, len(set(blocks)))
+            new = memo[1]
         else:
-            new = len(distinct.difference(p.refs))
+            new = len(set(blocks).difference(p.refs))
         if type(blocks) is tuple:  # noqa: E721
             if len(p.cache) >= _CACHED_PER_PLACE:
                 p.cache.clear()
@@ -202,15 +210,27 @@ class Holdings:
     def has_block(self, place: Hashable, block: int) -> bool:
         """Whether some holder on ``place`` holds ``block``."""
         p = self._places.get(place)
-        if self._pending is not None and self._pending[1] is p:
-            self._settle()
-        return p is not None and block in p.refs
+        return p is not None and block in p.refs and not self._freed(p, block)
 
     def places_with(self, block: int) -> set[Hashable]:
         """The places where some holder holds ``block``."""
-        if self._pending is not None:
-            self._settle()
-        return {pl for pl, p in self._places.items() if block in p.refs}
+        out = {pl for pl, p in self._places.items() if block in p.refs}
+        pending = self._pending
+        if pending is not None and pending[0] in out and self._freed(pending[1], block):
+            out.discard(pending[0])
+        return out
+
+    def _freed(self, p: _Place, block: int) -> bool:
+        """Whether ``block``, in ``p``'s refs, is one the pending removal freed there (read without settling it:
+        a scan of that removal's blocks, in C)."""
+        pending = self._pending
+        if pending is None or pending[1] is not p or not p.freeing:
+            return False
+        held, counts = pending[2], pending[3]
+        try:
+            return counts[held.index(block)] == 1
+        except ValueError:
+            return False
 
     def holds(self, holder: Hashable) -> bool:
         return holder in self._holders
