@@ -292,7 +292,7 @@ class Ledger(_LedgerFigures):
                     return r, pl, refused
                 refused.append((pl, r))
             return None, None, refused
-        hold, resolved = self._hold, self._resolved
+        hold, resolved, th, counts = self._hold, self._resolved, self.pressure_threshold, self._refused_total
         bt, reserved = hold.block_tokens, hold.grand_total()
         blocks = tuple(blocks) if blocks else ()
         last = None  # (clamp, tokens, blocks, tail) of the previous place: engines of one size share them
@@ -308,6 +308,12 @@ class Ledger(_LedgerFigures):
                 last = (clamp, t, bl, t - len(bl) * bt)
             _, t, bl, tail = last
             cost = hold.cost(place, bl, tail)
+            if usage < th and cost <= place_ceiling < hold.total(place) + cost:
+                # over the place's own room and no larger than the place (never admitted alone): _verdict's
+                # capacity_exhausted, read inline (most places a waiting turn is tried on end here)
+                counts["capacity_exhausted"] += 1
+                refused.append((pl, Refusal(ticket, t, "capacity_exhausted", cost)))
+                continue
             verdict = self._verdict(place, cost, usage, place_ceiling, reserved)
             if verdict is None or verdict == "oversized":
                 return self.try_acquire(ticket, tokens, now, place=pl, blocks=blocks), pl, refused  # grants

@@ -26,7 +26,7 @@ make its room; when only running programs hold the place it waits for them (agin
 
 from __future__ import annotations
 
-from typing import Any, Iterator
+from typing import Any, Iterable, Iterator
 
 from .coordinator import Decision, Kind
 from .ledger import Grant, Refusal
@@ -261,9 +261,8 @@ class _WaitingTurns:
             return r, w.place
         # the others are ranked only now: a refusal changes no holding, so the order is the one it had before
         g, where, refused = self.ledger.first_fit(w.ticket, w.tokens, now, self._others(w), w.blocks)
-        note = self._note_refusal
-        for pl, no in refused:
-            note(w, pl, no)
+        if refused:
+            self._note_refusals(w, refused)
         return (g, where) if g is not None else (r, w.place)
 
     def _others(self, w: _Waiter) -> list[Any]:
@@ -306,20 +305,27 @@ class _WaitingTurns:
         return lg.charge(place, w.tokens, w.blocks) if lg.shares_start(place, w.blocks) else w.tokens
 
     def _note_refusal(self, w: _Waiter, place: Any, r: Refusal) -> None:
-        failed = self._failed
-        if r.reason != WaitReason.CAPACITY_EXHAUSTED:
-            charge = 0
-        else:  # what it would have added there: the refusal carries it (ledger.charge), computed once
-            charge = r.charge if r.charge >= 0 else self.ledger.charge(place, w.tokens, w.blocks)
-        old = failed.get(place)
-        if old is not None and charge >= old:
-            return
-        failed[place] = charge
-        if self._failed_dropped or (old is not None and old == self._failed_max):
-            # a reclaim dropped records since, or the largest went down: read them all again (rare)
-            self._failed_max, self._failed_dropped = max(failed.values()), False
-        else:  # a new record, or one below the largest, lowered: the largest moves only up
-            self._failed_max = max(self._failed_max, charge)
+        self._note_refusals(w, ((place, r),))
+
+    def _note_refusals(self, w: _Waiter, refused: Iterable[tuple[Any, Refusal]]) -> None:
+        """Record each (place, Refusal) for _hopeless: the smallest charge refused on each place, and the
+        largest of those records (one loop for a pass of refusals: a waiting turn is refused by dozens)."""
+        failed, top, dropped = self._failed, self._failed_max, self._failed_dropped
+        for place, r in refused:
+            if r.reason != WaitReason.CAPACITY_EXHAUSTED:
+                charge = 0
+            else:  # what it would have added there: the refusal carries it (ledger.charge), computed once
+                charge = r.charge if r.charge >= 0 else self.ledger.charge(place, w.tokens, w.blocks)
+            old = failed.get(place)
+            if old is not None and charge >= old:
+                continue
+            failed[place] = charge
+            if dropped or (old is not None and old == top):
+                # a reclaim dropped records since, or the largest went down: read them all again (rare)
+                top, dropped = max(failed.values()), False
+            elif charge > top:  # a new record, or one below the largest, lowered: the largest moves only up
+                top = charge
+        self._failed_max, self._failed_dropped = top, dropped
 
     def _moved(self, w: _Waiter, where: Any, now: float) -> None:
         if where != w.place:
