@@ -11,7 +11,9 @@ comes, and a capacity snapshot every 2 s.
 
 Reports p50/p99/max microseconds (wall, time.perf_counter_ns) per call: submit, release (incl. its pump), the
 timer's pump, next_deadline, reconcile; then a second identical run under tracemalloc for the peak of what the
-coordinator and the ledger allocate (the workload's prompts are built before tracing starts).
+coordinator and the ledger allocate (the workload's prompts are built before tracing starts). The line of counts
+ends with a digest of every decision, pause and final counter, in order: two trees whose digests match decided
+alike (the timings do not enter it: the clock is the injected one).
 
     python scripts/bench_program_decisions.py [--engines 64] [--programs 4096] [--seed 1] [--out FILE.json]
         [--no-memory]
@@ -20,6 +22,7 @@ coordinator and the ledger allocate (the workload's prompts are built before tra
 from __future__ import annotations
 
 import argparse
+import hashlib
 import heapq
 import json
 import platform
@@ -102,6 +105,14 @@ def run(progs: list[Prog], engines: list[str], tokens: int) -> dict:
     for p in progs:
         push(p.start, "turn", p)
     push(POLL_S, "poll", None)
+    digest = hashlib.sha256()  # every decision and pause, in order: two trees decide alike iff the digests match
+
+    def note(call: str, decisions) -> None:
+        for d in decisions:
+            lease = d.lease
+            digest.update(repr((call, d.ticket, d.kind.value, d.tokens, d.waited_s, d.reason, lease and lease.place,
+                                lease and lease.charged, lease and lease.forced)).encode())
+
     running: dict[str, tuple[Prog, Turn]] = {}  # ticket -> the turn it carries
     waiting: dict[str, tuple[Prog, Turn]] = {}
     timer = [None]  # the one armed timer's time
@@ -117,7 +128,9 @@ def run(progs: list[Prog], engines: list[str], tokens: int) -> dict:
 
     def after() -> None:
         nonlocal pauses, most_waiting
-        pauses += len(co.take_actions())
+        acts = co.take_actions()
+        pauses += len(acts)
+        digest.update(repr([(a.kind, a.session_id, a.place) for a in acts]).encode())
         most_waiting = max(most_waiting, co.waiting)
         t0 = clock()
         nd = co.next_deadline(now)
@@ -137,9 +150,12 @@ def run(progs: list[Prog], engines: list[str], tokens: int) -> dict:
             d = co.submit(ticket, t.prompt + MAX_NEW, False, now, place=p.engine, blocks=t.blocks,
                           session_id=p.sid, prompt_tokens=t.prompt, movable=True)
             calls["submit"].append(clock() - t0)
+            note("submit", (d,))
             if d.kind is Kind.WAIT:
                 waiting[ticket] = (p, t)
-                started(co.pump(now))  # the gate pumps once as a turn starts to wait
+                out = co.pump(now)  # the gate pumps once as a turn starts to wait
+                note("pump", out)
+                started(out)
             else:
                 running[ticket] = (p, t)
                 push(now + t.decode_s, "done", ticket)
@@ -149,6 +165,7 @@ def run(progs: list[Prog], engines: list[str], tokens: int) -> dict:
             t0 = clock()
             out = co.release(payload, now, meta)
             calls["release"].append(clock() - t0)
+            note("release", out)
             started(out)
             p.done += 1
             if p.done < len(p.turns):
@@ -164,16 +181,19 @@ def run(progs: list[Prog], engines: list[str], tokens: int) -> dict:
             t0 = clock()
             out = co.pump(now)
             calls["pump"].append(clock() - t0)
+            note("timer", out)
             started(out)
         else:  # the capacity poll
             t0 = clock()
             out = co.reconcile(snapshot(engines, tokens, now), now)
             calls["reconcile"].append(clock() - t0)
+            note("reconcile", out)
             started(out)
             if left or running or waiting or co.next_deadline(now) is not None:  # until every program ended
                 push(now + POLL_S, "poll", None)
         after()
-    return {"calls": calls, "turns": n_ticket, "most_waiting": most_waiting, "pauses": pauses,
+    digest.update(repr((sorted(co.counters.items()), ledger.stats(now)["refused"], ledger.reserved)).encode())
+    return {"digest": digest.hexdigest()[:16], "calls": calls, "turns": n_ticket, "most_waiting": most_waiting, "pauses": pauses,
             "sim_s": now, "counters": dict(co.counters), "coordinator": co}
 
 
@@ -202,7 +222,7 @@ def main() -> None:
               "turns": res["turns"], "simulated_s": round(res["sim_s"], 1), "run_s": round(took, 2),
               "most_waiting": res["most_waiting"], "pauses": res["pauses"],
               "waited": c.get("wait", 0), "resumed": c.get("resume", 0), "moved": c.get("moved", 0),
-              "python": platform.python_version(), "calls": rows}
+              "decisions_sha256": res["digest"], "python": platform.python_version(), "calls": rows}
     if not args.no_memory:
         progs = workload(engines, args.programs, args.seed)
         tracemalloc.start()
@@ -212,7 +232,7 @@ def main() -> None:
         del r2
     print(f"{args.programs} programs on {args.engines} engines x {args.tokens:,} tokens: {res['turns']:,} turns over "
           f"{report['simulated_s']} simulated s in {report['run_s']} s; at most {res['most_waiting']:,} waiting, "
-          f"{res['pauses']:,} pauses, {report['waited']:,} waits, {report['moved']:,} moved")
+          f"{res['pauses']:,} pauses, {report['waited']:,} waits, {report['moved']:,} moved; decisions {res['digest']}")
     print(f"{'call':<14}{'calls':>9}{'p50 us':>10}{'p99 us':>10}{'max us':>11}")
     for k, r in rows.items():
         print(f"{k:<14}{r['calls']:>9,}{r['p50_us']:>10.1f}{r['p99_us']:>10.1f}{r['max_us']:>11.1f}")

@@ -1,8 +1,9 @@
 """Admission: whether a generate call may go to the engines now, from the engines' own KV figures.
 
 Pure core (no asyncio, no I/O, injected monotonic ``now``): capacity parsing (capacity), reservation estimates
-(reservation), the token ledger (ledger) and its working sets (working_set), the global FIFO around it
-(coordinator), which requests admission may hold (policy), and the program policy (program: ProgramCoordinator;
+(reservation), the token ledger (ledger; its figures: ledger_figures) and its working sets (working_set), the
+engines ordered by free room (free_rank), the global FIFO around it (coordinator), which requests admission
+may hold (policy), and the program policy (program: ProgramCoordinator;
 its parts: program_queue the waiting turns, program_pause the pauses, victims the victim and resume rules,
 seats the resident bound, turn_gaps when a program counts as ended, deadlines the heap of deadlines that go
 stale, records its records and wait reasons). Edges: the asyncio gate that parks waiting requests (gate) and

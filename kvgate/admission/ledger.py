@@ -21,10 +21,12 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from dataclasses import dataclass, replace
-from typing import Any, Hashable, Literal
+from dataclasses import dataclass, field, replace
+from typing import Any, Hashable, Iterable, Literal
 
 from .capacity import MAX_PLAUSIBLE_TOKENS, ClusterSnapshot
+from .free_rank import FreeRank
+from .ledger_figures import _LedgerFigures
 from .working_set import DEFAULT_BLOCK_TOKENS, FLEET, Holdings
 
 #: Places remembered per snapshot (engines and their DP ranks; a bound for callers that pass odd ones).
@@ -81,11 +83,13 @@ class Grant:
 
 @dataclass(slots=True)
 class Refusal:
-    """try_acquire refused ``tokens`` for ``ticket``; ``reason`` in REFUSAL_REASONS."""
+    """try_acquire refused ``tokens`` for ``ticket``; ``reason`` in REFUSAL_REASONS; ``charge``: for
+    "capacity_exhausted", the tokens it would have added on the place (``charge()``), else -1."""
 
     ticket: Hashable
     tokens: int
     reason: RefusalReason
+    charge: int = field(default=-1, compare=False)
 
     def __bool__(self) -> bool:
         return False
@@ -109,7 +113,7 @@ def _check_positive(name: str, v: float) -> float:
     return float(v)
 
 
-class Ledger:
+class Ledger(_LedgerFigures):
     """The token ledger.
 
     Args (all validated, ValueError otherwise):
@@ -123,8 +127,9 @@ class Ledger:
         a program between turns may sit in host memory, which SGLang loads back instead of recomputing). A single
         reservation is still clamped to the device pool (max_tokens) and the pressure guard reads device usage.
 
-    Read-only figures: ceiling, reserved, available_tokens, reserved_utilization, lease_count,
-    lease_expired_total, epoch, snapshot; is_degraded(now); usage_window(now); stats(now).
+    Read-only figures: snapshot; is_degraded(now); and in kvgate.admission.ledger_figures: ceiling, reserved,
+    available_tokens, reserved_utilization, lease_count, lease_expired_total, epoch, usage_window(now),
+    stats(now).
     """
 
     def __init__(
@@ -202,6 +207,7 @@ class Ledger:
         self._figures: dict[Any, tuple[int, float, int]] = {}
         self._fleet_pools: int | None = None  # pools_of(FLEET), counted once per snapshot
         self._engine_places: list[Any] | None = None  # engine_places(), listed once per snapshot
+        self._rank: FreeRank | None = None  # free_rank(), sorted once per snapshot
 
     @property
     def snapshot(self) -> ClusterSnapshot | None:
@@ -251,19 +257,11 @@ class Ledger:
         cost = hold.cost(place, blocks, tail)
         oversized = False
         if not force:
-            if usage >= self.pressure_threshold:
-                return self._refuse(ticket, tokens, "pressure_guard")
-            reserved = hold.grand_total()
-            fits = reserved + cost <= self._ceiling
-            if place is not FLEET:
-                fits = fits and hold.total(place) + cost <= place_ceiling
-            if not fits:
-                alone = reserved == 0 if place is FLEET else hold.total(place) == 0 and \
-                    (reserved == 0 or reserved + cost <= self._ceiling)
-                if cost > place_ceiling and alone:
-                    oversized = True
-                else:
-                    return self._refuse(ticket, tokens, "capacity_exhausted")
+            verdict = self._verdict(place, cost, usage, place_ceiling, hold.grand_total())
+            if verdict is not None:
+                if verdict != "oversized":
+                    return self._refuse(ticket, tokens, verdict, cost)
+                oversized = True
         hold.add(ticket, place, blocks, tail)
         expires = now + self.lease_ttl_s
         lease = Lease(ticket, tokens, float(now), float(expires), self._epoch, oversized, place, cost, force, blocks)
@@ -278,6 +276,65 @@ class Ledger:
             self._forced_total += 1
         return Grant(lease, True)
 
+    def first_fit(self, ticket: Hashable, tokens: int, now: float, places: Iterable[Any],
+                  blocks: tuple = ()) -> tuple[Grant | None, Any, list[tuple[Any, Refusal]]]:
+        """try_acquire (not forced) on each of ``places`` in order until one grants: the same checks, counts
+        and outcome as calling it place by place, at a fraction of the cost of each refusal. Returns (the
+        Grant or None, the place that granted or None, [(place, Refusal)] for each place that refused first).
+
+        A turn that fits nowhere is refused by every engine it may go to, on every pump while it waits (63 on
+        a fleet of 64); the refusals change nothing, so the figures every place shares are read once."""
+        refused: list[tuple[Any, Refusal]] = []
+        if type(tokens) is not int or tokens < 0 or ticket in self._leases or self.is_degraded(now):
+            for pl in places:  # the rare cases, each exactly as try_acquire treats it
+                r = self.try_acquire(ticket, tokens, now, place=pl, blocks=blocks)
+                if isinstance(r, Grant):
+                    return r, pl, refused
+                refused.append((pl, r))
+            return None, None, refused
+        hold, resolved, th, counts = self._hold, self._resolved, self.pressure_threshold, self._refused_total
+        bt, reserved = hold.block_tokens, hold.grand_total()
+        blocks = tuple(blocks) if blocks else ()
+        last = None  # (clamp, tokens, blocks, tail) of the previous place: engines of one size share them
+        for pl in places:
+            try:
+                place = resolved[pl]
+            except (KeyError, TypeError):  # not resolved yet, or not hashable: as try_acquire resolves it
+                place = self.resolve_place(pl)
+            clamp, usage, place_ceiling = self._figures_of(place)
+            if last is None or last[0] != clamp:
+                t = min(tokens, clamp)
+                bl = blocks[: t // bt]
+                last = (clamp, t, bl, t - len(bl) * bt)
+            _, t, bl, tail = last
+            cost = hold.cost(place, bl, tail)
+            if usage < th and cost <= place_ceiling < hold.total(place) + cost:
+                # over the place's own room and no larger than the place (never admitted alone): _verdict's
+                # capacity_exhausted, read inline (most places a waiting turn is tried on end here)
+                counts["capacity_exhausted"] += 1
+                refused.append((pl, Refusal(ticket, t, "capacity_exhausted", cost)))
+                continue
+            verdict = self._verdict(place, cost, usage, place_ceiling, reserved)
+            if verdict is None or verdict == "oversized":
+                return self.try_acquire(ticket, tokens, now, place=pl, blocks=blocks), pl, refused  # grants
+            refused.append((pl, self._refuse(ticket, t, verdict, cost)))
+        return None, None, refused
+
+    def _verdict(self, place: Any, cost: int, usage: float, place_ceiling: int, reserved: int) -> str | None:
+        """The rule of a reservation that is not forced, adding ``cost`` tokens on resolved ``place`` (its
+        ``usage`` and ``place_ceiling``) with ``reserved`` held fleet-wide: None (it fits), "oversized" (it does
+        not, but it is larger than the place and goes alone) or the RefusalReason."""
+        if usage >= self.pressure_threshold:
+            return "pressure_guard"
+        fits = reserved + cost <= self._ceiling
+        if place is not FLEET:
+            fits = fits and self._hold.total(place) + cost <= place_ceiling
+        if fits:
+            return None
+        alone = reserved == 0 if place is FLEET else self._hold.total(place) == 0 and \
+            (reserved == 0 or reserved + cost <= self._ceiling)
+        return "oversized" if cost > place_ceiling and alone else "capacity_exhausted"
+
     def _figures_of(self, place: Any) -> tuple[int, float, int]:
         """(max_tokens, usage_of, ceiling_of) of a resolved place, remembered until the snapshot changes:
         every admission reads all three."""
@@ -287,9 +344,8 @@ class Ledger:
             if place is FLEET:
                 ceiling = self._ceiling
             else:
-                ceiling = int(math.floor((self._capacity_of(place) + self._host_of(place)) * self.headroom))
-            f = self._figures[place] = (self.max_tokens(place), self.usage_of(place), ceiling)
-            return f
+                ceiling = int(math.floor((self._figure(place, "capacity") + self._host_of(place)) * self.headroom))
+            return self._figures.setdefault(place, (self.max_tokens(place), self.usage_of(place), ceiling))
 
     # ---------------------------------------------------------------- places
     def resolve_place(self, place: Any) -> Any:
@@ -334,9 +390,6 @@ class Ledger:
             return 0
         return getattr(eng.pools[rank] if rank is not None else eng, name)
 
-    def _capacity_of(self, place: Any) -> int:
-        return self._figure(place, "capacity")
-
     def _host_of(self, place: Any) -> int:
         """The HiCache host room the ceiling of ``place`` counts (tokens; 0 unless ``count_host``)."""
         return self._figure(place, "host") if self.count_host else 0
@@ -369,7 +422,7 @@ class Ledger:
             return MAX_PLAUSIBLE_TOKENS  # no figures: nothing to clamp to (and nothing is checked)
         if place is FLEET:
             return self._fleet_max
-        return max(1, self._capacity_of(place))
+        return max(1, self._figure(place, "capacity"))
 
     def usage_of(self, place: Any) -> float:
         """The pressure guard's input: the worst pool usage of the place's engine (the fleet's for FLEET)."""
@@ -400,6 +453,20 @@ class Ledger:
             self._engine_places = out
         return self._engine_places
 
+    def free_rank(self) -> FreeRank:
+        """The engine places by free room (``order()``: (-free tokens, index in engine_places(), place), most
+        free first) and those under pressure (``pressed``): sorted once per snapshot, then kept up to date."""
+        if self._rank is None:
+            th = self.pressure_threshold
+            self._rank = FreeRank(self._hold, [(pl, self.ceiling_of(pl), self.usage_of(pl) >= th)
+                                               for pl in self.engine_places()])
+        return self._rank
+
+    def places_holding(self, block: int) -> set[Any]:
+        """The places where some lease or resident KV holds prefix ``block`` (its prompt's first block: where
+        that prompt's start is held), in one pass over the places."""
+        return self._hold.places_with(block)
+
     def free_on(self, place: Any) -> int:
         """Tokens ``place`` could still take under its own ceiling (may be negative when over it)."""
         place = self.resolve_place(place)
@@ -423,9 +490,9 @@ class Ledger:
         """Tokens reserved on ``place`` by leases counted there."""
         return self._hold.total(self.resolve_place(place))
 
-    def _refuse(self, ticket: Hashable, tokens: int, reason: RefusalReason) -> Refusal:
+    def _refuse(self, ticket: Hashable, tokens: int, reason: RefusalReason, cost: int = -1) -> Refusal:
         self._refused_total[reason] += 1
-        return Refusal(ticket, tokens, reason)
+        return Refusal(ticket, tokens, reason, cost if reason == "capacity_exhausted" else -1)
 
     # ---------------------------------------------------------------- resident KV (program policy)
     def hold(self, key: Hashable, place: Any, blocks: tuple, tokens: int) -> int:
@@ -505,82 +572,7 @@ class Ledger:
         after expire() ran; None without leases. O(1): the admission timer asks on every release."""
         return self._expiry_floor if self._leases else None
 
-    # ---------------------------------------------------------------- figures
-    @property
-    def ceiling(self) -> int:
-        return self._ceiling
-
-    @property
-    def reserved(self) -> int:
-        return self._hold.grand_total()
-
-    @property
-    def available_tokens(self) -> int:
-        return max(0, self._ceiling - self.reserved)
-
-    @property
-    def reserved_utilization(self) -> float:
-        """reserved / ceiling (0 when the ceiling is 0; can exceed 1 after an oversized grant)."""
-        return self.reserved / self._ceiling if self._ceiling > 0 else 0.0
-
-    @property
-    def lease_count(self) -> int:
-        return len(self._leases)
-
-    @property
-    def lease_expired_total(self) -> int:
-        return self._lease_expired_total
-
-    @property
-    def epoch(self) -> int:
-        return self._epoch
-
     def _prune(self, now: float) -> None:
         horizon = now - self.window_s
         while self._usage and self._usage[0][0] < horizon:
             self._usage.popleft()
-
-    def usage_window(self, now: float) -> tuple[float, float] | None:
-        """(mean of cluster mean_usage, max of worst pool usage) over snapshots taken in [now - window_s, now].
-
-        None when no snapshot falls in the window.
-        """
-        self._prune(now)
-        if not self._usage:
-            return None
-        return (sum(u[1] for u in self._usage) / len(self._usage), max(u[2] for u in self._usage))
-
-    def stats(self, now: float) -> dict[str, Any]:
-        """JSON-able figures for /kvgate/stats and the Prometheus gauges (tokens, fractions, seconds)."""
-        win = self.usage_window(now)
-        s = self._snapshot
-        return {
-            "ceiling": self._ceiling,
-            "reserved": self.reserved,
-            "available_tokens": self.available_tokens,
-            "reserved_utilization": round(self.reserved_utilization, 6),
-            "lease_count": self.lease_count,
-            "lease_expired": self._lease_expired_total,
-            "granted": self._granted_total,
-            "oversized_granted": self._oversized_total,
-            "forced_granted": self._forced_total,
-            "engines": {str(url): {"ceiling": self.ceiling_of(url), "reserved": self.reserved_on(url),
-                                   "host_cache_tokens": self._host_of(url)}
-                        for url in sorted(s.engines)} if s is not None else {},
-            # the HiCache host room the ceilings count (0 unless count_host)
-            "host_cache_tokens": self._host_of(FLEET),
-            "reserved_unplaced": self._hold.total(FLEET),
-            "refused": dict(self._refused_total),
-            "epoch": self._epoch,
-            "degraded": self.is_degraded(now),
-            "snapshot_age_s": None if s is None else round(now - s.taken_at, 3),
-            "kv_token_usage_mean": None if win is None else round(win[0], 6),
-            "kv_token_usage_max": None if win is None else round(win[1], 6),
-            "worst_usage": None if s is None else round(s.worst_usage, 6),
-            "healthy_engines": [] if s is None else sorted(s.engines),
-            "headroom": self.headroom,
-            "pressure_threshold": self.pressure_threshold,
-            "stale_after_s": self.stale_after_s,
-            "lease_ttl_s": self.lease_ttl_s,
-            "window_s": self.window_s,
-        }

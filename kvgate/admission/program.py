@@ -52,7 +52,7 @@ from .records import (BOUND_REASON, NO_SEAT, Action, ProgramState, WaitReason, _
                       one_turn)
 from .seats import SEAT_FREE, Seats
 from .turn_gaps import TurnGaps
-from .victims import RESUME_ORDERS, VICTIM_RULES, ResumeOrder, VictimRule, resume_key
+from .victims import RESUME_ORDERS, VICTIM_RULES, Groups, ResumeOrder, VictimRule, resume_key
 from .working_set import FLEET
 
 __all__ = ["ProgramCoordinator", "ProgramState", "Action", "VICTIM_RULES", "RESUME_ORDERS", "BOUND_REASON",
@@ -131,13 +131,18 @@ class ProgramCoordinator(_WaitingTurns, _Pausing, _Figures):
                                                 and math.isfinite(reclaim_after_s) and reclaim_after_s >= 0):
             raise ValueError(f"reclaim_after_s must be >= 0 or None, got {reclaim_after_s!r}")
         self._failed: dict[Any, int] = {}  # within one pump: place -> the smallest charge refused there
-        self._failed_max = 0  # the largest of those records
+        self._failed_max = 0  # the largest of those records (kept as they come; read again after a reclaim drops some)
+        self._failed_dropped = False
         self._freed = False  # within one pump: a reclaim paused programs
         self._unsup: dict[Any, list] | None = None  # within one pump: KV held without evidence, by place
         self._reclaim_due: deque = deque()  # (enqueued_at + reclaim_after_s, ticket) per waiter, in arrival order
         self.reclaim_after_s = None if reclaim_after_s is None else float(reclaim_after_s)
         self._programs: dict[Hashable, _Program] = {}
-        self._groups: dict[Hashable, set] = {}  # group -> its programs (for the "ahead" victim rule)
+        # the same programs by place, each place's in no particular order (their n gives _programs' order): a
+        # place that overflows reads its own programs, not all of them (_relieve runs on every turn's end)
+        self._on: dict[Any, dict[Hashable, _Program]] = {}
+        self._joined = itertools.count()
+        self._groups = Groups()  # group -> its programs, and their turns done (for the "ahead" victim rule)
         self._n = itertools.count()  # the n of every deadline entry (ties keep push order)
         self._bound = Seats(max_resident, ledger, self._programs, self._n)  # the resident bound's books
         self._gaps = TurnGaps(self.overdue_multiple, self.overdue_quantile, self.overdue_default_s,
@@ -296,10 +301,10 @@ class ProgramCoordinator(_WaitingTurns, _Pausing, _Figures):
                     now: float, resumed: bool) -> None:
         p = self._programs.get(sid)
         if p is None:
-            p = self._programs[sid] = _Program(sid, place, ProgramState.LIVE, now)
+            p = self._join_program(_Program(sid, place, ProgramState.LIVE, now))
             if blocks and not one_turn(sid):
                 p.group = blocks[-1]  # its whole first prompt: GRPO siblings start from the same one
-                self._groups.setdefault(p.group, set()).add(sid)
+                self._groups.join(p.group, sid, p.turns)
         elif p.state is ProgramState.PAUSED:
             resumed = True
             self._bound.unclaim(p)  # resident again: the seat kept for it is the one it takes
@@ -308,7 +313,7 @@ class ProgramCoordinator(_WaitingTurns, _Pausing, _Figures):
             self.resumes[lab] = self.resumes.get(lab, 0) + 1
             self._count("resume", now)
         self.ledger.unhold(sid)  # the turn's lease now holds its whole prompt, resident prefix included
-        p.place = place
+        self._relocate(p, place)
         p.state = ProgramState.LIVE
         p.ended = False
         p.since = now
@@ -321,7 +326,7 @@ class ProgramCoordinator(_WaitingTurns, _Pausing, _Figures):
     def _move(self, p: _Program, place: Any) -> None:
         size = self.ledger.holding(p.sid)
         self.ledger.unhold(p.sid)
-        p.place = place
+        self._relocate(p, place)
         self._bound.sync(p)  # it counts where placement moved it (which may hold N already)
         if size:
             self.ledger.hold(p.sid, place, p.blocks, size)
@@ -372,6 +377,7 @@ class ProgramCoordinator(_WaitingTurns, _Pausing, _Figures):
                     if cached < expected:  # the engine evicted part of this program's own prefix
                         self._count("prefix_miss_tokens", now, expected - cached)
             p.turns += 1
+            self._groups.turned(p.group)
         p.blocks = blocks
         p.resident = resident
         if p.inflight:
@@ -427,9 +433,8 @@ class ProgramCoordinator(_WaitingTurns, _Pausing, _Figures):
         of starting as a new program. Returns False (nothing changed) when this replica knows the program."""
         if session_id in self._programs:
             return False
-        p = _Program(session_id, self.ledger.resolve_place(place), ProgramState.PAUSED, float(now),
-                     resident=max(0, int(resident)))
-        self._programs[session_id] = p
+        p = self._join_program(_Program(session_id, self.ledger.resolve_place(place), ProgramState.PAUSED,
+                                        float(now), resident=max(0, int(resident))))
         self._idle_from(p, p.since)
         return True
 
@@ -454,12 +459,25 @@ class ProgramCoordinator(_WaitingTurns, _Pausing, _Figures):
             self._bound.sync(p)
             self._bound.unclaim(p)
         del self._programs[p.sid]
-        g = self._groups.get(p.group) if p.group is not None else None
-        if g is not None:
-            g.discard(p.sid)
-            if not g:
-                del self._groups[p.group]
-                self._gaps.forget_group(p.group)
+        self._unplace(p)
+        if p.group is not None and self._groups.leave(p.group, p.sid, p.turns):
+            self._gaps.forget_group(p.group)
+
+    def _join_program(self, p: _Program) -> _Program:
+        p.n = next(self._joined)
+        self._programs[p.sid] = self._on.setdefault(p.place, {})[p.sid] = p
+        return p
+
+    def _unplace(self, p: _Program) -> None:
+        here = self._on.get(p.place)
+        if here is not None and here.pop(p.sid, None) is not None and not here:
+            del self._on[p.place]
+
+    def _relocate(self, p: _Program, place: Any) -> None:
+        """Set ``p``'s place, keeping the index of programs by place."""
+        self._unplace(p)
+        p.place = place
+        self._on.setdefault(place, {})[p.sid] = p
 
     def _idle_from(self, p: _Program, since: float) -> None:
         """``p`` has no turn in flight since ``since`` (its ``since``): it ends ``program_ttl_s`` later unless a

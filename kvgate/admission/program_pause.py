@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import math
 from functools import partial
+from operator import attrgetter
 from typing import Any, Iterator
 
 from .deadlines import Deadlines
@@ -30,6 +31,8 @@ from .victims import victim_order
 from .working_set import FLEET
 
 __all__: list[str] = []
+
+_JOINED = attrgetter("n")
 
 
 class _Pausing:
@@ -90,7 +93,8 @@ class _Pausing:
             over = max(over, self.ledger.reserved - self.ledger.ceiling)
         if over <= 0:
             return
-        on = [p for p in self._programs.values() if p.place == place]
+        here = self._on.get(place)
+        on = sorted(here.values(), key=_JOINED) if here else []  # in _programs' order, as the victim rule's ties
         for p in self._victims([p for p in on if p.state is ProgramState.IN_TOOL], now):
             if over <= 0:
                 return
@@ -221,6 +225,8 @@ class _Pausing:
                 last = lg.try_acquire(w.ticket, w.tokens, now, place=pl, blocks=w.blocks)
                 if isinstance(last, Grant):
                     self._failed.pop(pl, None)
+                    self._failed_dropped = True
                     return last, pl
             self._failed.pop(pl, None)
+            self._failed_dropped = True
         return last, w.place

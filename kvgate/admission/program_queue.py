@@ -26,7 +26,7 @@ make its room; when only running programs hold the place it waits for them (agin
 
 from __future__ import annotations
 
-from typing import Any, Iterator
+from typing import Any, Iterable, Iterator
 
 from .coordinator import Decision, Kind
 from .ledger import Grant, Refusal
@@ -89,6 +89,7 @@ class _WaitingTurns:
                     stopped.add(w.place)
         while True:  # again while a reclaim made room that the turn reclaiming could not use
             self._failed, self._failed_max, self._unsup, self._freed = {}, 0, None, False
+            self._failed_dropped = False
             for w in self._ordered():
                 if self.max_resident is not None and not self._seat_for(w, now, overdue_only=True):
                     self._wait_reason(w, BOUND_REASON, now)
@@ -252,24 +253,50 @@ class _WaitingTurns:
         """try_acquire for ``w`` on its own place, then (``movable``) on the other engines, those that already
         hold the most of its prompt first, then the most free; returns (the Grant and where, or the first
         Refusal and w's place). A refusal is recorded for _hopeless."""
-        places = self._places_for(w)
-        first: Refusal | None = None
-        if len(places) > 1:
-            # only the places that could take its least charge, and are not under pressure, are ranked (a
-            # full fleet of 64 engines costs one comparison each, not a prefix walk each)
-            lg = self.ledger
-            lb, th = self._lower_bound(w), lg.pressure_threshold
-            rest = [pl for pl in places[1:] if lg.free_on(pl) >= lb and lg.usage_of(pl) < th]
-            rest.sort(key=lambda pl: (self._charge_on(w, pl), -lg.free_on(pl)))
-            places = [places[0], *rest]
-        for pl in places:
-            r = self.ledger.try_acquire(w.ticket, w.tokens, now, place=pl, blocks=w.blocks)
-            if isinstance(r, Grant):
-                return r, pl
-            self._note_refusal(w, pl, r)
-            if first is None:
-                first = r
-        return first, w.place
+        r = self.ledger.try_acquire(w.ticket, w.tokens, now, place=w.place, blocks=w.blocks)
+        if isinstance(r, Grant):
+            return r, w.place
+        self._note_refusal(w, w.place, r)
+        if not w.movable or w.place is FLEET:
+            return r, w.place
+        # the others are ranked only now: a refusal changes no holding, so the order is the one it had before
+        g, where, refused = self.ledger.first_fit(w.ticket, w.tokens, now, self._others(w), w.blocks)
+        if refused:
+            self._note_refusals(w, refused)
+        return (g, where) if g is not None else (r, w.place)
+
+    def _others(self, w: _Waiter) -> list[Any]:
+        """The engines other than ``w``'s own in the order _fit tries them: by (its charge there, most free
+        room, the snapshot's order), only those that could take its least charge and are not under pressure.
+
+        Read off the engines kept ordered by free room (kvgate.admission.free_rank), from the most free until
+        one cannot take the least charge (neither can any after it). Its charge is the whole turn wherever its
+        prompt's first block is not held (chain hashes: nothing of it is held there), so those keep the free
+        order; the few engines that hold its start are costed (the walk of its blocks) and merged in."""
+        lg = self.ledger
+        rank = lg.free_rank()
+        lb, tokens, own, pressed = self._lower_bound(w), w.tokens, w.place, rank.pressed
+        near = lg.places_holding(w.blocks[0]) if w.blocks else ()
+        costed: list[tuple[int, int, int, Any]] = []
+        rest: list[tuple[int, int, Any]] = []
+        for e in rank.order():
+            if -e[0] < lb:
+                break
+            pl = e[2]
+            if pl == own or pl in pressed:
+                continue
+            if pl in near:
+                costed.append((lg.charge(pl, tokens, w.blocks), e[0], e[1], pl))
+            else:
+                rest.append(e)
+        if not costed:
+            return [e[2] for e in rest]
+        costed.sort()
+        if costed[-1][0] < tokens:  # every costed engine ranks ahead of the rest (whose charge is the turn)
+            return [c[3] for c in costed] + [e[2] for e in rest]
+        costed.extend((tokens, *e) for e in rest)
+        costed.sort()
+        return [c[3] for c in costed]
 
     def _charge_on(self, w: _Waiter, place: Any) -> int:
         """What ``w`` would add on ``place``: the walk of its prompt's blocks only where the prompt's start is
@@ -278,11 +305,27 @@ class _WaitingTurns:
         return lg.charge(place, w.tokens, w.blocks) if lg.shares_start(place, w.blocks) else w.tokens
 
     def _note_refusal(self, w: _Waiter, place: Any, r: Refusal) -> None:
-        failed = self._failed
-        charge = 0 if r.reason != WaitReason.CAPACITY_EXHAUSTED else self.ledger.charge(place, w.tokens, w.blocks)
-        if charge < failed.get(place, 1 << 62):
+        self._note_refusals(w, ((place, r),))
+
+    def _note_refusals(self, w: _Waiter, refused: Iterable[tuple[Any, Refusal]]) -> None:
+        """Record each (place, Refusal) for _hopeless: the smallest charge refused on each place, and the
+        largest of those records (one loop for a pass of refusals: a waiting turn is refused by dozens)."""
+        failed, top, dropped = self._failed, self._failed_max, self._failed_dropped
+        for place, r in refused:
+            if r.reason != WaitReason.CAPACITY_EXHAUSTED:
+                charge = 0
+            else:  # what it would have added there: the refusal carries it (ledger.charge), computed once
+                charge = r.charge if r.charge >= 0 else self.ledger.charge(place, w.tokens, w.blocks)
+            old = failed.get(place)
+            if old is not None and charge >= old:
+                continue
             failed[place] = charge
-            self._failed_max = max(failed.values())
+            if dropped or (old is not None and old == top):
+                # a reclaim dropped records since, or the largest went down: read them all again (rare)
+                top, dropped = max(failed.values()), False
+            elif charge > top:  # a new record, or one below the largest, lowered: the largest moves only up
+                top = charge
+        self._failed_max, self._failed_dropped = top, dropped
 
     def _moved(self, w: _Waiter, where: Any, now: float) -> None:
         if where != w.place:

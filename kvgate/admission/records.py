@@ -85,6 +85,7 @@ class _Program:
     gaps: deque = field(default_factory=lambda: deque(maxlen=OWN_GAPS))
     seat: Any = NO_SEAT  # the place whose resident seat it holds (resident bound on)
     claim: tuple | None = None  # paused, expected back: (until, n) of the seat kept for it against new programs
+    n: int = 0  # its rank among the coordinator's programs (the order they joined in)
 
 
 @dataclass(slots=True)

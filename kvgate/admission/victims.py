@@ -23,7 +23,7 @@ import enum
 from collections.abc import Mapping
 from typing import Any, Callable, Hashable, Iterable
 
-__all__ = ["VictimRule", "ResumeOrder", "VICTIM_RULES", "RESUME_ORDERS", "victim_order", "resume_key"]
+__all__ = ["VictimRule", "ResumeOrder", "VICTIM_RULES", "RESUME_ORDERS", "Groups", "victim_order", "resume_key"]
 
 
 class VictimRule(enum.StrEnum):
@@ -47,6 +47,40 @@ VICTIM_RULES: tuple[str, ...] = tuple(r.value for r in VictimRule)
 RESUME_ORDERS: tuple[str, ...] = tuple(r.value for r in ResumeOrder)
 
 
+class Groups(dict):
+    """GRPO groups: group -> the set of its programs' ids, and ``turns``: group -> the turns its programs have
+    done, summed as they change (the "ahead" rule reads a group's mean without a pass over its programs)."""
+
+    __slots__ = ("turns",)
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.turns: dict[Hashable, int] = {}
+
+    def join(self, group: Hashable, sid: Hashable, turns: int = 0) -> None:
+        """Program ``sid`` (``turns`` done) belongs to ``group``."""
+        self.setdefault(group, set()).add(sid)
+        self.turns[group] = self.turns.get(group, 0) + turns
+
+    def turned(self, group: Hashable) -> None:
+        """A program of ``group`` answered one more turn."""
+        if group in self.turns:
+            self.turns[group] += 1
+
+    def leave(self, group: Hashable, sid: Hashable, turns: int) -> bool:
+        """Program ``sid`` (``turns`` done) left ``group``; True when that emptied the group (it is dropped)."""
+        g = self.get(group)
+        if g is None:
+            return False
+        if sid in g:
+            g.discard(sid)
+            self.turns[group] -= turns
+        if g:
+            return False
+        del self[group], self.turns[group]
+        return True
+
+
 def victim_order(progs: Iterable[Any], rule: VictimRule, now: float, groups: Mapping[Hashable, set],
                  programs: Mapping[Hashable, Any]) -> list:
     """``progs`` in pause order: ended ones (``overdue_at`` <= ``now``) first, then by ``rule``. A program has
@@ -54,11 +88,20 @@ def victim_order(progs: Iterable[Any], rule: VictimRule, now: float, groups: Map
     its programs' ids and ``programs`` an id to its program (the "ahead" rule compares turns within a group)."""
     key: Callable[[Any], Any]
     if rule == VictimRule.AHEAD:
+        means: dict[Hashable, float] = {}  # per group, once per call: siblings on one place share it
+        sums = getattr(groups, "turns", None)  # kept by Groups as turns are done
+
         def ahead(p: Any) -> float:
             g = groups.get(p.group) if p.group is not None else None
             if not g or len(g) < 2:
                 return 0.0
-            return p.turns - sum(programs[s].turns for s in g) / len(g)
+            mean = means.get(p.group)
+            if mean is None:
+                total = sums.get(p.group) if sums is not None else None
+                if total is None:
+                    total = sum(programs[s].turns for s in g)
+                mean = means[p.group] = total / len(g)
+            return p.turns - mean
         key = lambda p: (-ahead(p), -p.turns, p.resident)  # noqa: E731
     elif rule == VictimRule.LONGEST_IDLE:
         key = lambda p: -(now - p.since)  # noqa: E731

@@ -33,6 +33,16 @@ class _Place:
     refs: dict[int, int] = field(default_factory=dict)
     tail: int = 0
     holders: int = 0
+    # blocks not held here, per prompt asked about since the place last changed: id(blocks) -> (blocks, count).
+    # A waiting turn is asked about on every pump, on each engine it may go to, and its refusal asks again;
+    # while the place holds the same blocks the answer is the same, and the set difference behind it is the
+    # costliest step of a refusal. Cleared whenever a holder comes or goes.
+    cache: dict[int, tuple[tuple, int]] = field(default_factory=dict)
+    freeing: int = 0  # blocks a removal freed that refs still counts (Holdings._pending)
+
+
+#: Prompts remembered per place between changes (a bound for a place that stays unchanged for long).
+_CACHED_PER_PLACE = 256
 
 
 class Holdings:
@@ -48,12 +58,50 @@ class Holdings:
         self._places: dict[Hashable, _Place] = {}
         self._holders: dict[Hashable, tuple[Hashable, tuple[int, ...], int]] = {}
         self._total = 0  # grand_total(), kept as holdings come and go: every admission reads it
+        # places whose total changed since the owner last read this set (kvgate.admission.free_rank keeps the
+        # engines ordered by free room from it; bounded by the places ever held)
+        self.touched: set[Hashable] = set()
+        # The last removal's block counts, not yet taken off its place's refs: (place, its _Place, blocks, their
+        # counts before it). A turn's end releases its lease and holds its prompt again as the program's resident
+        # KV; the program's next turn releases that and holds the longer prompt in a lease (kvgate.admission.program).
+        # Each time the blocks released are held again at once: taking them off refs and putting them back (dict
+        # deletes and inserts, a few hundred per turn) was most of what a turn's bookkeeping cost. An add on the
+        # same place whose prompt starts with those blocks keeps them (_hand_over); a cost there that covers them
+        # counts them as freed. Anything else that reads or writes that place's blocks takes them off first
+        # (_settle); totals count the removal at once (_Place.freeing).
+        self._pending: tuple | None = None
+        self._distinct: tuple = ((), 0)  # (the last prompt cost() found held nowhere on a place, its blocks)
 
     def cost(self, place: Hashable, blocks: Iterable[int], tail: int) -> int:
         """Tokens that adding (blocks, tail) on ``place`` would add: blocks not yet held there + tail."""
         p = self._places.get(place)
-        distinct = set(blocks)  # set operations: C speed, not a Python step per block
-        new = len(distinct.difference(p.refs)) if p is not None else len(distinct)
+        if p is None:
+            return len(set(blocks)) * self.block_tokens + max(0, int(tail))
+        if type(blocks) is tuple:  # noqa: E721 (a tuple is the only kind remembered: it cannot change)
+            hit = p.cache.get(id(blocks))
+            if hit is not None and hit[0] is blocks:  # the very object (it is kept, so its id is not reused)
+                return hit[1] * self.block_tokens + max(0, int(tail))
+        pending = self._pending
+        if pending is not None and pending[1] is p:
+            distinct = set(blocks)  # set operations: C speed, not a Python step per block
+            if distinct.issuperset(pending[2]):  # every block the removal freed would be added again
+                new = len(distinct.difference(p.refs)) + p.freeing
+            else:
+                self._settle()
+                new = len(distinct.difference(p.refs))
+        elif type(blocks) is tuple and p.refs.keys().isdisjoint(blocks):  # noqa: E721
+            # none held here (a prompt asked about on every engine: most hold none of it): a lookup a block,
+            # no set built; its distinct count is the same on every place
+            memo = self._distinct
+            if memo[0] is not blocks:
+                memo = self._distinct = (blocks, len(set(blocks)))
+            new = memo[1]
+        else:
+            new = len(set(blocks).difference(p.refs))
+        if type(blocks) is tuple:  # noqa: E721
+            if len(p.cache) >= _CACHED_PER_PLACE:
+                p.cache.clear()
+            p.cache[id(blocks)] = (blocks, new)
         return new * self.block_tokens + max(0, int(tail))
 
     def add(self, holder: Hashable, place: Hashable, blocks: Iterable[int], tail: int) -> int:
@@ -61,31 +109,87 @@ class Holdings:
         holding something is replaced (its old holding released first)."""
         if holder in self._holders:
             self.remove(holder)
-        bl = tuple(dict.fromkeys(blocks)) if blocks else ()  # distinct, order kept
         t = max(0, int(tail))
+        bl: tuple = ()
+        if blocks:  # distinct, order kept (the tuple itself when it has no repeat: _hand_over knows it by identity)
+            pending = self._pending
+            if blocks is (pending[2] if pending is not None else None):
+                bl = blocks  # the very tuple the pending removal held: distinct already
+            else:
+                distinct = dict.fromkeys(blocks)
+                bl = blocks if type(blocks) is tuple and len(distinct) == len(blocks) else tuple(distinct)  # noqa: E721
         p = self._places.get(place)
+        pending = self._pending
+        if pending is not None and pending[1] is p:
+            held = pending[2]
+            if bl is held or bl[:len(held)] == held:
+                return self._hand_over(holder, place, bl, t)
+            self._settle()
         if p is None:
             p = self._places[place] = _Place()
-        refs = p.refs
-        new = 0
-        if bl:  # refs[b] += 1 for every block, in C (map/zip), not a Python step per block
-            old = list(map(refs.get, bl, repeat(0)))
-            new = old.count(0)
-            refs.update(zip(bl, map(add, old, repeat(1))))
+        elif p.cache:
+            p.cache.clear()
+        self.touched.add(place)
+        added = self._count_in(p, bl) * self.block_tokens + t
         p.tail += t
         p.holders += 1
         self._holders[holder] = (place, bl, t)
-        added = new * self.block_tokens + t
         self._total += added
         return added
+
+    @staticmethod
+    def _count_in(p: _Place, bl: tuple) -> int:
+        """refs[b] += 1 for every block of ``bl`` on ``p`` (in C: map/zip, not a Python step per block); returns
+        how many were not held there."""
+        if not bl:
+            return 0
+        refs = p.refs
+        old = list(map(refs.get, bl, repeat(0)))
+        refs.update(zip(bl, map(add, old, repeat(1))))
+        return old.count(0)
+
+    def _hand_over(self, holder: Hashable, place: Hashable, bl: tuple, tail: int) -> int:
+        """add() on the pending removal's place of ``bl``, which starts with the blocks it released: those stay
+        in refs as they are (what the removal freed is held again), only the rest is counted in. Returns the
+        tokens added."""
+        _, p, held, _ = self._pending
+        self._pending = None
+        new, p.freeing = p.freeing, 0
+        if len(bl) > len(held):
+            new += self._count_in(p, bl[len(held):])
+        p.tail += tail
+        p.holders += 1
+        self._holders[holder] = (place, bl, tail)
+        self.touched.add(place)
+        if p.cache:
+            p.cache.clear()
+        added = new * self.block_tokens + tail
+        self._total += added
+        return added
+
+    def _settle(self) -> None:
+        """Take the pending removal's blocks off its place's refs (counts were read when it was removed, and no
+        block has changed there since: every change there settles first)."""
+        _, p, bl, counts = self._pending
+        self._pending = None
+        refs = p.refs
+        refs.update(zip(bl, map(sub, counts, repeat(1))))
+        if p.freeing:
+            deque(map(refs.__delitem__, compress(bl, map((1).__eq__, counts))), maxlen=0)
+            p.freeing = 0
 
     def remove(self, holder: Hashable) -> int:
         """Release ``holder``'s holding; returns the tokens freed (0 if it held none: idempotent)."""
         h = self._holders.pop(holder, None)
         if h is None:
             return 0
+        if self._pending is not None:
+            self._settle()
         place, bl, tail = h
         p = self._places[place]
+        self.touched.add(place)
+        if p.cache:
+            p.cache.clear()
         if p.holders == 1:  # the place's last holder: every block it holds is its alone
             del self._places[place]
             freed = len(bl) * self.block_tokens + tail
@@ -93,13 +197,11 @@ class Holdings:
             return freed
         refs = p.refs
         freed = tail
-        if bl:
+        if bl:  # counted now, taken off refs by the next add (or by anything else that reads blocks)
             counts = itemgetter(*bl)(refs) if len(bl) > 1 else (refs[bl[0]],)
-            last = counts.count(1)  # blocks no other holder holds: freed
-            refs.update(zip(bl, map(sub, counts, repeat(1))))
-            if last:
-                deque(map(refs.__delitem__, compress(bl, map((1).__eq__, counts))), maxlen=0)
-            freed += last * self.block_tokens
+            p.freeing = counts.count(1)  # blocks no other holder holds: freed
+            self._pending = (place, p, bl, counts)
+            freed += p.freeing * self.block_tokens
         p.tail -= tail
         p.holders -= 1
         self._total -= freed
@@ -108,7 +210,27 @@ class Holdings:
     def has_block(self, place: Hashable, block: int) -> bool:
         """Whether some holder on ``place`` holds ``block``."""
         p = self._places.get(place)
-        return p is not None and block in p.refs
+        return p is not None and block in p.refs and not self._freed(p, block)
+
+    def places_with(self, block: int) -> set[Hashable]:
+        """The places where some holder holds ``block``."""
+        out = {pl for pl, p in self._places.items() if block in p.refs}
+        pending = self._pending
+        if pending is not None and pending[0] in out and self._freed(pending[1], block):
+            out.discard(pending[0])
+        return out
+
+    def _freed(self, p: _Place, block: int) -> bool:
+        """Whether ``block``, in ``p``'s refs, is one the pending removal freed there (read without settling it:
+        a scan of that removal's blocks, in C)."""
+        pending = self._pending
+        if pending is None or pending[1] is not p or not p.freeing:
+            return False
+        held, counts = pending[2], pending[3]
+        try:
+            return counts[held.index(block)] == 1
+        except ValueError:
+            return False
 
     def holds(self, holder: Hashable) -> bool:
         return holder in self._holders
@@ -125,7 +247,7 @@ class Holdings:
     def total(self, place: Hashable) -> int:
         """Tokens held on ``place``."""
         p = self._places.get(place)
-        return 0 if p is None else len(p.refs) * self.block_tokens + p.tail
+        return 0 if p is None else (len(p.refs) - p.freeing) * self.block_tokens + p.tail
 
     def grand_total(self) -> int:
         """Tokens held on every place together (blocks shared only within a place): the sum of total(place)

@@ -1,0 +1,96 @@
+"""The token ledger's figures: ceiling, reserved and the like, the usage window and /kvgate/stats (pure: read-only, injected ``now``).
+
+Part of :class:`kvgate.admission.ledger.Ledger` (a base class of it: the methods read the ledger's records).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .working_set import FLEET
+
+__all__: list[str] = []
+
+
+class _LedgerFigures:
+    """The figures half of Ledger; no state of its own."""
+
+    @property
+    def ceiling(self) -> int:
+        """The fleet's ceiling: floor(healthy engines' max_total_num_tokens x headroom), tokens."""
+        return self._ceiling
+
+    @property
+    def reserved(self) -> int:
+        """Tokens held by leases and resident KV on every place (shared prefixes once per place)."""
+        return self._hold.grand_total()
+
+    @property
+    def available_tokens(self) -> int:
+        """ceiling - reserved, at least 0 (tokens)."""
+        return max(0, self._ceiling - self.reserved)
+
+    @property
+    def reserved_utilization(self) -> float:
+        """reserved / ceiling (0 when the ceiling is 0; can exceed 1 after an oversized grant)."""
+        return self.reserved / self._ceiling if self._ceiling > 0 else 0.0
+
+    @property
+    def lease_count(self) -> int:
+        """Live leases."""
+        return len(self._leases)
+
+    @property
+    def lease_expired_total(self) -> int:
+        """Leases reclaimed by expire() since start."""
+        return self._lease_expired_total
+
+    @property
+    def epoch(self) -> int:
+        """Increments whenever the set of healthy engines changes."""
+        return self._epoch
+
+    def usage_window(self, now: float) -> tuple[float, float] | None:
+        """(mean of cluster mean_usage, max of worst pool usage) over snapshots taken in [now - window_s, now].
+
+        None when no snapshot falls in the window.
+        """
+        self._prune(now)
+        if not self._usage:
+            return None
+        return (sum(u[1] for u in self._usage) / len(self._usage), max(u[2] for u in self._usage))
+
+    def stats(self, now: float) -> dict[str, Any]:
+        """JSON-able figures for /kvgate/stats and the Prometheus gauges (tokens, fractions, seconds)."""
+        win = self.usage_window(now)
+        s = self._snapshot
+        return {
+            "ceiling": self._ceiling,
+            "reserved": self.reserved,
+            "available_tokens": self.available_tokens,
+            "reserved_utilization": round(self.reserved_utilization, 6),
+            "lease_count": self.lease_count,
+            "lease_expired": self._lease_expired_total,
+            "granted": self._granted_total,
+            "oversized_granted": self._oversized_total,
+            "forced_granted": self._forced_total,
+            "engines": {str(url): {"ceiling": self.ceiling_of(url), "reserved": self.reserved_on(url),
+                                   "host_cache_tokens": self._host_of(url)}
+                        for url in sorted(s.engines)} if s is not None else {},
+            # the HiCache host room the ceilings count (0 unless count_host)
+            "host_cache_tokens": self._host_of(FLEET),
+            "reserved_unplaced": self._hold.total(FLEET),
+            "refused": dict(self._refused_total),
+            "epoch": self._epoch,
+            "degraded": self.is_degraded(now),
+            "snapshot_age_s": None if s is None else round(now - s.taken_at, 3),
+            "kv_token_usage_mean": None if win is None else round(win[0], 6),
+            "kv_token_usage_max": None if win is None else round(win[1], 6),
+            "worst_usage": None if s is None else round(s.worst_usage, 6),
+            "healthy_engines": [] if s is None else sorted(s.engines),
+            "headroom": self.headroom,
+            "pressure_threshold": self.pressure_threshold,
+            "stale_after_s": self.stale_after_s,
+            "lease_ttl_s": self.lease_ttl_s,
+            "window_s": self.window_s,
+        }
