@@ -242,7 +242,7 @@ class Metrics:
                                            "answered it; in a prefill/decode fleet, decode_named: smg decoded it on "
                                            "the decode worker kvgate named, decode_name_ignored: on another, "
                                            "decode_name_refused: smg refused the name and the call went again "
-                                           "unnamed, decode_unnamed: sent unnamed, naming off or refused there)",
+                                           "unnamed, decode_unnamed: sent unnamed while naming is off)",
                                            ("outcome",), r)
         self.engine_warning = Gauge(p + "engine_warning", "1 when an engine is misconfigured for kvgate",
                                     ["engine", "kind"], registry=r)

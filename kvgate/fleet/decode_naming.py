@@ -3,9 +3,10 @@
 In a prefill/decode fleet kvgate cannot send a call straight to a worker (a PD worker refuses a call without
 the router's bootstrap fields), but smg 1.13's PD router decodes a call on the worker named by the request
 header ``X-SMG-Target-Worker: <index>`` when its decode policy is ``consistent_hashing`` (the index counts the
-available decode workers in the order smg's /workers lists them; docs/compatibility.md, measured). So kvgate
-picks the decode worker itself (placement: room first, the session's prefix) and names it; smg still picks the
-prefill worker and runs the bootstrap handshake.
+decode workers smg deems available; docs/compatibility.md, measured). So kvgate picks the decode worker itself
+(placement: room first, the session's prefix) and names it; smg still picks the prefill worker and runs the
+bootstrap handshake. smg's worker overload protection takes a loaded worker out of that count for a while and
+shifts every index after it: kvgate needs smg run without it (--disable-worker-overload-protection).
 
 The index is smg's, and its order is not documented. Measured on smg 1.13: on /generate it is the order
 /workers lists the decode workers; on the OpenAI routes (chat, completions) it is the order of their /workers

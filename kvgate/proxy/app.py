@@ -1,9 +1,10 @@
 """The gateway: wires kvgate's parts and runs the request path (I/O edge).
 
-Request path: request in -> classify -> resolve session (kvgate.proxy.session_stage) -> place -> admit (gate) ->
-forward -> release and record. Forward: to the router, or, for a session's call on a route where kvgate places sessions
-(docs/placement.md), straight to the engine kvgate.fleet.placement picks (the next one on a refused connection;
-the router when none is usable). kvgate's own endpoints and the admin key: kvgate.proxy.admin; starting and
+Request path: request in -> classify -> resolve session (kvgate.proxy.session_stage) -> place -> admit (gate)
+-> forward -> release and record. Forward: to the router, or, for a session's call on a route where kvgate
+places sessions (docs/placement.md), straight to the engine kvgate.fleet.placement picks (the next one on a
+refused connection; the router when none is usable; in a prefill/decode fleet, the router with the decode
+worker named). kvgate's own endpoints and the admin key: kvgate.proxy.admin; starting and
 serving: kvgate.proxy.bootstrap. Everything that is not kvgate's is forwarded to the router unchanged.
 """
 
