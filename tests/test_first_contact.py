@@ -239,6 +239,9 @@ def test_health_adds_up_its_checks():
         "engines: 1 of 2 engines unusable: http://b (the router reports it unhealthy)"])
     assert summarize([ok, engines_check([("http://b", False, "(x)")], True, None)])[:2] == ("down", 503)
     assert summarize([ok, engines_check([], True, None)])[2] == ["engines: the router lists no engine"]
+    # the router not reached: no engine list is no news of the engines
+    assert engines_check([], True, None, router_reached=False).reason == \
+        "no engine known: the router was not reached (see the router check)"
     # the router answers, but not with a list kvgate reads: it still serves
     assert summarize([ok, engines_check([], True, "DiscoveryError: /workers answered 404")])[:2] == ("degraded", 200)
     r = Reachability()

@@ -296,7 +296,7 @@ def degraded_cause(upstream: str, static: bool, discovery_error: str | None, url
     scrapes: engine URL -> "/v1/loads", "/metrics" or "failed" from the last round."""
     if not static and discovery_error is not None:
         return (f"the router at {upstream} does not answer engine discovery ({discovery_error}); "
-                f"check that it is running")
+                f"check that it is running and that this is its HTTP port (not its Prometheus port)")
     if not urls:
         return (f"the router at {upstream} lists no engines (GET /workers); check its --worker-urls and that "
                 f"the engines are healthy")

@@ -358,10 +358,12 @@ class EngineDirectory:
         if self.first_refresh.is_set():
             engines_ = engines_check(engines, self.static is None,
                                      self.last_error if self.router.ok is not False else None, self.upstream_kind,
-                                     roles={e.url: roles.role(e) for e in self.engines})
+                                     roles={e.url: roles.role(e) for e in self.engines},
+                                     router_reached=self.router.ok is not False)
         else:
             engines_ = Check("engines", None, "not listed yet")
-        # the engines a placed call can go to: regular ones (the gateway places none on PD workers)
+        # the engines a placed call can go to straight: regular ones (a PD call, its decode worker named or
+        # not, goes through the router)
         usable = sum(1 for e in self.engines if e.worker_type == "regular" and self.usable(e))
         return [router_check(self.router, self.upstream, time.monotonic(), self.placed_routes, usable,
                              self.placed_answers - self._placed_answers_at_down), engines_]

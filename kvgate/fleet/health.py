@@ -114,14 +114,15 @@ def router_check(r: Reachability, upstream: str, now: float, placed_routes: Iter
 
 def engines_check(engines: Iterable[tuple[str, bool, str | None]], discovered: bool,
                   discovery_error: str | None, upstream_kind: str | None = None,
-                  roles: dict[str, str] | None = None) -> Check:
+                  roles: dict[str, str] | None = None, router_reached: bool = True) -> Check:
     """The engines check from (url, usable, why not) per engine. Fatal when none is usable, or when no engine
     is known and the upstream is not a router (``upstream_kind`` "other": it answered neither /workers nor
     /list_workers nor an engine's /server_info); not fatal when some are down, the engine list could not be
     read (the last good list is kept) or the upstream is an engine (``upstream_kind`` "engine": calls reach
     it, but kvgate knows no engine to close sessions on). ``roles`` (url -> regular|prefill|decode): in a
     prefill/decode fleet every call needs one prefill and one decode worker (smg's PD router), so it is fatal
-    too when no prefill or no decode worker is usable."""
+    too when no prefill or no decode worker is usable. ``router_reached`` False: the router was not reached, so
+    no engine list is no news of the engines (the router check says why)."""
     engines = list(engines)
     roles = roles or {}
     down = [(u, why) for u, usable, why in engines if not usable]
@@ -146,7 +147,8 @@ def engines_check(engines: Iterable[tuple[str, bool, str | None]], discovered: b
         return Check("engines", False, f"engine discovery failed ({discovery_error}) and no engine is known",
                      fatal=False, detail=detail)
     if not engines:
-        return Check("engines", False, "the router lists no engine" if discovered else "no engine configured",
+        return Check("engines", False, "no engine configured" if not discovered else "the router lists no engine"
+                     if router_reached else "no engine known: the router was not reached (see the router check)",
                      detail=detail)
     if len(down) == len(engines):
         return Check("engines", False, "no engine is usable: " + "; ".join(f"{u} {why}" for u, why in down),

@@ -192,9 +192,11 @@ def serve(cfg: Config, process_role=None) -> int:
             from kvgate.proxy.processes import watch_supervisor
             watch = asyncio.create_task(watch_supervisor(stop))
         await stop.wait()
+        log.info("kvgate stopping")
         if watch is not None:
             watch.cancel()
         await runner.cleanup()
+        log.info("kvgate stopped")
 
     run = asyncio.run
     if cfg.event_loop == "uvloop":
