@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import difflib
 import logging
+import re
 import sys
 
 from kvgate import __version__
@@ -93,7 +94,13 @@ class Parser(argparse.ArgumentParser):
 
     def error(self, message: str):  # type: ignore[override]
         """The one line that says what is wrong, and where the rest is: not argparse's usage first (``serve``'s
-        runs to 80 lines, and the line that helps came last). Exits with 2."""
+        runs to 80 lines, and the line that helps came last), with the closest command for a mistyped one
+        (``kvgate sever``: did you mean serve?). Exits with 2."""
+        m = re.search(r"invalid choice: '([^']*)' \(choose from (.*)\)$", message)
+        if m is not None:
+            close = difflib.get_close_matches(m.group(1), re.findall(r"'([^']*)'", m.group(2)), n=2, cutoff=0.6)
+            if close:
+                message += f" (did you mean {' or '.join(close)}?)"
         self.exit(2, f"{self.prog}: error: {message}\n(every option: {self.prog} --help)\n")
 
     def _subparser(self, ns: argparse.Namespace) -> "argparse.ArgumentParser | None":
@@ -110,7 +117,10 @@ def unrecognized(extras: list[str], parser: argparse.ArgumentParser) -> str:
     hints = []
     for arg in extras:
         if arg.startswith("--"):
-            close = difflib.get_close_matches(arg.partition("=")[0], flags, n=2, cutoff=0.75)
+            name = arg.partition("=")[0]
+            close = difflib.get_close_matches(name, flags, n=2, cutoff=0.75)
+            if not close and len(name) > 5:  # a word of a longer flag: --lifecycle, --admission
+                close = [f for f in flags if name[2:] in f][:2]
             if close:
                 hints.append(f"{arg.partition('=')[0]}: did you mean {' or '.join(close)}?")
     return f"unrecognized arguments: {' '.join(extras)}" + (f" ({'; '.join(hints)})" if hints else "")

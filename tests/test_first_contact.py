@@ -41,6 +41,11 @@ def test_an_abbreviated_flag_is_refused_with_the_flag_meant(capsys):
         "did you mean --discovery-interval-s?)")
     assert _parse_error(["sim-engine", "--max-total-num-token", "5"], capsys).endswith(
         "(--max-total-num-token: did you mean --max-total-num-tokens?)")
+    # a word of a longer flag: the flags that hold it
+    assert _parse_error(["serve", "--lifecycle"], capsys).endswith(
+        "(--lifecycle: did you mean --agentic-session-lifecycle or --no-agentic-session-lifecycle?)")
+    # a mistyped command
+    assert _parse_error(["sever"], capsys).endswith("(did you mean serve?)")
     # nothing close: no hint; the full flag still works
     assert _parse_error(["serve", "--zzz"], capsys) == "kvgate serve: error: unrecognized arguments: --zzz"
     assert build_parser().parse_args(["serve", "--port", "8080"]).port == "8080"
