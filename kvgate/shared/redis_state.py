@@ -211,6 +211,10 @@ class SharedState:
             self._down("heartbeat", exc)
             return
         if not self.up:
+            if self._batch_script is not None:
+                # the batch's own connection may still be the one to the server that went away (unused while
+                # Redis was down): the next batch makes a new one rather than failing on it
+                await self._batch_script.close()
             self.up = True
             self.metrics.state_backend_up.set(1)
             log.warning("Redis at %s answers again; replicas share their state again", self.url)
