@@ -201,6 +201,7 @@ class Admin:
         workers = await self.gw.process_role.health() if self.gw.process_role is not None else None
         checks = self.health_checks()
         status, code, reasons = health.summarize(checks)
+        placers = {r: self._placer(r) for r in PLACEMENT_ROUTES}
         return _json({"status": status, "reasons": reasons, "checks": [c.as_json() for c in checks],
                       **({"workers": workers} if workers is not None else {}),
                       "version": __version__, "uptime_s": round(time.time() - self.gw.started, 3),
@@ -209,8 +210,8 @@ class Admin:
                       "program_admission": self.gw.cfg.agentic_program_admission,
                       "session_id_passthrough": self.gw.directory.verdict,
                       "session_id_passthrough_by_route": dict(self.gw.directory.verdicts),
-                      "session_placement": {r: self._placer(r)[0] for r in PLACEMENT_ROUTES},
-                      "session_placement_why": {r: self._placer(r)[1] for r in PLACEMENT_ROUTES},
+                      "session_placement": {r: placers[r][0] for r in PLACEMENT_ROUTES},
+                      "session_placement_why": {r: placers[r][1] for r in PLACEMENT_ROUTES},
                       "placement_modes": dict(self.gw.placement_modes),
                       # the router's answer to kvgate's credentials: null (not asked yet), ok, 401 or 403
                       "router_auth": self.gw.directory.router_auth}, code)

@@ -20,7 +20,7 @@ from kvgate.common.classify import inject_top_level
 from kvgate.fleet.decode_naming import TARGET_WORKER_HEADER, DecodeNaming
 from kvgate.fleet.discovery import engine_base_url
 from kvgate.fleet.placement import Placement, Target
-from kvgate.proxy.relay import ROUTED_WORKER, forward_head
+from kvgate.proxy.relay import ROUTED_WORKER, forward_head, no_worker_picked
 from kvgate.sessions.inference import prefix_keys, request_units
 
 log = logging.getLogger("kvgate")
@@ -204,7 +204,7 @@ class PlacedRelay:
         try:
             resp, outcome = await self.upstream.relay(request, request.raw_path, headers, body, observe=observe,
                                                       add_headers=add, worker_header=ROUTED_WORKER,
-                                                      hold=_no_available_workers)
+                                                      hold=no_worker_picked)
         finally:
             placement.call_finished(target, call, self.clock())
         if outcome.ended == "held":  # smg picked no worker: nothing was sent to one, so it goes again unnamed
@@ -263,14 +263,3 @@ class PlacedRelay:
             self.publish()
         placement.remember_prefix(keys, target)
         return target
-
-
-def _no_available_workers(status: int, headers: list[tuple[bytes, bytes]]) -> bool:
-    """smg's answer when its policy picked no worker (a named index it does not count): nothing was sent to a
-    worker, so the call may go again (X-SMG-Error-Code: no_available_workers)."""
-    if status != 503:
-        return False
-    for k, v in headers:
-        if k.lower() == b"x-smg-error-code":
-            return v.strip() == b"no_available_workers"
-    return False

@@ -251,6 +251,13 @@ def error_response(status: int, message: str, kind: str, upstream: str) -> web.R
 ROUTED_WORKER = b"x-smg-routed-worker-id"
 
 
+def no_worker_picked(status: int, headers: list[tuple[bytes, bytes]]) -> bool:
+    """smg's answer when its policy picked no worker (503 with X-SMG-Error-Code: no_available_workers, e.g. a
+    named index it does not count): nothing was sent to a worker, so the call may go again. For relay()'s
+    ``hold``."""
+    return status == 503 and (_header_value(headers, b"x-smg-error-code") or "").strip() == "no_available_workers"
+
+
 @dataclass
 class RelayOutcome:
     """What happened: upstream status (None if it never answered), what the observer saw, and why it ended."""
