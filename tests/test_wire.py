@@ -90,6 +90,20 @@ def test_headers_view_and_origin_form():
     assert origin_form(b"http://h") == b"/" and origin_form(b"/x") == b"/x"
 
 
+_NAME = st.sampled_from(["Host", "X-Session-ID", "x-session-id", "X-SESSION-ID", "Content-Type", "X-Two", "x-two",
+                          "Connection", "X-Kvgate-Final", "Accept"])
+
+
+@given(st.lists(st.tuples(_NAME, st.binary(max_size=8)), max_size=8), st.lists(_NAME, max_size=12))
+def test_header_lookups_find_the_first_of_a_name_whatever_its_case(fields, lookups):
+    """Every lookup (in any order, repeated) gives what one case-insensitive scan of the raw pairs gives."""
+    h = Headers(tuple(x for k, v in fields for x in (k.encode(), v)))
+    for name in lookups:
+        want = next((v.decode("utf-8", "surrogateescape") for k, v in fields if k.lower() == name.lower()), None)
+        assert h.get(name) == want
+        assert (name in h) == (want is not None)
+
+
 def test_error_answer_closes():
     out = error_answer(BadRequest(431, "a header line over 5 bytes"))
     assert out.startswith(b"HTTP/1.1 431 Request Header Fields Too Large\r\n") and b"Connection: close\r\n" in out

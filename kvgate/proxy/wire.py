@@ -238,21 +238,26 @@ class Headers(Mapping):
     """A request's headers as str, read-only and case-insensitive, looked up in its raw (name, value) byte
     pairs (a request has few headers: a scan allocates nothing kept, where a multidict per request would
     stay with every waiting request). Values are decoded as UTF-8 with surrogate escapes, as aiohttp does;
-    ``get`` and ``[]`` give the first of several."""
+    ``get`` and ``[]`` give the first of several. The lowered names are made once, on the first lookup (a
+    call is looked up about ten times on its way: session, admission, relay)."""
 
-    __slots__ = ("_raw",)
+    __slots__ = ("_raw", "_low")
     case_insensitive = True
 
     def __init__(self, flat: tuple):
         self._raw = flat  # name, value, name, value ...
+        self._low: tuple | None = None  # the names lowered, in order (made on first lookup)
 
     def get(self, name: str, default=None):
-        lname = name.lower().encode("latin-1")
-        raw = self._raw
-        for i in range(0, len(raw), 2):
-            if raw[i].lower() == lname:
-                return raw[i + 1].decode("utf-8", "surrogateescape")
-        return default
+        low = self._low
+        if low is None:
+            low = self._low = tuple([COMMON.get(k, k) for k in map(bytes.lower, self._raw[::2])])
+        lname = _LOWER_NAMES.get(name)
+        if lname is None:
+            lname = _lower_name(name)
+        if lname not in low:
+            return default
+        return self._raw[2 * low.index(lname) + 1].decode("utf-8", "surrogateescape")
 
     def __getitem__(self, name: str) -> str:
         v = self.get(name)
@@ -286,6 +291,17 @@ class Headers(Mapping):
     def items(self):
         return [(k.decode("utf-8", "surrogateescape"), v.decode("utf-8", "surrogateescape"))
                 for k, v in pairs(self._raw)]
+
+
+# Header names kvgate looks up, lowered and encoded once (they come from code and config: a bounded set).
+_LOWER_NAMES: dict[str, bytes] = {}
+
+
+def _lower_name(name: str) -> bytes:
+    lname = name.lower().encode("latin-1")
+    if len(_LOWER_NAMES) < 1024:
+        _LOWER_NAMES[name] = lname
+    return lname
 
 
 def pairs(flat: tuple) -> tuple:
