@@ -167,3 +167,54 @@ def test_a_gate_that_never_opens_never_holds_or_pauses(ops, cap, engines):
             assert co.pump(t) == []
         assert co.take_actions() == [] and co.waiting == 0
     assert co.counters["pause"] == 0 and co.counters["wait"] == 0
+
+
+@settings(max_examples=150, deadline=None)
+@given(decode=st.lists(st.booleans(), min_size=1, max_size=4),
+       turns=st.lists(st.tuples(st.integers(0, 7), st.integers(100, 1500), st.floats(0.0, 1.0), st.floats(0.1, 2.0)),
+                      min_size=1, max_size=60))
+def test_a_decode_workers_misses_are_transfers_and_never_open_the_gate(decode, turns):
+    """Over random fleets of regular engines and PD decode workers and random turns whose engine lost part of
+    what the program held: the gate counts as re-prefill exactly the misses on regular engines; a decode
+    worker's come back by KV transfer (counted apart), so a fleet of decode workers alone never opens the gate."""
+    places = [f"http://e{i}" for i in range(len(decode))]
+    decode_urls = [p for p, d in zip(places, decode) if d]
+    co = _fleet(start=0.3, cap=100_000, engines=tuple(places))
+    co.reconcile(ClusterSnapshot.build({e: EngineCapacity.from_pools([(100_000, 0, 0.0)]) for e in places}, 0.0,
+                                       decode_urls), 0.0)
+    t = 0.0
+    for e in places:
+        t = _teach_rate(co, t, place=e)
+    held: dict[str, int] = {}
+    want_reprefill = want_transfer = 0
+    for n, (i, prompt, kept, dt) in enumerate(turns):
+        t += dt
+        sid, place = f"s{i}", places[i % len(places)]
+        before = held.get(sid, 0)
+        d = co.submit(f"t{n}", prompt + 20, False, t, place=place, session_id=sid, prompt_tokens=prompt)
+        assert d.kind is not Kind.WAIT or co.gate.is_open
+        if d.kind is Kind.WAIT:
+            continue
+        cached = min(prompt, int(before * kept))
+        co.release(f"t{n}", t + 0.1, {"prompt_tokens": prompt, "cached_tokens": cached, "completion_tokens": 10})
+        miss = min(before, prompt) - cached if before > cached else 0
+        if miss > 0:
+            if place in decode_urls:
+                want_transfer += miss
+            else:
+                want_reprefill += miss
+        held[sid] = prompt + 10
+        co.take_actions()
+    assert co.gate.reprefill_tokens == want_reprefill
+    assert co.counters["transfer_refill_tokens"] == want_transfer
+    if all(decode):
+        assert not co.gate.is_open and co.counters["pause"] == 0 and co.counters["wait"] == 0
+
+
+def test_the_snapshot_names_decode_workers_on_the_wire_and_an_older_replicas_names_none():
+    snap = ClusterSnapshot.build({E0: EngineCapacity.from_pools([(1000, 10, 0.01)]), E1: None}, 5.0, [E0, E1, "x"])
+    assert snap.decode_workers == frozenset({E0, E1})
+    back = ClusterSnapshot.from_wire(snap.to_wire(), 7.0)
+    assert back.decode_workers == frozenset({E0, E1}) and back.taken_at == 7.0
+    old = {k: v for k, v in snap.to_wire().items() if k != "decode_workers"}
+    assert ClusterSnapshot.from_wire(old, 7.0).decode_workers == frozenset()

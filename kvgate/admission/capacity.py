@@ -324,20 +324,28 @@ class ClusterSnapshot:
     ``engines`` maps engine URL -> EngineCapacity for every engine whose poll succeeded (the healthy set);
     engines whose poll failed are listed in ``unhealthy``. Figures: ``capacity`` and ``used`` summed over
     healthy engines (tokens), ``worst_usage`` the highest single-pool usage in the fleet, ``mean_usage`` the
-    capacity-weighted mean usage. Engines are summed.
+    capacity-weighted mean usage. Engines are summed. ``decode_workers``: the engines that are a PD fleet's
+    decode workers. A prefix missing from a decode worker's radix cache comes back by a KV transfer from the
+    prefill worker, which prefills the prompt whatever the decode worker holds (SGLang
+    disaggregation/decode.py asks the prefill worker only for what the decode radix cache lacks); a regular
+    engine recomputes it.
     """
 
     taken_at: float
     engines: Mapping[str, EngineCapacity] = field(default_factory=dict)
     unhealthy: frozenset[str] = frozenset()
+    decode_workers: frozenset[str] = frozenset()
 
     @classmethod
-    def build(cls, results: Mapping[str, EngineCapacity | None], now: float) -> "ClusterSnapshot":
-        """Build from {engine_url: EngineCapacity or None (poll failed)} polled at ``now`` (seconds).
-        An engine with implausible figures counts as unhealthy (no signal)."""
+    def build(cls, results: Mapping[str, EngineCapacity | None], now: float,
+              decode_workers: Iterable[str] = ()) -> "ClusterSnapshot":
+        """Build from {engine_url: EngineCapacity or None (poll failed)} polled at ``now`` (seconds), of
+        which ``decode_workers`` are a PD fleet's decode workers. An engine with implausible figures counts
+        as unhealthy (no signal)."""
         healthy = {url: cap for url, cap in results.items() if cap is not None and cap.capacity > 0
                    and all(_plausible(p.capacity, p.used, p.usage) for p in cap.pools)}
-        return cls(taken_at=float(now), engines=healthy, unhealthy=frozenset(u for u in results if u not in healthy))
+        return cls(taken_at=float(now), engines=healthy, unhealthy=frozenset(u for u in results if u not in healthy),
+                   decode_workers=frozenset(u for u in decode_workers if u in results))
 
     @property
     def healthy(self) -> frozenset[str]:
@@ -369,10 +377,11 @@ class ClusterSnapshot:
 
     def to_wire(self) -> dict[str, Any]:
         """Everything but the time, JSON-able, for replicas that share one poller's snapshot:
-        {"engines": {url: [[capacity, used, usage, host, requests] per pool]}, "unhealthy": [url, ...]}."""
+        {"engines": {url: [[capacity, used, usage, host, requests] per pool]}, "unhealthy": [url, ...],
+        "decode_workers": [url, ...]}."""
         return {"engines": {url: [[p.capacity, p.used, p.usage, p.host, p.requests] for p in e.pools]
                             for url, e in self.engines.items()},
-                "unhealthy": sorted(self.unhealthy)}
+                "unhealthy": sorted(self.unhealthy), "decode_workers": sorted(self.decode_workers)}
 
     @classmethod
     def from_wire(cls, obj: Any, taken_at: float) -> "ClusterSnapshot | None":
@@ -382,9 +391,10 @@ class ClusterSnapshot:
             engines = {str(url): EngineCapacity(tuple(_wire_pool(*p) for p in pools))
                        for url, pools in obj["engines"].items()}
             unhealthy = [str(u) for u in obj["unhealthy"]]
+            decode = [str(u) for u in obj.get("decode_workers", ())]  # (a replica of an earlier version: none)
         except (KeyError, TypeError, ValueError, AttributeError):
             return None
-        return cls.build({**{u: None for u in unhealthy}, **engines}, taken_at)
+        return cls.build({**{u: None for u in unhealthy}, **engines}, taken_at, decode)
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-able summary (for /kvgate/stats)."""

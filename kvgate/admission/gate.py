@@ -517,7 +517,9 @@ def _program_metrics(s: dict[str, Any], p: str):
             ("program_ended_paused", "pause_overdue", "Programs paused as they turned ended (idle past what their "
                                                       "own and their group's gaps between turns predict)"),
             ("program_admitted_not_pausing", "admit_gate_closed", "Turns admitted at once because re-prefill costs "
-                                                                  "too little for pausing to pay")):
+                                                                  "too little for pausing to pay"),
+            ("program_transfer_refill_tokens", "transfer_refill_tokens", "Tokens of a program's own context a PD "
+             "decode worker no longer held, sent again by the prefill worker (a transfer, not a re-prefill)")):
         m = CounterMetricFamily(p + name, doc)
         m.add_metric([], s["counters"][key])
         yield m

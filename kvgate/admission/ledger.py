@@ -209,6 +209,13 @@ class Ledger(_LedgerFigures):
         self._engine_places: list[Any] | None = None  # engine_places(), listed once per snapshot
         self._rank: FreeRank | None = None  # free_rank(), sorted once per snapshot
 
+    def transfer_refilled(self, place: Any) -> bool:
+        """Whether ``place`` is on a PD fleet's decode worker (ClusterSnapshot.decode_workers): a prefix missing
+        from its radix cache comes back by a KV transfer while the prefill worker prefills the prompt anyway."""
+        snap = self._snapshot
+        return snap is not None and place is not FLEET and bool(snap.decode_workers) and \
+            (place[0] if isinstance(place, tuple) else place) in snap.decode_workers
+
     @property
     def snapshot(self) -> ClusterSnapshot | None:
         return self._snapshot

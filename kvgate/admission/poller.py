@@ -180,7 +180,7 @@ class CapacityPoller:
             if self.count_host:
                 await self._read_host_pools(urls)
                 caps = [c.with_host(self.host_tokens.get(u)) if c is not None else None for u, c in zip(urls, caps)]
-            snapshot = ClusterSnapshot.build(dict(zip(urls, caps)), taken)
+            snapshot = ClusterSnapshot.build(dict(zip(urls, caps)), taken, self.directory.layout.decode)
             if self._leading:
                 await self.shared.publish_capacity(snapshot.to_wire(), stale_after_s(self.interval_s))
         if self.gate is not None:

@@ -179,7 +179,8 @@ class ProgramCoordinator(_WaitingTurns, _Pausing, _Figures):
         self.tally = DecisionTally((
             "admit", "wait", "bypass", "bypass_protected", "bypass_degraded", "bypass_aged", "cancelled",
             "backfilled", "pause", "resume", "marked", "programs_ended", "prefix_miss_tokens", "pause_overdue",
-            "resume_deadline", "wait_resident_bound", "moved", "reclaimed", "bypass_cost", "admit_gate_closed"),
+            "resume_deadline", "wait_resident_bound", "moved", "reclaimed", "bypass_cost", "admit_gate_closed",
+            "transfer_refill_tokens"),
             self.window_s)
         self.counters = self.tally.counters  # the same dict: lifetime counters
 
@@ -368,7 +369,9 @@ class ProgramCoordinator(_WaitingTurns, _Pausing, _Figures):
                 resident = pt + (ct or 0)
                 if cached is not None and before > cached:  # it re-prefilled KV it had held: the gate's evidence
                     miss = min(before, pt) - cached
-                    if miss > 0:
+                    if miss > 0 and self.ledger.transfer_refilled(p.place):  # no pause saves a prefill there
+                        self._count("transfer_refill_tokens", now, miss)
+                    elif miss > 0:
                         self.gate.observe(now, miss, self.prefill.seconds(p.place, miss))
                 if prompt > 0:
                     p.scale = min(4.0, max(0.25, pt * p.scale / prompt))
