@@ -9,6 +9,11 @@ plain computation it replaces, over random inputs.
 - Ledger.first_fit returns, counts and holds what try_acquire place by place does;
 - the coordinator ranks the other engines for a waiting turn (_others) as the sort of every engine by (its
   charge there, most free room) among those that could take its least charge and are not under pressure.
+- Holdings.changed_since names every place a change reached since a version (or None once the log no longer
+  reaches back that far);
+- a waiting turn's remembered refusals (_refused_again) decide as asking every engine again: two coordinators,
+  one of them asking every time, over random fleets, programs and events give the same decisions, pauses,
+  counters, ledger refusals and refusal records at every step.
 """
 
 import copy
