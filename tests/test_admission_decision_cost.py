@@ -9,6 +9,11 @@ plain computation it replaces, over random inputs.
 - Ledger.first_fit returns, counts and holds what try_acquire place by place does;
 - the coordinator ranks the other engines for a waiting turn (_others) as the sort of every engine by (its
   charge there, most free room) among those that could take its least charge and are not under pressure.
+- Holdings.changed_since names every place a change reached since a version (or None once the log no longer
+  reaches back that far);
+- a waiting turn's remembered refusals (_refused_again) decide as asking every engine again: two coordinators,
+  one of them asking every time, over random fleets, programs and events give the same decisions, pauses,
+  counters, ledger refusals and refusal records at every step.
 """
 
 import copy
@@ -17,6 +22,7 @@ from collections import Counter
 from hypothesis import given, settings, strategies as st
 
 from kvgate.admission.capacity import ClusterSnapshot, EngineCapacity
+from kvgate.admission.coordinator import Kind
 from kvgate.admission.ledger import Grant, Ledger
 from kvgate.admission.program import ProgramCoordinator
 from kvgate.admission.records import _Waiter
@@ -205,5 +211,143 @@ def test_a_waiting_turn_ranks_the_other_engines_as_the_plain_sort_does(caps, usa
 
     rest = [pl for pl in places if pl != w.place and lg.free_on(pl) >= lb and lg.usage_of(pl) < th]
     rest.sort(key=lambda pl: (charge(pl), -lg.free_on(pl)))  # stable: ties in the snapshot's order
-    assert co._others(w) == rest
+    assert list(co._others(w)) == rest
     assert Counter(co._others(w)) == Counter(rest)  # asked twice (costs remembered): the same answer
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(["add", "add", "remove", "turn", "probe"]), HOLDER, PLACE,
+                          st.integers(0, 3), st.integers(0, 9)), max_size=60), st.sampled_from([4, 4096]))
+def test_changed_since_names_every_place_a_change_reached(ops, kept):
+    import kvgate.admission.working_set as ws
+    old, ws._LOG_KEPT = ws._LOG_KEPT, kept  # a short log: older versions must answer None, not a wrong set
+    try:
+        h = Holdings(BT)
+        at: list[tuple[int, list]] = []  # (version, the places changed since it)
+        for kind, holder, place, g, tail in ops:
+            before = h.place_of(holder) if h.holds(holder) else "none"
+            at.append((h.version, []))
+            blocks = PROMPTS[g * 4 % len(PROMPTS)]
+            if kind == "add" or (kind == "turn" and before == "none"):
+                h.add(holder, place, blocks, tail)
+                reached = [place] if before == "none" else [before, place]
+            elif kind == "remove" or kind == "turn":
+                h.remove(holder)
+                reached = [] if before == "none" else [before]
+                if kind == "turn" and before != "none":  # a turn's end: the next holder takes the same blocks
+                    if h.holds(("next", holder)):
+                        reached.append(h.place_of(("next", holder)))  # it held elsewhere: that is released first
+                    h.add(("next", holder), before, blocks, tail)
+                    reached.append(before)
+            else:
+                reached = []
+                h.cost(place, blocks, tail)  # reads: no change
+            for _, since in at:
+                since.extend(reached)
+            for v, since in at:
+                got = h.changed_since(v)
+                if got is None:
+                    assert h.version - v > kept // 2  # only versions older than what the log keeps
+                else:
+                    assert got == set(since)
+            assert h.changed_since(h.version) == set()
+    finally:
+        ws._LOG_KEPT = old
+
+
+class Plain(ProgramCoordinator):
+    """The coordinator without its remembered refusals: every waiting turn asks every engine on every pump."""
+
+    def _refused_again(self, w, now):
+        return False
+
+
+def chained(group, first, own, n):
+    """A prompt's block hashes, chained as kvgate's are: the group's first prompt, then the program's own."""
+    return tuple((group << 20) | k for k in range(min(n, first))) + tuple((1 << 40) | (own << 20) | k
+                                                                          for k in range(first, n))
+
+
+EVENT = st.tuples(st.sampled_from(["turn", "turn", "turn", "done", "done", "done", "forget", "pump", "reconcile"]),
+                  st.integers(0, 9), st.integers(0, 40), st.floats(0.0, 3.0), st.sampled_from([0.0, 0.0, 0.5, 0.95]))
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.integers(40, 300), min_size=2, max_size=6), st.lists(st.integers(2, 20), min_size=10, max_size=10),
+       st.lists(EVENT, min_size=60, max_size=200), st.sampled_from([3.0, 1e6, 1e6]), st.sampled_from([None, None, 2.0]))
+def test_remembered_refusals_decide_as_asking_every_engine_again(caps, firsts, events, max_wait, reclaim):
+    """Two coordinators over the same fleet, programs (GRPO pairs sharing a first prompt, prompts growing
+    turn by turn, kvgate placing their calls) and events in the same order, one remembering a waiting turn's
+    refusals (_refused_again), one asking every engine again: the same decisions, pauses, counters, ledger
+    refusals and per-pump refusal records at every step."""
+    cos = []
+    for cls in (ProgramCoordinator, Plain):
+        lg = Ledger(headroom=0.9, pressure_threshold=0.92, block_tokens=BT, lease_ttl_s=1e9, stale_after_s=1e9)
+        co = cls(lg, max_wait_s=max_wait, reclaim_after_s=reclaim)
+        co.reconcile(fleet(caps), 0.0)
+        cos.append(co)
+    places = cos[0].ledger.engine_places()
+    now, n = 0.0, 0
+    length = [0] * 10  # each program's prompt, in blocks
+    inflight: dict[int, list] = {}  # program -> its tickets granted
+    waiting: dict = {}  # ticket -> program
+
+    def same(outs):
+        a, b = outs
+        assert a == b
+        for co in cos:
+            co_acts = co.take_actions()
+            outs.append([(x.kind, x.session_id, x.place) for x in co_acts])
+        assert outs[2] == outs[3]
+        x, y = cos
+        assert x.counters == y.counters
+        assert x.ledger.stats(now)["refused"] == y.ledger.stats(now)["refused"]
+        assert x.ledger.reserved == y.ledger.reserved
+        assert (x._failed, x._failed_max) == (y._failed, y._failed_max)
+        assert x.waiting_tickets() == y.waiting_tickets()
+
+    def view(ds):
+        return [(d.ticket, d.kind, d.tokens, d.reason, d.lease and (d.lease.place, d.lease.charged, d.lease.forced))
+                for d in ds]
+
+    def went(views):  # turns that left the queue; those with a lease run until their "done"
+        for ticket, _, _, _, lease in views:
+            prog = waiting.pop(ticket)
+            if lease is not None:
+                inflight.setdefault(prog, []).append(ticket)
+
+    for kind, prog, grow, dt, usage in events:
+        now += dt
+        if kind == "turn" and not inflight.get(prog) and prog not in waiting.values():
+            n += 1
+            length[prog] += 1 + grow // 4
+            blocks = chained(prog // 2, firsts[prog // 2 * 2], prog, length[prog])
+            tokens = len(blocks) * BT + grow % 7
+            outs = [view([co.submit(f"t{n}", tokens, False, now, place=places[prog % len(places)], blocks=blocks,
+                                    session_id=f"s{prog}", prompt_tokens=len(blocks) * BT, movable=True)])
+                    for co in cos]
+            same(outs)
+            waiting[f"t{n}"] = prog
+            if outs[0][0][1] is Kind.WAIT:
+                outs = [view(co.pump(now)) for co in cos]  # the gate pumps once as a turn starts to wait
+                same(outs)
+            went(outs[0])
+        elif kind == "done" and inflight.get(prog):
+            meta = {"prompt_tokens": grow * 3, "completion_tokens": grow % 5, "cached_tokens": 0}
+            t = inflight[prog].pop(0)
+            outs = [view(co.release(t, now, meta)) for co in cos]
+            same(outs)
+            went(outs[0])
+        elif kind == "forget" and not inflight.get(prog):
+            for co in cos:
+                co.forget(f"s{prog}", now)
+            same([[], []])
+        elif kind == "reconcile":
+            snap = fleet(caps, now, usage=[usage if i == prog % len(caps) else 0.0 for i in range(len(caps))])
+            outs = [view(co.reconcile(snap, now)) for co in cos]
+            same(outs)
+            went(outs[0])
+        else:
+            outs = [view(co.pump(now)) for co in cos]
+            same(outs)
+            went(outs[0])

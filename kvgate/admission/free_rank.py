@@ -44,6 +44,14 @@ class FreeRank:
         self._order = sorted(self._key.values())
         hold.touched.clear()
 
+    def __contains__(self, place: Any) -> bool:
+        """Whether ``place`` is one of the engine places ranked."""
+        return place in self._key
+
+    def key(self, place: Any) -> tuple[int, int, Any]:
+        """``place``'s entry in order(), as of the last call to it: (-free tokens, index, place)."""
+        return self._key[place]
+
     def order(self) -> list[tuple[int, int, Any]]:
         """Every place as (-free tokens, index, place), most free first; the list itself (read, do not keep:
         the next call updates it in place)."""

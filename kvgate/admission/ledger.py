@@ -284,10 +284,12 @@ class Ledger(_LedgerFigures):
         return Grant(lease, True)
 
     def first_fit(self, ticket: Hashable, tokens: int, now: float, places: Iterable[Any],
-                  blocks: tuple = ()) -> tuple[Grant | None, Any, list[tuple[Any, Refusal]]]:
+                  blocks: tuple = (), own_room: dict | None = None) -> tuple[Grant | None, Any, list[tuple[Any, Refusal]]]:
         """try_acquire (not forced) on each of ``places`` in order until one grants: the same checks, counts
         and outcome as calling it place by place, at a fraction of the cost of each refusal. Returns (the
         Grant or None, the place that granted or None, [(place, Refusal)] for each place that refused first).
+        ``own_room``: filled with {place: charge} for each refusal over the place's own room alone (see
+        refusal_charge: a refusal nothing but a change on that place can undo).
 
         A turn that fits nowhere is refused by every engine it may go to, on every pump while it waits (63 on
         a fleet of 64); the refusals change nothing, so the figures every place shares are read once."""
@@ -320,6 +322,8 @@ class Ledger(_LedgerFigures):
                 # capacity_exhausted, read inline (most places a waiting turn is tried on end here)
                 counts["capacity_exhausted"] += 1
                 refused.append((pl, Refusal(ticket, t, "capacity_exhausted", cost)))
+                if own_room is not None:
+                    own_room[pl] = cost
                 continue
             verdict = self._verdict(place, cost, usage, place_ceiling, reserved)
             if verdict is None or verdict == "oversized":
@@ -496,6 +500,10 @@ class Ledger(_LedgerFigures):
     def reserved_on(self, place: Any) -> int:
         """Tokens reserved on ``place`` by leases counted there."""
         return self._hold.total(self.resolve_place(place))
+
+    def count_refused(self, reason: RefusalReason, n: int) -> None:
+        """Count ``n`` refusals for ``reason`` known without asking place by place (refusal_charge)."""
+        self._refused_total[reason] += n
 
     def _refuse(self, ticket: Hashable, tokens: int, reason: RefusalReason, cost: int = -1) -> Refusal:
         self._refused_total[reason] += 1

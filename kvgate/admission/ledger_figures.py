@@ -50,6 +50,27 @@ class _LedgerFigures:
         """Increments whenever the set of healthy engines changes."""
         return self._epoch
 
+    def refusal_charge(self, place: Any, tokens: int, blocks: tuple = ()) -> int:
+        """What a reservation of ``tokens`` (not forced) with prefix ``blocks`` would add on engine ``place`` if
+        the place refuses it over its own room alone (capacity_exhausted: usage under the pressure threshold, the
+        charge no larger than the place's ceiling and above its free room; first_fit's inline refusal), else
+        -1 (it may grant, or refuse for a reason the rest of the fleet enters). Counts nothing."""
+        place = self.resolve_place(place)
+        clamp, usage, ceiling = self._figures_of(place)
+        hold = self._hold
+        t, bt = min(tokens, clamp), hold.block_tokens
+        bl = blocks[: t // bt]
+        cost = hold.cost(place, bl, t - len(bl) * bt)
+        return cost if usage < self.pressure_threshold and cost <= ceiling < hold.total(place) + cost else -1
+
+    def holdings_version(self) -> int:
+        """Changes to the holdings so far (working_set.Holdings.version): an earlier value for changed_since."""
+        return self._hold.version
+
+    def changed_since(self, version: int) -> set | None:
+        """The places whose holdings changed since ``holdings_version()`` was ``version`` (None: too long ago)."""
+        return self._hold.changed_since(version)
+
     def usage_window(self, now: float) -> tuple[float, float] | None:
         """(mean of cluster mean_usage, max of worst pool usage) over snapshots taken in [now - window_s, now].
 

@@ -26,6 +26,8 @@ make its room; when only running programs hold the place it waits for them (agin
 
 from __future__ import annotations
 
+from heapq import merge
+from itertools import takewhile
 from typing import Any, Iterable, Iterator
 
 from .coordinator import Decision, Kind
@@ -252,51 +254,96 @@ class _WaitingTurns:
     def _fit(self, w: _Waiter, now: float) -> tuple[Grant | Refusal, Any]:
         """try_acquire for ``w`` on its own place, then (``movable``) on the other engines, those that already
         hold the most of its prompt first, then the most free; returns (the Grant and where, or the first
-        Refusal and w's place). A refusal is recorded for _hopeless."""
+        Refusal and w's place). A refusal is recorded for _hopeless.
+
+        A pass in which every other engine refused over its own room is remembered (``w.refused``): the next
+        pass asks again only the engines whose holdings changed since (_refused_again)."""
         r = self.ledger.try_acquire(w.ticket, w.tokens, now, place=w.place, blocks=w.blocks)
         if isinstance(r, Grant):
+            return r, w.place
+        if w.movable and w.place is not FLEET and w.refused is not None and self._refused_again(w, now):
+            self._note_refusal(w, w.place, r)
             return r, w.place
         self._note_refusal(w, w.place, r)
         if not w.movable or w.place is FLEET:
             return r, w.place
         # the others are ranked only now: a refusal changes no holding, so the order is the one it had before
-        g, where, refused = self.ledger.first_fit(w.ticket, w.tokens, now, self._others(w), w.blocks)
+        lg = self.ledger
+        own_room: dict[Any, int] = {}
+        g, where, refused = lg.first_fit(w.ticket, w.tokens, now, self._others(w), w.blocks, own_room)
         if refused:
             self._note_refusals(w, refused)
-        return (g, where) if g is not None else (r, w.place)
+        w.refused = None
+        if g is not None:
+            return g, where
+        if len(own_room) == len(refused):  # every one over its own room: only a change there can undo it
+            w.refused = (lg.free_rank(), lg.holdings_version(), own_room, max(own_room.values(), default=0))
+        return r, w.place
 
-    def _others(self, w: _Waiter) -> list[Any]:
+    def _refused_again(self, w: _Waiter, now: float) -> bool:
+        """Whether the other engines refuse ``w`` as in its remembered pass (``w.refused``), asking only those
+        whose holdings changed since; if so, counts and records their refusals as first_fit and _note_refusals
+        would have (the same engines, charges and counts: an engine whose holdings did not change has the same
+        free room, so it is among those _others names, and refuses, as it did) and remembers the pass anew.
+        False (nothing counted, the pass forgotten) when a changed engine may grant or refuses otherwise, or the
+        snapshot changed: then _fit asks them all."""
+        lg = self.ledger
+        rank, version, charges, top = w.refused
+        changed = lg.changed_since(version)
+        if rank is not lg.free_rank() or changed is None or lg.is_degraded(now):
+            w.refused = None
+            return False
+        if changed:
+            lb, own, pressed = self._lower_bound(w), w.place, rank.pressed
+            for pl in changed:
+                if pl == own or pl not in rank or pl in pressed:
+                    continue  # never among the others _fit asks
+                if lg.free_on(pl) < lb:  # _others stops before it
+                    charges.pop(pl, None)
+                    continue
+                c = lg.refusal_charge(pl, w.tokens, w.blocks)
+                if c < 0:
+                    w.refused = None
+                    return False
+                charges[pl] = c
+            top = max(charges.values(), default=0)
+        if charges:
+            lg.count_refused("capacity_exhausted", len(charges))
+            if not self._failed:  # the first record of this pump (most often): the pass's records as they are
+                self._failed, self._failed_max, self._failed_dropped = dict(charges), top, False
+            else:
+                self._note_charges(charges.items())
+        w.refused = (rank, lg.holdings_version(), charges, top)
+        return True
+
+    def _others(self, w: _Waiter) -> Iterator[Any]:
         """The engines other than ``w``'s own in the order _fit tries them: by (its charge there, most free
         room, the snapshot's order), only those that could take its least charge and are not under pressure.
 
         Read off the engines kept ordered by free room (kvgate.admission.free_rank), from the most free until
         one cannot take the least charge (neither can any after it). Its charge is the whole turn wherever its
         prompt's first block is not held (chain hashes: nothing of it is held there), so those keep the free
-        order; the few engines that hold its start are costed (the walk of its blocks) and merged in."""
+        order; the few engines that hold its start are costed (the walk of its blocks) and merged in. Lazily:
+        first_fit stops at the first that grants (most often the first), so the rest is not read; consume it
+        before the holdings change (the order is the ledger's own list, updated in place)."""
         lg = self.ledger
         rank = lg.free_rank()
+        order = rank.order()  # first: it brings the engines' free room up to date
         lb, tokens, own, pressed = self._lower_bound(w), w.tokens, w.place, rank.pressed
         near = lg.places_holding(w.blocks[0]) if w.blocks else ()
-        costed: list[tuple[int, int, int, Any]] = []
-        rest: list[tuple[int, int, Any]] = []
-        for e in rank.order():
-            if -e[0] < lb:
-                break
-            pl = e[2]
-            if pl == own or pl in pressed:
-                continue
-            if pl in near:
-                costed.append((lg.charge(pl, tokens, w.blocks), e[0], e[1], pl))
-            else:
-                rest.append(e)
+        costed = []
+        for pl in near:
+            if pl != own and pl in rank and pl not in pressed:
+                key = rank.key(pl)
+                if -key[0] >= lb:
+                    costed.append((lg.charge(pl, tokens, w.blocks), *key))
+        rest = (e for e in takewhile(lambda e: -e[0] >= lb, order)
+                if e[2] != own and e[2] not in pressed and e[2] not in near)
         if not costed:
-            return [e[2] for e in rest]
+            return (e[2] for e in rest)
         costed.sort()
-        if costed[-1][0] < tokens:  # every costed engine ranks ahead of the rest (whose charge is the turn)
-            return [c[3] for c in costed] + [e[2] for e in rest]
-        costed.extend((tokens, *e) for e in rest)
-        costed.sort()
-        return [c[3] for c in costed]
+        # the whole turn on the rest, in their (free room, index) order: one merge of two sorted runs
+        return (c[-1] for c in merge(costed, ((tokens, *e) for e in rest)))
 
     def _charge_on(self, w: _Waiter, place: Any) -> int:
         """What ``w`` would add on ``place``: the walk of its prompt's blocks only where the prompt's start is
@@ -310,22 +357,28 @@ class _WaitingTurns:
     def _note_refusals(self, w: _Waiter, refused: Iterable[tuple[Any, Refusal]]) -> None:
         """Record each (place, Refusal) for _hopeless: the smallest charge refused on each place, and the
         largest of those records (one loop for a pass of refusals: a waiting turn is refused by dozens)."""
-        failed, top, dropped = self._failed, self._failed_max, self._failed_dropped
-        for place, r in refused:
-            if r.reason != WaitReason.CAPACITY_EXHAUSTED:
-                charge = 0
-            else:  # what it would have added there: the refusal carries it (ledger.charge), computed once
-                charge = r.charge if r.charge >= 0 else self.ledger.charge(place, w.tokens, w.blocks)
+        charge = self.ledger.charge
+        self._note_charges((place, 0 if r.reason != WaitReason.CAPACITY_EXHAUSTED else  # what it would have
+                            r.charge if r.charge >= 0 else charge(place, w.tokens, w.blocks))  # added there
+                           for place, r in refused)
+
+    def _note_charges(self, charges: Iterable[tuple[Any, int]]) -> None:
+        """_note_refusals of (place, the charge refused there) pairs. The largest record is read again from
+        all of them once at the end, when a reclaim dropped records or the largest was lowered (not at each:
+        dozens of places often share the largest charge, the whole turn)."""
+        failed, top, again, wrote = self._failed, self._failed_max, self._failed_dropped, False
+        for place, charge in charges:
             old = failed.get(place)
-            if old is not None and charge >= old:
-                continue
-            failed[place] = charge
-            if dropped or (old is not None and old == top):
-                # a reclaim dropped records since, or the largest went down: read them all again (rare)
-                top, dropped = max(failed.values()), False
-            elif charge > top:  # a new record, or one below the largest, lowered: the largest moves only up
-                top = charge
-        self._failed_max, self._failed_dropped = top, dropped
+            if old is None:
+                failed[place], wrote = charge, True
+                if charge > top:
+                    top = charge
+            elif charge < old:
+                failed[place], wrote = charge, True
+                if old == top:
+                    again = True
+        if wrote:
+            self._failed_max, self._failed_dropped = max(failed.values()) if again else top, False
 
     def _moved(self, w: _Waiter, where: Any, now: float) -> None:
         if where != w.place:

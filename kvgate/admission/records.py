@@ -103,6 +103,9 @@ class _Waiter:
     bound: bool = False  # counted once in wait_resident_bound
     movable: bool = False  # kvgate places it: it may go to any engine with room
     cost_due: float = float("inf")  # it goes then (bypass-cost): its wait has cost what its admission would
+    # its last pass over the other engines, all refused over their own room: (the FreeRank it read, the holdings'
+    # version then, {place: charge}, the largest charge); kvgate.admission.program_queue._refused_again
+    refused: tuple | None = None
 
 
 def one_turn(sid: Hashable) -> bool:

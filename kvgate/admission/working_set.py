@@ -44,6 +44,9 @@ class _Place:
 #: Prompts remembered per place between changes (a bound for a place that stays unchanged for long).
 _CACHED_PER_PLACE = 256
 
+#: Changes the log keeps (changed_since): beyond it the older half goes.
+_LOG_KEPT = 4096
+
 
 class Holdings:
     """Per-place token holdings. ``block_tokens``: tokens each block stands for (> 0, else ValueError).
@@ -61,6 +64,11 @@ class Holdings:
         # places whose total changed since the owner last read this set (kvgate.admission.free_rank keeps the
         # engines ordered by free room from it; bounded by the places ever held)
         self.touched: set[Hashable] = set()
+        # the same changes in order, one place per change: changed_since(version) names the places a change
+        # reached since then (a waiting turn's refusals hold while none of its places changed); the last
+        # _LOG_KEPT changes at most (older versions answer None)
+        self._log: list[Hashable] = []
+        self._log_base = 0  # the version before _log[0]
         # The last removal's block counts, not yet taken off its place's refs: (place, its _Place, blocks, their
         # counts before it). A turn's end releases its lease and holds its prompt again as the program's resident
         # KV; the program's next turn releases that and holds the longer prompt in a lease (kvgate.admission.program).
@@ -70,7 +78,9 @@ class Holdings:
         # counts them as freed. Anything else that reads or writes that place's blocks takes them off first
         # (_settle); totals count the removal at once (_Place.freeing).
         self._pending: tuple | None = None
-        self._distinct: tuple = ((), 0)  # (the last prompt cost() found held nowhere on a place, its blocks)
+        # (the last prompt tuple cost() read, its set of blocks, how many): a waiting turn's prompt is read on
+        # every engine it may go to, and again by the grant that follows
+        self._distinct: tuple = ((), frozenset(), 0)
 
     def cost(self, place: Hashable, blocks: Iterable[int], tail: int) -> int:
         """Tokens that adding (blocks, tail) on ``place`` would add: blocks not yet held there + tail."""
@@ -83,7 +93,7 @@ class Holdings:
                 return hit[1] * self.block_tokens + max(0, int(tail))
         pending = self._pending
         if pending is not None and pending[1] is p:
-            distinct = set(blocks)  # set operations: C speed, not a Python step per block
+            distinct = self._distinct_of(blocks)[1]  # set operations: C speed, not a Python step per block
             if distinct.issuperset(pending[2]):  # every block the removal freed would be added again
                 new = len(distinct.difference(p.refs)) + p.freeing
             else:
@@ -92,17 +102,25 @@ class Holdings:
         elif type(blocks) is tuple and p.refs.keys().isdisjoint(blocks):  # noqa: E721
             # none held here (a prompt asked about on every engine: most hold none of it): a lookup a block,
             # no set built; its distinct count is the same on every place
-            memo = self._distinct
-            if memo[0] is not blocks:
-                memo = self._distinct = (blocks, len(set(blocks)))
-            new = memo[1]
-        else:
-            new = len(set(blocks).difference(p.refs))
+            new = self._distinct_of(blocks)[2]
+        else:  # the engines that hold its start: one set of the prompt for all of them
+            new = len(self._distinct_of(blocks)[1].difference(p.refs))
         if type(blocks) is tuple:  # noqa: E721
             if len(p.cache) >= _CACHED_PER_PLACE:
                 p.cache.clear()
             p.cache[id(blocks)] = (blocks, new)
         return new * self.block_tokens + max(0, int(tail))
+
+    def _distinct_of(self, blocks: Iterable[int]) -> tuple:
+        """(blocks, the set of them, its size), remembered for the last tuple asked about (kept, so its id is
+        not reused; the set is never changed)."""
+        memo = self._distinct
+        if memo[0] is not blocks:
+            distinct = set(blocks)
+            memo = (blocks, distinct, len(distinct))
+            if type(blocks) is tuple:  # noqa: E721 (only a tuple cannot change)
+                self._distinct = memo
+        return memo
 
     def add(self, holder: Hashable, place: Hashable, blocks: Iterable[int], tail: int) -> int:
         """Hold (blocks, tail) for ``holder`` on ``place``; returns the tokens it added. A holder already
@@ -115,6 +133,8 @@ class Holdings:
             pending = self._pending
             if blocks is (pending[2] if pending is not None else None):
                 bl = blocks  # the very tuple the pending removal held: distinct already
+            elif blocks is self._distinct[0] and self._distinct[2] == len(blocks):
+                bl = blocks  # the tuple cost() just read (the grant that follows it): no repeat in it
             else:
                 distinct = dict.fromkeys(blocks)
                 bl = blocks if type(blocks) is tuple and len(distinct) == len(blocks) else tuple(distinct)  # noqa: E721
@@ -129,7 +149,7 @@ class Holdings:
             p = self._places[place] = _Place()
         elif p.cache:
             p.cache.clear()
-        self.touched.add(place)
+        self._touch(place)
         added = self._count_in(p, bl) * self.block_tokens + t
         p.tail += t
         p.holders += 1
@@ -160,7 +180,7 @@ class Holdings:
         p.tail += tail
         p.holders += 1
         self._holders[holder] = (place, bl, tail)
-        self.touched.add(place)
+        self._touch(place)
         if p.cache:
             p.cache.clear()
         added = new * self.block_tokens + tail
@@ -187,7 +207,7 @@ class Holdings:
             self._settle()
         place, bl, tail = h
         p = self._places[place]
-        self.touched.add(place)
+        self._touch(place)
         if p.cache:
             p.cache.clear()
         if p.holders == 1:  # the place's last holder: every block it holds is its alone
@@ -206,6 +226,25 @@ class Holdings:
         p.holders -= 1
         self._total -= freed
         return freed
+
+    def _touch(self, place: Hashable) -> None:
+        self.touched.add(place)
+        log = self._log
+        log.append(place)
+        if len(log) > _LOG_KEPT:
+            del log[: _LOG_KEPT // 2]
+            self._log_base += _LOG_KEPT // 2
+
+    @property
+    def version(self) -> int:
+        """How many changes (a holder added or removed) there have been: grows with each."""
+        return self._log_base + len(self._log)
+
+    def changed_since(self, version: int) -> set[Hashable] | None:
+        """The places whose holdings changed since ``version`` (an earlier ``version``), or None when that is
+        older than the changes kept (then any place may have)."""
+        i = version - self._log_base
+        return set(self._log[i:]) if i >= 0 else None
 
     def has_block(self, place: Hashable, block: int) -> bool:
         """Whether some holder on ``place`` holds ``block``."""
