@@ -435,7 +435,8 @@ KEYS: list[Key] = [
         "admission_pause_start_ratio; ignored when it is 0).", _nonneg, ">= 0",
         only_when="agentic_program_admission"),
     Key("admission_resume_order", str, "fifo",
-        "program policy: which paused program resumes first as room frees.", choices=("smallest", "fifo")),
+        "program policy: which paused program resumes first as room frees (fifo: the longest waiting; smallest; "
+        "largest: best-fit-decreasing).", choices=("smallest", "largest", "fifo")),
     Key("admission_program_overdue_multiple", float, 3.0,
         "program policy: a program in a tool call idle longer than this x the 90th percentile of its own and "
         "its group's gaps between turns counts as ended and is the first to pause; 0 = off (the TTL only).",

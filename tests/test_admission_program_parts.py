@@ -30,7 +30,7 @@ def test_wait_reasons_are_the_ledgers_strings_and_serialise_as_them():
 
 def test_the_rule_names_come_from_the_enums_and_config_offers_exactly_them():
     assert VICTIM_RULES == ("smallest", "largest", "longest-idle", "ahead") == tuple(VictimRule)
-    assert RESUME_ORDERS == ("smallest", "fifo") == tuple(ResumeOrder)
+    assert RESUME_ORDERS == ("smallest", "largest", "fifo") == tuple(ResumeOrder)
     keys = {k.name: k for k in KEYS}
     assert keys["admission_pause_victim"].choices == VICTIM_RULES
     assert keys["admission_resume_order"].choices == RESUME_ORDERS
@@ -118,3 +118,4 @@ def test_the_victim_order_puts_ended_programs_first_then_the_rule():
     ws = [P(tokens=5, seq=2), P(tokens=1, seq=3), P(tokens=5, seq=1)]
     assert [w.seq for w in sorted(ws, key=resume_key(ResumeOrder.FIFO))] == [1, 2, 3]
     assert [w.seq for w in sorted(ws, key=resume_key(ResumeOrder.SMALLEST))] == [3, 1, 2]
+    assert [w.seq for w in sorted(ws, key=resume_key(ResumeOrder.LARGEST))] == [1, 2, 3]  # the largest first, then by arrival

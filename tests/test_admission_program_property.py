@@ -11,6 +11,7 @@ from hypothesis import settings, strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from kvgate.admission.capacity import ClusterSnapshot, EngineCapacity
+from kvgate.admission.victims import RESUME_ORDERS
 from kvgate.admission.coordinator import Kind
 from kvgate.admission.ledger import Ledger
 from kvgate.admission.program import _NO_SEAT, ProgramCoordinator, ProgramState
@@ -21,7 +22,7 @@ DT = st.one_of(st.just(0.0), st.floats(0, 3), st.floats(0, 20))
 
 class ProgramMachine(RuleBasedStateMachine):
     @initialize(max_wait=st.sampled_from([0.0, 5.0, 30.0]), victim=st.sampled_from(["smallest", "largest", "longest-idle"]),
-                resume=st.sampled_from(["smallest", "fifo"]), stale=st.sampled_from([8.0, 1e9]),
+                resume=st.sampled_from(list(RESUME_ORDERS)), stale=st.sampled_from([8.0, 1e9]),
                 cap=st.integers(2000, 30_000))
     def setup(self, max_wait, victim, resume, stale, cap):
         self._setup(max_wait, victim, resume, stale, cap)
@@ -191,7 +192,7 @@ class BoundMachine(ProgramMachine):
     (and tight ones, where both bind), each program on one place for good."""
 
     @initialize(max_wait=st.sampled_from([5.0, 30.0]), victim=st.sampled_from(["smallest", "largest", "ahead"]),
-                resume=st.sampled_from(["smallest", "fifo"]), stale=st.sampled_from([8.0, 1e9]),
+                resume=st.sampled_from(list(RESUME_ORDERS)), stale=st.sampled_from([8.0, 1e9]),
                 cap=st.sampled_from([8000, 60_000, 200_000]), bound=st.sampled_from([1, 2]),
                 overdue=st.sampled_from([0.0, 3.0]), deadline=st.sampled_from([None, 4.0]))
     def setup(self, max_wait, victim, resume, stale, cap, bound, overdue, deadline):

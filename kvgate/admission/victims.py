@@ -11,8 +11,11 @@ one with the most turns done, then the smallest; a program far along has the lea
 it is least likely to delay the step's last program (the programs with the most work left).
 Whatever the rule, ended programs (idle past their predicted gap, kvgate.admission.turn_gaps) pause first.
 
-Resume order (``resume``): "smallest" (ThunderAgent's greedy resume packs the most programs into the room freed)
-or "fifo" (default: longest waiting first, so no paused program starves behind smaller ones). On the bench's
+Resume order (``resume``): "smallest" (ThunderAgent's greedy resume packs the most programs into the room freed),
+"largest" (best-fit-decreasing, as Dynamo's ThunderAgent router resumes: a paused program resumes on the engine
+that holds its prefix, so its best fit is that engine, and the largest that fits goes first: the room freed goes
+to the programs that are the dearest to re-prefill) or "fifo" (default: longest waiting first, so no paused
+program starves behind smaller ones). On the bench's
 many-programs scenario the defaults finished as soon as ThunderAgent's smallest/smallest and a little sooner
 than longest-idle, which has the shorter TTFT tail (docs/benchmark.md).
 """
@@ -39,6 +42,7 @@ class ResumeOrder(enum.StrEnum):
     """Which paused program's turn resumes first (the module doc)."""
 
     SMALLEST = "smallest"
+    LARGEST = "largest"
     FIFO = "fifo"
 
 
@@ -116,4 +120,6 @@ def resume_key(order: ResumeOrder) -> Callable[[Any], Any]:
     """The sort key of paused programs' waiting turns (``tokens``, ``seq``: arrival) in ``order``."""
     if order == ResumeOrder.SMALLEST:
         return lambda w: (w.tokens, w.seq)
+    if order == ResumeOrder.LARGEST:
+        return lambda w: (-w.tokens, w.seq)
     return lambda w: w.seq
