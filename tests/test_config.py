@@ -150,8 +150,8 @@ def test_bad_rule_flag_is_one_line(tmp_path):
 
 def test_every_key_has_a_flag():
     help_text = build_parser()._subparsers._group_actions[0].choices["serve"].format_help()
-    for k in KEYS:
-        assert "--" + k.name.replace("_", "-") in help_text
+    for k in KEYS:  # an on/off key shows as --[no-]name (kvgate.cli._DefaultsHelp)
+        assert ("--[no-]" if k.type is bool else "--") + k.name.replace("_", "-") in help_text
 
 
 def test_check_config_cli_exit_codes(tmp_path):
@@ -292,10 +292,10 @@ def test_help_says_what_the_flags_do():
     serve = _kvgate("serve", "--help", env={"COLUMNS": "400"})
     assert serve.returncode == 0, serve.stderr
     lines = serve.stdout.splitlines()
-    assert ("  --http-server SERVER  The HTTP server kvgate answers its clients with: kvgate (kvgate's own, on "
+    assert ("  --http-server SERVER            The HTTP server kvgate answers its clients with: kvgate (kvgate's own, on "
             "httptools; less CPU per request and less memory per waiting connection) or aiohttp (aiohttp's "
             "general-purpose web server). (default: kvgate)") in lines
-    at = lines.index("  --agentic-program-admission, --no-agentic-program-admission")
+    at = lines.index("  --[no-]agentic-program-admission")
     assert lines[at + 1].strip() == (
         "Hold each generate call until the engines' KV can take it, as admission_policy says: fifo (one global "
         "queue in front of a token ledger) or program (started programs keep going, new ones wait for room). "
