@@ -195,8 +195,9 @@ def test_a_port_already_taken_stops_serve_with_one_line_and_no_traceback(http_se
     finally:
         taken.close()
     assert res.returncode == 2, res.stderr
-    assert res.stderr.strip().splitlines()[-1] == \
-        f"kvgate: config error: port: cannot listen on 127.0.0.1:{port} (Address already in use)"
+    assert res.stderr.strip().splitlines()[-1] == (
+        f"kvgate: startup error: cannot listen on 127.0.0.1:{port} (Address already in use): another process listens "
+        f"there: stop it, or choose another --port")
     assert "Traceback" not in res.stderr and "never retrieved" not in res.stderr, res.stderr
 
 
@@ -332,9 +333,10 @@ def test_api_keys_from_a_file_or_an_environment_variable_and_errors_never_name_t
 
 
 def test_an_address_not_on_this_machine_is_a_host_error_in_one_line():
-    """``--host`` an address no interface has (EADDRNOTAVAIL): the line names ``host``, not ``port``."""
+    """``--host`` an address no interface has (EADDRNOTAVAIL): the line says to choose another --host."""
     res = subprocess.run([sys.executable, "-m", "kvgate", "serve", "--host", "10.99.99.99", "--port", "0",
                           "--upstream", "http://127.0.0.1:9"], capture_output=True, text=True, cwd=ROOT, timeout=120)
     assert res.returncode == 2, res.stderr
-    assert res.stderr.strip().splitlines()[-1] == \
-        "kvgate: config error: host: cannot listen on 10.99.99.99:0 (Cannot assign requested address)"
+    assert res.stderr.strip().splitlines()[-1] == (
+        "kvgate: startup error: cannot listen on 10.99.99.99:0 (Cannot assign requested address): no interface of "
+        "this machine has that address: choose another --host")
