@@ -80,3 +80,4 @@ def test_flags_parse_as_before_grouped():
             ns.engines) == ("8080", False, True, "redis://h:1/0", "ahead", ["http://a:1", "http://b:2"])
     assert p.parse_args(["check-config", "--compat-probe"]).compat_probe is True
     assert p.parse_args(["serve"]).compat_probe is None  # unset: the YAML file's value (or the default) stands
+
