@@ -632,8 +632,18 @@ def validate(raw: dict[str, Any]) -> Config:
             except ValueError as exc:
                 raise ConfigError(f"{name}: {exc} (a rule is {{path: GLOB, field: NAME, equals: VALUE}})") from None
     warnings = [w for w in [config_checks.upstream_path_warning(values["upstream"])] if w]
-    warnings += config_checks.inert_warnings(values, {k.name: k.default for k in KEYS}, PLACEMENT_ROUTES)
+    warnings += config_checks.inert_warnings(values, {k.name: k.default for k in KEYS}, PLACEMENT_ROUTES,
+                                             _unchecked_range)
     return Config(values, warnings)
+
+
+def _unchecked_range(name: str, value: Any) -> str | None:
+    """The range ``value`` breaks for key ``name`` when that range is checked only while the key's feature is
+    on (Key.only_when; validate skipped it), else None."""
+    key = KEYS_BY_NAME[name]
+    if key.only_when is None or key.check is None or value is None or key.check(value):
+        return None
+    return key.allowed
 
 
 def api_key(values: "Config | dict[str, Any]", who: str) -> str | None:

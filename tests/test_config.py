@@ -122,7 +122,7 @@ def test_the_resident_bound_from_yaml_and_flag(tmp_path):
     # set under the fifo policy it does nothing: said so
     assert validate({"agentic_program_admission": True, "admission_program_max_resident": 2}).warnings == [
         "admission_program_max_resident: set to 2, but it does nothing while admission_policy is fifo "
-        "(a program policy key)"]
+        "(a program policy key); --admission-policy program would enable it"]
 
 
 def test_a_resume_deadline_the_wait_bound_overtakes_is_said_to_do_nothing():
@@ -134,7 +134,7 @@ def test_a_resume_deadline_the_wait_bound_overtakes_is_said_to_do_nothing():
     assert validate({**program, "admission_resume_deadline_s": 60, "agentic_admission_max_wait_s": 900}).warnings == []
     assert validate({"agentic_program_admission": True, "admission_resume_deadline_s": 20}).warnings == [
         "admission_resume_deadline_s: set to 20.0, but it does nothing while admission_policy is fifo "
-        "(a program policy key)"]
+        "(a program policy key); --admission-policy program would enable it"]
 
 
 def test_bad_rule_flag_is_one_line(tmp_path):
