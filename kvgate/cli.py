@@ -68,6 +68,24 @@ class _DefaultsHelp(argparse.HelpFormatter):
         return f"{text} (default: {str(default).replace('%', '%%')})"
 
 
+class _FlagsHelp(_DefaultsHelp):
+    """``serve`` and ``check-config`` help, a flag per config key: an on/off flag shows as ``--[no-]compat-probe``
+    (both spellings still work), and on a terminal of 100 columns or more the help starts in column 34, so most
+    flags keep their help on their own line, a line shorter each (argparse's column is 24)."""
+
+    def __init__(self, prog: str, indent_increment: int = 2, max_help_position: int = 24,
+                 width: int | None = None) -> None:
+        if width is None:
+            import shutil
+            width = shutil.get_terminal_size().columns - 2  # argparse's own width
+        super().__init__(prog, indent_increment, 34 if width >= 98 else max_help_position, width)
+
+    def _format_action_invocation(self, action: argparse.Action) -> str:
+        if isinstance(action, argparse.BooleanOptionalAction) and len(action.option_strings) == 2:
+            return "--[no-]" + action.option_strings[0].removeprefix("--")
+        return super()._format_action_invocation(action)
+
+
 class Parser(argparse.ArgumentParser):
     """kvgate's argument parser: no abbreviated flags (``--por`` is not ``--port``), defaults in ``--help``,
     and a "did you mean" for a mistyped flag, as for a mistyped YAML key. Subcommands get the same class."""
@@ -131,12 +149,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--version", action="version", version=f"kvgate {__version__}")
     sub = p.add_subparsers(dest="command", required=True)
 
-    serve = sub.add_parser("serve", help="run the proxy")
+    # every key is a flag: the usage line names the shape, the sections below list them (not 60 lines of [--flag])
+    flags_usage = "%(prog)s [-h] [--config FILE] [--FLAG VALUE ...] [config_file]"
+    serve = sub.add_parser("serve", help="run the proxy", usage=flags_usage, formatter_class=_FlagsHelp)
     serve.add_argument("config_file", nargs="?", help="YAML config file (as --config)")
     add_flags(serve)
     serve.set_defaults(func=_cmd_serve)
 
-    check = sub.add_parser("check-config", help="validate a config file (and flags) without serving")
+    check = sub.add_parser("check-config", help="validate a config file (and flags) without serving",
+                           usage=flags_usage, formatter_class=_FlagsHelp)
     check.add_argument("config_file", nargs="?", help="YAML config file")
     add_flags(check)
     check.set_defaults(func=_cmd_check_config)

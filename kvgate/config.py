@@ -15,7 +15,7 @@ import math
 import os
 import re
 import socket
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable
 from urllib.parse import urlsplit
 
@@ -55,6 +55,43 @@ class Key:
     choices: tuple = ()
     convert: Callable[[str, Any], Any] | None = None
     metavar: str = ""  # the flag's value placeholder; default: the name's last word in capitals
+    group: str = ""  # the title of its Group (set by _grouped from the markers in KEYS)
+
+
+@dataclass(frozen=True)
+class Group:
+    """A section of keys: ``kvgate serve --help`` lists each group's flags under its title and description,
+    in GROUPS order. In KEYS a Group marks the keys that follow it as its own (a group may be entered again)."""
+
+    title: str
+    description: str
+
+
+UPSTREAM = Group("upstream and engines", "the router kvgate forwards to, the engines, kvgate's calls to them")
+SERVER = Group("server", "where kvgate listens, how it serves and logs, who may use its admin API")
+LIMITS = Group("server limits", "what a client may send (none below smg 1.13's; docs/guarantees.md)")
+LIFECYCLE = Group("session lifecycle", "feature 1, off by default: closing sessions; docs/sessions.md")
+NAMING = Group("session naming", "where a call's session id comes from; the routing key kvgate sets")
+PLACEMENT = Group("placement and PD", "which engine takes a session (PD: its decode worker); docs/placement.md")
+LEDGER = Group("admission (ledger)", "feature 2, off by default: the token ledger, the fifo policy")
+PROGRAM = Group("admission (program policy)", "admission_policy: program: working sets of whole agent programs")
+SHARED = Group("shared state (Redis)", "what replicas agree on: state_backend: redis; docs/replicas.md")
+#: The groups in the order ``--help`` shows them.
+GROUPS = (UPSTREAM, SERVER, LIMITS, LIFECYCLE, NAMING, PLACEMENT, LEDGER, PROGRAM, SHARED)
+
+
+def _grouped(entries: list) -> list[Key]:
+    """KEYS from a list of Keys and Group markers: each Key gets the title of the last marker before it.
+    Raises ValueError (at import) for a Key before any marker."""
+    out, current = [], None
+    for e in entries:
+        if isinstance(e, Group):
+            current = e
+        elif current is None:
+            raise ValueError(f"{e.name}: no Group before it")
+        else:
+            out.append(replace(e, group=current.title))
+    return out
 
 
 def _pos(x):
@@ -163,10 +200,11 @@ def _workers(key: str, value: Any) -> int:
 PLACEMENT_MODES = ("auto", "kvgate", "router")
 PLACEMENT_ROUTES = ("/generate", "/v1/chat/completions", "/v1/completions")
 
-KEYS: list[Key] = [
-    # --- where kvgate listens and what it fronts -------------------------------------------------
+KEYS: list[Key] = _grouped([
+    UPSTREAM,
     Key("upstream", str, "http://127.0.0.1:30000", "Base URL of the router (smg / sglang-router) kvgate forwards to.",
         convert=_url),
+    SERVER,
     Key("host", str, "127.0.0.1",
         "Address kvgate listens on: an IP address (0.0.0.0 = every IPv4 interface) or a host name that resolves.",
         convert=_host),
@@ -175,7 +213,8 @@ KEYS: list[Key] = [
     Key("workers", (int, str), 1,
         "Worker processes serving the same host:port (SO_REUSEPORT), each a full kvgate, supervised by the "
         "process you start; auto = one per CPU. More than 1 needs state_backend: redis.", convert=_workers),
-    # --- credentials (the keys themselves are never logged, echoed or kept in the config) --------------
+    # credentials: the keys themselves are never logged, echoed or kept in the config
+    UPSTREAM,
     Key("router_api_key_file", str, None,
         "A file holding the router's API key (smg --api-key): kvgate sends it as Authorization: Bearer on its "
         "own calls to the router (discovery, the session_id probe, /v1/models). null = none.", nullable=True),
@@ -189,19 +228,21 @@ KEYS: list[Key] = [
     Key("engine_api_key_env", str, None,
         "The name of an environment variable holding the engines' API key (instead of engine_api_key_file).",
         nullable=True),
-    # --- forwarding ----------------------------------------------------------------------------
     Key("connect_timeout_s", float, 5.0, "Timeout for opening a connection to the upstream router, seconds.",
         _pos, "> 0"),
     Key("read_timeout_s", float, 0.0,
         "Timeout between two reads of an upstream response, seconds; 0 = none (decodes run for minutes).",
         _nonneg, ">= 0"),
+    LIMITS,
     Key("max_body_bytes", int, 512 * 1024 * 1024, "Largest request body accepted, bytes.", _pos, "> 0"),
     Key("body_parse_max_bytes", int, 4 * 1024 * 1024,
         "Largest generate body (and JSON response) kvgate parses for its session and admission features, bytes; "
         "larger ones are relayed untouched (parsing holds the event loop for every client, about 10 ms per MiB).",
         _nonneg, ">= 0"),
+    UPSTREAM,
     Key("upstream_pool_size", int, 0, "Upper bound on pooled upstream connections; 0 = unbounded.",
         _nonneg, ">= 0"),
+    SERVER,
     Key("event_loop", str, "uvloop", "The event loop kvgate serves on: uvloop (libuv, faster) or asyncio (the "
         "standard library's). uvloop falls back to asyncio, with one log line, where it is not installed.",
         choices=("uvloop", "asyncio")),
@@ -209,7 +250,7 @@ KEYS: list[Key] = [
         "on httptools; less CPU per request and less memory per waiting connection) or aiohttp (aiohttp's "
         "general-purpose web server).",
         choices=("kvgate", "aiohttp")),
-    # --- what a client may send kvgate's own HTTP server (http_server: kvgate) ------------------------
+    LIMITS,  # what a client may send kvgate's own HTTP server (http_server: kvgate)
     # Each no lower than smg 1.13's (docs/guarantees.md has them beside smg's and nginx's, measured).
     Key("http_max_request_line_bytes", int, 128 * 1024,
         "Longest request line accepted, bytes (400 above; smg answers 414 above 64 KiB itself).", _pos, "> 0"),
@@ -234,13 +275,15 @@ KEYS: list[Key] = [
     Key("max_session_id_bytes", int, 16384,
         "Longest session id kvgate tracks, UTF-8 bytes: longer ids on generate calls are forwarded untouched and "
         "not tracked; kvgate's close API and /kvgate/sessions/{id} answer them 400.", _pos, "> 0"),
+    SERVER,
     Key("admin_key_file", str, None,
         "A file holding the admin key (its first line); null = the KVGATE_ADMIN_KEY environment variable, or no "
         "key. With a key, /kvgate/sessions, /kvgate/engines, /kvgate/stats, the session close API and the "
         "X-Kvgate-Protected and X-Kvgate-Scope headers need the header X-Kvgate-Admin-Key.", nullable=True),
-    # --- session identity ------------------------------------------------------------------------
+    LIFECYCLE,
     Key("agentic_session_lifecycle", bool, False,
         "Inject a top-level session_id into generate calls and close finished sessions on every engine."),
+    NAMING,
     Key("session_resolution_order", list, ["body", "header", "routing_key", "field", "rid"],
         "Where a request's session id is looked for, in order: body (top-level session_id), header (session_header, "
         "then session_header_aliases), routing_key (session_routing_key_headers), field (session_field), rid (the "
@@ -260,9 +303,11 @@ KEYS: list[Key] = [
         "The request id's lineage as the session id (rid with one _r<n>, then one _t<n> suffix stripped, as smg "
         "strips it): suffixed (only a rid with such a suffix names a session), any (every rid does) or off.",
         lambda v: v in ("suffixed", "any", "off"), "one of suffixed, any, off"),
+    LIFECYCLE,
     Key("session_close_children", bool, True,
         "Close a subagent's session (one that named its parent with x-dynamo-parent-session-id) when its parent "
         "session closes first."),
+    NAMING,
     Key("session_field", str, None, "Body field carrying the session id, for example rid or user; null = unused.",
         nullable=True),
     Key("session_field_regex", str, None,
@@ -290,6 +335,7 @@ KEYS: list[Key] = [
         "in [0, 1]"),
     Key("session_inference_allow_parallel", bool, False,
         "A session with a request in flight can still be matched (agents that issue parallel calls)."),
+    LIFECYCLE,
     Key("session_idle_close_s", float, 300.0, "Close a session idle for this long, seconds; 0 = never.",
         _nonneg, ">= 0"),
     Key("session_idle_close_mode", str, "fixed",
@@ -320,7 +366,7 @@ KEYS: list[Key] = [
         _nonneg, ">= 0"),
     Key("max_tracked_sessions", int, 100_000,
         "Cap on sessions kept in the registry; the oldest idle ones are dropped first.", _pos, "> 0"),
-    # --- state shared by replicas ----------------------------------------------------------------
+    SHARED,
     Key("state_backend", str, "memory",
         "Where replicas keep what they must agree on (session activity and idle close, placement, inferred "
         "sessions): memory (this process only) or redis (shared by every replica on redis_url).",
@@ -336,7 +382,7 @@ KEYS: list[Key] = [
     Key("redis_timeout_s", float, 0.25,
         "One Redis call, seconds; a slower or failed call is treated as Redis unreachable (fail-open).",
         _pos, "> 0"),
-    # --- engines ---------------------------------------------------------------------------------
+    UPSTREAM,
     Key("engines", list, [], "Static engine base URLs; when empty, engines are discovered from the router.",
         lambda v: all(isinstance(x, str) for x in v), "a list of URL strings"),
     Key("discovery_interval_s", float, 10.0, "How often the engine list is refreshed from the router, seconds.",
@@ -344,7 +390,7 @@ KEYS: list[Key] = [
     Key("compat_probe", bool, True,
         "Probe whether the router forwards a top-level session_id on each generate route (at startup, when the "
         "router restarts and when its workers change) and check each engine's server_info."),
-    # --- session placement ------------------------------------------------------------------------
+    PLACEMENT,
     Key("session_placement", str, "auto",
         "Who picks the engine for session traffic: auto (kvgate on every generate route when session lifecycle "
         "or admission is on, else the router), kvgate (always kvgate, even with both off) or router (always the "
@@ -369,7 +415,7 @@ KEYS: list[Key] = [
     Key("placement_reopen_hint_s", float, 600.0,
         "Seconds a closed session's engine is remembered, so a re-opened session goes back to it (0: off).",
         _nonneg, ">= 0"),
-    # --- admission --------------------------------------------------------------------------------
+    LEDGER,
     Key("agentic_program_admission", bool, False,
         "Hold each generate call until the engines' KV can take it, as admission_policy says: fifo (one global "
         "queue in front of a token ledger) or program (started programs keep going, new ones wait for room)."),
@@ -416,6 +462,7 @@ KEYS: list[Key] = [
     Key("admission_prefix_block_tokens", int, 64,
         "Prompt prefix block size in tokens: a prefix several live requests share is reserved once.", _pos, "> 0",
         only_when="agentic_program_admission"),
+    PROGRAM,
     Key("admission_pause_victim", str, "ahead",
         "program policy: which in-tool program pauses first when an engine overflows.",
         choices=("smallest", "largest", "longest-idle", "ahead")),
@@ -460,13 +507,14 @@ KEYS: list[Key] = [
     Key("admission_program_ttl_s", float, 600.0,
         "program policy: a program idle this long between turns counts as ended, seconds.", _pos, "> 0",
         only_when="agentic_program_admission"),
+    LEDGER,
     Key("admission_protected_rules", list, [],
         "Rules marking protected work: [{path: GLOB, field: NAME, equals: VALUE}].",
         lambda v: all(isinstance(x, dict) for x in v), "a list of mappings"),
     Key("admission_eval_rules", list, [],
         "Rules marking eval work (out of scope when scope=train), same shape as admission_protected_rules.",
         lambda v: all(isinstance(x, dict) for x in v), "a list of mappings"),
-]
+])
 
 KEYS_BY_NAME = {k.name: k for k in KEYS}
 
@@ -585,8 +633,18 @@ def validate(raw: dict[str, Any]) -> Config:
             except ValueError as exc:
                 raise ConfigError(f"{name}: {exc} (a rule is {{path: GLOB, field: NAME, equals: VALUE}})") from None
     warnings = [w for w in [config_checks.upstream_path_warning(values["upstream"])] if w]
-    warnings += config_checks.inert_warnings(values, {k.name: k.default for k in KEYS}, PLACEMENT_ROUTES)
+    warnings += config_checks.inert_warnings(values, {k.name: k.default for k in KEYS}, PLACEMENT_ROUTES,
+                                             _unchecked_range)
     return Config(values, warnings)
+
+
+def _unchecked_range(name: str, value: Any) -> str | None:
+    """The range ``value`` breaks for key ``name`` when that range is checked only while the key's feature is
+    on (Key.only_when; validate skipped it), else None."""
+    key = KEYS_BY_NAME[name]
+    if key.only_when is None or key.check is None or value is None or key.check(value):
+        return None
+    return key.allowed
 
 
 def api_key(values: "Config | dict[str, Any]", who: str) -> str | None:
@@ -665,8 +723,10 @@ def _flag_help(key: Key) -> str:
 
 
 def add_flags(parser: argparse.ArgumentParser) -> None:
-    """Add ``--config`` and one flag per key (default: unset, so YAML values are not overridden)."""
+    """Add ``--config`` and one flag per key (default: unset, so YAML values are not overridden), each in the
+    argument group of its key's Group (GROUPS order), so ``--help`` reads as sections."""
     parser.add_argument("--config", metavar="FILE", help="YAML config file (see configs/kvgate.yaml)")
+    sections = {g.title: parser.add_argument_group(g.title, g.description) for g in GROUPS}
     for key in KEYS:
         kwargs: dict[str, Any] = {"dest": key.name, "default": None, "help": _flag_help(key)}
         if key.type is bool:
@@ -681,7 +741,7 @@ def add_flags(parser: argparse.ArgumentParser) -> None:
         else:
             kwargs["type"] = str
             kwargs["metavar"] = key.metavar or key.name.upper().split("_")[-1]
-        parser.add_argument(flag_name(key.name), **kwargs)
+        sections[key.group].add_argument(flag_name(key.name), **kwargs)
 
 
 def _from_flag(key: Key, text: Any) -> Any:
@@ -716,5 +776,5 @@ def from_args(args: argparse.Namespace) -> Config:
     return cfg
 
 
-__all__ = ["Config", "ConfigError", "KEYS", "add_flags", "from_args", "load_yaml", "validate",
+__all__ = ["Config", "ConfigError", "GROUPS", "KEYS", "add_flags", "from_args", "load_yaml", "validate",
            "flag_name"]

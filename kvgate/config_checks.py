@@ -94,73 +94,95 @@ def placeable(values: dict[str, Any], routes: Iterable[str]) -> bool:
     return any(m == "kvgate" or (m == "auto" and values["agentic_session_lifecycle"]) for m in modes)
 
 
-def _rules(values: dict[str, Any], routes: tuple[str, ...]) -> list[tuple[Callable[[str], bool], str]]:
-    """(which keys, why they do nothing now) for the current values; the first rule that names a key wins."""
+Rule = tuple[Callable[[str], bool], str, str | None]
+
+
+def _rules(values: dict[str, Any], routes: tuple[str, ...]) -> list[Rule]:
+    """(which keys, why they do nothing now, the flag that would make them do something or None) for the
+    current values; the first rule that names a key wins."""
     lifecycle = values["agentic_session_lifecycle"]
     admission = values["agentic_program_admission"]
     places = placeable(values, routes)
     names_session = lifecycle or any(
         values["session_placement_routes"].get(r, values["session_placement"]) == "kvgate" for r in routes)
-    rules: list[tuple[Callable[[str], bool], str]] = []
+    rules: list[Rule] = []
+    lifecycle_on = "--agentic-session-lifecycle"
     if not places:
         why = ("agentic_session_lifecycle is off and no route has session_placement: kvgate" if not lifecycle
                else "session_placement is router on every route")
         rules.append((lambda k: k in ("placement_pressure_threshold", "placement_reopen_hint_s",
                                       "placement_busier_margin"),
-                      f"kvgate places no session traffic ({why})"))
+                      f"kvgate places no session traffic ({why})",
+                      lifecycle_on if not lifecycle else
+                      None if values["session_placement_routes"] else "--session-placement kvgate"))
     if not lifecycle:
         off = "agentic_session_lifecycle is off"
         rules.append((lambda k: k in ("session_placement", "session_placement_routes") and not places,
-                      f"{off} (session_placement: auto places sessions only with lifecycle on)"))
-        rules.append((lambda k: k == "placement_reopen_hint_s", f"{off} (no session is ever closed)"))
+                      f"{off} (session_placement: auto places sessions only with lifecycle on)", lifecycle_on))
+        rules.append((lambda k: k == "placement_reopen_hint_s", f"{off} (no session is ever closed)", lifecycle_on))
         rules.append((lambda k: k in ("session_resolution_order", "session_header", "session_field",
                                       "session_field_regex") and not names_session,
-                      f"{off} and no route has session_placement: kvgate"))
+                      f"{off} and no route has session_placement: kvgate", lifecycle_on))
         rules.append((lambda k: k.startswith(("session_inference", "session_idle", "session_close", "close_"))
-                      or k in ("set_routing_key", "routing_key_header", "router_policy"), off))
+                      or k in ("set_routing_key", "routing_key_header", "router_policy"), off, lifecycle_on))
     else:
         if not values["session_inference"]:
-            rules.append((lambda k: k.startswith("session_inference_"), "session_inference is off"))
+            rules.append((lambda k: k.startswith("session_inference_"), "session_inference is off",
+                          "--session-inference"))
         if values["session_idle_close_mode"] == "fixed":
             rules.append((lambda k: k in ("session_idle_quantile", "session_idle_multiple", "session_idle_floor_s",
                                           "session_idle_ceiling_s", "session_idle_min_samples"),
-                          "session_idle_close_mode is fixed"))
+                          "session_idle_close_mode is fixed", "--session-idle-close-mode adaptive"))
         if not values["set_routing_key"]:
-            rules.append((lambda k: k in ("routing_key_header", "router_policy"), "set_routing_key is off"))
+            rules.append((lambda k: k in ("routing_key_header", "router_policy"), "set_routing_key is off",
+                          "--set-routing-key"))
     if not admission:
         polled = places  # the KV poller also runs for session placement
         rules.append((lambda k: (k.startswith(("agentic_admission_", "admission_")) or k == "max_response_length")
                       and not (polled and k in ("admission_poll_interval_s", "admission_capacity_source")),
-                      "agentic_program_admission is off"))
+                      "agentic_program_admission is off", "--agentic-program-admission"))
     elif values["admission_policy"] == "fifo":
         rules.append((lambda k: k in ("admission_pause_victim", "admission_resume_order", "admission_host_cache",
                                       "admission_program_ttl_s", "admission_program_max_resident",
                                       "admission_resume_deadline_s", "admission_program_overdue_multiple",
                                       "admission_program_overdue_default_s"),
-                      "admission_policy is fifo (a program policy key)"))
+                      "admission_policy is fifo (a program policy key)", "--admission-policy program"))
     else:
-        rules.append((lambda k: k == "admission_backfill", "admission_policy is program (a fifo policy key)"))
+        rules.append((lambda k: k == "admission_backfill", "admission_policy is program (a fifo policy key)",
+                      "--admission-policy fifo"))
         wait = values["agentic_admission_max_wait_s"]
         if values["admission_resume_deadline_s"] >= wait:
             # the wait bound lets the turn bypass (and overflow the engine) before the deadline makes its room
             rules.append((lambda k: k == "admission_resume_deadline_s",
                           f"agentic_admission_max_wait_s ({wait:g} s) is not above it: a waiting turn bypasses "
-                          "first"))
+                          "first", None))
     if values["state_backend"] == "memory":
-        rules.append((lambda k: k.startswith("redis_"), "state_backend is memory"))
+        rules.append((lambda k: k.startswith("redis_"), "state_backend is memory", "--state-backend redis"))
     return rules
 
 
-def inert_warnings(values: dict[str, Any], defaults: dict[str, Any], routes: tuple[str, ...]) -> list[str]:
-    """One line per key set away from its default that does nothing with the other values, in key order."""
+def inert_warnings(values: dict[str, Any], defaults: dict[str, Any], routes: tuple[str, ...],
+                   unchecked: Callable[[str, Any], str | None] = lambda key, value: None) -> list[str]:
+    """One line per key set away from its default that does nothing with the other values, in key order:
+    the key, its value, why it does nothing, the flag that would make it do something and, when ``unchecked``
+    (key, value) gives the range the value breaks (a range checked only while the key's feature is on), that
+    the value would then be refused: ``agentic_admission_headroom: set to 1.5, but it does nothing while
+    agentic_program_admission is off; --agentic-program-admission would enable it, and then 1.5 would be refused
+    (it must be in (0, 1])``."""
     rules = _rules(values, routes)
     out = []
     for key, default in defaults.items():
         value = values.get(key, default)
         if value == default:
             continue
-        for applies, why in rules:
+        for applies, why, enable in rules:
             if applies(key):
-                out.append(f"{key}: set to {value!r}, but it does nothing while {why}")
+                line = f"{key}: set to {value!r}, but it does nothing while {why}"
+                if enable:
+                    line += f"; {enable} would enable it"
+                    broken = unchecked(key, value)
+                    if broken:
+                        line += f", and then {value!r} would be refused (it must be {broken})"
+                out.append(line)
                 break
     return out

@@ -122,7 +122,7 @@ def test_the_resident_bound_from_yaml_and_flag(tmp_path):
     # set under the fifo policy it does nothing: said so
     assert validate({"agentic_program_admission": True, "admission_program_max_resident": 2}).warnings == [
         "admission_program_max_resident: set to 2, but it does nothing while admission_policy is fifo "
-        "(a program policy key)"]
+        "(a program policy key); --admission-policy program would enable it"]
 
 
 def test_a_resume_deadline_the_wait_bound_overtakes_is_said_to_do_nothing():
@@ -134,7 +134,7 @@ def test_a_resume_deadline_the_wait_bound_overtakes_is_said_to_do_nothing():
     assert validate({**program, "admission_resume_deadline_s": 60, "agentic_admission_max_wait_s": 900}).warnings == []
     assert validate({"agentic_program_admission": True, "admission_resume_deadline_s": 20}).warnings == [
         "admission_resume_deadline_s: set to 20.0, but it does nothing while admission_policy is fifo "
-        "(a program policy key)"]
+        "(a program policy key); --admission-policy program would enable it"]
 
 
 def test_bad_rule_flag_is_one_line(tmp_path):
@@ -150,8 +150,8 @@ def test_bad_rule_flag_is_one_line(tmp_path):
 
 def test_every_key_has_a_flag():
     help_text = build_parser()._subparsers._group_actions[0].choices["serve"].format_help()
-    for k in KEYS:
-        assert "--" + k.name.replace("_", "-") in help_text
+    for k in KEYS:  # an on/off key shows as --[no-]name (kvgate.cli._DefaultsHelp)
+        assert ("--[no-]" if k.type is bool else "--") + k.name.replace("_", "-") in help_text
 
 
 def test_check_config_cli_exit_codes(tmp_path):
@@ -195,8 +195,9 @@ def test_a_port_already_taken_stops_serve_with_one_line_and_no_traceback(http_se
     finally:
         taken.close()
     assert res.returncode == 2, res.stderr
-    assert res.stderr.strip().splitlines()[-1] == \
-        f"kvgate: config error: port: cannot listen on 127.0.0.1:{port} (Address already in use)"
+    assert res.stderr.strip().splitlines()[-1] == (
+        f"kvgate: startup error: cannot listen on 127.0.0.1:{port} (Address already in use): another process listens "
+        f"there: stop it, or choose another --port")
     assert "Traceback" not in res.stderr and "never retrieved" not in res.stderr, res.stderr
 
 
@@ -292,10 +293,10 @@ def test_help_says_what_the_flags_do():
     serve = _kvgate("serve", "--help", env={"COLUMNS": "400"})
     assert serve.returncode == 0, serve.stderr
     lines = serve.stdout.splitlines()
-    assert ("  --http-server SERVER  The HTTP server kvgate answers its clients with: kvgate (kvgate's own, on "
+    assert ("  --http-server SERVER            The HTTP server kvgate answers its clients with: kvgate (kvgate's own, on "
             "httptools; less CPU per request and less memory per waiting connection) or aiohttp (aiohttp's "
             "general-purpose web server). (default: kvgate)") in lines
-    at = lines.index("  --agentic-program-admission, --no-agentic-program-admission")
+    at = lines.index("  --[no-]agentic-program-admission")
     assert lines[at + 1].strip() == (
         "Hold each generate call until the engines' KV can take it, as admission_policy says: fifo (one global "
         "queue in front of a token ledger) or program (started programs keep going, new ones wait for room). "
@@ -332,9 +333,10 @@ def test_api_keys_from_a_file_or_an_environment_variable_and_errors_never_name_t
 
 
 def test_an_address_not_on_this_machine_is_a_host_error_in_one_line():
-    """``--host`` an address no interface has (EADDRNOTAVAIL): the line names ``host``, not ``port``."""
+    """``--host`` an address no interface has (EADDRNOTAVAIL): the line says to choose another --host."""
     res = subprocess.run([sys.executable, "-m", "kvgate", "serve", "--host", "10.99.99.99", "--port", "0",
                           "--upstream", "http://127.0.0.1:9"], capture_output=True, text=True, cwd=ROOT, timeout=120)
     assert res.returncode == 2, res.stderr
-    assert res.stderr.strip().splitlines()[-1] == \
-        "kvgate: config error: host: cannot listen on 10.99.99.99:0 (Cannot assign requested address)"
+    assert res.stderr.strip().splitlines()[-1] == (
+        "kvgate: startup error: cannot listen on 10.99.99.99:0 (Cannot assign requested address): no interface of "
+        "this machine has that address: choose another --host")

@@ -46,6 +46,9 @@ def test_demo_short_window_every_run(tmp_path):
     assert c["admit"] + c["bypass_protected"] + c["bypass_degraded"] + c["bypass_aged"] == len(records)
     assert c["bypass_degraded"] == 0  # the demo waits for the first capacity snapshot
     assert "summary" in res.stdout and "admission  admit" in res.stdout and "DOES NOT ADD UP" not in res.stdout
+    # the idle close is said once, with where it came from (here the flag; by default the window's gaps)
+    assert lifecycle["idle_close_s"] == admission["idle_close_s"] == 4.0
+    assert res.stdout.count("kvgate demo: idle close 4 s of trace time (--idle-close-s; 1 s at speed 4); ") == 1
 
 
 @pytest.mark.skipif(not procs.smg_installed(), reason="the smg router is not installed")

@@ -1,5 +1,8 @@
 """The demo's summary reconciles: every printed sum adds up, and a figure that does not is named (pure)."""
 
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
 from kvgate.tools.demo import CloseFigures, placement_line, reconcile, router_line
 
 
@@ -133,3 +136,65 @@ def test_the_last_line_says_what_kvgate_gained_or_lost_against_smg_alone():
         "turns: the engines computed "
         "2,680,656 prompt tokens against 2,676,854 (1.00x; cache hit 27.7% against 27.8%), turn latency p50 0.787 s "
         "against 0.742 s (1.06x), p99 5.049 s against 5.146 s (0.98x)")
+
+
+# --- the idle close, from the replayed window's gaps between a session's turns ---------------------------------
+
+def _records(*arrivals):
+    from kvgate.bench.trace import TraceRecord
+    return [TraceRecord(ms, 100, 10, (i,)) for i, ms in enumerate(arrivals)]
+
+
+def test_turn_gaps_are_arrival_to_arrival_per_session_in_trace_order():
+    from kvgate.bench.trace import turn_gaps
+    recs = _records(0, 1_000, 31_000, 45_500, 46_000)
+    assert turn_gaps(recs, ["a", "b", "a", "b", "c"]) == [31.0, 44.5]
+    assert turn_gaps(recs, ["a", "b", "c", "d", "e"]) == []
+
+
+def test_the_idle_close_is_the_first_multiple_of_ten_above_the_p95_gap():
+    from kvgate.tools.demo import IdleClose, idle_close_from_gaps, idle_line
+    idle = idle_close_from_gaps([10.0 * k for k in range(1, 21)])  # 10 .. 200 s; p95 (nearest rank 19) = 190
+    assert idle == IdleClose(idle_s=200.0, gaps=20, median_s=100.0, quantile_s=190.0, longer=0)
+    assert idle_close_from_gaps([96.0, 96.0, 369.0, 500.0]).idle_s == 510.0  # 4 gaps: p95 is the longest
+    assert idle_close_from_gaps([]) == IdleClose(300.0, 0, None, None, 0)
+    assert idle_line(idle, 5.0, False) == (
+        "idle close 200 s of trace time (above the p95 gap; 40 s at speed 5); the window's 20 gaps between a "
+        "session's turns: median 100 s, p95 190 s; 0 longer, each a close and a re-open")
+    assert idle_line(idle_close_from_gaps([]), 2.0, False) == (
+        "idle close 300 s of trace time (kvgate's default; 150 s at speed 2); no session in the window has two turns")
+    assert idle_line(IdleClose(4.0, 0, None, None, 0), 4.0, True) == (
+        "idle close 4 s of trace time (--idle-close-s; 1 s at speed 4); no session in the window has two turns")
+
+
+def test_on_the_shipped_slice_the_idle_close_is_370_s_where_120_s_closed_every_third_gap():
+    """The demo's defaults: the shipped 600 s slice's multi-turn sessions. Its gaps are a median 96 s: the 120 s
+    the demo used closed a session at 153 of its 406 gaps (each a close and a re-open); 370 s closes at 20."""
+    import argparse
+
+    from kvgate.bench.trace import infer_sessions, read_trace, turn_gaps
+    from kvgate.tools import demo
+    recs = read_trace(demo._trace_path(None), 0, 600_000)
+    sids = infer_sessions(recs)
+    multi = {s for s in sids if sids.count(s) > 1}
+    gaps = turn_gaps([r for r, s in zip(recs, sids) if s in multi], [s for s in sids if s in multi])
+    idle = demo.idle_close_from_gaps(gaps)
+    assert (len(multi), idle.gaps, round(idle.median_s), round(idle.quantile_s), idle.idle_s, idle.longer) == \
+        (274, 406, 96, 369, 370.0, 20)
+    assert sum(1 for g in gaps if g > 120) == 153
+    p = argparse.ArgumentParser()
+    demo.add_arguments(p)
+    assert p.parse_args([]).idle_close_s is None and p.parse_args(["--idle-close-s", "120"]).idle_close_s == 120.0
+    assert "370 s on the shipped slice, whose gaps are a median 96 s" in \
+        " ".join(next(a.help for a in p._actions if a.dest == "idle_close_s").split())
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.floats(min_value=0.0, max_value=5_000.0, allow_nan=False), min_size=1, max_size=400))
+def test_the_idle_close_lies_within_ten_seconds_above_the_p95_gap_and_few_gaps_pass_it(gaps):
+    from kvgate.bench.report import percentile
+    from kvgate.tools.demo import idle_close_from_gaps
+    idle = idle_close_from_gaps(gaps)
+    q = percentile(gaps, 95)
+    assert q < idle.idle_s <= q + 10.0 and idle.idle_s % 10.0 == 0.0
+    assert idle.longer == sum(1 for g in gaps if g > idle.idle_s) <= 0.05 * len(gaps)

@@ -108,7 +108,9 @@ async def test_close_reaches_every_engine_with_dp_ranks_collapsed_and_dead_engin
                 "max_new_tokens": 2}}, {"X-Session-ID": "s-close"})
             assert st == 200
         async with http.post(kv + "/close_session", json={"session_id": "s-close"}) as r:
-            assert r.status == 200 and await r.read() == b""
+            # the four engines listed (DP ranks collapsed, the dead one and the held one included)
+            assert r.status == 200 and await r.json() == {"session_id": "s-close", "known": True,
+                                                          "state": "closing", "engines": 4}
         # answered although the held engine cannot have answered: the caller is never held by the fan-out
         assert gw.lifecycle.registry.get("s-close").state == "closing" and not held.release.is_set()
         await w1.wait_for("s-close")

@@ -55,9 +55,10 @@ async def test_finish_session_query_and_body_forms_answer_as_vllm_router(sim_fac
             assert (await _post(http, kv + "/generate", {"text": "q" * 300, "sampling_params": {"max_new_tokens": 2}},
                                 {"X-Session-ID": sid}))[0] == 200
         async with http.post(kv + "/finish_session", params={"session_id": "r-1"}) as r:
-            assert r.status == 200 and await r.json() == {"status": "ok", "session_id": "r-1"}
+            assert r.status == 200 and await r.json() == {"status": "ok", "session_id": "r-1", "known": True,
+                                                          "state": "closing", "engines": 2}
         async with http.post(kv + "/finish_session", json={"session_id": "r-2"}) as r:
-            assert r.status == 200 and await r.json() == {"status": "ok", "session_id": "r-2"}
+            assert r.status == 200 and (await r.json())["status"] == "ok"
         async with http.post(kv + "/finish_session", params={"session_id": "r-1"}) as r:  # again: idempotent
             assert r.status == 200
         async with http.post(kv + "/finish_session") as r:
@@ -66,6 +67,33 @@ async def test_finish_session_query_and_body_forms_answer_as_vllm_router(sim_fac
             await w.wait_for("r-1")
             await w.wait_for("r-2")
     assert reg.get("r-1").close_reason == "finish" and reg.get("r-2").close_reason == "finish"
+
+
+async def test_close_session_answers_what_kvgate_did_for_a_known_an_unknown_and_a_repeated_id(
+        sim_factory, kvgate_factory):
+    """/close_session of an id kvgate never saw is closed on every engine all the same (as an engine answers any
+    id 200: a session kvgate did not route, or routed before a restart) and says so: 200 with known false; a
+    known one says known true; a repeated close, once done, says closed. The engines get one call each per close."""
+    gw, kv, (wa, wb) = await _fleet(sim_factory, kvgate_factory)
+    reg = gw.lifecycle.registry
+    async with aiohttp.ClientSession() as http:
+        assert (await _post(http, kv + "/v1/completions", TURN, {"X-Session-ID": "seen"}))[0] == 200
+        answers = []
+        for sid in ("never-seen", "seen"):
+            async with http.post(kv + "/close_session", json={"session_id": sid}) as r:
+                assert (r.status, r.content_type) == (200, "application/json")
+                answers.append(await r.json())
+        for w in (wa, wb):
+            await w.wait_for("never-seen")
+            await w.wait_for("seen")
+        await gw.lifecycle.wait_until(lambda: all(reg.get(s).state == "closed" for s in ("never-seen", "seen")))
+        async with http.get(kv + "/close_session", params={"session_id": "seen"}) as r:  # again, done: nothing to send
+            again = (r.status, await r.json())
+    assert answers == [{"session_id": "never-seen", "known": False, "state": "closing", "engines": 2},
+                       {"session_id": "seen", "known": True, "state": "closing", "engines": 2}]
+    assert again == (200, {"session_id": "seen", "known": True, "state": "closed", "engines": 2})
+    assert [wa.ids.count("never-seen"), wb.ids.count("never-seen"), wa.ids.count("seen"), wb.ids.count("seen")] == \
+        [1, 1, 1, 1]
 
 
 async def test_subagent_sessions_are_listed_under_and_closed_with_their_parent(sim_factory, kvgate_factory):
@@ -133,9 +161,12 @@ async def test_with_lifecycle_off_a_close_still_reaches_every_engine(sim_factory
         async with http.post(router + "/close_session", json={"session_id": "off-1"}) as r:
             assert r.status == 404  # the router alone: what a client got through kvgate before
         async with http.post(kv + "/close_session", json={"session_id": "off-1"}) as r:
-            assert r.status == 200 and await r.read() == b""
+            # lifecycle off: kvgate's registry tracks no call, so it did not know the session; closed all the same
+            assert r.status == 200 and await r.json() == {"session_id": "off-1", "known": False, "state": "closing",
+                                                          "engines": 2}
         async with http.post(kv + "/finish_session", params={"session_id": "off-2"}) as r:
-            assert r.status == 200 and await r.json() == {"status": "ok", "session_id": "off-2"}
+            assert r.status == 200 and await r.json() == {"status": "ok", "session_id": "off-2", "known": False,
+                                                          "state": "closing", "engines": 2}
         for w in (wa, wb):
             await w.wait_for("off-1")
             await w.wait_for("off-2")

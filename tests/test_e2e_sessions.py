@@ -63,7 +63,8 @@ async def test_close_missed_by_an_unreachable_engine_is_retried_until_it_has_it(
             assert held >= 300
             await gate.down()
             async with http.post(kv + "/close_session", json={"session_id": "s-b"}) as r:
-                assert r.status == 200 and await r.read() == b""
+                assert r.status == 200 and await r.json() == {"session_id": "s-b", "known": True,
+                                                              "state": "closing", "engines": 2}
             reg = gw.lifecycle.registry
             await gw.lifecycle.wait_until(lambda: len(reg.get("s-b").close_results) == 2)
             s = reg.get("s-b")

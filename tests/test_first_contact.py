@@ -109,16 +109,22 @@ def test_settings_that_do_nothing_are_warned_about_and_defaults_never(tmp_path):
                     "placement_reopen_hint_s": 60, "close_retries": 3, "redis_timeout_s": 1,
                     "agentic_admission_headroom": 0.5, "admission_poll_interval_s": 1})
     assert cfg.warnings == [
-        "close_retries: set to 3, but it does nothing while agentic_session_lifecycle is off",
-        "redis_timeout_s: set to 1.0, but it does nothing while state_backend is memory",
+        "close_retries: set to 3, but it does nothing while agentic_session_lifecycle is off; "
+        "--agentic-session-lifecycle would enable it",
+        "redis_timeout_s: set to 1.0, but it does nothing while state_backend is memory; --state-backend redis would "
+        "enable it",
         "session_placement: set to 'router', but it does nothing while agentic_session_lifecycle is off "
-        "(session_placement: auto places sessions only with lifecycle on)",
+        "(session_placement: auto places sessions only with lifecycle on); --agentic-session-lifecycle would enable it",
         "placement_pressure_threshold: set to 0.7, but it does nothing while kvgate places no session traffic "
-        "(agentic_session_lifecycle is off and no route has session_placement: kvgate)",
+        "(agentic_session_lifecycle is off and no route has session_placement: kvgate); --agentic-session-lifecycle "
+        "would enable it",
         "placement_reopen_hint_s: set to 60.0, but it does nothing while kvgate places no session traffic "
-        "(agentic_session_lifecycle is off and no route has session_placement: kvgate)",
-        "agentic_admission_headroom: set to 0.5, but it does nothing while agentic_program_admission is off",
-        "admission_poll_interval_s: set to 1.0, but it does nothing while agentic_program_admission is off"]
+        "(agentic_session_lifecycle is off and no route has session_placement: kvgate); --agentic-session-lifecycle "
+        "would enable it",
+        "agentic_admission_headroom: set to 0.5, but it does nothing while agentic_program_admission is off; "
+        "--agentic-program-admission would enable it",
+        "admission_poll_interval_s: set to 1.0, but it does nothing while agentic_program_admission is off; "
+        "--agentic-program-admission would enable it"]
     # kvgate places sessions (lifecycle off, placement kvgate): the placement keys and the KV poll matter
     placed = validate({"session_placement": "kvgate", "placement_pressure_threshold": 0.7,
                        "admission_poll_interval_s": 1, "session_header": "X-Run"})
@@ -128,7 +134,8 @@ def test_settings_that_do_nothing_are_warned_about_and_defaults_never(tmp_path):
                    "agentic_program_admission": True, "admission_pause_victim": "largest"})
     assert [w.split(":")[0] for w in on.warnings] == ["session_inference_block_tokens", "session_idle_floor_s",
                                                       "admission_pause_victim"]
-    assert on.warnings[2].endswith("admission_policy is fifo (a program policy key)")
+    assert on.warnings[2].endswith("admission_policy is fifo (a program policy key); --admission-policy program would "
+                                   "enable it")
 
 
 def test_check_config_prints_the_warnings_and_answers_ok(tmp_path, capsys):
@@ -138,7 +145,8 @@ def test_check_config_prints_the_warnings_and_answers_ok(tmp_path, capsys):
     out, err = capsys.readouterr()
     assert err.splitlines() == [
         f"kvgate: config warning: close_retries: given twice in {f} (lines 1 and 2); the last value, 4, is used",
-        "kvgate: config warning: close_retries: set to 4, but it does nothing while agentic_session_lifecycle is off"]
+        "kvgate: config warning: close_retries: set to 4, but it does nothing while agentic_session_lifecycle is off; "
+        "--agentic-session-lifecycle would enable it"]
     assert out.startswith(f"{f}: ok")
 
 

@@ -151,7 +151,8 @@ def test_a_port_in_use_is_said_before_kvgate_talks_to_the_router(http_server):
                       http_server)
         assert res.returncode == 2, res.stderr
         assert res.stderr.strip().splitlines() == [
-            f"kvgate: config error: port: cannot listen on 127.0.0.1:{port} (Address already in use)"]
+            f"kvgate: startup error: cannot listen on 127.0.0.1:{port} (Address already in use): another "
+            f"process listens there: stop it, or choose another --port"]
         with pytest.raises(BlockingIOError):
             router.accept()  # kvgate never connected to the router (a connect would sit in its accept queue)
     finally:
@@ -171,7 +172,8 @@ def test_serve_takes_the_config_file_as_check_config_does(tmp_path):
         assert _kvgate("check-config", str(f)).returncode == 0
         res = _kvgate("serve", str(f))  # read: it names the file's port, which is taken
         assert (res.returncode, res.stderr.strip().splitlines()) == (2, [
-            f"kvgate: config error: port: cannot listen on 127.0.0.1:{port} (Address already in use)"])
+            f"kvgate: startup error: cannot listen on 127.0.0.1:{port} (Address already in use): another "
+            f"process listens there: stop it, or choose another --port"])
         res = _kvgate("serve", str(f), "--config", str(tmp_path / "y.yaml"))
         assert (res.returncode, res.stderr.splitlines()) == (2, [
             f"kvgate serve: error: two config files: {f} and --config {tmp_path / 'y.yaml'}",

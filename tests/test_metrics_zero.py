@@ -32,3 +32,20 @@ def test_known_labels_are_exported_at_zero_from_the_start():
             assert got[(name, ((label, v),))] == 0.0, (name, v)
     assert not [k for k in got if k[0] == "agentic_kv_session_close_total" and k[1][0][1] in ("explicit", "api")]
     assert not [k for k in got if k[0].startswith("agentic_kv_engine_warning")]  # appears with its first warning
+
+
+def test_the_readme_and_the_metrics_doc_say_every_series_is_prefixed_agentic_kv():
+    """Every series kvgate's registry exports is named agentic_kv_*, and the README (within its 120 lines), the
+    metrics doc and the endpoint table say so."""
+    from pathlib import Path
+    root = Path(__file__).resolve().parent.parent
+    names = [f.name for f in Metrics().registry.collect()]
+    assert len(names) >= 40 and [n for n in names if not n.startswith("agentic_kv_")] == []
+    readme = (root / "README.md").read_text().splitlines()
+    assert len(readme) <= 120
+    assert [line for line in readme if "agentic_kv_" in line] == [
+        "- [docs/metrics.md](docs/metrics.md) kvgate's Prometheus series at `GET /metrics`, every name prefixed "
+        "`agentic_kv_`, and the Grafana dashboard"]
+    assert "All kvgate series are prefixed `agentic_kv_`" in (root / "docs" / "metrics.md").read_text()
+    assert "| `GET /metrics` | kvgate's Prometheus series, every name prefixed `agentic_kv_`" in \
+        (root / "docs" / "configuration.md").read_text()

@@ -302,7 +302,7 @@ def test_several_workers_on_a_port_in_use_is_one_line():
                              start_new_session=True)
     assert res.returncode == 2
     lines = res.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith(f"kvgate: config error: port: cannot listen on 127.0.0.1:{port}"), \
+    assert len(lines) == 1 and lines[0].startswith(f"kvgate: startup error: cannot listen on 127.0.0.1:{port} ("), \
         res.stderr
 
 

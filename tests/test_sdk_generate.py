@@ -87,7 +87,8 @@ async def test_relax_style_session_id_in_the_body_then_closed_on_every_engine(fl
         assert via_kv == direct == [f.worker.url]
         # ... and kvgate's own /close_session does the same fan-out when the client asks it instead.
         async with http.post(f.kv + "/close_session", json={"session_id": "relax-s1"}) as r:
-            assert r.status == 200 and await r.read() == b""
+            assert r.status == 200 and await r.json() == {"session_id": "relax-s1", "known": True,
+                                                          "state": "closing", "engines": 1}
         await closes.wait_for("relax-s1")
     s = await settled(f, "relax-s1", 1)
     assert s.source == "body" and s.completion_tokens == 16

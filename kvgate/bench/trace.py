@@ -113,6 +113,18 @@ def infer_sessions(records: Iterable[TraceRecord], min_shared_blocks: int = 2) -
     return out
 
 
+def turn_gaps(records: Iterable[TraceRecord], sessions: Iterable[str]) -> list[float]:
+    """The gaps between a session's consecutive turns, seconds of trace time (arrival to arrival; the session
+    is idle for the gap less its turn's own time), in trace order; a one-turn session adds none. Pure."""
+    last: dict[str, int] = {}
+    gaps = []
+    for rec, sid in zip(records, sessions):
+        if sid in last:
+            gaps.append((rec.timestamp_ms - last[sid]) / 1000.0)
+        last[sid] = rec.timestamp_ms
+    return gaps
+
+
 def iter_turns(records: list[TraceRecord], sessions: list[str]) -> Iterator[tuple[TraceRecord, str, int]]:
     """(record, session id, turn number starting at 1) in trace order."""
     turns: dict[str, int] = {}

@@ -373,21 +373,22 @@ class Admin:
 
     async def handle_close_session(self, request: web.Request) -> web.Response:
         """SGLang's /close_session, answered by kvgate (the router would 404 it), session lifecycle on or off:
-        200 with an empty body once the close is scheduled on every engine; a request without a usable
+        200 once the close is scheduled on every engine, an id kvgate never saw included (an engine answers
+        any id 200, with an empty body: the close is idempotent), with a small JSON body saying what kvgate
+        did (:meth:`SessionLifecycle.close_asked`: known, state, engines); a request without a usable
         session_id gets :func:`bad_request` (SGLang answers 400 too)."""
         sid = await self._close_target(request)
         if not isinstance(sid, str):
             return sid
         self.gw.end_session(sid)
-        self.gw.lifecycle.close(sid, "client")
-        return web.Response(status=200)
+        return _json(self.gw.lifecycle.close_asked(sid, "client"))
 
     async def handle_finish_session(self, request: web.Request) -> web.Response:
         """vLLM router's ``POST /finish_session?session_id=...`` (prime-rl, SkyRL send it on success, failure and
         cancellation): the session is closed as a client's /close_session closes it, session lifecycle on or off.
         The id comes from the query or a JSON body {"session_id"}; answered 200 {"status": "ok", "session_id"}
-        (idempotent), and without a usable id the same 400 as /close_session (:func:`bad_request`; the clients
-        that send it read only the status)."""
+        and /close_session's known, state and engines (idempotent), and without a usable id the same 400 as
+        /close_session (:func:`bad_request`; the clients that send it read only the status)."""
         sid = request.query.get("session_id") or await self._close_target(request)
         if not isinstance(sid, str):
             return sid
@@ -395,5 +396,4 @@ class Admin:
         if refused is not None:
             return refused
         self.gw.end_session(sid)
-        self.gw.lifecycle.close(sid, "finish")
-        return _json({"status": "ok", "session_id": sid})
+        return _json({"status": "ok", **self.gw.lifecycle.close_asked(sid, "finish")})

@@ -212,13 +212,26 @@ def serve(cfg: Config, process_role=None) -> int:
         if exc.errno not in _LISTEN_ERRORS:
             raise
         # The port is taken or not ours to bind: one line naming it, as the supervisor of processes says it.
-        key = "host" if exc.errno == errno.EADDRNOTAVAIL else "port"  # the address is not this machine's
-        print(f"kvgate: config error: {key}: cannot listen on {cfg.host}:{cfg.port} ({os.strerror(exc.errno)})",
-              file=sys.stderr)
+        print(listen_error(cfg.host, cfg.port, exc.errno), file=sys.stderr)
         return 2
     return 0
 
 
-#: bind() errors that mean the configured host/port cannot be served (the user's to fix, not a kvgate fault).
-_LISTEN_ERRORS = frozenset({errno.EADDRINUSE, errno.EADDRNOTAVAIL, errno.EACCES})
+#: bind() errors that mean the configured host/port cannot be served (the user's to fix, not a kvgate fault),
+#: and what to do about each.
+_LISTEN_ERRORS = {
+    errno.EADDRINUSE: "another process listens there: stop it, or choose another --port",
+    errno.EADDRNOTAVAIL: "no interface of this machine has that address: choose another --host",
+    errno.EACCES: "a port below 1024 needs root (or CAP_NET_BIND_SERVICE): choose another --port",
+}
+
+
+def listen_error(host: str, port: int, err: int) -> str:
+    """The one startup line for a host:port kvgate cannot listen on (bind() failed with errno ``err``): not a
+    config error (the config is valid; the machine refuses it), naming host:port, the system's words and what
+    to do: ``kvgate: startup error: cannot listen on 127.0.0.1:8080 (Address already in use): another process
+    listens there: stop it, or choose another --port``. Pure."""
+    where = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+    hint = _LISTEN_ERRORS.get(err)
+    return f"kvgate: startup error: cannot listen on {where} ({os.strerror(err)})" + (f": {hint}" if hint else "")
 

@@ -24,7 +24,6 @@ period). A process whose supervisor is gone (its stdin, a pipe from the supervis
 from __future__ import annotations
 
 import asyncio
-import errno
 import json
 import logging
 import os
@@ -340,8 +339,8 @@ def supervise(cfg: Config) -> int:
         sup.prepare()
     except OSError as exc:
         shutil.rmtree(sup.run_dir, ignore_errors=True)
-        key = "host" if exc.errno == errno.EADDRNOTAVAIL else "port"  # the address is not this machine's
-        print(f"kvgate: config error: {key}: cannot listen on {cfg.host}:{cfg.port} ({exc.strerror})", file=sys.stderr)
+        from kvgate.proxy.bootstrap import listen_error
+        print(listen_error(cfg.host, cfg.port, exc.errno), file=sys.stderr)
         return 2
     wake_r, wake_w = os.pipe()
     os.set_blocking(wake_r, False)

@@ -290,6 +290,22 @@ class SessionLifecycle:
         self._send(session_id)
         return True
 
+    def close_asked(self, session_id: str, reason: str) -> dict[str, Any]:
+        """A client's close (/close_session, /finish_session): :meth:`close`, and what kvgate answers it.
+        Returns {session_id; known: kvgate's registry had a call of the session (never with session lifecycle
+        off: the registry then tracks no call; an id it never saw is closed on every engine all the same:
+        kvgate may not have routed it, or routed it before a restart); state:
+        closing or closed (closed on every engine already: a repeated close); engines: how many engines the
+        close goes or went to: those it was sent to or, while it waits for the session's calls in flight or
+        for an engine to be known, the engines listed now (0: none yet, it goes to the first listed)}."""
+        before = self.registry.get(session_id)
+        known = before is not None and (before.turns > 0 or before.in_flight > 0)
+        self.close(session_id, reason)
+        s = self.registry.get(session_id)
+        engines = len(s.engine_closes) if s is not None and s.engine_closes else len(self.directory.close_urls)
+        return {"session_id": session_id, "known": known, "state": s.state if s is not None else CLOSED,
+                "engines": engines}
+
     async def _drain_then_send(self, session_id: str) -> None:
         s = self.registry.get(session_id)
         ev = self._drained.setdefault(session_id, asyncio.Event())

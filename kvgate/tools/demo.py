@@ -41,9 +41,55 @@ import orjson
 
 from kvgate.tools import procs
 from kvgate.bench.report import percentile
-from kvgate.bench.trace import BLOCK_TOKENS, TokenBook, TraceRecord, infer_sessions, iter_turns, read_trace
+from kvgate.bench.trace import (BLOCK_TOKENS, TokenBook, TraceRecord, infer_sessions, iter_turns, read_trace,
+                                turn_gaps)
 
 DEFAULT_TRACE = "mooncake_slice.jsonl"
+#: The demo's idle close lies above this percentile of the replayed window's gaps between a session's turns.
+IDLE_GAP_PERCENTILE = 95.0
+#: ... rounded up to a multiple of this many seconds (trace time).
+IDLE_ROUND_S = 10.0
+#: The idle close when the window has no gap at all (no session with two turns): kvgate's default.
+IDLE_NO_GAPS_S = 300.0
+
+
+@dataclass(frozen=True)
+class IdleClose:
+    """The demo's idle close (trace seconds) and the figures it came from: gaps, the replayed window's gaps
+    between a session's turns; median_s and quantile_s, their median and IDLE_GAP_PERCENTILE percentile;
+    longer, the gaps longer than idle_s (each closes its session, which the next turn re-opens)."""
+
+    idle_s: float
+    gaps: int
+    median_s: float | None
+    quantile_s: float | None
+    longer: int
+
+
+def idle_close_from_gaps(gaps: list[float], percentile_: float = IDLE_GAP_PERCENTILE,
+                         round_s: float = IDLE_ROUND_S) -> IdleClose:
+    """The idle close for a replay whose sessions' turns come ``gaps`` seconds apart: the first multiple of
+    ``round_s`` above their ``percentile_`` percentile (nearest rank), so a session waiting for its next turn
+    is closed only past all but the longest gaps, not at every second one (a close in the middle of a session
+    is a close and a re-open, with its KV left unprotected meanwhile). IDLE_NO_GAPS_S without gaps. Pure."""
+    if not gaps:
+        return IdleClose(IDLE_NO_GAPS_S, 0, None, None, 0)
+    q = percentile(gaps, percentile_)
+    idle = (q // round_s + 1) * round_s
+    return IdleClose(idle, len(gaps), percentile(gaps, 50), q, sum(1 for g in gaps if g > idle))
+
+
+def idle_line(idle: IdleClose, speed: float, chosen: bool) -> str:
+    """The demo's line on its idle close: the figure, where it came from, and what it means at ``speed``;
+    ``chosen``: given by --idle-close-s rather than derived. Pure."""
+    at = f"{idle.idle_s / speed:g} s at speed {speed:g}"
+    if not idle.gaps:
+        how = "--idle-close-s" if chosen else "kvgate's default"
+        return f"idle close {idle.idle_s:g} s of trace time ({how}; {at}); no session in the window has two turns"
+    figures = (f"the window's {idle.gaps} gaps between a session's turns: median {idle.median_s:.0f} s, "
+               f"p{IDLE_GAP_PERCENTILE:g} {idle.quantile_s:.0f} s; {idle.longer} longer, each a close and a re-open")
+    how = "--idle-close-s" if chosen else f"above the p{IDLE_GAP_PERCENTILE:g} gap"
+    return f"idle close {idle.idle_s:g} s of trace time ({how}; {at}); {figures}"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -69,9 +115,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="KV pool of each engine, tokens (default: 200000 simulated, 8000 real)")
     p.add_argument("--token-scale", type=int, default=None,
                    help="divide the trace's token counts by this (default: 1 simulated, 32 real)")
-    p.add_argument("--idle-close-s", type=float, default=120.0,
-                   help="kvgate session_idle_close_s (trace time; the trace's turns of a session are a median 96 s "
-                        "apart)")
+    p.add_argument("--idle-close-s", type=float, default=None,
+                   help="kvgate session_idle_close_s, trace time (default: from the replayed window, above its "
+                        f"p{IDLE_GAP_PERCENTILE:g} gap between a session's turns: 370 s on the shipped slice, whose "
+                        "gaps are a median 96 s; the demo prints it)")
     p.add_argument("--runs", choices=("compare", "all", "smg", "lifecycle", "admission", "both"), default="compare",
                    help="compare: smg alone, then kvgate with session lifecycle; all: those and kvgate with "
                         "program-aware admission too; smg, lifecycle, admission: that run alone; both: lifecycle "
@@ -367,6 +414,13 @@ def run(args: argparse.Namespace) -> int:
                   "--sessions all)", file=sys.stderr)
             return 2
         records, sessions = [records[i] for i in keep], [sessions[i] for i in keep]
+    gaps = turn_gaps(records, sessions)
+    idle = idle_close_from_gaps(gaps)
+    chosen = args.idle_close_s is not None
+    if chosen:
+        idle = IdleClose(args.idle_close_s, idle.gaps, idle.median_s, idle.quantile_s,
+                         sum(1 for g in gaps if g > args.idle_close_s))
+    args.idle_close_s = idle.idle_s
     real = args.engine == "sglang"
     if args.engine_url and not real:
         print("kvgate demo: --engine-url needs --engine sglang", file=sys.stderr)
@@ -386,6 +440,7 @@ def run(args: argparse.Namespace) -> int:
     if not procs.smg_installed():
         print("kvgate demo: the smg router is not installed (pip install smg, or run `make demo`)", file=sys.stderr)
         return 2
+    print(f"kvgate demo: {idle_line(idle, args.speed, chosen)}", flush=True)
     base_dir = Path(args.log_dir or tempfile.mkdtemp(prefix="kvgate-demo-"))
     modes = {"compare": ["smg", "lifecycle"], "all": ["smg", "lifecycle", "admission"], "smg": ["smg"],
              "lifecycle": ["lifecycle"], "admission": ["admission"], "both": ["lifecycle", "admission"]}[args.runs]
@@ -642,6 +697,7 @@ def _run_once(args: argparse.Namespace, records, sessions, admission: bool, log_
     summary = {
         "run": "admission" if admission else "lifecycle", **common,
         "sessions": n_sessions, "sessions_closed": closed, "closes_by_reason": closes,
+        "idle_close_s": args.idle_close_s,
         "close_calls": sum(closes.values()) * len(engine_urls), "close_failures": close_fail, **end,
         "engine": args.engine, "engines": len(engine_urls), "token_scale": args.token_scale,
         "engine_sessions_seen": None if sims is None else [len(x) for x in figures.engine_sessions],
