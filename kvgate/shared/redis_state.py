@@ -33,7 +33,8 @@ Kept in Redis (every key starts with ``redis_key_prefix`` and expires):
 
 Fail-open: a failed or slow call (``redis_timeout_s``) marks Redis unreachable; until a heartbeat
 succeeds again, no call is made and every decision falls back to this replica's own state (counted in
-``agentic_kv_state_backend_bypass_total{op}``, said once in the log, and once when Redis is back).
+``agentic_kv_state_backend_bypass_total{op}``, said once in the log, and once when Redis is back). A
+connection the server closed meanwhile (the batch's, the pool's) is made anew before its next call.
 Writes never delay a request: they run in the background (:meth:`drain` waits for them).
 
 Calls made while a request is served (turn starts and ends, idle claims, closes, the shared queue's grants,
@@ -53,7 +54,7 @@ from collections import OrderedDict
 from typing import Any, Awaitable, Callable, Sequence
 
 import orjson
-from redis.exceptions import NoScriptError
+from redis.exceptions import NoScriptError, RedisError
 
 from kvgate.common.aio import cancel_tasks
 from kvgate.shared import fingerprint
@@ -81,7 +82,10 @@ class _OwnConnectionScript:
     settings: for the batch, of which one is in flight at a time, taking a pooled connection and giving it back
     around each call is not needed. Measured with hiredis, one call in flight: 94 -> 64 us of CPU per call.
     Called as a Script is: ``await script(keys=[...], args=[...])``. A call that fails or is cancelled drops the
-    connection (its reply may still be on the way); the next call makes a new one."""
+    connection (its reply may still be on the way); the next call makes a new one. So does a call that finds
+    the connection closed by the server (Redis restarted while the batch had nothing to send, whether or not
+    another path saw the outage) or holding bytes nobody asked for, as redis-py's pool checks a pooled
+    connection before lending it."""
 
     def __init__(self, script) -> None:
         self.script = script
@@ -89,6 +93,10 @@ class _OwnConnectionScript:
 
     async def __call__(self, keys: list, args: list):
         conn = self._conn
+        if conn is not None and not await _reusable(conn):
+            self._conn = None
+            await conn.disconnect(nowait=True)
+            conn = None
         if conn is None:
             conn = self._conn = self.script.registered_client.connection_pool.make_connection()
         try:
@@ -108,6 +116,19 @@ class _OwnConnectionScript:
         conn, self._conn = self._conn, None
         if conn is not None:
             await conn.disconnect(nowait=True)
+
+
+async def _reusable(conn) -> bool:
+    """Whether a kept connection can carry the next call: not yet connected (the call connects it), or connected
+    with nothing to read and not closed by the server. redis-py >= 8 names the check can_read (earlier:
+    can_read_destructive); it raises ConnectionError for a closed connection."""
+    if not conn.is_connected:
+        return True
+    check = getattr(conn, "can_read", None) or conn.can_read_destructive
+    try:
+        return not await check()
+    except (OSError, RedisError):
+        return False
 
 
 class SharedState:
@@ -138,7 +159,7 @@ class SharedState:
         self._unsent: OrderedDict[str, list[str]] = OrderedDict()  # lease member -> its keys, release unconfirmed
         self._room = asyncio.Event()       # set (then replaced) when a "room" message arrives
         self._listener: asyncio.Task | None = None
-        self.listening = asyncio.Event()   # set while subscribed to the "room" channel
+        self.listening = asyncio.Event()   # set once Redis confirmed the "room" subscription, cleared on an error
         metrics.state_backend_up.set(1)
 
     # --- lifecycle --------------------------------------------------------------------------------
@@ -233,24 +254,33 @@ class SharedState:
 
     async def _listen(self) -> None:
         """Subscribe to the ``room`` channel on a connection of its own (a subscriber blocks on reads)
-        and wake the waiters on each message. Errors: resubscribe after a second; the waiters' backoff
-        covers the gap."""
+        and wake the waiters on each message. ``listening`` is set once Redis confirmed the subscription
+        (a release published after that is not missed) and cleared on an error; the waiters are woken at
+        each subscription too (what was published while unsubscribed is lost). Errors: resubscribe after
+        a second; the waiters' backoff covers the gap."""
         import redis.asyncio as redis
+        from redis.asyncio.retry import Retry
+        from redis.backoff import NoBackoff
         channel = self.prefix + "room"
         while True:
             sub = None
             try:
-                sub = redis.Redis.from_url(self.url, socket_connect_timeout=self.timeout_s, decode_responses=True)
-                ps = sub.pubsub(ignore_subscribe_messages=True)
+                # No retries inside redis-py: it would reconnect and resubscribe unseen, leaving ``listening``
+                # set while nobody is subscribed; this loop reconnects instead.
+                sub = redis.Redis.from_url(self.url, socket_connect_timeout=self.timeout_s, decode_responses=True,
+                                           retry=Retry(NoBackoff(), 0))
+                ps = sub.pubsub()
                 await ps.subscribe(channel)
-                self.listening.set()
                 me = asyncio.current_task()
                 while True:
                     msg = await ps.get_message(timeout=1.0)
                     if me.cancelling():  # a cancel lost inside redis-py (its wait_for on 3.11): honour it here
                         raise asyncio.CancelledError
-                    if msg is not None:
-                        self._room_freed()
+                    if msg is None:
+                        continue
+                    if msg["type"] == "subscribe":
+                        self.listening.set()
+                    self._room_freed()
             except asyncio.CancelledError:
                 raise
             except Exception:
