@@ -33,8 +33,9 @@ Kept in Redis (every key starts with ``redis_key_prefix`` and expires):
 
 Fail-open: a failed or slow call (``redis_timeout_s``) marks Redis unreachable; until a heartbeat
 succeeds again, no call is made and every decision falls back to this replica's own state (counted in
-``agentic_kv_state_backend_bypass_total{op}``, said once in the log, and once when Redis is back). A
-connection the server closed meanwhile (the batch's, the pool's) is made anew before its next call.
+``agentic_kv_state_backend_bypass_total{op}``, said once in the log, and once when Redis is back). A call
+that went out before that heartbeat and fails after it falls back without marking Redis unreachable again,
+and a connection the server closed meanwhile (the batch's, the pool's) is made anew before its next call.
 Writes never delay a request: they run in the background (:meth:`drain` waits for them).
 
 Calls made while a request is served (turn starts and ends, idle claims, closes, the shared queue's grants,
@@ -148,6 +149,9 @@ class SharedState:
         self.wall = wall
         self.replica = replica_id or secrets.token_hex(6)
         self.up = True
+        # Times a heartbeat found Redis back. A call that went out before the latest one and failed after it
+        # failed on the outage that heartbeat saw end: it does not take Redis for down again.
+        self._recoveries = 0
         self._client = client
         self._scripts: dict[str, Any] = {}
         self._batch_script: _OwnConnectionScript | None = None  # owns the batch's connection (closed by stop)
@@ -223,13 +227,14 @@ class SharedState:
             await asyncio.wait([self._flusher], timeout=timeout_s)
 
     async def _heartbeat_once(self) -> None:
+        sent_at = self._recoveries
         try:
             async with asyncio.timeout(self.timeout_s * 2):
                 await self.client.set(self.prefix + "replica:" + self.replica, "1", ex=REPLICA_TTL_S)
         except asyncio.CancelledError:
             raise
         except Exception as exc:
-            self._down("heartbeat", exc)
+            self._down("heartbeat", exc, sent_at=sent_at)
             return
         if not self.up:
             if self._batch_script is not None:
@@ -237,6 +242,7 @@ class SharedState:
                 # Redis was down): the next batch makes a new one rather than failing on it
                 await self._batch_script.close()
             self.up = True
+            self._recoveries += 1
             self.metrics.state_backend_up.set(1)
             log.warning("Redis at %s answers again; replicas share their state again", self.url)
             unsent, self._unsent = self._unsent, OrderedDict()
@@ -301,9 +307,13 @@ class SharedState:
             if me.cancelling():  # a cancel lost inside redis-py (see _listen)
                 raise asyncio.CancelledError
 
-    def _down(self, op: str, exc: BaseException, count: int = 1) -> None:
+    def _down(self, op: str, exc: BaseException, count: int = 1, sent_at: int | None = None) -> None:
+        """A call failed: ``count`` fallbacks of ``op``; Redis taken for down unless the call went out before
+        the latest recovery (``sent_at``: ``_recoveries`` when it went out; None: a failure of now)."""
         if count:
             self.metrics.state_backend_bypass.labels(op).inc(count)
+        if sent_at is not None and sent_at != self._recoveries:
+            return
         if self.up:
             self.up = False
             self.metrics.state_backend_up.set(0)
@@ -317,13 +327,14 @@ class SharedState:
         if not self.up:
             self.metrics.state_backend_bypass.labels(op).inc()
             return False, None
+        sent_at = self._recoveries
         try:
             async with asyncio.timeout(self.timeout_s * 2):  # no task per call, unlike wait_for
                 return True, await make()
         except asyncio.CancelledError:
             raise
         except Exception as exc:
-            self._down(op, exc)
+            self._down(op, exc, sent_at=sent_at)
             return False, None
 
     # --- the write batch: every request's calls in one script call per event-loop turn ---------------
@@ -389,6 +400,7 @@ class SharedState:
             self._fell_back(self._batch.drop_queued())
             return
         keys, rows = encode(ops, self._fixed_keys)
+        sent_at = self._recoveries
         self.metrics.state_backend_calls.inc()
         self.metrics.state_backend_ops.inc(len(ops))
         try:
@@ -399,8 +411,9 @@ class SharedState:
             raise
         except Exception as exc:
             self._fell_back(ops)
-            self._down(ops[0].label, exc, count=0)
-            self._fell_back(self._batch.drop_queued())
+            self._down(ops[0].label, exc, count=0, sent_at=sent_at)
+            if not self.up:  # else it failed on an outage a heartbeat since saw end: what is queued goes
+                self._fell_back(self._batch.drop_queued())
             return
         failed: list[Op] = []
         if not isinstance(answers, list):
