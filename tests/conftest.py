@@ -227,6 +227,16 @@ def redis_url(tmp_path_factory):
         proc.stop(5.0)
 
 
+async def until_state(pred, what: str) -> None:
+    """Yield to the event loop until ``pred()`` holds (no wall-clock wait: what the test waits for is already
+    on its way, a reply read or a socket's end); AssertionError naming ``what`` after 100,000 turns."""
+    for _ in range(100000):
+        if pred():
+            return
+        await asyncio.sleep(0)
+    raise AssertionError(what)
+
+
 class ManualClock:
     """An injected clock (seconds) that moves only when a test sets ``t``."""
 

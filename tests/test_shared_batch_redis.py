@@ -12,7 +12,7 @@ import os
 
 import pytest
 
-from conftest import ManualClock
+from conftest import ManualClock, until_state as _until
 from kvgate.common.metrics import Metrics
 from kvgate.shared.redis_state import SharedState
 from kvgate.tools import procs
@@ -34,14 +34,6 @@ async def _state(url: str, prefix: str, timeout_s: float = 5.0, **kw):
     st = SharedState(url, prefix, 3600, timeout_s, m, **kw)
     st.register_scripts()
     return st, m, raw
-
-
-async def _until(pred, what: str) -> None:
-    for _ in range(100000):  # yields to the loop until the shell reaches the state (no wall-clock wait)
-        if pred():
-            return
-        await asyncio.sleep(0)
-    raise AssertionError(what)
 
 
 async def test_many_requests_writes_go_in_few_calls_and_add_up(redis_url):

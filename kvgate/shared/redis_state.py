@@ -33,7 +33,9 @@ Kept in Redis (every key starts with ``redis_key_prefix`` and expires):
 
 Fail-open: a failed or slow call (``redis_timeout_s``) marks Redis unreachable; until a heartbeat
 succeeds again, no call is made and every decision falls back to this replica's own state (counted in
-``agentic_kv_state_backend_bypass_total{op}``, said once in the log, and once when Redis is back).
+``agentic_kv_state_backend_bypass_total{op}``, said once in the log, and once when Redis is back). A call
+that went out before that heartbeat and fails after it falls back without marking Redis unreachable again,
+and a connection the server closed meanwhile (the batch's, the pool's) is made anew before its next call.
 Writes never delay a request: they run in the background (:meth:`drain` waits for them).
 
 Calls made while a request is served (turn starts and ends, idle claims, closes, the shared queue's grants,
@@ -53,7 +55,7 @@ from collections import OrderedDict
 from typing import Any, Awaitable, Callable, Sequence
 
 import orjson
-from redis.exceptions import NoScriptError
+from redis.exceptions import NoScriptError, RedisError
 
 from kvgate.common.aio import cancel_tasks
 from kvgate.shared import fingerprint
@@ -81,7 +83,10 @@ class _OwnConnectionScript:
     settings: for the batch, of which one is in flight at a time, taking a pooled connection and giving it back
     around each call is not needed. Measured with hiredis, one call in flight: 94 -> 64 us of CPU per call.
     Called as a Script is: ``await script(keys=[...], args=[...])``. A call that fails or is cancelled drops the
-    connection (its reply may still be on the way); the next call makes a new one."""
+    connection (its reply may still be on the way); the next call makes a new one. So does a call that finds
+    the connection closed by the server (Redis restarted while the batch had nothing to send, whether or not
+    another path saw the outage) or holding bytes nobody asked for, as redis-py's pool checks a pooled
+    connection before lending it."""
 
     def __init__(self, script) -> None:
         self.script = script
@@ -89,6 +94,10 @@ class _OwnConnectionScript:
 
     async def __call__(self, keys: list, args: list):
         conn = self._conn
+        if conn is not None and not await _reusable(conn):
+            self._conn = None
+            await conn.disconnect(nowait=True)
+            conn = None
         if conn is None:
             conn = self._conn = self.script.registered_client.connection_pool.make_connection()
         try:
@@ -110,6 +119,19 @@ class _OwnConnectionScript:
             await conn.disconnect(nowait=True)
 
 
+async def _reusable(conn) -> bool:
+    """Whether a kept connection can carry the next call: not yet connected (the call connects it), or connected
+    with nothing to read and not closed by the server. redis-py >= 8 names the check can_read (earlier:
+    can_read_destructive); it raises ConnectionError for a closed connection."""
+    if not conn.is_connected:
+        return True
+    check = getattr(conn, "can_read", None) or conn.can_read_destructive
+    try:
+        return not await check()
+    except (OSError, RedisError):
+        return False
+
+
 class SharedState:
     """A replica's handle on the shared state. ``url``: the Redis URL; ``prefix``: key prefix;
     ``ttl_s``: seconds a session's keys live after their last touch; ``timeout_s``: one call, seconds;
@@ -127,6 +149,9 @@ class SharedState:
         self.wall = wall
         self.replica = replica_id or secrets.token_hex(6)
         self.up = True
+        # Times a heartbeat found Redis back. A call that went out before the latest one and failed after it
+        # failed on the outage that heartbeat saw end: it does not take Redis for down again.
+        self._recoveries = 0
         self._client = client
         self._scripts: dict[str, Any] = {}
         self._batch_script: _OwnConnectionScript | None = None  # owns the batch's connection (closed by stop)
@@ -138,7 +163,7 @@ class SharedState:
         self._unsent: OrderedDict[str, list[str]] = OrderedDict()  # lease member -> its keys, release unconfirmed
         self._room = asyncio.Event()       # set (then replaced) when a "room" message arrives
         self._listener: asyncio.Task | None = None
-        self.listening = asyncio.Event()   # set while subscribed to the "room" channel
+        self.listening = asyncio.Event()   # set once Redis confirmed the "room" subscription, cleared on an error
         metrics.state_backend_up.set(1)
 
     # --- lifecycle --------------------------------------------------------------------------------
@@ -202,13 +227,14 @@ class SharedState:
             await asyncio.wait([self._flusher], timeout=timeout_s)
 
     async def _heartbeat_once(self) -> None:
+        sent_at = self._recoveries
         try:
             async with asyncio.timeout(self.timeout_s * 2):
                 await self.client.set(self.prefix + "replica:" + self.replica, "1", ex=REPLICA_TTL_S)
         except asyncio.CancelledError:
             raise
         except Exception as exc:
-            self._down("heartbeat", exc)
+            self._down("heartbeat", exc, sent_at=sent_at)
             return
         if not self.up:
             if self._batch_script is not None:
@@ -216,6 +242,7 @@ class SharedState:
                 # Redis was down): the next batch makes a new one rather than failing on it
                 await self._batch_script.close()
             self.up = True
+            self._recoveries += 1
             self.metrics.state_backend_up.set(1)
             log.warning("Redis at %s answers again; replicas share their state again", self.url)
             unsent, self._unsent = self._unsent, OrderedDict()
@@ -233,24 +260,33 @@ class SharedState:
 
     async def _listen(self) -> None:
         """Subscribe to the ``room`` channel on a connection of its own (a subscriber blocks on reads)
-        and wake the waiters on each message. Errors: resubscribe after a second; the waiters' backoff
-        covers the gap."""
+        and wake the waiters on each message. ``listening`` is set once Redis confirmed the subscription
+        (a release published after that is not missed) and cleared on an error; the waiters are woken at
+        each subscription too (what was published while unsubscribed is lost). Errors: resubscribe after
+        a second; the waiters' backoff covers the gap."""
         import redis.asyncio as redis
+        from redis.asyncio.retry import Retry
+        from redis.backoff import NoBackoff
         channel = self.prefix + "room"
         while True:
             sub = None
             try:
-                sub = redis.Redis.from_url(self.url, socket_connect_timeout=self.timeout_s, decode_responses=True)
-                ps = sub.pubsub(ignore_subscribe_messages=True)
+                # No retries inside redis-py: it would reconnect and resubscribe unseen, leaving ``listening``
+                # set while nobody is subscribed; this loop reconnects instead.
+                sub = redis.Redis.from_url(self.url, socket_connect_timeout=self.timeout_s, decode_responses=True,
+                                           retry=Retry(NoBackoff(), 0))
+                ps = sub.pubsub()
                 await ps.subscribe(channel)
-                self.listening.set()
                 me = asyncio.current_task()
                 while True:
                     msg = await ps.get_message(timeout=1.0)
                     if me.cancelling():  # a cancel lost inside redis-py (its wait_for on 3.11): honour it here
                         raise asyncio.CancelledError
-                    if msg is not None:
-                        self._room_freed()
+                    if msg is None:
+                        continue
+                    if msg["type"] == "subscribe":
+                        self.listening.set()
+                    self._room_freed()
             except asyncio.CancelledError:
                 raise
             except Exception:
@@ -271,9 +307,13 @@ class SharedState:
             if me.cancelling():  # a cancel lost inside redis-py (see _listen)
                 raise asyncio.CancelledError
 
-    def _down(self, op: str, exc: BaseException, count: int = 1) -> None:
+    def _down(self, op: str, exc: BaseException, count: int = 1, sent_at: int | None = None) -> None:
+        """A call failed: ``count`` fallbacks of ``op``; Redis taken for down unless the call went out before
+        the latest recovery (``sent_at``: ``_recoveries`` when it went out; None: a failure of now)."""
         if count:
             self.metrics.state_backend_bypass.labels(op).inc(count)
+        if sent_at is not None and sent_at != self._recoveries:
+            return
         if self.up:
             self.up = False
             self.metrics.state_backend_up.set(0)
@@ -287,13 +327,14 @@ class SharedState:
         if not self.up:
             self.metrics.state_backend_bypass.labels(op).inc()
             return False, None
+        sent_at = self._recoveries
         try:
             async with asyncio.timeout(self.timeout_s * 2):  # no task per call, unlike wait_for
                 return True, await make()
         except asyncio.CancelledError:
             raise
         except Exception as exc:
-            self._down(op, exc)
+            self._down(op, exc, sent_at=sent_at)
             return False, None
 
     # --- the write batch: every request's calls in one script call per event-loop turn ---------------
@@ -359,6 +400,7 @@ class SharedState:
             self._fell_back(self._batch.drop_queued())
             return
         keys, rows = encode(ops, self._fixed_keys)
+        sent_at = self._recoveries
         self.metrics.state_backend_calls.inc()
         self.metrics.state_backend_ops.inc(len(ops))
         try:
@@ -369,8 +411,9 @@ class SharedState:
             raise
         except Exception as exc:
             self._fell_back(ops)
-            self._down(ops[0].label, exc, count=0)
-            self._fell_back(self._batch.drop_queued())
+            self._down(ops[0].label, exc, count=0, sent_at=sent_at)
+            if not self.up:  # else it failed on an outage a heartbeat since saw end: what is queued goes
+                self._fell_back(self._batch.drop_queued())
             return
         failed: list[Op] = []
         if not isinstance(answers, list):
