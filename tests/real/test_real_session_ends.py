@@ -44,7 +44,8 @@ async def test_each_end_signal_closes_on_every_engine_within_one_round_trip(flee
         await generate(http, kv, ids(300, 3), 4, headers={"X-Session-ID": "vllm-traj"})
         t0 = time.perf_counter()
         async with http.post(kv + "/finish_session", params={"session_id": "vllm-traj"}) as r:
-            assert r.status == 200 and await r.json() == {"status": "ok", "session_id": "vllm-traj"}
+            assert r.status == 200 and await r.json() == {"status": "ok", "session_id": "vllm-traj", "known": True,
+                                                          "state": "closing", "engines": len(fleet.urls)}
         figures["/finish_session"] = await _closed_after(gw, "vllm-traj", t0)
 
         await generate(http, kv, ids(300, 4), 4, headers={"X-Session-ID": "lead"})
