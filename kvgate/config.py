@@ -580,16 +580,16 @@ def _validate(raw: dict[str, Any], errors: list[str], failed: set[str]) -> Confi
     if not isinstance(raw, dict):
         raise ConfigError(f"config: expected a mapping of keys to values, got {type(raw).__name__}")
 
-    def check(names: tuple[str, ...], fn: Callable[[], Any], name: str | None = None) -> Any:
-        """fn() unless a key of ``names`` was refused; its ConfigError is kept (``name``, or the first of
-        ``names``, is then refused too)."""
+    def check(names: tuple[str, ...], fn: Callable[[], Any]) -> Any:
+        """fn() unless a key of ``names`` was refused; its ConfigError is kept, and the first of ``names`` is
+        then refused too. None when it did not run or raised."""
         if failed.intersection(names):
             return None
         try:
             return fn()
         except ConfigError as exc:
             errors.extend(exc.lines)
-            failed.add(name or names[0])
+            failed.add(names[0])
             return None
 
     values: dict[str, Any] = {}
@@ -600,8 +600,11 @@ def _validate(raw: dict[str, Any], errors: list[str], failed: set[str]) -> Confi
             hint = f" (did you mean {', '.join(close)}?)" if close else ""
             errors.append(f"{name}: unknown key{hint}")
             continue
-        if name not in failed:
-            check((name,), lambda: values.__setitem__(name, _coerce(key, value)))
+        try:
+            values[name] = _coerce(key, value)
+        except ConfigError as exc:
+            errors.extend(exc.lines)
+            failed.add(name)
     for key in KEYS:
         values.setdefault(key.name, type(key.default)(key.default) if isinstance(key.default, (list, dict))
                           else key.default)
