@@ -152,24 +152,25 @@ def test_turn_gaps_are_arrival_to_arrival_per_session_in_trace_order():
     assert turn_gaps(recs, ["a", "b", "c", "d", "e"]) == []
 
 
-def test_the_idle_close_is_the_first_multiple_of_ten_above_the_p95_gap():
+def test_the_idle_close_is_the_first_multiple_of_ten_above_the_median_gap():
     from kvgate.tools.demo import IdleClose, idle_close_from_gaps, idle_line
-    idle = idle_close_from_gaps([10.0 * k for k in range(1, 21)])  # 10 .. 200 s; p95 (nearest rank 19) = 190
-    assert idle == IdleClose(idle_s=200.0, gaps=20, median_s=100.0, quantile_s=190.0, longer=0)
-    assert idle_close_from_gaps([96.0, 96.0, 369.0, 500.0]).idle_s == 510.0  # 4 gaps: p95 is the longest
+    idle = idle_close_from_gaps([10.0 * k for k in range(1, 21)])  # 10 .. 200 s; median (nearest rank 10) = 100
+    assert idle == IdleClose(idle_s=110.0, gaps=20, median_s=100.0, p95_s=190.0, longer=9)
+    assert idle_close_from_gaps([96.0, 96.0, 369.0, 500.0]) == IdleClose(100.0, 4, 96.0, 500.0, 2)
     assert idle_close_from_gaps([]) == IdleClose(300.0, 0, None, None, 0)
     assert idle_line(idle, 5.0, False) == (
-        "idle close 200 s of trace time (above the p95 gap; 40 s at speed 5); the window's 20 gaps between a "
-        "session's turns: median 100 s, p95 190 s; 0 longer, each a close and a re-open")
+        "idle close 110 s of trace time (above the median gap; 22 s at speed 5); the window's 20 gaps between a "
+        "session's turns: median 100 s, p95 190 s; 9 longer, each a close and a re-open")
     assert idle_line(idle_close_from_gaps([]), 2.0, False) == (
         "idle close 300 s of trace time (kvgate's default; 150 s at speed 2); no session in the window has two turns")
     assert idle_line(IdleClose(4.0, 0, None, None, 0), 4.0, True) == (
         "idle close 4 s of trace time (--idle-close-s; 1 s at speed 4); no session in the window has two turns")
 
 
-def test_on_the_shipped_slice_the_idle_close_is_370_s_where_120_s_closed_every_third_gap():
-    """The demo's defaults: the shipped 600 s slice's multi-turn sessions. Its gaps are a median 96 s: the 120 s
-    the demo used closed a session at 153 of its 406 gaps (each a close and a re-open); 370 s closes at 20."""
+def test_on_the_shipped_slice_the_idle_close_is_100_s():
+    """The demo's defaults: the shipped 600 s slice's multi-turn sessions. Its gaps are a median 96 s and a p95
+    369 s: the idle close is 100 s, where a session is closed at 190 of its 406 gaps (each a close and a re-open,
+    its KV still cached until evicted); 120 s closed at 153, 370 s at 20."""
     import argparse
 
     from kvgate.bench.trace import infer_sessions, read_trace, turn_gaps
@@ -179,22 +180,23 @@ def test_on_the_shipped_slice_the_idle_close_is_370_s_where_120_s_closed_every_t
     multi = {s for s in sids if sids.count(s) > 1}
     gaps = turn_gaps([r for r, s in zip(recs, sids) if s in multi], [s for s in sids if s in multi])
     idle = demo.idle_close_from_gaps(gaps)
-    assert (len(multi), idle.gaps, round(idle.median_s), round(idle.quantile_s), idle.idle_s, idle.longer) == \
-        (274, 406, 96, 369, 370.0, 20)
-    assert sum(1 for g in gaps if g > 120) == 153
+    assert (len(multi), idle.gaps, round(idle.median_s), round(idle.p95_s), idle.idle_s, idle.longer) == \
+        (274, 406, 96, 369, 100.0, 190)
+    assert sum(1 for g in gaps if g > 120) == 153 and sum(1 for g in gaps if g > 370) == 20
     p = argparse.ArgumentParser()
     demo.add_arguments(p)
     assert p.parse_args([]).idle_close_s is None and p.parse_args(["--idle-close-s", "120"]).idle_close_s == 120.0
-    assert "370 s on the shipped slice, whose gaps are a median 96 s" in \
+    assert "100 s on the shipped slice, whose gaps are a median 96 s" in \
         " ".join(next(a.help for a in p._actions if a.dest == "idle_close_s").split())
 
 
 @settings(max_examples=300, deadline=None)
 @given(st.lists(st.floats(min_value=0.0, max_value=5_000.0, allow_nan=False), min_size=1, max_size=400))
-def test_the_idle_close_lies_within_ten_seconds_above_the_p95_gap_and_few_gaps_pass_it(gaps):
+def test_the_idle_close_lies_within_ten_seconds_above_the_median_gap_and_at_most_half_the_gaps_pass_it(gaps):
     from kvgate.bench.report import percentile
     from kvgate.tools.demo import idle_close_from_gaps
     idle = idle_close_from_gaps(gaps)
-    q = percentile(gaps, 95)
+    q = percentile(gaps, 50)
     assert q < idle.idle_s <= q + 10.0 and idle.idle_s % 10.0 == 0.0
-    assert idle.longer == sum(1 for g in gaps if g > idle.idle_s) <= 0.05 * len(gaps)
+    assert (idle.median_s, idle.p95_s) == (q, percentile(gaps, 95))
+    assert idle.longer == sum(1 for g in gaps if g > idle.idle_s) <= 0.5 * len(gaps)
