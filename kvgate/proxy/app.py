@@ -396,6 +396,8 @@ class Gateway:
         obs = self._observed_safe(outcome)
         self._release(ticket, obs.meta_info if obs else None)
         self._record(c.route, outcome, elapsed)
+        if plan.placed and obs is not None:  # the session's size, for placement's projected KV
+            self.placed.observed(plan.session_id, obs.meta_info)
         refused = _refused(outcome)
         if session_id is not None:
             if refused:
