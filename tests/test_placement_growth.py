@@ -13,13 +13,13 @@ SYSTEM = list(range(1, 3001))  # the ~3,000-token system prompt and task every a
 OUTPUT, USER = 600, 100        # tokens each turn generates, and the next user message
 
 
-def run_agents(n_agents: int, used_reported: bool) -> tuple[list[int], Placement, dict]:
+def run_agents(n_agents: int, used_reported: bool, session_growth: bool = True) -> tuple[list[int], Placement, dict]:
     """``n_agents`` agents over SYSTEM, sent one after another (each runs its 3 turns before the next starts,
     no session ids from the client: none is ever closed), on two 12,000-token engines. Each grows to 3,000 +
     3 x 600 + 2 x 100 = 5,000 tokens. used_reported: the engines' figures count the KV the sessions hold
     (session lifecycle holds it); else it is evictable between turns and used reads 0 at every scrape.
     Returns the sessions per engine, the placement and each agent's engine per turn."""
-    p = Placement()  # pressure_threshold 0.85: 10,200 of 12,000
+    p = Placement(session_growth=session_growth)  # pressure_threshold 0.85: 10,200 of 12,000
     p.set_engines([(A, True), (B, True)])
     p.set_capacity({A: [(CAP, 0, 0)], B: [(CAP, 0, 0)]}, 0.0)
     now, held, turns = 0.0, {}, defaultdict(list)
@@ -68,6 +68,16 @@ def test_eight_agents_over_one_long_prompt_spread_once_their_growth_would_outgro
         assert p._kv == {}                      # ended sessions stop counting: nothing left
 
 
+def test_with_session_growth_off_the_agents_pile_onto_the_prefix_engine_unless_the_engines_report_the_kv():
+    """placement_session_growth: false is the engines' figures alone: with the KV evictable between turns every
+    agent finds the prefix's engine under the threshold (8 + 0, 19,000 tokens of sessions on a 12,000-token
+    engine); with the held KV reported, usage crosses 10,200 after the fourth agent and the rest go to B."""
+    per_engine, p, _ = run_agents(8, False, session_growth=False)
+    assert per_engine == [8, 0] and p.counts["prefix"] == 7 and p.counts["kv_moved"] == 0
+    per_engine, p, _ = run_agents(8, True, session_growth=False)
+    assert per_engine == [4, 4]
+
+
 def test_where_room_suffices_affinity_still_wins():
     """One agent, or three (3,000 + 3 x 2,000 = 9,000 projected, under 10,200): all on the prefix's engine."""
     for used_reported in (False, True):
@@ -112,6 +122,11 @@ def test_siblings_are_expected_to_grow_like_the_longest_of_their_group():
 
 URLS = [f"http://e{i}:1" for i in range(6)]
 GROUP_KEYS = [[1000 * g + 1, 1000 * g + 2, 1000 * g + 3] for g in range(3)]
+
+
+def group_keys(g: int, sid_n: int, x: int) -> list[int]:
+    """A prompt's chain keys: group ``g``'s shared prompt (3: none), with an own block when ``x`` is odd."""
+    return [] if g == 3 else GROUP_KEYS[g] + ([50_000 + sid_n] if x % 2 else [])
 
 
 def scratch(p: Placement) -> tuple[dict, dict]:
@@ -177,8 +192,7 @@ def test_no_session_goes_where_it_does_not_fit_while_another_engine_has_room_and
         now += 1.0
         sid = f"s{sid_n}"
         if op == "place":
-            g = groups[sid_n]
-            keys = [] if g == 3 else GROUP_KEYS[g] + ([50_000 + sid_n] if x % 2 else [])
+            keys = group_keys(groups[sid_n], sid_n, x)
             before, cells_before = scratch(p)
             s0 = p._sessions.get(sid)
             peak0 = 0 if s0 is None else s0.peak
@@ -235,3 +249,52 @@ def test_no_session_goes_where_it_does_not_fit_while_another_engine_has_room_and
     for sid in list(p._sessions):
         p.forget(sid)
     assert p._kv == {} and all(not g.cells for g in p._groups.values())
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.one_of(st.none(), st.integers(1_000, 20_000)), min_size=1, max_size=6),
+       st.lists(st.integers(0, 3), min_size=8, max_size=8), EVENTS)
+def test_with_session_growth_off_the_sessions_sizes_play_no_part(caps, groups, events):
+    """session_growth=False: over random fleets, prefix groups and event orders, a placement told every
+    session's size (place's prompt_tokens, observed()) decides exactly as one told none of them: same
+    targets, same rule, same counters. Calls in flight count in both (they are in no engine figure yet)."""
+    told, blind = (Placement(max_sessions=6, reopen_hint_s=0.0, session_growth=False) for _ in range(2))
+    urls = URLS[:len(caps)]
+    for p in (told, blind):
+        p.set_engines([(u, True) for u in urls])
+        p.set_capacity({u: [(c, 0, 0)] for u, c in zip(urls, caps) if c is not None}, 0.0)
+    calls, now, healthy = [], 0.0, [True] * len(urls)
+    for op, sid_n, x, size in events:
+        now += 1.0
+        sid = f"s{sid_n}"
+        if op == "place":
+            keys = group_keys(groups[sid_n], sid_n, x)
+            a, b = told.place(sid, keys, now, prompt_tokens=size), blind.place(sid, keys, now)
+            assert a == b and told.last_reason == blind.last_reason
+            if a is not None:
+                told.remember_prefix(keys, a)
+                blind.remember_prefix(keys, b)
+        elif op == "start" and sid in told._sessions:
+            t = told._sessions[sid].target
+            calls.append((t, told.call_started(t, size, now, sid), blind.call_started(t, size, now)))
+        elif op == "finish" and calls:
+            t, ha, hb = calls.pop(x % len(calls))
+            told.call_finished(t, ha, now)
+            blind.call_finished(t, hb, now)
+        elif op == "observe":
+            told.observed(sid, size)
+        elif op == "forget":
+            told.forget(sid, now)
+            blind.forget(sid, now)
+        elif op == "figures":
+            u, c = urls[x % len(urls)], caps[x % len(urls)] or 10_000
+            for p in (told, blind):
+                p.set_capacity({u: [(c, min(size, c), 0)]}, now)
+        elif op == "health":
+            healthy[x % len(urls)] = not healthy[x % len(urls)]
+            for p in (told, blind):
+                p.set_engines(list(zip(urls, healthy)))
+        elif op == "move":
+            for p in (told, blind):
+                p.move(sid, Target(urls[x % len(urls)]), now)
+        assert told.counts == blind.counts

@@ -182,17 +182,21 @@ class Placement:
     reopen_hint_s: seconds a closed session's engine is kept as a hint for its re-opening (0: no hint).
     busier_margin: requests (running + waiting) by which a prefix's engine may exceed the least busy other
     usable engine and still take a new session sharing that prefix; None: load never moves it.
+    session_growth: count the KV kvgate's live sessions hold and are expected to grow to, and the new session's
+    own expected size ("projected KV" in the module docstring); False: the engines' reported usage plus the
+    calls in flight alone, the new session counting as nothing until it is sent.
     Raises ValueError for a value out of range.
     """
 
     def __init__(self, *, pressure_threshold: float = 0.85, tie_fraction: float = 0.02, unreachable_s: float = 5.0,
                  max_sessions: int = 100_000, max_prefixes: int = 100_000, reopen_hint_s: float = 600.0,
-                 busier_margin: int | None = 4):
+                 busier_margin: int | None = 4, session_growth: bool = True):
         if not 0 < pressure_threshold <= 1 or not 0 <= tie_fraction < 1 or max_sessions < 1 or max_prefixes < 1 \
                 or not reopen_hint_s >= 0 or busier_margin is not None and busier_margin < 0:
             raise ValueError("pressure_threshold in (0, 1], tie_fraction in [0, 1), caps >= 1, reopen_hint_s >= 0, "
                              "busier_margin >= 0 or None")
         self.busier_margin = busier_margin
+        self.session_growth = session_growth
         self.pressure_threshold = pressure_threshold
         self.tie_fraction = tie_fraction
         self.unreachable_s = unreachable_s
@@ -310,6 +314,8 @@ class Placement:
         else:  # re-placed: it takes everything it holds and will grow to
             key, group, shared = None, s.group, s.group.shared
             expect = max(prompt_tokens, s.peak, s.group.grown)
+        if not self.session_growth:
+            expect = 0
         if target is None:
             target, reason = self._choose(prefix_keys, now, excluded, group, expect)
         if hint is not None and (target is None or target.engine != hint):
@@ -480,8 +486,7 @@ class Placement:
                 room = self._room(e, r, self._expected_on(e, r, group, expect))
                 if room is None or self._fits(e, r, room):
                     return self._target(e.url, rank), "prefix"
-                if not any((other := self._room(o, q, self._expected_on(o, q, group, expect))) is None
-                           or other > room for o in usable for q in range(o.dp_size) if not (o is e and q == r)):
+                if not self._better_elsewhere(e, r, room, usable, now, excluded, group, expect):
                     self.counts["pressed_stay"] += 1
                     return self._target(e.url, rank), "prefix"
                 self.counts["kv_moved"] += 1
@@ -490,9 +495,20 @@ class Placement:
         e = min(usable, key=lambda x: self._engine_key(x, unit, group, expect))
         return self._target(e.url, self._best_rank(e, group, expect) if e.dp_size > 1 else None), "free_kv"
 
+    def _better_elsewhere(self, home: _Engine, r: int, room: int, usable: Sequence[_Engine], now: float,
+                          excluded: set, group: _Group | None, expect: int) -> bool:
+        """Whether a session whose prefix's rank (``home``'s ``r``) would be left with ``room`` projected free
+        tokens should go elsewhere: some other usable rank would have more room after taking it and
+        re-prefilling the prefix (an engine with no figures yet counts as free); with ``session_growth`` off,
+        some other usable rank is below the pressure threshold."""
+        if not self.session_growth:
+            return self._room_elsewhere(home, r, now, excluded, usable)
+        return any((other := self._room(o, q, self._expected_on(o, q, group, expect))) is None or other > room
+                   for o in usable for q in range(o.dp_size) if not (o is home and q == r))
+
     def _projected(self, e: _Engine, rank: int) -> int:
         """Projected KV tokens of ``e``'s ``rank``: max(reported used + in flight, held) + expected growth."""
-        sums = self._kv.get((e.url, rank))
+        sums = self._kv.get((e.url, rank)) if self.session_growth else None
         held, growth = (sums[1], sums[2]) if sums else (0, 0)
         if e.pools and rank < len(e.pools):
             held = max(held, e.pools[rank][1] + e.in_flight.get(rank, 0))
