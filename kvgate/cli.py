@@ -19,11 +19,12 @@ def _setup_logging(level: str, process: int | None = None) -> None:
 
 
 def _load_config(args: argparse.Namespace):
-    """The validated Config, or None after printing the one-line error (the caller exits with 2)."""
+    """The validated Config, or None after printing every error, one line each (the caller exits with 2)."""
     try:
         return from_args(args)
     except ConfigError as exc:
-        print(f"kvgate: config error: {exc}", file=sys.stderr)
+        for line in exc.lines:
+            print(f"kvgate: config error: {line}", file=sys.stderr)
         return None
 
 

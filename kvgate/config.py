@@ -1,9 +1,9 @@
 """kvgate configuration: one schema drives the YAML file, the command-line flags and validation.
 
 Every key is flat (``agentic_session_lifecycle: true``) and has a flag of the same name with dashes
-(``--agentic-session-lifecycle``). Precedence: built-in default < YAML file < flag. A bad key, type or
-value raises :class:`ConfigError` whose message is one line naming the key and what is allowed; the CLI
-prints it and exits with status 2 before anything listens.
+(``--agentic-session-lifecycle``). Precedence: built-in default < YAML file < flag. Bad keys, types or
+values raise one :class:`ConfigError` holding every problem found, one line each naming its key and what is
+allowed; the CLI prints them and exits with status 2 before anything listens.
 """
 
 from __future__ import annotations
@@ -21,12 +21,19 @@ from urllib.parse import urlsplit
 
 import yaml
 
-from kvgate import config_checks
+from kvgate import config_checks, config_orders
 from kvgate.admission.pause_gate import START_RATIO, STOP_RATIO
+from kvgate.config_credentials import ADMIN_KEY_ENV, api_key, read_admin_key  # noqa: F401  (kvgate.config's own)
+from kvgate.config_orders import Order
 
 
 class ConfigError(ValueError):
-    """A configuration problem; ``str(err)`` is one line that names the key."""
+    """Configuration problems: ``err.lines`` holds one line per problem, each naming its key; ``str(err)`` is
+    those lines joined by newlines (one problem: one line)."""
+
+    def __init__(self, *lines: str):
+        self.lines = list(lines)
+        super().__init__("\n".join(self.lines))
 
 
 def _url(key: str, value: Any) -> str:
@@ -49,8 +56,8 @@ class Key:
     check: Callable[[Any], bool] | None = None
     allowed: str = ""
     nullable: bool = False
-    # When set, the range check only applies while this boolean key is on (the admission
-    # numbers are checked only when admission is enabled).
+    # When set, the range check (and a rule with another key: kvgate.config_orders) only applies while this
+    # boolean key is on (the admission numbers are checked only when admission is enabled).
     only_when: str | None = None
     choices: tuple = ()
     convert: Callable[[str, Any], Any] | None = None
@@ -154,25 +161,6 @@ def _tokenizer_file(path: str) -> None:
         detail = " ".join(str(exc).split())[:200]
         raise ConfigError(f"{key}: {path}: not a tokenizer.json the 'tokenizers' package can load ({detail})") \
             from None
-
-
-ADMIN_KEY_ENV = "KVGATE_ADMIN_KEY"
-
-
-def read_admin_key(path: str | None) -> str | None:
-    """The admin key: the first line of ``path`` (stripped), else the KVGATE_ADMIN_KEY environment variable,
-    else None (no key: kvgate's endpoints are open, as before keys existed). Raises ConfigError naming
-    admin_key_file for a file that cannot be read or holds no key."""
-    if path is None:
-        return os.environ.get(ADMIN_KEY_ENV) or None
-    try:
-        with open(path, encoding="utf-8") as fh:
-            key = fh.readline().strip()
-    except (OSError, UnicodeDecodeError) as exc:
-        raise ConfigError(f"admin_key_file: {path}: {getattr(exc, 'strerror', None) or exc}") from None
-    if not key:
-        raise ConfigError(f"admin_key_file: {path}: the first line is empty (expected the key)")
-    return key
 
 
 def cpu_count() -> int:
@@ -523,6 +511,12 @@ KEYS: list[Key] = _grouped([
 KEYS_BY_NAME = {k.name: k for k in KEYS}
 
 
+# Rules between two keys (kvgate.config_orders): checked when both keys' ranges are.
+ORDERS = (Order("admission_pause_stop_ratio", "admission_pause_start_ratio", high_off=0.0),
+          Order("session_idle_floor_s", "session_idle_ceiling_s"))
+_GATES = {k.name: k.only_when for k in KEYS}
+
+
 def _type_name(t) -> str:
     if isinstance(t, tuple):
         return " or ".join(_type_name(x) for x in t)
@@ -577,69 +571,110 @@ class Config:
 def validate(raw: dict[str, Any]) -> Config:
     """Validate a flat mapping of keys to values and return a :class:`Config` with defaults filled in.
 
-    Raises ConfigError (one line naming the key) on an unknown key, a wrong type or an out-of-range value, a
-    ``host`` that does not resolve, or (admission on) an ``admission_tokenizer_file`` that cannot be loaded.
+    Raises ConfigError with one line per problem, each naming its key, for every unknown key, wrong type or
+    out-of-range value, a ``host`` that does not resolve, or (admission on) an ``admission_tokenizer_file``
+    that cannot be loaded. A key whose value is refused is left out of the rules between keys.
     """
+    return _validate(raw, [], set())
+
+
+def _validate(raw: dict[str, Any], errors: list[str], failed: set[str]) -> Config:
+    """:func:`validate`, adding to ``errors`` (lines said before, such as a flag that does not parse) and
+    ``failed`` (keys whose value was refused: no rule between keys looks at them)."""
     if not isinstance(raw, dict):
         raise ConfigError(f"config: expected a mapping of keys to values, got {type(raw).__name__}")
+
+    def check(names: tuple[str, ...], fn: Callable[[], Any]) -> Any:
+        """fn() unless a key of ``names`` was refused; its ConfigError is kept, and the first of ``names`` is
+        then refused too. None when it did not run or raised."""
+        if failed.intersection(names):
+            return None
+        try:
+            return fn()
+        except ConfigError as exc:
+            errors.extend(exc.lines)
+            failed.add(names[0])
+            return None
+
     values: dict[str, Any] = {}
     for name, value in raw.items():
         key = KEYS_BY_NAME.get(name)
         if key is None:
             close = difflib.get_close_matches(str(name), KEYS_BY_NAME, n=3, cutoff=0.75)
             hint = f" (did you mean {', '.join(close)}?)" if close else ""
-            raise ConfigError(f"{name}: unknown key{hint}")
-        values[name] = _coerce(key, value)
+            errors.append(f"{name}: unknown key{hint}")
+            continue
+        try:
+            values[name] = _coerce(key, value)
+        except ConfigError as exc:
+            errors.extend(exc.lines)
+            failed.add(name)
     for key in KEYS:
         values.setdefault(key.name, type(key.default)(key.default) if isinstance(key.default, (list, dict))
                           else key.default)
     for key in KEYS:
         value = values[key.name]
-        if key.check is None or value is None:
+        if key.check is None or value is None or key.name in failed:
             continue
         if key.only_when and not values[key.only_when]:
             continue
         if not key.check(value):
-            raise ConfigError(f"{key.name}: must be {key.allowed}, got {value!r}")
-    if values["session_field_regex"] is not None:
+            errors.append(f"{key.name}: must be {key.allowed}, got {value!r}")
+            failed.add(key.name)
+    if values["session_field_regex"] is not None and "session_field_regex" not in failed:
         if values["session_field"] is None:
-            raise ConfigError("session_field_regex: needs session_field (the body field the regex is applied to)")
-        try:
-            re.compile(values["session_field_regex"])
-        except re.error as exc:
-            raise ConfigError(f"session_field_regex: not a valid regular expression ({exc})") from None
-    if 0 < values["admission_pause_start_ratio"] < values["admission_pause_stop_ratio"]:
-        raise ConfigError(f"admission_pause_stop_ratio: must be <= admission_pause_start_ratio "
-                          f"({values['admission_pause_start_ratio']}), got {values['admission_pause_stop_ratio']}")
-    if values["session_idle_floor_s"] > values["session_idle_ceiling_s"]:
-        raise ConfigError(f"session_idle_floor_s: must be <= session_idle_ceiling_s "
-                          f"({values['session_idle_ceiling_s']}), got {values['session_idle_floor_s']}")
-    if values["workers"] > 1 and values["state_backend"] != "redis":
-        raise ConfigError(f"workers: {values['workers']} worker processes need state_backend: redis (with "
-                          f"{values['state_backend']}, each process would keep its own sessions and admission ledger)")
-    values["engines"] = [_url("engines", u) for u in values["engines"]]
+            if "session_field" not in failed:
+                errors.append("session_field_regex: needs session_field (the body field the regex is applied to)")
+        else:
+            try:
+                re.compile(values["session_field_regex"])
+            except re.error as exc:
+                errors.append(f"session_field_regex: not a valid regular expression ({exc})")
+    # the keys the user chose: given, and away from the default (a copy of configs/kvgate.yaml gives them all)
+    written = {n for n in raw if n in KEYS_BY_NAME and n not in failed and values[n] != KEYS_BY_NAME[n].default}
+    for order in ORDERS:
+        if (not failed.intersection((order.low, order.high)) and config_orders.applies(order, values, _GATES)
+                and config_orders.broken(order, values)):
+            errors.append(config_orders.error(order, values, written))
+    if values["workers"] > 1 and values["state_backend"] != "redis" and not failed & {"workers", "state_backend"}:
+        errors.append(f"workers: {values['workers']} worker processes need state_backend: redis (with "
+                      f"{values['state_backend']}, each process would keep its own sessions and admission ledger)")
+    if "engines" not in failed:
+        values["engines"] = [check(("engines",), lambda u=u: _url("engines", u)) or u for u in values["engines"]]
     for who in ("router", "engine"):
-        api_key(values, who)  # a key that cannot be read stops startup here, naming the key (never its value)
-    api = config_checks.api_path(values["upstream"])
+        # a key that cannot be read stops startup here, naming the key (never its value)
+        check((f"{who}_api_key_file", f"{who}_api_key_env"), lambda who=who: api_key(values, who))
+    api = config_checks.api_path(values["upstream"]) if "upstream" not in failed else None
     if api is not None:
-        raise ConfigError(f"upstream: {values['upstream']} ends in an API path ({api}); kvgate sends each request's "
-                          f"own path (/v1/completions, /generate) to the router, so give its base URL "
-                          f"({values['upstream'].removesuffix(api)})")
+        errors.append(f"upstream: {values['upstream']} ends in an API path ({api}); kvgate sends each request's "
+                      f"own path (/v1/completions, /generate) to the router, so give its base URL "
+                      f"({values['upstream'].removesuffix(api)})")
     if values["admin_key_file"] is not None:
-        read_admin_key(values["admin_key_file"])
+        check(("admin_key_file",), lambda: read_admin_key(values["admin_key_file"]))
     if values["agentic_program_admission"] and values["admission_tokenizer_file"] is not None:
-        _tokenizer_file(values["admission_tokenizer_file"])
+        check(("admission_tokenizer_file", "agentic_program_admission"),
+              lambda: _tokenizer_file(values["admission_tokenizer_file"]))
     from kvgate.admission.policy import MatchRule
     for name in ("admission_protected_rules", "admission_eval_rules"):
-        for rule in values[name]:
+        for rule in values[name] if name not in failed else ():
             try:
                 MatchRule.from_config(rule)
             except ValueError as exc:
-                raise ConfigError(f"{name}: {exc} (a rule is {{path: GLOB, field: NAME, equals: VALUE}})") from None
+                errors.append(f"{name}: {exc} (a rule is {{path: GLOB, field: NAME, equals: VALUE}})")
+                break  # one line per key: the first rule it cannot read
+    if errors:
+        raise ConfigError(*errors)
     warnings = [w for w in [config_checks.upstream_path_warning(values["upstream"])] if w]
     warnings += config_checks.inert_warnings(values, {k.name: k.default for k in KEYS}, PLACEMENT_ROUTES,
-                                             _unchecked_range)
+                                             lambda name, value: _unchecked(name, value, values, written))
     return Config(values, warnings)
+
+
+def _unchecked(name: str, value: Any, values: dict[str, Any], written: set[str]) -> str | None:
+    """What key ``name`` must be when the value it holds would be refused once its feature is on (a range, or
+    a rule between keys, checked only while that feature is on: Key.only_when; validate skipped it), else
+    None."""
+    return _unchecked_range(name, value) or config_orders.unchecked(ORDERS, name, values, written, _GATES)
 
 
 def _unchecked_range(name: str, value: Any) -> str | None:
@@ -649,41 +684,6 @@ def _unchecked_range(name: str, value: Any) -> str | None:
     if key.only_when is None or key.check is None or value is None or key.check(value):
         return None
     return key.allowed
-
-
-def api_key(values: "Config | dict[str, Any]", who: str) -> str | None:
-    """The ``who`` ("router" or "engine") API key named by ``{who}_api_key_file`` (the file's text, stripped)
-    or ``{who}_api_key_env`` (that environment variable), or None when neither is set. Raises ConfigError
-    naming the key (never the secret) when both are set, the file cannot be read or is empty, or the variable
-    is unset or empty."""
-    get = values.get if isinstance(values, dict) else values.values.get
-    path, env = get(f"{who}_api_key_file"), get(f"{who}_api_key_env")
-    if path is not None and env is not None:
-        raise ConfigError(f"{who}_api_key_file: set either it or {who}_api_key_env, not both")
-    if path is not None:
-        try:
-            with open(path, encoding="utf-8") as fh:
-                key = fh.read().strip()
-        except (OSError, UnicodeDecodeError) as exc:
-            raise ConfigError(f"{who}_api_key_file: cannot read {path} "
-                              f"({exc.strerror if isinstance(exc, OSError) else 'not UTF-8 text'})") from None
-        if not key:
-            raise ConfigError(f"{who}_api_key_file: {path} is empty")
-        return _header_key(f"{who}_api_key_file", key)
-    if env is not None:
-        key = os.environ.get(env, "").strip()
-        if not key:
-            raise ConfigError(f"{who}_api_key_env: the environment variable {env} is not set or empty")
-        return _header_key(f"{who}_api_key_env", key)
-    return None
-
-
-def _header_key(name: str, key: str) -> str:
-    # The key goes into an Authorization header: visible ASCII only (a newline would split the header).
-    if not all(33 <= ord(ch) <= 126 for ch in key):
-        raise ConfigError(f"{name}: the key holds a space, control or non-ASCII character, which an HTTP header "
-                          f"cannot carry")
-    return key
 
 
 def load_yaml(path: str) -> dict[str, Any]:
@@ -769,16 +769,24 @@ def _from_flag(key: Key, text: Any) -> Any:
 
 
 def from_args(args: argparse.Namespace) -> Config:
-    """Merge defaults, the YAML file named by ``args.config`` and the flags; validate. Raises ConfigError."""
+    """Merge defaults, the YAML file named by ``args.config`` and the flags; validate. Raises ConfigError with
+    every problem found (a file that is not YAML: that one)."""
     raw, file_warnings = load_yaml_checked(args.config) if getattr(args, "config", None) else ({}, [])
+    errors: list[str] = []
+    failed: set[str] = set()
     for key in KEYS:
         value = getattr(args, key.name, None)
         if value is not None:
-            raw[key.name] = _from_flag(key, value)
-    cfg = validate(raw)
+            try:
+                raw[key.name] = _from_flag(key, value)
+            except ConfigError as exc:
+                errors.extend(exc.lines)
+                failed.add(key.name)
+                raw.pop(key.name, None)  # the file's value is not what the user meant either
+    cfg = _validate(raw, errors, failed)
     cfg.warnings[:0] = file_warnings
     return cfg
 
 
-__all__ = ["Config", "ConfigError", "GROUPS", "KEYS", "add_flags", "from_args", "load_yaml", "validate",
+__all__ = ["Config", "ConfigError", "GROUPS", "KEYS", "ORDERS", "Order", "add_flags", "from_args", "load_yaml", "validate",
            "flag_name"]

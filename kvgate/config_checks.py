@@ -145,7 +145,8 @@ def _rules(values: dict[str, Any], routes: tuple[str, ...]) -> list[Rule]:
         rules.append((lambda k: k in ("admission_pause_victim", "admission_resume_order", "admission_host_cache",
                                       "admission_program_ttl_s", "admission_program_max_resident",
                                       "admission_resume_deadline_s", "admission_program_overdue_multiple",
-                                      "admission_program_overdue_default_s"),
+                                      "admission_program_overdue_default_s", "admission_wait_bound",
+                                      "admission_pause_start_ratio", "admission_pause_stop_ratio"),
                       "admission_policy is fifo (a program policy key)", "--admission-policy program"))
     else:
         rules.append((lambda k: k == "admission_backfill", "admission_policy is program (a fifo policy key)",

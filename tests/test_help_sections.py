@@ -81,3 +81,20 @@ def test_flags_parse_as_before_grouped():
     assert p.parse_args(["check-config", "--compat-probe"]).compat_probe is True
     assert p.parse_args(["serve"]).compat_probe is None  # unset: the YAML file's value (or the default) stands
 
+
+
+def test_the_example_config_has_the_help_sections_in_order_each_key_under_its_own():
+    """configs/kvgate.yaml reads as ``--help`` does: a ``# --- title: description ---`` line per Group, in GROUPS
+    order, and under each the keys of that group in KEYS order."""
+    from pathlib import Path
+    text = (Path(__file__).resolve().parent.parent / "configs" / "kvgate.yaml").read_text()
+    sections: list[tuple[str, list[str]]] = []
+    for line in text.splitlines():
+        if line.startswith("# --- "):
+            assert line == f"# --- {GROUPS[len(sections)].title}: {GROUPS[len(sections)].description} ---"
+            sections.append((GROUPS[len(sections)].title, []))
+        elif line and not line.startswith(("#", " ")):
+            sections[-1][1].append(line.split(":")[0])
+    assert [t for t, _ in sections] == [g.title for g in GROUPS]
+    for title, keys in sections:
+        assert keys == [k.name for k in KEYS if k.group == title], title

@@ -1,6 +1,7 @@
 """A key whose range is checked only while its feature is on (Key.only_when) is not refused while the feature is
-off, by design; the warning that it does nothing is one line naming the key, the flag that would enable it and,
-for a value out of range, that the value would then be refused."""
+off, by design, nor is a rule between it and another key (kvgate.config.ORDERS); the warning that it does nothing
+is one line naming the key, the flag that would enable it and, for a value out of range or breaking such a rule,
+that the value would then be refused."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvgate.cli import build_parser
-from kvgate.config import KEYS, ConfigError, flag_name, validate
+from kvgate.config import KEYS, KEYS_BY_NAME, ORDERS, ConfigError, flag_name, validate
 
 GATED = [k for k in KEYS if k.only_when is not None and k.check is not None]
 
@@ -37,27 +38,39 @@ _numbers = st.one_of(st.integers(min_value=-10**6, max_value=10**6),
                      st.floats(min_value=-1e6, max_value=1e6, allow_nan=False))
 
 
+def _order_allowed(name: str, value) -> str | None:
+    """What a rule between keys (kvgate.config.ORDERS) asks of ``name`` set to ``value`` alone, the other key at
+    its default, when the rule is broken; else None."""
+    for o in ORDERS:
+        lo = value if name == o.low else KEYS_BY_NAME[o.low].default
+        hi = value if name == o.high else KEYS_BY_NAME[o.high].default
+        if name in (o.low, o.high) and lo > hi and not (o.high_off is not None and hi == o.high_off):
+            if name == o.low:
+                return f"<= {o.high} ({hi}, its default)"
+            return f">= {o.low} ({lo}, its default)" + (f" or {o.high_off:g}" if o.high_off is not None else "")
+    return None
+
+
 @settings(max_examples=300, deadline=None)
 @given(st.sampled_from(GATED), _numbers)
 def test_any_gated_key_any_value_with_its_feature_off_is_one_line_that_says_whether_it_would_be_refused(key, x):
     value = float(x) if key.type is float else int(x)
     if value == key.default:
         return
-    # the pause ratios' own order check (start >= stop unless start is 0) holds whatever the feature: the other
-    # one of the pair is set out of its way (0: stop never binds, start 0 = always)
-    partner = {"admission_pause_start_ratio": {"admission_pause_stop_ratio": 0},
-               "admission_pause_stop_ratio": {"admission_pause_start_ratio": 0}}.get(key.name, {})
-    cfg = validate({key.name: value, **partner})  # never refused while the feature is off
+    cfg = validate({key.name: value})  # never refused while the feature is off, nor for a rule with another key
     lines = [w for w in cfg.warnings if w.startswith(f"{key.name}:")]
     assert len(lines) == 1 and "\n" not in lines[0]
     head = (f"{key.name}: set to {value!r}, but it does nothing while {key.only_when} is off; "
             f"{flag_name(key.only_when)} would enable it")
-    refused = not key.check(value)
-    tail = f", and then {value!r} would be refused (it must be {key.allowed})" if refused else ""
+    out_of_range = not key.check(value)
+    allowed = key.allowed if out_of_range else _order_allowed(key.name, value)
+    tail = f", and then {value!r} would be refused (it must be {allowed})" if allowed else ""
     assert lines[0] == head + tail
-    on = {key.only_when: True, key.name: value, **partner}
+    on = {key.only_when: True, key.name: value}
     try:
         validate(on)
-        assert not refused
+        assert not allowed
     except ConfigError as exc:
-        assert refused and str(exc) == f"{key.name}: must be {key.allowed}, got {value!r}"
+        assert allowed and len(exc.lines) == 1 and exc.lines[0].startswith(f"{key.name}: must be {allowed}, got ")
+        if out_of_range:
+            assert str(exc) == f"{key.name}: must be {key.allowed}, got {value!r}"

@@ -257,7 +257,7 @@ def _check_kvgate_extra(extra: dict) -> None:
     try:
         validate(dict(extra))
     except ConfigError as exc:
-        raise ValueError(f"kvgate_extra: {exc}") from None
+        raise ValueError(f"kvgate_extra: {'; '.join(exc.lines)}") from None
 
 
 def sim_extra_flags(extra: dict) -> list[str]:

@@ -57,11 +57,17 @@ def _json(obj: Any, status: int = 200) -> web.Response:
     return web.Response(status=status, body=orjson.dumps(obj), content_type="application/json")
 
 
+def error(status: int, kind: str, message: str, headers: dict[str, str] | None = None) -> web.Response:
+    """kvgate's answer to a request to one of its own endpoints it cannot act on (400, 403, 404, 405): one JSON
+    shape, ``{"error": {"message", "type": kind, "code": status}}`` (SGLang's error object, nested as
+    OpenAI's), whichever endpoint refuses and why."""
+    return web.Response(status=status, content_type="application/json", headers=headers,
+                        body=orjson.dumps({"error": {"message": message, "type": kind, "code": status}}))
+
+
 def bad_request(message: str) -> web.Response:
-    """kvgate's 400 for a request to one of its own endpoints it cannot act on: one JSON shape,
-    ``{"error": {"message", "type": "invalid_request", "code": 400}}`` (SGLang's error object, nested as
-    OpenAI's), whichever endpoint refuses."""
-    return _json({"error": {"message": message, "type": "invalid_request", "code": 400}}, 400)
+    """kvgate's 400 for a request to one of its own endpoints it cannot act on (``type: invalid_request``)."""
+    return error(400, "invalid_request", message)
 
 
 def _unquote(s: str) -> str:
@@ -150,8 +156,7 @@ class Admin:
 
         async def guarded(request):
             if not self.is_admin(request.headers):
-                return _json({"error": {"message": f"kvgate: this endpoint needs the admin key (header {ADMIN_HEADER})",
-                                        "type": "forbidden", "code": 403}}, 403)
+                return error(403, "forbidden", f"kvgate: this endpoint needs the admin key (header {ADMIN_HEADER})")
             return await handler(request)
         guarded.__name__ = handler.__name__
         return guarded
@@ -241,13 +246,12 @@ class Admin:
         allowed = (sorted(methods) if methods is not None else
                    (["POST"] if m.group(2) else ["GET", "HEAD"]) if m is not None else None)
         if allowed is not None:
-            return web.Response(status=405, body=orjson.dumps({"error": {
-                "message": f"{request.method} is not allowed on {path}; allowed: {', '.join(allowed)}"}}),
-                content_type="application/json", headers={"Allow": ", ".join(allowed)})
+            return error(405, "method_not_allowed",
+                         f"{request.method} is not allowed on {path}; allowed: {', '.join(allowed)}",
+                         headers={"Allow": ", ".join(allowed)})
         own = sorted(p for p in self._exact if p.startswith("/kvgate/"))
-        return _json({"error": {"message": f"kvgate has no endpoint {path}; its endpoints: "
-                                           f"{', '.join([*own, '/kvgate/sessions/{id}', '/kvgate/sessions/{id}/close'])}"}},
-                     404)
+        return error(404, "not_found", f"kvgate has no endpoint {path}; its endpoints: "
+                                       f"{', '.join([*own, '/kvgate/sessions/{id}', '/kvgate/sessions/{id}/close'])}")
 
     async def handle_engines(self, request: web.Request) -> web.Response:
         out = self.gw.directory.as_json()
@@ -283,12 +287,12 @@ class Admin:
             limit = int(request.query.get("limit", str(SESSIONS_PAGE_MAX)))
             offset = int(request.query.get("offset", "0"))
         except ValueError:
-            return _json({"error": {"message": "limit and offset must be integers"}}, 400)
+            return bad_request("limit and offset must be integers")
         if limit < 0 or offset < 0:
-            return _json({"error": {"message": "limit and offset must be >= 0"}}, 400)
+            return bad_request("limit and offset must be >= 0")
         state = request.query.get("state")
         if state not in (None, "active", "closing", "closed"):
-            return _json({"error": {"message": "state must be one of active, closing, closed"}}, 400)
+            return bad_request("state must be one of active, closing, closed")
         limit = min(limit, SESSIONS_PAGE_MAX)
         reg = self.gw.lifecycle.registry
         out = reg.as_json(self.gw.lifecycle.clock(), limit=limit, state=state, offset=offset)
@@ -338,7 +342,7 @@ class Admin:
         sid = self._session_named(request.match_info["sid"])
         s = self.gw.lifecycle.registry.get(sid)
         if s is None:
-            return _json({"error": {"message": f"unknown session {request.match_info['sid']!r}"}}, 404)
+            return error(404, "not_found", f"unknown session {request.match_info['sid']!r}")
         return _json(self._augment(self.gw.lifecycle.registry.session_json(sid, self.gw.lifecycle.clock())))
 
     async def handle_session_close(self, request: web.Request) -> web.Response:

@@ -188,9 +188,19 @@ async def watch_supervisor(stop: asyncio.Event) -> None:
 
 # --- the supervisor's side ----------------------------------------------------------------------------
 
+class StartupError(RuntimeError):
+    """The supervisor could not prepare its processes; ``str(err)`` is the one line to print."""
+
+
+class BindError(OSError):
+    """bind() refused the address (errno EADDRINUSE, EACCES, EADDRNOTAVAIL ...): the one failure that is
+    said as ``cannot listen on``."""
+
+
 def reserve_port(host: str, port: int) -> socket.socket:
     """Bind ``host:port`` with SO_REUSEPORT without listening: port 0 becomes a fixed free port the processes
-    then bind, an address in use fails here, before any process starts. Raises OSError."""
+    then bind, an address in use fails here, before any process starts. Raises BindError when bind() fails,
+    another OSError (socket.gaierror, EMFILE ...) when a step before it does."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
     if infos:
@@ -200,9 +210,9 @@ def reserve_port(host: str, port: int) -> socket.socket:
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
     try:
         sock.bind((host, port))
-    except OSError:
+    except OSError as exc:
         sock.close()
-        raise
+        raise BindError(exc.errno, exc.strerror) from None
     return sock
 
 
@@ -230,19 +240,40 @@ class Supervisor:
     def __init__(self, cfg: Config):
         self.cfg = cfg
         self.count = cfg.workers
-        self.run_dir = Path(tempfile.mkdtemp(prefix="kvgate-processes-"))
+        self.run_dir: Path | None = None  # made by prepare
         self.slots = [_Slot(i) for i in range(self.count)]
         self.stopping = False
         self._sock: socket.socket | None = None
         self.port = cfg.port
 
     def prepare(self) -> None:
-        """Reserve the port and write the processes' configuration. Raises OSError (address in use)."""
-        self._sock = reserve_port(self.cfg.host, self.cfg.port)
+        """Reserve the port, make the run directory and write the processes' configuration there. Raises
+        StartupError whose text is the one line to print: ``cannot listen on`` only when bind() failed
+        (kvgate.proxy.bootstrap.listen_error); any other step says what it could not do, and why."""
+        from kvgate.proxy.bootstrap import listen_error
+        host = self.cfg.host
+        try:
+            self._sock = reserve_port(host, self.cfg.port)
+        except BindError as exc:
+            raise StartupError(listen_error(host, self.cfg.port, exc.errno)) from None
+        except socket.gaierror as exc:  # the host resolved when the config was checked, and no longer does
+            raise StartupError(f"kvgate: startup error: cannot resolve host {host!r} ({exc.strerror or exc})") \
+                from None
+        except OSError as exc:  # before bind(): no socket to be had (EMFILE, ENOBUFS ...)
+            raise StartupError(f"kvgate: startup error: cannot open a socket for {host}:{self.cfg.port} "
+                               f"({exc.strerror or exc})") from None
         self.port = self._sock.getsockname()[1]
-        values = dict(self.cfg.as_dict(), port=self.port)
-        (self.run_dir / "config.yaml").write_text(yaml.safe_dump(values, sort_keys=False))
-        self._write_status()
+        try:
+            self.run_dir = Path(tempfile.mkdtemp(prefix="kvgate-processes-"))
+            values = dict(self.cfg.as_dict(), port=self.port)
+            (self.run_dir / "config.yaml").write_text(yaml.safe_dump(values, sort_keys=False))
+            self._write_status()
+        except Exception as exc:  # ENOSPC, EROFS, a full inode table ...: the step said, never a listen error
+            step = (f"create the worker processes' run directory in {tempfile.gettempdir()}" if self.run_dir is None
+                    else f"write the worker processes' configuration to {self.run_dir}")
+            self.stop()
+            what = exc.strerror if isinstance(exc, OSError) and exc.strerror else f"{type(exc).__name__}: {exc}"
+            raise StartupError(f"kvgate: startup error: cannot {step} ({' '.join(str(what).split())})") from None
 
     def _write_status(self) -> None:
         write_json_atomic(self.run_dir / "supervisor.json",
@@ -313,7 +344,9 @@ class Supervisor:
         procs.stop_all([s.proc for s in self.slots if s.proc is not None])
         if self._sock is not None:
             self._sock.close()
-        shutil.rmtree(self.run_dir, ignore_errors=True)
+            self._sock = None
+        if self.run_dir is not None:
+            shutil.rmtree(self.run_dir, ignore_errors=True)
 
 
 def _wait(fd: int, timeout_s: float) -> None:
@@ -332,15 +365,14 @@ def _wait(fd: int, timeout_s: float) -> None:
 
 def supervise(cfg: Config) -> int:
     """Run ``cfg.workers`` kvgate processes on cfg.host:cfg.port until SIGINT, SIGTERM or SIGHUP.
-    Returns the exit status: 0 after a stop signal, 1 when the processes did not come up, 2 when the port
-    cannot be bound (one line naming it)."""
+    Returns the exit status: 0 after a stop signal, 1 when the processes did not come up, 2 when preparing
+    them failed (one line: the port cannot be bound, or what else failed; Supervisor.prepare)."""
     sup = Supervisor(cfg)
     try:
         sup.prepare()
-    except OSError as exc:
-        shutil.rmtree(sup.run_dir, ignore_errors=True)
-        from kvgate.proxy.bootstrap import listen_error
-        print(listen_error(cfg.host, cfg.port, exc.errno), file=sys.stderr)
+    except StartupError as exc:
+        sup.stop()
+        print(exc, file=sys.stderr)
         return 2
     wake_r, wake_w = os.pipe()
     os.set_blocking(wake_r, False)
@@ -373,5 +405,5 @@ def supervise(cfg: Config) -> int:
     return status
 
 
-__all__ = ["ENV_DIR", "ENV_INDEX", "Supervisor", "ProcessRole", "reserve_port", "restart_delay", "supervise",
+__all__ = ["BindError", "ENV_DIR", "ENV_INDEX", "StartupError", "Supervisor", "ProcessRole", "reserve_port", "restart_delay", "supervise",
            "watch_supervisor"]
