@@ -283,6 +283,9 @@ class SessionLifecycle:
         if session_id in self._draining:
             return True
         if s.in_flight > 0 and self.drain_s > 0:
+            # The event exists before the task runs: a call that ends in this same turn of the event loop (a
+            # program paused as its turn's answer is recorded) must find it, or the close waits out drain_s.
+            self._drained.setdefault(session_id, asyncio.Event())
             task = asyncio.create_task(self._drain_then_send(session_id), name=f"kvgate-close-{session_id}")
             self._draining[session_id] = task
             task.add_done_callback(lambda _t, sid=session_id: self._draining.pop(sid, None))
@@ -311,7 +314,8 @@ class SessionLifecycle:
         ev = self._drained.setdefault(session_id, asyncio.Event())
         try:
             async with asyncio.timeout(self.drain_s):  # not wait_for: see kvgate.common.aio
-                await ev.wait()
+                if s is not None and s.in_flight > 0:
+                    await ev.wait()
         except TimeoutError:
             log.info("session %s: closing with %d requests still in flight after %.1fs",
                      session_id, s.in_flight if s else 0, self.drain_s)
