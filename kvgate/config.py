@@ -394,8 +394,12 @@ KEYS: list[Key] = _grouped([
         "ignores the header, --disable-worker-overload-protection); naming stops by itself while smg does not "
         "honour it. false: smg's decode policy picks."),
     Key("placement_pressure_threshold", float, 0.85,
-        "A new session joins the engine holding its prefix only while that engine's KV usage is below this.",
+        "A new session joins its prefix's engine while that engine's projected KV (with the session) stays below "
+        "this share of its capacity, or no other engine has more room; a closed one goes back below this usage.",
         _unit, "in (0, 1]"),
+    Key("placement_session_growth", bool, True,
+        "Projected KV counts what live sessions hold and will grow to (their prompt group's largest size); "
+        "false: the engines' KV figures alone."),
     Key("placement_busier_margin", int, 4,
         "A new session joins the engine holding its prefix only while that engine's running + waiting requests "
         "exceed the least busy other engine's by at most this many; null: load never moves it.",

@@ -111,7 +111,7 @@ def _rules(values: dict[str, Any], routes: tuple[str, ...]) -> list[Rule]:
         why = ("agentic_session_lifecycle is off and no route has session_placement: kvgate" if not lifecycle
                else "session_placement is router on every route")
         rules.append((lambda k: k in ("placement_pressure_threshold", "placement_reopen_hint_s",
-                                      "placement_busier_margin"),
+                                      "placement_busier_margin", "placement_session_growth"),
                       f"kvgate places no session traffic ({why})",
                       lifecycle_on if not lifecycle else
                       None if values["session_placement_routes"] else "--session-placement kvgate"))

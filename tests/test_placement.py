@@ -270,20 +270,28 @@ def test_in_flight_never_goes_negative_and_balances(ops):
 
 
 def test_when_every_rank_is_at_the_threshold_a_session_stays_where_its_prefix_is():
-    """Pressure moves a reopened session (or a sibling of an indexed prompt) only to a rank below the threshold:
-    when every usable rank is at it, moving would re-prefill the prefix on an engine as full and gain nothing."""
+    """Pressure moves a reopened session only to a rank below the threshold, and a sibling of an indexed prompt
+    only to a rank with more projected room after paying the re-prefill of the shared prompt: otherwise moving
+    would re-prefill the prefix on an engine as full and gain nothing."""
     p = fleet(pressure_threshold=0.8, reopen_hint_s=100.0)
     p.set_capacity({A: [(10_000, 0)], B: [(10_000, 0)], C: [(10_000, 0)]})
-    keys = prefix_keys(list(range(1, 200)))
-    assert p.place("s1", keys, 0.0) == Target(A)
+    task = list(range(1, 200))                        # 199 tokens: the shared prompt a sibling re-prefills elsewhere
+    keys = prefix_keys(task)
+    assert p.place("s1", keys, 0.0, prompt_tokens=199) == Target(A)
     p.remember_prefix(keys, Target(A))
     assert p.forget("s1", 1.0)
-    # every engine at or above 0.8; A, the session's own, is the fullest
-    p.set_capacity({A: [(10_000, 9_500)], B: [(10_000, 8_000)], C: [(10_000, 8_200)]})
-    assert p.place("s1", keys, 2.0) == Target(A) and p.last_reason == "reopened"
+    # every engine at or above 0.8; A, the session's own, is the fullest; B and C have less room than A once
+    # they pay the 199-token prompt (A: 500 free, the prompt cached; B: 600 - 199 = 401; C: 550 - 199 = 351)
+    p.set_capacity({A: [(10_000, 9_500)], B: [(10_000, 9_400)], C: [(10_000, 9_450)]})
+    assert p.place("s1", keys, 2.0, prompt_tokens=199) == Target(A) and p.last_reason == "reopened"
     assert p.counts["pressed_stay"] == 1 and p.counts["reopen_elsewhere"] == 0
     # a sibling over the same prompt: the prefix's engine too
-    assert p.place("g1", keys, 3.0) == Target(A) and p.last_reason == "prefix" and p.counts["pressed_stay"] == 2
+    assert p.place("g1", keys, 3.0, prompt_tokens=199) == Target(A) and p.last_reason == "prefix"
+    assert p.counts["pressed_stay"] == 2
+    # B with 700 free: 501 after paying the prompt, more than A's 500: a sibling gains room by moving there
+    p.set_capacity({B: [(10_000, 9_300)]})
+    assert p.place("g1b", keys, 3.5, prompt_tokens=199) == Target(B) and p.last_reason == "free_kv"
+    assert p.counts["kv_moved"] == 1 and p.counts["pressed_stay"] == 2
     # once one rank has room below the threshold, pressure moves them again
     p.forget("s1", 4.0)
     p.set_capacity({C: [(10_000, 7_000)]})

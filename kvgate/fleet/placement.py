@@ -11,10 +11,11 @@ Rules (docs/placement.md):
     python/sglang/srt/managers/data_parallel_controller.py).
   - prefix: a new session whose prompt extends a prompt kvgate already placed (GRPO siblings share the
     task prompt; a session reopened after a close continues its old prompt) goes to that prompt's engine and
-    rank, while that rank is below ``pressure_threshold`` (engine-reported usage plus the prompt tokens of
-    kvgate's calls that the engine's figures cannot include yet: see "in flight" below), or while no other
-    usable rank is below it (every rank is under pressure: moving would re-prefill the prefix on an engine
-    as pressed, and gain no room), and while that engine is not the busier one in compute: its running plus
+    rank while that rank's projected KV with the session (below) stays under ``pressure_threshold`` x its
+    capacity, or while no other usable rank would have more projected free room after taking the session and
+    paying the re-prefill of the shared prefix (moving then wins no room and loses the prefix's cache hit:
+    counted ``pressed_stay``; otherwise it is placed by free KV, counted ``kv_moved``), and while that engine
+    is not the busier one in compute: its running plus
     waiting requests (engine-reported, plus kvgate's calls its figures cannot include yet) are at most the
     least busy other usable engine's plus ``busier_margin`` (None: load never moves a session off its prefix).
     Otherwise siblings over one long shared prompt pile onto one engine while another idles: a shared prefix
@@ -22,9 +23,26 @@ Rules (docs/placement.md):
     engines' counts differ by one or two most of the time: at 0 placement moved most GRPO siblings off their
     group's engine and lost the cache (docs/benchmark.md). Prompts are matched by chain hashes over fixed
     blocks (kvgate.sessions.inference's fingerprint), at block granularity: the longest indexed prefix wins.
-  - free KV: otherwise the usable engine (then rank) with the most free KV tokens (capacity - used - in-flight
-    prompt tokens), free KV within ``tie_fraction`` of the largest pool counting as a tie; ties by fewest
-    active sessions, then by the engine list order. Engines with no KV figures yet count as fully free.
+  - projected KV of a rank: max(engine-reported used + in-flight prompt tokens, held) + growth. ``held`` is
+    kvgate's ledger of the KV its live sessions there hold: each session's largest prompt + output seen
+    (call_started's prompt, observed()'s prompt + output), a group's shared prefix counted once per rank.
+    ``growth`` is what they are expected to add: a session's group is the indexed prompt it matched when it
+    was placed (its siblings), and each session is expected to grow to the largest size any session of its
+    group reached, live or ended (the group's ``grown``), so growth = sum of (grown - own largest). The max,
+    not a sum: SGLang counts a session's KV in used while the session holds it (session lifecycle on) and as
+    evictable, outside used, otherwise; the ledger is a floor in both cases, and adding the two would count
+    held KV twice. A new session's expected size is max(its group's grown, its prompt); on a rank where its
+    group has live sessions it adds that minus the shared prefix (already cached there), elsewhere all of it
+    (the re-prefill). Why: eight agents over one ~3,000-token prompt sent one after another each found the
+    prefix's engine idle and under the threshold (the KV they would grow to is in no engine figure yet, and
+    with KV evictable between turns it never is), so all eight went there (8 + 0) and evicted each other's
+    context. The ledger is kept as running sums per rank (and per group and rank: live sessions and the sum
+    of their largest sizes), changed by each event, so a placement costs O(engine ranks) and never scans the
+    sessions; a forgotten session stops counting (its group's ``grown`` stays, groups bounded by
+    ``max_prefixes``).
+  - free KV: otherwise the usable engine (then rank) with the most projected free room (capacity - projected
+    KV - the session's expected size there), room within ``tie_fraction`` of the largest pool counting as a
+    tie. Engines with no KV figures yet count as fully free.
     Ties (within ``tie_fraction``) go to the engine with the fewest running plus waiting requests first, then
     by fewest active sessions, then by the engine list order.
   - an engine that leaves the router's list, is marked unhealthy there or refuses a connection: its sessions are re-placed on
@@ -69,10 +87,32 @@ _MAX_ENDED = 10_000
 
 
 @dataclass(slots=True)
+class _Group:
+    """Sessions whose prompts matched one indexed prompt (GRPO siblings over a task prompt), or one session alone.
+
+    shared: tokens of the prompt they share (estimated at block granularity; 0 for a session alone).
+    grown: the largest prompt + output any of them reached (tokens), live or ended: what each is expected to
+    grow to. cells: (engine URL, rank) -> [live sessions there, sum of their largest sizes (tokens)].
+    """
+
+    shared: int
+    grown: int = 0
+    cells: dict[tuple[str, int], list[int]] = field(default_factory=dict)
+
+    def kv(self, n: int, peaks: int) -> tuple[int, int]:
+        """(held, growth) tokens of ``n`` live sessions on one rank whose largest sizes sum to ``peaks``: the
+        shared prefix held once, and what they are expected to add to reach ``grown`` (module docstring)."""
+        if n <= 0:
+            return 0, 0
+        return max(0, peaks - (n - 1) * self.shared), n * self.grown - peaks
+
+
+@dataclass(slots=True)
 class _Session:
     target: Target
     last_used: float
-    in_flight_tokens: int = 0
+    group: _Group
+    peak: int = 0  # the largest prompt + output seen (tokens): what the session holds
     by_router: bool = False  # the router picked the engine (learned from its answer), not kvgate
     moves: int = 0  # times admission moved it to another engine with room
 
@@ -132,25 +172,31 @@ class _Engine:
 class Placement:
     """Session -> engine placement (see the module docstring for the rules).
 
-    pressure_threshold: KV usage in (0, 1] at or above which a prefix's engine takes no new session.
+    pressure_threshold: share of a rank's capacity, in (0, 1], that its projected KV with a new session must stay
+    under for the prefix's engine to take the session as of right; KV usage at or above which a closed
+    session's engine takes it back only if no other rank is below it.
     tie_fraction: free-KV differences below this share of the largest pool count as ties, in [0, 1).
     unreachable_s: seconds an engine that refused a connection stays out.
     max_sessions / max_prefixes: caps on remembered sessions and indexed prompts (oldest dropped first); the
-    closed sessions' engine hints are capped at max_sessions too.
+    closed sessions' engine hints are capped at max_sessions too, the prompt groups' histories at max_prefixes.
     reopen_hint_s: seconds a closed session's engine is kept as a hint for its re-opening (0: no hint).
     busier_margin: requests (running + waiting) by which a prefix's engine may exceed the least busy other
     usable engine and still take a new session sharing that prefix; None: load never moves it.
+    session_growth: count the KV kvgate's live sessions hold and are expected to grow to, and the new session's
+    own expected size ("projected KV" in the module docstring); False: the engines' reported usage plus the
+    calls in flight alone, the new session counting as nothing until it is sent.
     Raises ValueError for a value out of range.
     """
 
     def __init__(self, *, pressure_threshold: float = 0.85, tie_fraction: float = 0.02, unreachable_s: float = 5.0,
                  max_sessions: int = 100_000, max_prefixes: int = 100_000, reopen_hint_s: float = 600.0,
-                 busier_margin: int | None = 4):
+                 busier_margin: int | None = 4, session_growth: bool = True):
         if not 0 < pressure_threshold <= 1 or not 0 <= tie_fraction < 1 or max_sessions < 1 or max_prefixes < 1 \
                 or not reopen_hint_s >= 0 or busier_margin is not None and busier_margin < 0:
             raise ValueError("pressure_threshold in (0, 1], tie_fraction in [0, 1), caps >= 1, reopen_hint_s >= 0, "
                              "busier_margin >= 0 or None")
         self.busier_margin = busier_margin
+        self.session_growth = session_growth
         self.pressure_threshold = pressure_threshold
         self.tie_fraction = tie_fraction
         self.unreachable_s = unreachable_s
@@ -162,6 +208,10 @@ class Placement:
         self._sessions: OrderedDict[str, _Session] = OrderedDict()  # first = longest idle
         self._prefixes: OrderedDict[int, Target] = OrderedDict()    # prompt chain key -> where it went
         self._closed: OrderedDict[str, tuple[Target, float]] = OrderedDict()  # closed session -> (target, closed at)
+        self._groups: OrderedDict[int, _Group] = OrderedDict()  # prompt chain key -> its sessions' group
+        # (engine URL, rank) -> [live sessions, held tokens, expected growth tokens]: the running sums of the
+        # groups' cells there (module docstring, "projected KV"); an entry goes when its last session does
+        self._kv: dict[tuple[str, int], list[int]] = {}
         self._calls = 0  # the last call handle given out
         self.placements: dict[str, int] = {}  # engine -> sessions placed there (new and re-placed)
         # why the last place() chose its target: sticky | reopened | prefix | free_kv
@@ -171,7 +221,7 @@ class Placement:
         # or prefix placement kept on a rank at the threshold because every usable rank was
         self.counts = {"sticky": 0, "reopened": 0, "prefix": 0, "free_kv": 0, "replaced": 0, "no_engine": 0,
                        "unreachable": 0, "dropped": 0, "adopted": 0, "reopen_elsewhere": 0, "pressed_stay": 0,
-                       "routed": 0, "busier_moved": 0, "moved": 0}
+                       "routed": 0, "busier_moved": 0, "moved": 0, "kv_moved": 0}
 
     # --- the fleet ---------------------------------------------------------------------------------
 
@@ -228,11 +278,12 @@ class Placement:
     # --- placing -----------------------------------------------------------------------------------
 
     def place(self, session_id: str, prefix_keys: Sequence[int], now: float,
-              exclude: Iterable[str] = ()) -> Target | None:
+              exclude: Iterable[str] = (), prompt_tokens: int = 0) -> Target | None:
         """Where ``session_id``'s next call goes, or None when no engine is usable (forward to the router).
 
         prefix_keys: chain hashes of the call's prompt after 1, 2, ... full blocks (may be empty).
-        exclude: engines already tried for this call. Records the placement (sticky from now on).
+        exclude: engines already tried for this call. prompt_tokens: the call's prompt size (tokens, an
+        estimate; 0: unknown), for the session's expected KV. Records the placement (sticky from now on).
         """
         excluded = set(exclude)
         self.last_reason, self.last_replaced = None, False
@@ -256,8 +307,17 @@ class Placement:
         if s is None:
             target, hint = self._reopen_target(session_id, now, excluded)
             reason = "reopened" if target is not None else None
+        prompt_tokens = max(0, int(prompt_tokens))
+        if s is None:
+            key, group, shared = self._group_of(prefix_keys, prompt_tokens)
+            expect = max(prompt_tokens, group.grown if group is not None else 0)
+        else:  # re-placed: it takes everything it holds and will grow to
+            key, group, shared = None, s.group, s.group.shared
+            expect = max(prompt_tokens, s.peak, s.group.grown)
+        if not self.session_growth:
+            expect = 0
         if target is None:
-            target, reason = self._choose(prefix_keys, now, excluded)
+            target, reason = self._choose(prefix_keys, now, excluded, group, expect)
         if hint is not None and (target is None or target.engine != hint):
             self.counts["reopen_elsewhere"] += 1
         if target is None:
@@ -267,16 +327,40 @@ class Placement:
         self.last_reason = reason
         self.placements[target.engine] = self.placements.get(target.engine, 0) + 1
         if s is None:
-            s = _Session(target, now)
-            self._sessions[session_id] = s
-            self._count_session(target, +1)
-            self._evict_over_cap()
+            if group is None:
+                group = _Group(shared)
+                if key is not None:
+                    self._groups[key] = group
+                    while len(self._groups) > self.max_prefixes:
+                        self._groups.popitem(last=False)  # its live sessions keep it; only its lookup goes
+            s = self._add_session(session_id, _Session(target, now, group))
+            self._grow(s, prompt_tokens)
         else:
             self._sessions.move_to_end(session_id)
             s.last_used = now
             s.by_router = False
             self._set_target(session_id, s, target)
+            self._grow(s, prompt_tokens)
         return target
+
+    def _group_of(self, prefix_keys: Sequence[int], prompt_tokens: int) -> tuple[int | None, _Group | None, int]:
+        """(key, group, shared tokens) for a new session: the group of the longest indexed prompt its prompt
+        extends, else of its own prompt's key (siblings whose index entry was dropped), else None (key and
+        shared: what a new group would take). Shared tokens are the prompt's share up to the matched block."""
+        if not prefix_keys:
+            return None, None, 0
+        n = len(prefix_keys)
+        for i in range(n - 1, -1, -1):
+            key = prefix_keys[i]
+            if key in self._prefixes or key in self._groups:
+                break
+        else:
+            i, key = n - 1, prefix_keys[-1]
+        group = self._groups.get(key)
+        if group is not None:
+            self._groups.move_to_end(key)
+            return key, group, group.shared
+        return key, None, prompt_tokens * (i + 1) // n
 
     def _reopen_target(self, session_id: str, now: float, excluded: set) -> tuple[Target | None, str | None]:
         """(target, hinted engine): the engine (rank) a closed ``session_id`` was on, if its hint is fresh and
@@ -313,8 +397,58 @@ class Placement:
 
     def _set_target(self, session_id: str, s: _Session, target: Target) -> None:
         self._count_session(s.target, -1)
+        self._cell(s.group, s.target, -1, -s.peak)
         s.target = target
         self._count_session(target, +1)
+        self._cell(s.group, target, +1, s.peak)
+
+    def _add_session(self, session_id: str, s: _Session) -> _Session:
+        """Record a new session (its count and KV on its target), dropping the longest idle over the cap."""
+        self._sessions[session_id] = s
+        self._count_session(s.target, +1)
+        self._cell(s.group, s.target, +1, s.peak)
+        self._evict_over_cap()
+        return s
+
+    def _drop_session(self, s: _Session) -> None:
+        """A session gone (forgotten or dropped): its count and KV stop counting; its group's ``grown`` stays."""
+        self._count_session(s.target, -1)
+        self._cell(s.group, s.target, -1, -s.peak)
+
+    def _cell(self, g: _Group, t: Target, dn: int, dpeaks: int) -> None:
+        """Change ``g``'s cell on ``t``'s rank by ``dn`` live sessions and ``dpeaks`` tokens of largest sizes,
+        and that rank's running sums by the change of the cell's (held, growth): O(1)."""
+        key = (t.engine, t.dp_rank or 0)
+        cell = g.cells.get(key) or [0, 0]
+        h0, r0 = g.kv(*cell)
+        cell[0] += dn
+        cell[1] += dpeaks
+        h1, r1 = g.kv(*cell)
+        sums = self._kv.get(key) or [0, 0, 0]
+        sums[0] += dn
+        sums[1] += h1 - h0
+        sums[2] += r1 - r0
+        if cell[0] > 0:
+            g.cells[key] = cell
+        else:
+            g.cells.pop(key, None)
+        if sums[0] > 0:
+            self._kv[key] = sums
+        else:
+            self._kv.pop(key, None)
+
+    def _grow(self, s: _Session, tokens: int) -> None:
+        """``s`` was seen at ``tokens`` (prompt, or prompt + output): raise its largest size, and its group's
+        ``grown`` (every live sibling is then expected to grow that far: O(ranks the group is on))."""
+        if tokens <= s.peak:
+            return
+        self._cell(s.group, s.target, 0, tokens - s.peak)
+        s.peak = tokens
+        g = s.group
+        if tokens > g.grown:
+            for key, (n, _) in g.cells.items():
+                self._kv[key][2] += n * (tokens - g.grown)
+            g.grown = tokens
 
     def _count_session(self, t: Target, delta: int) -> None:
         e = self._engines.get(t.engine)
@@ -329,7 +463,10 @@ class Placement:
             t = self._targets[(url, rank)] = Target(url, rank)
         return t
 
-    def _choose(self, prefix_keys: Sequence[int], now: float, excluded: set) -> tuple[Target | None, str]:
+    def _choose(self, prefix_keys: Sequence[int], now: float, excluded: set, group: _Group | None = None,
+                expect: int = 0) -> tuple[Target | None, str]:
+        """The prefix or free-KV rule's target for a session of ``group`` (None: a group of its own) expected
+        to hold ``expect`` tokens, and the rule's name; (None, "no_engine") when no engine is usable."""
         usable = [e for e in self._engines.values() if e.url not in excluded and self._usable(e, now)]
         if not usable:
             return None, "no_engine"
@@ -345,14 +482,58 @@ class Placement:
                 if self.busier_margin is not None and self._busier(e, usable, self.busier_margin):
                     self.counts["busier_moved"] += 1
                     break
-                if e.rank_usage(rank or 0) < self.pressure_threshold:
+                r = rank or 0
+                room = self._room(e, r, self._expected_on(e, r, group, expect))
+                if room is None or self._fits(e, r, room):
                     return self._target(e.url, rank), "prefix"
-                if not self._room_elsewhere(e, rank or 0, now, excluded, usable):
+                if not self._better_elsewhere(e, r, room, usable, now, excluded, group, expect):
                     self.counts["pressed_stay"] += 1
                     return self._target(e.url, rank), "prefix"
-            break  # the longest known prefix sits on a busy or gone engine: place by free KV
-        e = min(usable, key=lambda x: self._engine_key(x, usable))
-        return self._target(e.url, self._best_rank(e) if e.dp_size > 1 else None), "free_kv"
+                self.counts["kv_moved"] += 1
+            break  # the longest known prefix sits on a busy, full or gone engine: place by free KV
+        unit = self._tie_unit(usable)
+        e = min(usable, key=lambda x: self._engine_key(x, unit, group, expect))
+        return self._target(e.url, self._best_rank(e, group, expect) if e.dp_size > 1 else None), "free_kv"
+
+    def _better_elsewhere(self, home: _Engine, r: int, room: int, usable: Sequence[_Engine], now: float,
+                          excluded: set, group: _Group | None, expect: int) -> bool:
+        """Whether a session whose prefix's rank (``home``'s ``r``) would be left with ``room`` projected free
+        tokens should go elsewhere: some other usable rank would have more room after taking it and
+        re-prefilling the prefix (an engine with no figures yet counts as free); with ``session_growth`` off,
+        some other usable rank is below the pressure threshold."""
+        if not self.session_growth:
+            return self._room_elsewhere(home, r, now, excluded, usable)
+        return any((other := self._room(o, q, self._expected_on(o, q, group, expect))) is None or other > room
+                   for o in usable for q in range(o.dp_size) if not (o is home and q == r))
+
+    def _projected(self, e: _Engine, rank: int) -> int:
+        """Projected KV tokens of ``e``'s ``rank``: max(reported used + in flight, held) + expected growth."""
+        sums = self._kv.get((e.url, rank)) if self.session_growth else None
+        held, growth = (sums[1], sums[2]) if sums else (0, 0)
+        if e.pools and rank < len(e.pools):
+            held = max(held, e.pools[rank][1] + e.in_flight.get(rank, 0))
+        return held + growth
+
+    def _expected_on(self, e: _Engine, rank: int | None, group: _Group | None, expect: int) -> int:
+        """Tokens a session of ``group`` expected to hold ``expect`` adds on ``e``'s ``rank`` (None: any rank):
+        less the shared prefix where live sessions of its group hold it, all of it elsewhere (the re-prefill)."""
+        if group is None or not group.cells:
+            return expect
+        ranks = range(e.dp_size) if rank is None else (rank,)
+        if any((e.url, r) in group.cells for r in ranks):
+            return max(0, expect - group.shared)
+        return expect
+
+    def _room(self, e: _Engine, rank: int, adds: int) -> int | None:
+        """Projected free tokens of ``e``'s ``rank`` once it takes ``adds`` more; None without figures."""
+        if not e.pools or rank >= len(e.pools):
+            return None
+        return e.pools[rank][0] - self._projected(e, rank) - adds
+
+    def _fits(self, e: _Engine, rank: int, room: int) -> bool:
+        """Whether the rank's projected KV (capacity - ``room``) stays under pressure_threshold x capacity."""
+        cap = e.pools[rank][0]
+        return cap <= 0 or cap - room < self.pressure_threshold * cap
 
     @staticmethod
     def _busier(e: _Engine, usable: Sequence[_Engine], margin: int) -> bool:
@@ -365,16 +546,18 @@ class Placement:
         largest = max((c for e in engines for c, _ in (e.pools or [])), default=0)
         return max(1, int(largest * self.tie_fraction))
 
-    def _engine_key(self, e: _Engine, usable: Sequence[_Engine]) -> tuple:
-        free = e.free()
-        unit = self._tie_unit(usable)
-        # No figures yet: count as fully free (an engine that just joined is as good as an idle one).
-        free_q = (free // unit) if free is not None else float("inf")
+    def _engine_key(self, e: _Engine, unit: int, group: _Group | None, expect: int) -> tuple:
+        if not e.pools:  # no figures yet: count as fully free (an engine that just joined is as good as an idle one)
+            free_q = float("inf")
+        else:
+            room = sum(c - self._projected(e, r) for r, (c, _) in enumerate(e.pools))
+            free_q = (room - self._expected_on(e, None, group, expect)) // unit
         return (-free_q, e.load(), e.n_sessions(), e.order)
 
-    def _best_rank(self, e: _Engine) -> int:
+    def _best_rank(self, e: _Engine, group: _Group | None = None, expect: int = 0) -> int:
         unit = self._tie_unit([e])
-        return min(range(e.dp_size), key=lambda r: (-((e.rank_free(r) or 0) // unit), e.sessions.get(r, 0), r))
+        return min(range(e.dp_size), key=lambda r: (
+            -((self._room(e, r, self._expected_on(e, r, group, expect)) or 0) // unit), e.sessions.get(r, 0), r))
 
     # --- per-call accounting -------------------------------------------------------------------------
 
@@ -388,10 +571,12 @@ class Placement:
         while len(self._prefixes) > self.max_prefixes:
             self._prefixes.popitem(last=False)
 
-    def call_started(self, target: Target, prompt_tokens: int, now: float) -> int:
+    def call_started(self, target: Target, prompt_tokens: int, now: float, session_id: str | None = None) -> int:
         """A call with ``prompt_tokens`` (an estimate, tokens) went to ``target`` at ``now``: it counts there until
-        it ends or the engine's figures include it (:meth:`set_capacity`). Returns the call's handle for
-        :meth:`call_finished`."""
+        it ends or the engine's figures include it (:meth:`set_capacity`), and as ``session_id``'s size (when
+        given and known) from now on. Returns the call's handle for :meth:`call_finished`."""
+        if session_id is not None:
+            self.observed(session_id, prompt_tokens)
         self._calls += 1
         e = self._engines.get(target.engine)
         if e is not None:
@@ -421,6 +606,14 @@ class Placement:
             if len(e.ended) > _MAX_ENDED:  # no figures for a long while: forget the oldest
                 del e.ended[next(iter(e.ended))]
 
+    def observed(self, session_id: str, tokens: int) -> None:
+        """``session_id``'s call held ``tokens`` (prompt + output as the engine reported them, or the prompt sent):
+        the session holds at least that much KV from now on, and its group's sessions are expected to grow that
+        far (module docstring, "projected KV"). Ignored for an unknown session."""
+        s = self._sessions.get(session_id)
+        if s is not None:
+            self._grow(s, max(0, int(tokens)))
+
     def adopt(self, session_id: str, target: Target, now: float) -> bool:
         """Another kvgate replica placed ``session_id`` on ``target``: make it this session's sticky target
         here, when that engine is known and usable (else the session is placed by the rules). Returns
@@ -431,9 +624,7 @@ class Placement:
         self._closed.pop(session_id, None)
         s = self._sessions.get(session_id)
         if s is None:
-            self._sessions[session_id] = _Session(target, now)
-            self._count_session(target, +1)
-            self._evict_over_cap()
+            self._add_session(session_id, _Session(target, now, _Group(0)))
         else:
             self._set_target(session_id, s, target)
         self.counts["adopted"] += 1
@@ -450,9 +641,7 @@ class Placement:
         self._closed.pop(session_id, None)
         s = self._sessions.get(session_id)
         if s is None:
-            s = self._sessions[session_id] = _Session(target, now)
-            self._count_session(target, +1)
-            self._evict_over_cap()
+            s = self._add_session(session_id, _Session(target, now, _Group(0)))
         elif s.target != target:
             self._set_target(session_id, s, target)
         else:
@@ -479,9 +668,7 @@ class Placement:
         self._closed.pop(session_id, None)
         s = self._sessions.get(session_id)
         if s is None:
-            s = self._sessions[session_id] = _Session(target, now, by_router=True)
-            self._count_session(target, +1)
-            self._evict_over_cap()
+            s = self._add_session(session_id, _Session(target, now, _Group(0), by_router=True))
         else:
             self._sessions.move_to_end(session_id)
             s.last_used = now
@@ -504,7 +691,7 @@ class Placement:
         s = self._sessions.pop(session_id, None)
         if s is None:
             return False
-        self._count_session(s.target, -1)
+        self._drop_session(s)
         if now is not None and self.reopen_hint_s > 0:
             self._closed[session_id] = (s.target, now)
             self._closed.move_to_end(session_id)
@@ -524,7 +711,7 @@ class Placement:
     def _evict_over_cap(self) -> None:
         while len(self._sessions) > self.max_sessions:
             _, s = self._sessions.popitem(last=False)
-            self._count_session(s.target, -1)
+            self._drop_session(s)
             self.counts["dropped"] += 1
 
     # --- the read interface --------------------------------------------------------------------------
@@ -544,10 +731,16 @@ class Placement:
         return len(self._sessions)
 
     def as_json(self) -> dict:
-        """Per-engine figures for /kvgate/engines: sessions, placements, in-flight prompt tokens, free KV."""
+        """Per-engine figures for /kvgate/engines: sessions, placements, in-flight prompt tokens, free KV, and the
+        projected KV (tokens, summed over DP ranks) with its parts kvgate keeps: the KV its live sessions hold
+        and their expected growth."""
+        def kv(url: str, part: int) -> int:
+            return sum(v[part] for (u, _), v in self._kv.items() if u == url)
         return {url: {"sessions": e.n_sessions(), "sessions_by_rank": {str(r): n for r, n in sorted(e.sessions.items())},
                       "placements": self.placements.get(url, 0), "in_flight_prompt_tokens": sum(e.in_flight.values()),
-                      "free_tokens": e.free(), "requests": e.load(), "dp_size": e.dp_size, "usable": e.healthy}
+                      "free_tokens": e.free(), "requests": e.load(), "dp_size": e.dp_size, "usable": e.healthy,
+                      "held_tokens": kv(url, 1), "expected_growth_tokens": kv(url, 2),
+                      "projected_tokens": sum(self._projected(e, r) for r in range(e.dp_size))}
                 for url, e in self._engines.items()}
 
 

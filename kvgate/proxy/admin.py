@@ -262,6 +262,9 @@ class Admin:
             e["placed_sessions_by_rank"] = p.get("sessions_by_rank", {})
             e["placements"] = p.get("placements", 0)
             e["placed_in_flight_prompt_tokens"] = p.get("in_flight_prompt_tokens", 0)
+            e["placed_held_tokens"] = p.get("held_tokens", 0)
+            e["placed_expected_growth_tokens"] = p.get("expected_growth_tokens", 0)
+            e["placed_projected_tokens"] = p.get("projected_tokens", 0)
         out["placement"] = {"modes": dict(self.gw.placement_modes), "counts": dict(self.gw.placement.counts),
                             "sessions": len(self.gw.placement),
                             "reopen_hints": self.gw.placement.reopen_hints(self.gw.lifecycle.clock())}

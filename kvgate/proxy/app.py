@@ -63,7 +63,8 @@ class Gateway:
         self.placement = Placement(pressure_threshold=cfg.placement_pressure_threshold,
                                    max_sessions=cfg.max_tracked_sessions, max_prefixes=cfg.max_tracked_sessions,
                                    reopen_hint_s=cfg.placement_reopen_hint_s,
-                                   busier_margin=cfg.placement_busier_margin)
+                                   busier_margin=cfg.placement_busier_margin,
+                                   session_growth=cfg.placement_session_growth)
         # The relay of placed session calls straight to their engine; shared state and the clock set below.
         # read per placed or shared-inference request: looked up once (Config reads go through __getattr__)
         self._placement_blocks = (cfg.session_inference_block_tokens, cfg.session_inference_block_chars,
@@ -396,6 +397,8 @@ class Gateway:
         obs = self._observed_safe(outcome)
         self._release(ticket, obs.meta_info if obs else None)
         self._record(c.route, outcome, elapsed)
+        if plan.placed and obs is not None:  # the session's size, for placement's projected KV
+            self.placed.observed(plan.session_id, obs.meta_info)
         refused = _refused(outcome)
         if session_id is not None:
             if refused:

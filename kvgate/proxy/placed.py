@@ -41,8 +41,8 @@ class PlacedRelay:
     Takes the gateway's placement rules, engine directory (which routes are placed, the engine URLs), pooled
     upstream client, metrics, shared state (replicas on Redis, or None), a clock (seconds) and the prompt's
     block sizes (tokens, characters, characters per token). ``placed(c, session_id)`` says whether a call
-    goes here; ``relay(...)`` sends it; ``forget(sid)`` drops a closed session; ``publish()`` updates the
-    per-engine gauge.
+    goes here; ``relay(...)`` sends it; ``observed(sid, meta_info)`` records the size its call reached;
+    ``forget(sid)`` drops a closed session; ``publish()`` updates the per-engine gauge.
 
     router_key: the router's API key (smg --api-key), or None. A placed call skips the router, so it would skip
     the router's key check too: with a key set, only a call that carries ``Authorization: Bearer <key>`` is
@@ -93,6 +93,18 @@ class PlacedRelay:
             log.exception("placement forget failed")
             self.metrics.faults.labels("placement").inc()
 
+    def observed(self, sid: str, meta_info: dict | None) -> None:
+        """Session ``sid``'s placed call ended with the engine's ``meta_info`` (or None): its prompt + output
+        tokens are the KV the session holds now, for placement's projected KV. Never raises (counted)."""
+        if not meta_info:
+            return
+        try:
+            tokens = int(meta_info.get("prompt_tokens") or 0) + int(meta_info.get("completion_tokens") or 0)
+            self.placement.observed(sid, tokens)
+        except Exception:
+            log.exception("recording a session's size for placement failed")
+            self.metrics.faults.labels("placement").inc()
+
     async def place(self, request, c, session_id: str, exclude: list[str] = ()) -> tuple[Target | None, int]:
         """The placement stage: where session ``session_id``'s call (classified ``c``, on a route kvgate places)
         goes, decided once per call (and again only for a call whose engine refused its connection, with the
@@ -113,14 +125,14 @@ class PlacedRelay:
             placement, shared = self.placement, self.shared
             if shared is not None and placement.engine_of(session_id) is None:
                 await self._adopt_shared(session_id, await shared.engine_of(session_id))
-            target = self._place(session_id, keys, exclude)
+            target = self._place(session_id, keys, exclude, tokens)
             if target is not None and shared is not None and placement.last_reason != "sticky":
                 # Another replica may have placed it meanwhile: the first placement wins.
                 won = await shared.claim_engine(session_id, target.engine, target.dp_rank,
                                                 replace=placement.last_replaced)
                 if won is not None and won != (target.engine, target.dp_rank) and not exclude:
                     await self._adopt_shared(session_id, won)
-                    target = self._place(session_id, keys, exclude)
+                    target = self._place(session_id, keys, exclude, tokens)
         except Exception:  # fail-open: nothing went out yet
             log.exception("session placement failed; forwarding to the router")
             self.metrics.faults.labels("placement").inc()
@@ -166,7 +178,7 @@ class PlacedRelay:
         placement = self.placement
         while True:
             out = engine_body(body, c.body, target)
-            call = placement.call_started(target, tokens, self.clock())
+            call = placement.call_started(target, tokens, self.clock(), session_id)
             try:
                 resp, outcome = await self.upstream.relay(request, request.raw_path, headers, out, observe=observe,
                                                           add_headers=add, base=target.engine)
@@ -251,10 +263,11 @@ class PlacedRelay:
             log.exception("adopting a shared placement failed")
             self.metrics.faults.labels("placement").inc()
 
-    def _place(self, sid: str, keys: list[int], tried: list[str]) -> Target | None:
-        """Where ``sid``'s call goes by placement's rules, counted and its prompt indexed; None: no engine."""
+    def _place(self, sid: str, keys: list[int], tried: list[str], tokens: int) -> Target | None:
+        """Where ``sid``'s call (a ``tokens``-token prompt) goes by placement's rules, counted and its prompt
+        indexed; None: no engine."""
         placement = self.placement
-        target = placement.place(sid, keys, self.clock(), exclude=tried)
+        target = placement.place(sid, keys, self.clock(), exclude=tried, prompt_tokens=tokens)
         if target is None:
             return None
         if placement.last_reason != "sticky":
