@@ -7,6 +7,7 @@ import logging
 
 import aiohttp
 import orjson
+import pytest
 
 from conftest import CloseWatcher
 
@@ -244,11 +245,14 @@ async def test_kvgate_places_each_session_on_a_decode_worker_and_smg_decodes_it_
     assert per_decode == [2, 2, 2]
 
 
-async def test_a_new_program_on_a_full_decode_worker_goes_to_one_with_room_at_once(pd_fleet, kvgate_factory):
+@pytest.mark.parametrize("growth", [True, False])
+async def test_a_new_program_on_a_full_decode_worker_goes_to_one_with_room_at_once(pd_fleet, kvgate_factory, growth):
     """One prefill and two decode workers of 4,000 tokens (ceilings 3,600), program admission: a session holds
-    3,200 tokens on its decode worker between turns; a new program sharing its prompt's start is placed there
-    by its prefix, finds no room, and goes at once to the other decode worker (moved, counted per session),
-    where smg decodes it because kvgate names it. Nothing waits or pauses."""
+    3,200 tokens on its decode worker between turns; a new program sharing its prompt's start goes at once to
+    the other decode worker, where smg decodes it because kvgate names it. Nothing waits or pauses. Placement
+    counting session growth sees the home worker's projected KV (3,200 held + the new session's 3,300) past
+    0.95 x 4,000 and places it there itself (kv_moved); by the engines' figures alone placement puts it on
+    its prefix's worker and admission, finding no room, moves it (moved, counted per session)."""
     router, pres, decs = await pd_fleet(prefill=1, decode=2, policy="cache_aware",
                                         extra=["--decode-policy", "consistent_hashing"],
                                         max_total_num_tokens=4000, speed=20)
@@ -256,7 +260,7 @@ async def test_a_new_program_on_a_full_decode_worker_goes_to_one_with_room_at_on
                                   admission_pause_start_ratio=0, agentic_session_lifecycle=True,
                                   session_placement="kvgate", admission_poll_interval_s=0.1,
                                   discovery_interval_s=0.2, agentic_admission_max_wait_s=60.0,
-                                  placement_pressure_threshold=0.95)
+                                  placement_pressure_threshold=0.95, placement_session_growth=growth)
     await gw.directory.first_refresh.wait()
     while gw.gate.ledger.snapshot is None or len(gw.gate.ledger.snapshot.engines) < 2:
         await gw.poller.round_done.wait()
@@ -280,9 +284,11 @@ async def test_a_new_program_on_a_full_decode_worker_goes_to_one_with_room_at_on
     assert obj["meta_info"]["completion_tokens"] == 100
     assert (h["X-Kvgate-Admission"], h["X-Kvgate-Queue-Ms"]) == ("admit", "0")
     assert h["x-smg-routed-worker-id"] == other
-    assert new["engine"]["url"] == other and new["engine"]["moves"] == 1, new
+    moved = 0 if growth else 1
+    assert new["engine"]["url"] == other and new["engine"]["moves"] == moved, new
     counters = gw.gate.stats()["counters"]
-    assert counters["moved"] == 1 and counters["pause"] == 0, counters
+    assert counters["moved"] == moved and counters["pause"] == 0, counters
+    assert gw.placement.counts["kv_moved"] == (1 if growth else 0), gw.placement.counts
     assert next(d for d in decs if d.url == other).stats()["sessions"].get("new") == 1
 
 
