@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import math
 from functools import partial
+from heapq import heappop
 from operator import attrgetter
 from typing import Any, Iterator
 
@@ -27,7 +28,7 @@ from .deadlines import Deadlines
 from .ledger import Grant, Refusal
 from .records import BOUND_REASON, NO_SEAT, Action, ProgramState, WaitReason, _Program, _Waiter, one_turn
 from .seats import SEAT_FREE
-from .victims import victim_order
+from .victims import victim_heap, victim_order
 from .working_set import FLEET
 
 __all__: list[str] = []
@@ -93,12 +94,16 @@ class _Pausing:
             over = max(over, self.ledger.reserved - self.ledger.ceiling)
         if over <= 0:
             return
-        here = self._on.get(place)
-        on = sorted(here.values(), key=_JOINED) if here else []  # in _programs' order, as the victim rule's ties
-        for p in self._victims([p for p in on if p.state is ProgramState.IN_TOOL], now):
+        here = self._on.get(place) or {}
+        heap = victim_heap([p for p in here.values() if p.state is ProgramState.IN_TOOL], self.victim, now,
+                           self._groups)
+        while heap:  # the victim rule's order, taken only as far as it is needed (most often one or two)
             if over <= 0:
                 return
-            over -= self._pause(p, now)
+            over -= self._pause(heappop(heap)[-1], now)
+        if over <= 0:
+            return
+        on = sorted(here.values(), key=_JOINED)  # in _programs' order, as the victim rule's ties
         for p in self._victims([p for p in on if p.state is ProgramState.LIVE and not p.marked], now):
             if over <= 0:
                 return
