@@ -411,26 +411,19 @@ class Walking(ProgramCoordinator):
 
     _walk_every_place = True
 
-    def _relieve(self, place, now):
-        if self.ledger.is_degraded(now) or not self._pausing(now):
-            return
-        over = self.ledger.reserved_on(place) - self.ledger.ceiling_of(place)
-        if place is None:
-            over = max(over, self.ledger.reserved - self.ledger.ceiling)
-        if over <= 0:
-            return
-        here = self._on.get(place)
-        on = sorted(here.values(), key=lambda p: p.n) if here else []
-        for p in self._victims([p for p in on if p.state is ProgramState.IN_TOOL], now):
-            if over <= 0:
-                return
-            over -= self._pause(p, now)
-        for p in self._victims([p for p in on if p.state is ProgramState.LIVE and not p.marked], now):
-            if over <= 0:
-                return
-            p.marked = True
-            self._count("marked", now)
-            over -= sum(t for t, *_ in p.inflight.values())
+    def _relieve(self, place, now):  # every in-tool program sorted, then the running ones: no heap
+        over = self._overflow(place, now)
+        on = sorted(self._on.get(place, {}).values(), key=lambda p: p.n) if over > 0 else []
+        for state in (ProgramState.IN_TOOL, ProgramState.LIVE):
+            for p in self._victims([p for p in on if p.state is state and not p.marked], now):
+                if over <= 0:
+                    return
+                if state is ProgramState.IN_TOOL:
+                    over -= self._pause(p, now)
+                else:
+                    p.marked = True
+                    self._count("marked", now)
+                    over -= sum(t for t, *_ in p.inflight.values())
 
 
 @settings(max_examples=200, deadline=None)

@@ -87,11 +87,7 @@ class _Pausing:
     def _relieve(self, place: Any, now: float) -> None:
         """Pause in-tool programs on ``place`` (victim rule) until its working set fits its capacity; then mark
         running ones to pause at the end of their turn."""
-        if self.ledger.is_degraded(now) or not self._pausing(now):
-            return
-        over = self.ledger.reserved_on(place) - self.ledger.ceiling_of(place)
-        if place is FLEET:
-            over = max(over, self.ledger.reserved - self.ledger.ceiling)
+        over = self._overflow(place, now)
         if over <= 0:
             return
         here = self._on.get(place) or {}
@@ -110,6 +106,16 @@ class _Pausing:
             p.marked = True
             self._count("marked", now)
             over -= sum(t for t, *_ in p.inflight.values())
+
+    def _overflow(self, place: Any, now: float) -> int:
+        """Tokens ``place``'s working set holds beyond its ceiling (the fleet's too for FLEET); 0 while nothing may
+        pause (degraded, or the pause gate closed)."""
+        if self.ledger.is_degraded(now) or not self._pausing(now):
+            return 0
+        over = self.ledger.reserved_on(place) - self.ledger.ceiling_of(place)
+        if place is FLEET:
+            over = max(over, self.ledger.reserved - self.ledger.ceiling)
+        return over
 
     def _victims(self, progs: list[_Program], now: float) -> list[_Program]:
         """``progs`` in pause order: ended ones (idle past their predicted gap) first, then the victim rule."""
