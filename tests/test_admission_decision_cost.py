@@ -13,11 +13,19 @@ plain computation it replaces, over random inputs.
   reaches back that far);
 - a waiting turn's remembered refusals (_refused_again) decide as asking every engine again: two coordinators,
   one of them asking every time, over random fleets, programs and events give the same decisions, pauses,
-  counters, ledger refusals and refusal records at every step.
+  counters, ledger refusals and refusal records at every step;
+- first_fit told where a prompt's start is held (start_held) charges the whole turn elsewhere without a walk of
+  its blocks: the same as walking them, over chained prompts (kvgate's); and victim_heap pops an overflowing
+  place's in-tool programs in victim_order's order: two coordinators, one walking every engine and sorting every
+  victim (the code before), give the same decisions, pauses and counters over random fleets, programs, events
+  and victim rules.
 """
 
 import copy
+import heapq
+import math
 from collections import Counter
+from types import SimpleNamespace
 
 from hypothesis import given, settings, strategies as st
 
@@ -25,7 +33,8 @@ from kvgate.admission.capacity import ClusterSnapshot, EngineCapacity
 from kvgate.admission.coordinator import Kind
 from kvgate.admission.ledger import Grant, Ledger
 from kvgate.admission.program import ProgramCoordinator
-from kvgate.admission.records import _Waiter
+from kvgate.admission.records import ProgramState, _Waiter
+from kvgate.admission.victims import VICTIM_RULES, Groups, VictimRule, victim_heap, victim_order
 from kvgate.admission.working_set import Holdings
 
 BT = 4  # tokens per block: small, so that random prompts share and repeat blocks
@@ -118,6 +127,36 @@ def test_holdings_match_a_recount_whatever_the_order_of_adds_and_removes(ops):
             assert h.place_of(k) == pl and h.size_of(k) == len(bl) * BT + t
 
 
+CHAINS = [tuple((c << 20) | k for k in range(40)) for c in range(3)]  # three prompts' chains: prefixes of each held
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(["add", "add", "remove", "turn"]), HOLDER, PLACE, st.integers(0, 2),
+                          st.integers(0, 40), st.integers(0, 9)), max_size=40),
+       st.lists(st.tuples(PLACE, st.integers(0, 2), st.integers(0, 40), st.integers(0, 6), st.integers(-2, 9)),
+                min_size=1, max_size=8))
+def test_a_chained_prompts_held_prefix_found_by_a_search_costs_what_the_walk_does(ops, asks):
+    """Holdings.cost_chained over chain-hashed prompts (every holder holds a prefix of one chain, as kvgate's
+    prompts are) equals cost() and a recount, whatever the holders, removals pending and prompts asked about
+    (prefixes of a chain, some going on with blocks no one holds)."""
+    h, m = Holdings(BT), Model()
+    for kind, holder, place, c, n, tail in ops:
+        blocks = CHAINS[c][:n]
+        if kind == "remove" or (kind == "turn" and holder in m.h):
+            m.h.pop(holder, None)
+            h.remove(holder)  # left pending: the asks below meet it
+        if kind != "remove":
+            m.h.pop(holder, None)
+            h.add(holder, place, blocks, tail)
+            m.h[holder] = (place, blocks, max(0, tail))
+    for place, c, n, extra, tail in asks:
+        blocks = CHAINS[c][:n] + tuple((1 << 40) | (c << 20) | k for k in range(extra))
+        want = m.cost(place, blocks, tail)
+        assert h.cost_chained(place, blocks, tail) == want
+        assert h.cost_chained(place, blocks, tail) == want  # remembered: the same
+        assert h.cost(place, blocks, tail) == want
+
+
 def fleet(caps, now=0.0, usage=()):
     """A snapshot of engines e0.. with ``caps`` tokens each (the second pool of a capacity pair: a DP rank)."""
     engines = {}
@@ -172,7 +211,13 @@ def test_first_fit_is_try_acquire_place_by_place(caps, usage, grants, pi, tail, 
     blocks = PROMPTS[pi]
     tokens = len(blocks) * BT + tail
     plain = copy.deepcopy(lg)
-    g, where, refused = lg.first_fit("t", tokens, 0.0, tried, blocks)
+    walked = copy.deepcopy(lg)
+    g, where, refused = lg.first_fit("t", tokens, 0.0, tried, blocks,
+                                     start_held=lg.places_holding(blocks[0]) if blocks else set())
+    g2, where2, refused2 = walked.first_fit("t", tokens, 0.0, tried, blocks)  # every place's blocks walked
+    assert [(pl, r.reason, r.tokens, r.charge) for pl, r in refused] == \
+        [(pl, r.reason, r.tokens, r.charge) for pl, r in refused2]
+    assert (where, g and g.lease.charged) == (where2, g2 and g2.lease.charged)
     want_refused, want = [], (None, None)
     for pl in tried:
         r = plain.try_acquire("t", tokens, 0.0, place=pl, blocks=blocks)
@@ -280,10 +325,16 @@ def test_remembered_refusals_decide_as_asking_every_engine_again(caps, firsts, e
     turn by turn, kvgate placing their calls) and events in the same order, one remembering a waiting turn's
     refusals (_refused_again), one asking every engine again: the same decisions, pauses, counters, ledger
     refusals and per-pump refusal records at every step."""
+    side_by_side((ProgramCoordinator, Plain), caps, firsts, events, max_wait, reclaim)
+
+
+def side_by_side(classes, caps, firsts, events, max_wait, reclaim, victim="ahead"):
+    """Drive a coordinator of each of two ``classes`` through ``events``, asserting they decide alike at every
+    step; returns the pauses and in-tool pauses counted (how much of the pausing path the events reached)."""
     cos = []
-    for cls in (ProgramCoordinator, Plain):
+    for cls in classes:
         lg = Ledger(headroom=0.9, pressure_threshold=0.92, block_tokens=BT, lease_ttl_s=1e9, stale_after_s=1e9)
-        co = cls(lg, max_wait_s=max_wait, reclaim_after_s=reclaim)
+        co = cls(lg, max_wait_s=max_wait, reclaim_after_s=reclaim, victim=victim)
         co.reconcile(fleet(caps), 0.0)
         cos.append(co)
     places = cos[0].ledger.engine_places()
@@ -351,3 +402,70 @@ def test_remembered_refusals_decide_as_asking_every_engine_again(caps, firsts, e
             outs = [view(co.pump(now)) for co in cos]
             same(outs)
             went(outs[0])
+    return cos[0].counters["pause"]
+
+
+class Walking(ProgramCoordinator):
+    """The coordinator before these shortcuts: first_fit walks a waiting turn's blocks on every engine it tries,
+    and an overflowing place sorts all its in-tool programs by the victim rule."""
+
+    _walk_every_place = True
+
+    def _relieve(self, place, now):  # every in-tool program sorted, then the running ones: no heap
+        over = self._overflow(place, now)
+        on = sorted(self._on.get(place, {}).values(), key=lambda p: p.n) if over > 0 else []
+        for state in (ProgramState.IN_TOOL, ProgramState.LIVE):
+            for p in self._victims([p for p in on if p.state is state and not p.marked], now):
+                if over <= 0:
+                    return
+                if state is ProgramState.IN_TOOL:
+                    over -= self._pause(p, now)
+                else:
+                    p.marked = True
+                    self._count("marked", now)
+                    over -= sum(t for t, *_ in p.inflight.values())
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.integers(40, 300), min_size=2, max_size=6), st.lists(st.integers(2, 20), min_size=10, max_size=10),
+       st.lists(EVENT, min_size=60, max_size=200), st.sampled_from([3.0, 1e6, 1e6]), st.sampled_from([None, None, 2.0]),
+       st.sampled_from(VICTIM_RULES))
+def test_charges_where_the_start_is_not_held_and_the_victim_heap_decide_as_walking_and_sorting(
+        caps, firsts, events, max_wait, reclaim, victim):
+    """The same fleets, programs and events as above, one coordinator with the shortcuts (the whole turn charged
+    without a walk where its prompt's start is not held; the victims popped off a heap), one without: the same
+    decisions, pauses, counters, ledger refusals and refusal records at every step."""
+    side_by_side((ProgramCoordinator, Walking), caps, firsts, events, max_wait, reclaim, victim)
+
+
+def test_the_side_by_side_events_pause_programs():
+    """The events above reach the pausing path (the property would hold vacuously otherwise): a fixed run pauses."""
+    events = [("turn", i % 10, 30, 0.1, 0.0) for i in range(40)] + [("done", i % 10, 30, 0.1, 0.0) for i in range(40)]
+    events += [("turn", i % 10, 40, 0.1, 0.0) for i in range(40)]
+    assert side_by_side((ProgramCoordinator, Walking), [60, 60], [8] * 10, events, 1e6, None) >= 3
+
+
+GROUP_PROGS = st.lists(st.tuples(st.sampled_from([None, "G", "H", "K"]), st.integers(0, 6), st.integers(0, 500),
+                                 st.floats(0.0, 20.0), st.sampled_from([5.0, 15.0, math.inf])), min_size=0, max_size=30)
+
+
+@settings(max_examples=300, deadline=None)
+@given(GROUP_PROGS, st.sampled_from(VICTIM_RULES), st.randoms(use_true_random=False))
+def test_the_victim_heap_pops_in_victim_order(progs, rule, rnd):
+    """victim_heap popped to the end is victim_order over the programs in join order (``n``), whatever order
+    they are given in, whatever the groups, turns, sizes, idle times and overdue times (ties included)."""
+    groups, ps = Groups(), []
+    for n, (g, turns, resident, since, overdue) in enumerate(progs):
+        p = SimpleNamespace(sid=f"s{n}", n=n, group=g, turns=turns, resident=resident, since=since, overdue_at=overdue)
+        ps.append(p)
+        if g is not None:
+            groups.join(g, p.sid, turns)
+    for g in ("G", "H"):  # a group with members elsewhere (not among the programs ordered)
+        groups.join(g, "elsewhere-" + g, 3)
+    byid = {p.sid: p for p in ps}
+    byid.update({"elsewhere-G": SimpleNamespace(turns=3), "elsewhere-H": SimpleNamespace(turns=3)})
+    want = [p.sid for p in victim_order(ps, VictimRule(rule), 10.0, groups, byid)]
+    given = ps[:]
+    rnd.shuffle(given)
+    heap = victim_heap(given, VictimRule(rule), 10.0, groups)
+    assert [heapq.heappop(heap)[-1].sid for _ in range(len(heap))] == want

@@ -128,8 +128,8 @@ class Ledger(_LedgerFigures):
         reservation is still clamped to the device pool (max_tokens) and the pressure guard reads device usage.
 
     Read-only figures: snapshot; is_degraded(now); and in kvgate.admission.ledger_figures: ceiling, reserved,
-    available_tokens, reserved_utilization, lease_count, lease_expired_total, epoch, usage_window(now),
-    stats(now).
+    available_tokens, reserved_utilization, lease_count, lease_expired_total, epoch, charge, shares_start,
+    refusal_charge, usage_window(now), stats(now).
     """
 
     def __init__(
@@ -269,7 +269,12 @@ class Ledger(_LedgerFigures):
                 if verdict != "oversized":
                     return self._refuse(ticket, tokens, verdict, cost)
                 oversized = True
-        hold.add(ticket, place, blocks, tail)
+        return self._grant(ticket, tokens, now, place, blocks, tail, cost, oversized, force)
+
+    def _grant(self, ticket: Hashable, tokens: int, now: float, place: Any, blocks: tuple, tail: int, cost: int,
+               oversized: bool, force: bool) -> Grant:
+        """try_acquire's grant, its figures read: hold (blocks, tail) on resolved ``place``, which adds ``cost``."""
+        self._hold.add(ticket, place, blocks, tail)
         expires = now + self.lease_ttl_s
         lease = Lease(ticket, tokens, float(now), float(expires), self._epoch, oversized, place, cost, force, blocks)
         if expires < self._expiry_floor:
@@ -277,19 +282,20 @@ class Ledger(_LedgerFigures):
         self._leases[ticket] = lease
         self._lease_n[place] = self._lease_n.get(place, 0) + 1
         self._granted_total += 1
-        if oversized:
-            self._oversized_total += 1
-        if force:
-            self._forced_total += 1
+        self._oversized_total += oversized  # a bool counts 1 or 0
+        self._forced_total += bool(force)
         return Grant(lease, True)
 
-    def first_fit(self, ticket: Hashable, tokens: int, now: float, places: Iterable[Any],
-                  blocks: tuple = (), own_room: dict | None = None) -> tuple[Grant | None, Any, list[tuple[Any, Refusal]]]:
+    def first_fit(self, ticket: Hashable, tokens: int, now: float, places: Iterable[Any], blocks: tuple = (),
+                  own_room: dict | None = None, start_held: set | None = None
+                  ) -> tuple[Grant | None, Any, list[tuple[Any, Refusal]]]:
         """try_acquire (not forced) on each of ``places`` in order until one grants: the same checks, counts
         and outcome as calling it place by place, at a fraction of the cost of each refusal. Returns (the
         Grant or None, the place that granted or None, [(place, Refusal)] for each place that refused first).
         ``own_room``: filled with {place: charge} for each refusal over the place's own room alone (see
-        refusal_charge: a refusal nothing but a change on that place can undo).
+        refusal_charge: a refusal nothing but a change on that place can undo). ``start_held``: the places
+        that hold ``blocks[0]`` (places_holding); elsewhere the charge is the whole turn, read without a walk
+        of its blocks (chain hashes, as kvgate's are: a place that holds none of a prompt's start holds none of it).
 
         A turn that fits nowhere is refused by every engine it may go to, on every pump while it waits (63 on
         a fleet of 64); the refusals change nothing, so the figures every place shares are read once."""
@@ -304,7 +310,7 @@ class Ledger(_LedgerFigures):
         hold, resolved, th, counts = self._hold, self._resolved, self.pressure_threshold, self._refused_total
         bt, reserved = hold.block_tokens, hold.grand_total()
         blocks = tuple(blocks) if blocks else ()
-        last = None  # (clamp, tokens, blocks, tail) of the previous place: engines of one size share them
+        last = None  # (clamp, tokens, blocks, tail, charge where none held) of the previous place: shared by a size
         for pl in places:
             try:
                 place = resolved[pl]
@@ -314,9 +320,10 @@ class Ledger(_LedgerFigures):
             if last is None or last[0] != clamp:
                 t = min(tokens, clamp)
                 bl = blocks[: t // bt]
-                last = (clamp, t, bl, t - len(bl) * bt)
-            _, t, bl, tail = last
-            cost = hold.cost(place, bl, tail)
+                tail = t - len(bl) * bt
+                last = (clamp, t, bl, tail, None if start_held is None else hold.cost_alone(bl, tail))
+            _, t, bl, tail, alone = last
+            cost = alone if start_held is not None and place not in start_held else hold.cost(place, bl, tail)
             if usage < th and cost <= place_ceiling < hold.total(place) + cost:
                 # over the place's own room and no larger than the place (never admitted alone): _verdict's
                 # capacity_exhausted, read inline (most places a waiting turn is tried on end here)
@@ -326,8 +333,8 @@ class Ledger(_LedgerFigures):
                     own_room[pl] = cost
                 continue
             verdict = self._verdict(place, cost, usage, place_ceiling, reserved)
-            if verdict is None or verdict == "oversized":
-                return self.try_acquire(ticket, tokens, now, place=pl, blocks=blocks), pl, refused  # grants
+            if verdict is None or verdict == "oversized":  # try_acquire's grant, without reading it all again
+                return self._grant(ticket, t, now, place, bl, tail, cost, verdict is not None, False), pl, refused
             refused.append((pl, self._refuse(ticket, t, verdict, cost)))
         return None, None, refused
 
@@ -482,20 +489,6 @@ class Ledger(_LedgerFigures):
         """Tokens ``place`` could still take under its own ceiling (may be negative when over it)."""
         place = self.resolve_place(place)
         return self.ceiling_of(place) - self._hold.total(place)
-
-    def charge(self, place: Any, tokens: int, blocks: tuple = ()) -> int:
-        """What a reservation of ``tokens`` with prefix ``blocks`` would add on ``place`` now (tokens): the
-        blocks not yet held there plus its tail, clamped to the place's engine as try_acquire does."""
-        place = self.resolve_place(place)
-        tokens = min(int(tokens), self.max_tokens(place))
-        bt = self._hold.block_tokens
-        blocks = tuple(blocks)[: tokens // bt] if blocks else ()
-        return self._hold.cost(place, blocks, tokens - len(blocks) * bt)
-
-    def shares_start(self, place: Any, blocks: tuple) -> bool:
-        """Whether ``place`` holds the first block of a prompt with prefix ``blocks`` (chain hashes: a place that
-        holds none of its start holds none of the rest either), in O(1)."""
-        return bool(blocks) and self._hold.has_block(self.resolve_place(place), blocks[0])
 
     def reserved_on(self, place: Any) -> int:
         """Tokens reserved on ``place`` by leases counted there."""

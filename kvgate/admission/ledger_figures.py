@@ -50,6 +50,22 @@ class _LedgerFigures:
         """Increments whenever the set of healthy engines changes."""
         return self._epoch
 
+    def charge(self, place: Any, tokens: int, blocks: tuple = (), chained: bool = False) -> int:
+        """What a reservation of ``tokens`` with prefix ``blocks`` would add on ``place`` now (tokens): the
+        blocks not yet held there plus its tail, clamped to the place's engine as try_acquire does. ``chained``:
+        ``blocks`` are chain hashes (kvgate's): the place's held prefix of them is found without a walk of them
+        all (working_set.Holdings.cost_chained)."""
+        place = self.resolve_place(place)
+        tokens = min(int(tokens), self.max_tokens(place))
+        bt = self._hold.block_tokens
+        blocks = tuple(blocks)[: tokens // bt] if blocks else ()
+        return (self._hold.cost_chained if chained else self._hold.cost)(place, blocks, tokens - len(blocks) * bt)
+
+    def shares_start(self, place: Any, blocks: tuple) -> bool:
+        """Whether ``place`` holds the first block of a prompt with prefix ``blocks`` (chain hashes: a place that
+        holds none of its start holds none of the rest either), in O(1)."""
+        return bool(blocks) and self._hold.has_block(self.resolve_place(place), blocks[0])
+
     def refusal_charge(self, place: Any, tokens: int, blocks: tuple = ()) -> int:
         """What a reservation of ``tokens`` (not forced) with prefix ``blocks`` would add on engine ``place`` if
         the place refuses it over its own room alone (capacity_exhausted: usage under the pressure threshold, the

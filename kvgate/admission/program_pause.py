@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import math
 from functools import partial
+from heapq import heappop
 from operator import attrgetter
 from typing import Any, Iterator
 
@@ -27,7 +28,7 @@ from .deadlines import Deadlines
 from .ledger import Grant, Refusal
 from .records import BOUND_REASON, NO_SEAT, Action, ProgramState, WaitReason, _Program, _Waiter, one_turn
 from .seats import SEAT_FREE
-from .victims import victim_order
+from .victims import victim_heap, victim_order
 from .working_set import FLEET
 
 __all__: list[str] = []
@@ -86,25 +87,35 @@ class _Pausing:
     def _relieve(self, place: Any, now: float) -> None:
         """Pause in-tool programs on ``place`` (victim rule) until its working set fits its capacity; then mark
         running ones to pause at the end of their turn."""
-        if self.ledger.is_degraded(now) or not self._pausing(now):
-            return
-        over = self.ledger.reserved_on(place) - self.ledger.ceiling_of(place)
-        if place is FLEET:
-            over = max(over, self.ledger.reserved - self.ledger.ceiling)
+        over = self._overflow(place, now)
         if over <= 0:
             return
-        here = self._on.get(place)
-        on = sorted(here.values(), key=_JOINED) if here else []  # in _programs' order, as the victim rule's ties
-        for p in self._victims([p for p in on if p.state is ProgramState.IN_TOOL], now):
+        here = self._on.get(place) or {}
+        heap = victim_heap([p for p in here.values() if p.state is ProgramState.IN_TOOL], self.victim, now,
+                           self._groups)
+        while heap:  # the victim rule's order, taken only as far as it is needed (most often one or two)
             if over <= 0:
                 return
-            over -= self._pause(p, now)
+            over -= self._pause(heappop(heap)[-1], now)
+        if over <= 0:
+            return
+        on = sorted(here.values(), key=_JOINED)  # in _programs' order, as the victim rule's ties
         for p in self._victims([p for p in on if p.state is ProgramState.LIVE and not p.marked], now):
             if over <= 0:
                 return
             p.marked = True
             self._count("marked", now)
             over -= sum(t for t, *_ in p.inflight.values())
+
+    def _overflow(self, place: Any, now: float) -> int:
+        """Tokens ``place``'s working set holds beyond its ceiling (the fleet's too for FLEET); 0 while nothing may
+        pause (degraded, or the pause gate closed)."""
+        if self.ledger.is_degraded(now) or not self._pausing(now):
+            return 0
+        over = self.ledger.reserved_on(place) - self.ledger.ceiling_of(place)
+        if place is FLEET:
+            over = max(over, self.ledger.reserved - self.ledger.ceiling)
+        return over
 
     def _victims(self, progs: list[_Program], now: float) -> list[_Program]:
         """``progs`` in pause order: ended ones (idle past their predicted gap) first, then the victim rule."""

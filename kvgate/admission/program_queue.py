@@ -41,6 +41,11 @@ __all__: list[str] = []
 class _WaitingTurns:
     """The queue half of ProgramCoordinator (see the module doc); no state of its own."""
 
+    # True: a waiting turn's blocks are walked on every engine it is tried on, not only on those that hold its
+    # prompt's start, and on those in full, not by a binary search of its held prefix (chain hashes: the plain
+    # computation the shortcuts must match, in tests)
+    _walk_every_place = False
+
     def pump(self, now: float) -> list[Decision]:
         """Decide for waiting turns at ``now``; returns decisions for those that leave. Ages first (waited >=
         max_wait_s -> BYPASS_AGED, reserving), degraded -> all BYPASS_DEGRADED, then paused programs' turns past
@@ -270,7 +275,9 @@ class _WaitingTurns:
         # the others are ranked only now: a refusal changes no holding, so the order is the one it had before
         lg = self.ledger
         own_room: dict[Any, int] = {}
-        g, where, refused = lg.first_fit(w.ticket, w.tokens, now, self._others(w), w.blocks, own_room)
+        near = lg.places_holding(w.blocks[0]) if w.blocks else set()
+        g, where, refused = lg.first_fit(w.ticket, w.tokens, now, self._others(w, near), w.blocks, own_room,
+                                         None if self._walk_every_place else near)
         if refused:
             self._note_refusals(w, refused)
         w.refused = None
@@ -316,7 +323,7 @@ class _WaitingTurns:
         w.refused = (rank, lg.holdings_version(), charges, top)
         return True
 
-    def _others(self, w: _Waiter) -> Iterator[Any]:
+    def _others(self, w: _Waiter, near: set | None = None) -> Iterator[Any]:
         """The engines other than ``w``'s own in the order _fit tries them: by (its charge there, most free
         room, the snapshot's order), only those that could take its least charge and are not under pressure.
 
@@ -325,18 +332,20 @@ class _WaitingTurns:
         prompt's first block is not held (chain hashes: nothing of it is held there), so those keep the free
         order; the few engines that hold its start are costed (the walk of its blocks) and merged in. Lazily:
         first_fit stops at the first that grants (most often the first), so the rest is not read; consume it
-        before the holdings change (the order is the ledger's own list, updated in place)."""
+        before the holdings change (the order is the ledger's own list, updated in place). ``near``: the places
+        that hold its prompt's start (Ledger.places_holding), when the caller has them already."""
         lg = self.ledger
         rank = lg.free_rank()
         order = rank.order()  # first: it brings the engines' free room up to date
         lb, tokens, own, pressed = self._lower_bound(w), w.tokens, w.place, rank.pressed
-        near = lg.places_holding(w.blocks[0]) if w.blocks else ()
+        if near is None:  # the places that hold its prompt's start
+            near = lg.places_holding(w.blocks[0]) if w.blocks else set()
         costed = []
         for pl in near:
             if pl != own and pl in rank and pl not in pressed:
                 key = rank.key(pl)
                 if -key[0] >= lb:
-                    costed.append((lg.charge(pl, tokens, w.blocks), *key))
+                    costed.append((lg.charge(pl, tokens, w.blocks, not self._walk_every_place), *key))
         rest = (e for e in takewhile(lambda e: -e[0] >= lb, order)
                 if e[2] != own and e[2] not in pressed and e[2] not in near)
         if not costed:

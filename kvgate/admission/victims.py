@@ -23,10 +23,12 @@ than longest-idle, which has the shorter TTFT tail (docs/benchmark.md).
 from __future__ import annotations
 
 import enum
+from heapq import heapify
 from collections.abc import Mapping
 from typing import Any, Callable, Hashable, Iterable
 
-__all__ = ["VictimRule", "ResumeOrder", "VICTIM_RULES", "RESUME_ORDERS", "Groups", "victim_order", "resume_key"]
+__all__ = ["VictimRule", "ResumeOrder", "VICTIM_RULES", "RESUME_ORDERS", "Groups", "victim_order", "victim_heap",
+           "resume_key"]
 
 
 class VictimRule(enum.StrEnum):
@@ -114,6 +116,26 @@ def victim_order(progs: Iterable[Any], rule: VictimRule, now: float, groups: Map
     else:
         key = lambda p: p.resident  # noqa: E731
     return sorted(progs, key=lambda p: (p.overdue_at > now, key(p)))
+
+
+def victim_heap(progs: Iterable[Any], rule: VictimRule, now: float, groups: Groups) -> list[tuple]:
+    """``progs`` (each with a distinct ``n``) as a heap (heapq) of (victim_order's key..., n, program): popped one
+    by one they come in victim_order's order over ``progs`` sorted by ``n`` (its ties: the order given). A place
+    that overflows pauses the first one or two of its in-tool programs: their keys are read in one pass, without a
+    call per program, and the rest is not sorted."""
+    if rule != VictimRule.AHEAD:
+        keyed = victim_order(sorted(progs, key=lambda p: p.n), rule, now, groups, {})
+        return [(i, p.n, p) for i, p in enumerate(keyed)]  # already in order: a heap as it is
+    sums, means, heap = groups.turns, {}, []
+    for p in progs:
+        g = p.group
+        mean = means.get(g)
+        if mean is None:  # per group once (siblings on one place share it): victim_order's ahead(), inline
+            members = groups.get(g) if g is not None else None
+            mean = means[g] = sums[g] / len(members) if members and len(members) >= 2 else None
+        heap.append((p.overdue_at > now, 0.0 if mean is None else mean - p.turns, -p.turns, p.resident, p.n, p))
+    heapify(heap)
+    return heap
 
 
 def resume_key(order: ResumeOrder) -> Callable[[Any], Any]:

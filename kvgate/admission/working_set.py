@@ -93,8 +93,14 @@ class Holdings:
                 return hit[1] * self.block_tokens + max(0, int(tail))
         pending = self._pending
         if pending is not None and pending[1] is p:
+            held = pending[2]
+            if type(blocks) is tuple and blocks[:len(held)] == held:  # noqa: E721
+                # the prompt goes on from the holding just released (a program's next turn): those blocks are in
+                # refs still (what the removal freed is held again, counted by freeing), the rest is read alone
+                new = len(set(blocks[len(held):]).difference(p.refs)) + p.freeing
+                return self._remember(p, blocks, new) * self.block_tokens + max(0, int(tail))
             distinct = self._distinct_of(blocks)[1]  # set operations: C speed, not a Python step per block
-            if distinct.issuperset(pending[2]):  # every block the removal freed would be added again
+            if distinct.issuperset(held):  # every block the removal freed would be added again
                 new = len(distinct.difference(p.refs)) + p.freeing
             else:
                 self._settle()
@@ -105,11 +111,41 @@ class Holdings:
             new = self._distinct_of(blocks)[2]
         else:  # the engines that hold its start: one set of the prompt for all of them
             new = len(self._distinct_of(blocks)[1].difference(p.refs))
+        return self._remember(p, blocks, new) * self.block_tokens + max(0, int(tail))
+
+    @staticmethod
+    def _remember(p: _Place, blocks: Iterable[int], new: int) -> int:
+        """Keep ``new`` (blocks of ``blocks`` not held on ``p``) until ``p`` changes; returns it."""
         if type(blocks) is tuple:  # noqa: E721
             if len(p.cache) >= _CACHED_PER_PLACE:
                 p.cache.clear()
             p.cache[id(blocks)] = (blocks, new)
-        return new * self.block_tokens + max(0, int(tail))
+        return new
+
+    def cost_chained(self, place: Hashable, blocks: tuple, tail: int) -> int:
+        """cost() of chain-hashed ``blocks`` (kvgate's: the blocks a place holds of such a prompt are a prefix of
+        it), the held prefix found by a binary search instead of a walk of every block; cost() itself where
+        ``blocks`` repeat a block or a removal is pending on ``place``."""
+        p = self._places.get(place)
+        if p is None or type(blocks) is not tuple or (self._pending is not None and self._pending[1] is p):  # noqa: E721
+            return self.cost(place, blocks, tail)
+        hit = p.cache.get(id(blocks))
+        if hit is not None and hit[0] is blocks:
+            return hit[1] * self.block_tokens + max(0, int(tail))
+        if self._distinct_of(blocks)[2] != len(blocks):
+            return self.cost(place, blocks, tail)
+        refs, lo, hi = p.refs, 0, len(blocks)
+        while lo < hi:  # blocks[:lo] held, blocks[hi:] not
+            mid = (lo + hi) // 2
+            if blocks[mid] in refs:
+                lo = mid + 1
+            else:
+                hi = mid
+        return self._remember(p, blocks, len(blocks) - lo) * self.block_tokens + max(0, int(tail))
+
+    def cost_alone(self, blocks: Iterable[int], tail: int) -> int:
+        """cost() on a place that holds none of ``blocks``: every distinct block + tail (tokens)."""
+        return self._distinct_of(blocks)[2] * self.block_tokens + max(0, int(tail))
 
     def _distinct_of(self, blocks: Iterable[int]) -> tuple:
         """(blocks, the set of them, its size), remembered for the last tuple asked about (kept, so its id is
@@ -135,6 +171,9 @@ class Holdings:
                 bl = blocks  # the very tuple the pending removal held: distinct already
             elif blocks is self._distinct[0] and self._distinct[2] == len(blocks):
                 bl = blocks  # the tuple cost() just read (the grant that follows it): no repeat in it
+            elif pending is not None and type(blocks) is tuple and blocks[:len(pending[2])] == pending[2] and \
+                    self._fresh(pending[1], blocks[len(pending[2]):]):  # noqa: E721
+                bl = blocks  # goes on from the removal's blocks (distinct) with blocks new there, none repeated
             else:
                 distinct = dict.fromkeys(blocks)
                 bl = blocks if type(blocks) is tuple and len(distinct) == len(blocks) else tuple(distinct)  # noqa: E721
@@ -156,6 +195,11 @@ class Holdings:
         self._holders[holder] = (place, bl, t)
         self._total += added
         return added
+
+    @staticmethod
+    def _fresh(p: _Place, rest: tuple) -> bool:
+        """Whether ``rest`` repeats no block and holds none ``p`` holds (a fortiori none of a removal's there)."""
+        return len(set(rest)) == len(rest) and p.refs.keys().isdisjoint(rest)
 
     @staticmethod
     def _count_in(p: _Place, bl: tuple) -> int:
