@@ -75,6 +75,7 @@ class AdmissionGate:
                              # A program between turns may sit in HiCache's host pool: SGLang loads it back
                              # instead of recomputing it. A request in flight needs the device pool: fifo.
                              count_host=self.policy == "program" and cfg.admission_host_cache)
+        self._gate_seen = (0, 0)  # the pause gate's (opened, closed) counts last logged
         self._has_actions = self.policy == "program"  # only the program policy asks the shell to act (pauses)
         if self.policy == "program":
             self.coord = ProgramCoordinator(self.ledger, cfg.agentic_admission_max_wait_s,
@@ -372,6 +373,21 @@ class AdmissionGate:
     def reconcile(self, snapshot: ClusterSnapshot) -> None:
         """A new capacity snapshot from the poller (taken at snapshot.taken_at)."""
         self.dispatch(self.coord.reconcile(snapshot, self.clock()))
+        if self.policy == "program":
+            self._log_pause_gate()
+
+    def _log_pause_gate(self) -> None:
+        # Once a poll: say when the program policy starts or stops pausing, and the ratio that decided it.
+        g = self.coord.gate
+        seen = (g.opened, g.closed)
+        if seen == self._gate_seen:
+            return
+        self._gate_seen = seen
+        now = self.clock()
+        ratio = g.ratio(now, len(self.ledger.engine_places()))
+        log.info("admission: pausing %s (re-prefill ratio %s; starts at %g, stops below %g)",
+                 "on" if g.is_open else "off", "unknown" if ratio is None else f"{ratio:.2f}",
+                 g.start_ratio, g.stop_ratio)
 
     def invalidate(self) -> None:
         """No capacity signal at all: degraded at once, every waiter bypasses."""
