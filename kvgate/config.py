@@ -22,7 +22,7 @@ from urllib.parse import urlsplit
 import yaml
 
 from kvgate import config_checks, config_orders
-from kvgate.admission.pause_gate import START_RATIO, STOP_RATIO
+from kvgate.admission.pause_gate import FORESEE_CYCLES, START_RATIO, STOP_RATIO
 from kvgate.config_credentials import ADMIN_KEY_ENV, api_key, read_admin_key  # noqa: F401  (kvgate.config's own)
 from kvgate.config_orders import Order
 
@@ -473,6 +473,9 @@ KEYS: list[Key] = _grouped([
         "program policy: stop holding and pausing once that figure falls below this (<= "
         "admission_pause_start_ratio; ignored when it is 0).", _nonneg, ">= 0",
         only_when="agentic_program_admission"),
+    Key("admission_foresee_cycles", float, FORESEE_CYCLES,
+        "program policy: also pause as KV overflows if prefilling a ceiling takes N program cycles; 0 = off.",
+        _nonneg, ">= 0", only_when="agentic_program_admission", metavar="N"),
     Key("admission_resume_order", str, "fifo",
         "program policy: which paused program resumes first as room frees (fifo: the longest waiting; smallest; "
         "largest: best-fit-decreasing).", choices=("smallest", "largest", "fifo")),

@@ -240,3 +240,34 @@ def test_the_pause_gate_keys_reach_the_program_policy():
     with pytest.raises(ConfigError, match="^admission_pause_stop_ratio: must be <= admission_pause_start_ratio"):
         validate({"agentic_program_admission": True, "admission_policy": "program",
                   "admission_pause_start_ratio": 0.5, "admission_pause_stop_ratio": 0.8})
+
+
+def test_foresight_reaches_the_program_policy_and_says_when_it_opens_the_gate(caplog):
+    """admission_foresee_cycles (20 by default, 0 off) reaches the policy; the gauge shows the last reading;
+    the log says once what foresight read at the first overflow and when pausing starts, with the figures."""
+    import logging
+
+    from prometheus_client import generate_latest
+
+    on = validate({"agentic_program_admission": True, "admission_policy": "program"})
+    assert AdmissionGate(on, Metrics(), clock=lambda: 0.0).coord.gate.foresee_cycles == 20.0
+    off = validate({"agentic_program_admission": True, "admission_policy": "program",
+                    "admission_foresee_cycles": 0})
+    assert AdmissionGate(off, Metrics(), clock=lambda: 0.0).coord.gate.foresee_cycles == 0.0
+    g = AdmissionGate(on, Metrics(), clock=lambda: 5.0)
+    text = generate_latest(g.metrics.registry).decode()
+    assert "agentic_kv_program_pause_foresight NaN" in text
+    caplog.set_level(logging.INFO, logger="kvgate.admission")
+    gate = g.coord.gate
+    gate.foresee(1.0, 7.5)  # below 20: read, the gate stays closed
+    g._log_pause_gate()
+    g._log_pause_gate()  # nothing new: nothing logged
+    gate.foresee(2.0, 31.25)
+    g._log_pause_gate()
+    lines = [r.getMessage() for r in caplog.records if r.name == "kvgate.admission"]
+    assert lines == ["admission: an engine's working set outgrew its ceiling; prefilling a whole ceiling takes 7.50 "
+                     "program cycles there (pausing starts at 20)",
+                     "admission: pausing on (re-prefill ratio unknown, starts at 1.5, stops below 0.2; foresight "
+                     "31.25)"]
+    text = generate_latest(g.metrics.registry).decode()
+    assert "agentic_kv_program_pause_foresight 31.25" in text and "agentic_kv_program_pausing 1.0" in text

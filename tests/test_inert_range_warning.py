@@ -15,7 +15,7 @@ GATED = [k for k in KEYS if k.only_when is not None and k.check is not None]
 
 
 def test_the_gated_keys_are_the_admission_numbers_each_with_a_flag():
-    assert len(GATED) == 16 and {k.only_when for k in GATED} == {"agentic_program_admission"}
+    assert len(GATED) == 17 and {k.only_when for k in GATED} == {"agentic_program_admission"}
     flags = {o for a in build_parser()._subparsers._group_actions[0].choices["serve"]._actions
              for o in a.option_strings}
     assert "--agentic-program-admission" in flags and all(flag_name(k.name) in flags for k in GATED)

@@ -75,7 +75,7 @@ class AdmissionGate:
                              # A program between turns may sit in HiCache's host pool: SGLang loads it back
                              # instead of recomputing it. A request in flight needs the device pool: fifo.
                              count_host=self.policy == "program" and cfg.admission_host_cache)
-        self._gate_seen = (0, 0)  # the pause gate's (opened, closed) counts last logged
+        self._gate_seen = (0, 0, False)  # the pause gate's (opened, closed, foreseen) last logged
         self._has_actions = self.policy == "program"  # only the program policy asks the shell to act (pauses)
         if self.policy == "program":
             self.coord = ProgramCoordinator(self.ledger, cfg.agentic_admission_max_wait_s,
@@ -95,7 +95,8 @@ class AdmissionGate:
                                             # minutes would start pausing long after the KV began to thrash),
                                             # deciding nothing before 4 polls of answers
                                             pause_window_s=20 * cfg.admission_poll_interval_s,
-                                            pause_min_span_s=4 * cfg.admission_poll_interval_s)
+                                            pause_min_span_s=4 * cfg.admission_poll_interval_s,
+                                            pause_foresee_cycles=cfg.admission_foresee_cycles)
         else:
             self.coord = AdmissionCoordinator(self.ledger, cfg.agentic_admission_max_wait_s,
                                               window_s=cfg.admission_window_s, backfill=cfg.admission_backfill)
@@ -378,16 +379,22 @@ class AdmissionGate:
 
     def _log_pause_gate(self) -> None:
         # Once a poll: say when the program policy starts or stops pausing, and the ratio that decided it.
+        # And, once, the foresight read when an engine's KV first overflowed (it opens the gate at its ratio).
         g = self.coord.gate
-        seen = (g.opened, g.closed)
+        seen = (g.opened, g.closed, g.foresight_first is not None)
         if seen == self._gate_seen:
             return
+        first, turned = seen[2] and not self._gate_seen[2], seen[:2] != self._gate_seen[:2]
         self._gate_seen = seen
-        now = self.clock()
-        ratio = g.ratio(now, len(self.ledger.engine_places()))
-        log.info("admission: pausing %s (re-prefill ratio %s; starts at %g, stops below %g)",
-                 "on" if g.is_open else "off", "unknown" if ratio is None else f"{ratio:.2f}",
-                 g.start_ratio, g.stop_ratio)
+        ratio = g.ratio(self.clock(), len(self.ledger.engine_places()))
+        if first:
+            log.info("admission: an engine's working set outgrew its ceiling; prefilling a whole ceiling takes %.2f "
+                     "program cycles there (%s)", g.foresight_first,
+                     f"pausing starts at {g.foresee_cycles:g}" if g.foresee_cycles else "foresight off")
+        if turned:
+            log.info("admission: pausing %s (re-prefill ratio %s, starts at %g, stops below %g; foresight %s)",
+                     "on" if g.is_open else "off", "unknown" if ratio is None else f"{ratio:.2f}", g.start_ratio,
+                     g.stop_ratio, "-" if g.foresight is None else f"{g.foresight:.2f}")
 
     def invalidate(self) -> None:
         """No capacity signal at all: degraded at once, every waiter bypasses."""
@@ -541,12 +548,17 @@ def _program_metrics(s: dict[str, Any], p: str):
         yield m
     gate = s["pause_gate"]
     m = GaugeMetricFamily(p + "program_pausing", "1 while the program policy holds turns and pauses programs (the "
-                          "re-prefill ratio reached admission_pause_start_ratio), 0 while every turn goes at once")
+                          "re-prefill ratio reached admission_pause_start_ratio, or its foresight "
+                          "admission_foresee_cycles), 0 while every turn goes at once")
     m.add_metric([], 1.0 if gate["open"] else 0.0)
     yield m
     m = GaugeMetricFamily(p + "program_reprefill_ratio", "Call seconds spent re-prefilling KV the engines had "
                           "evicted, per engine second, over the last 20 capacity polls (NaN before it is measured)")
     m.add_metric([], float("nan") if gate["ratio"] is None else gate["ratio"])
+    yield m
+    m = GaugeMetricFamily(p + "program_pause_foresight", "Program cycles (turn + tool call) an engine needs to "
+                          "prefill a whole ceiling, read when its working set last outgrew it (NaN before any did)")
+    m.add_metric([], float("nan") if gate["foresight"] is None else gate["foresight"])
     yield m
     m = CounterMetricFamily(p + "program_reprefill_tokens", "Tokens of programs' own context the engines "
                             "re-prefilled (cached_tokens below what the program held, resumed programs included)")

@@ -78,12 +78,11 @@ class ProgramCoordinator(_WaitingTurns, _Pausing, _Figures):
     of WAIT_BOUNDS: "reprefill" (a turn that waits for room waits no longer than re-prefilling the KV its
     admission would displace takes, at the prefill rate learned from the answers (kvgate.admission.prefill_rate),
     then goes as bypass-cost; max_wait_s still bounds it) or "aging" (max_wait_s alone). pause_start_ratio (>= 0;
-    0, the default here: always; kvgate serves with pause_gate.START_RATIO) and pause_stop_ratio (<= it): the
-    policy holds turns and pauses programs only from when re-prefilling evicted KV costs the calls
-    pause_start_ratio x the engines' wall time until that falls below pause_stop_ratio x
-    (kvgate.admission.pause_gate); otherwise every turn goes at once, as with lifecycle alone. The ratio is
-    measured over the last pause_window_s (> 0; None: window_s) seconds, nothing decided before answers span
-    pause_min_span_s (>= 0) seconds. Raises ValueError on bad values.
+    0, the default here: always; kvgate serves with pause_gate.START_RATIO), pause_stop_ratio (<= it),
+    pause_window_s (> 0; None: window_s), pause_min_span_s (>= 0) and pause_foresee_cycles (>= 0; 0: off): when
+    holding and pausing may pay (kvgate.admission.pause_gate: the re-prefill ratio measured from the answers, and
+    its foresight); otherwise every turn goes at once, as with lifecycle alone.
+    Raises ValueError on bad values.
     """
 
     def __init__(self, ledger: Ledger, max_wait_s: float = 30.0, *, window_s: float | None = None,
@@ -92,7 +91,8 @@ class ProgramCoordinator(_WaitingTurns, _Pausing, _Figures):
                  resume_deadline_s: float | None = None, max_resident: int | None = None,
                  reclaim_after_s: float | None = 2.0, wait_bound: str = "aging",
                  pause_start_ratio: float = 0.0, pause_stop_ratio: float = STOP_RATIO,
-                 pause_window_s: float | None = None, pause_min_span_s: float = 5.0) -> None:
+                 pause_window_s: float | None = None, pause_min_span_s: float = 5.0,
+                 pause_foresee_cycles: float = 0.0) -> None:
         if isinstance(max_wait_s, bool) or not isinstance(max_wait_s, (int, float)) or not max_wait_s >= 0:
             raise ValueError(f"max_wait_s must be >= 0, got {max_wait_s!r}")
         if wait_bound not in WAIT_BOUNDS:
@@ -157,11 +157,10 @@ class ProgramCoordinator(_WaitingTurns, _Pausing, _Figures):
         self._ttl = Deadlines(self._idle_current, self._programs.__len__, self._n)
         self.wait_bound = wait_bound
         self.prefill = PrefillRate()  # seconds per prefilled token, learned from the answers
-        # whether pausing can pay: what re-prefilling evicted KV costs the calls, per engine second (validates
-        # the ratios)
+        # whether pausing can pay: what re-prefilling evicted KV costs the calls (validates the ratios)
         self.gate = PauseGate(pause_start_ratio, pause_stop_ratio if pause_start_ratio else 0.0,
                               window_s=self.window_s if pause_window_s is None else pause_window_s,
-                              min_span_s=pause_min_span_s)
+                              min_span_s=pause_min_span_s, foresee_cycles=pause_foresee_cycles)
         # waiters bounded by the re-prefill their admission would cause: (cost_due, n, ticket, cost_due)
         self._cost_due = Deadlines(self._cost_current, self._queue_len, self._n)
         # entries that came due while their program had a turn waiting: back in the heap when the waiter leaves
@@ -239,6 +238,7 @@ class ProgramCoordinator(_WaitingTurns, _Pausing, _Figures):
         p = self._programs.get(sid)
         if p is not None and not p.inflight and p.last_end is not None:
             self._gaps.record(p, now - p.last_end)  # its tool call (or the client's think time) took this long
+            self.gate.cycle.gap(now - p.last_end)
         place = self.ledger.resolve_place(place)
         if p is not None and p.state is not ProgramState.PAUSED and p.place != place and not p.inflight:
             self._move(p, place)  # placement learned (or changed) where this session goes
@@ -354,6 +354,7 @@ class ProgramCoordinator(_WaitingTurns, _Pausing, _Figures):
         tokens, prompt, blocks, before, expected_prefix, started = p.inflight.pop(ticket)
         if not cancelled and isinstance(observed, Mapping):
             self.prefill.observe_answer(p.place, now - started, observed)
+            self.gate.cycle.turn(now - started)
         if one_turn(sid):
             self._remove(p)
             return

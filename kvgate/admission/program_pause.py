@@ -110,9 +110,17 @@ class _Pausing:
     def _overflow(self, place: Any, now: float) -> int:
         """Tokens ``place``'s working set holds beyond its ceiling (the fleet's too for FLEET); 0 while nothing may
         pause (degraded, or the pause gate closed)."""
-        if self.ledger.is_degraded(now) or not self._pausing(now):
+        if self.ledger.is_degraded(now):
             return 0
         over = self.ledger.reserved_on(place) - self.ledger.ceiling_of(place)
+        if over > 0 and place is not FLEET and not self.ledger.transfer_refilled(place):
+            # The working set outgrows this pool now: the gate foresees what re-prefilling a pool's worth each
+            # cycle would cost, before the evictions that would measure it
+            rate, cycle = self.prefill.per_token_s(place), self.gate.cycle.seconds()
+            if rate is not None and cycle is not None:
+                self.gate.foresee(now, self.ledger.ceiling_of(place) * rate / cycle)
+        if not self._pausing(now):
+            return 0
         if place is FLEET:
             over = max(over, self.ledger.reserved - self.ledger.ceiling)
         return over

@@ -120,6 +120,9 @@ def summarize(raw: dict, speed: float, ideal_prefill_tokens: int) -> dict:
     gate = raw.get("kvgate_pause_gate")
     engines = len(raw.get("sim_engines_prompt_tokens") or []) or 1
     m["reprefill_share"] = (gate["reprefill_s"] / (span * engines)) if gate and span > 0 else None
+    # and what its foresight read when an engine's working set first outgrew its ceiling, and at most
+    m["foresight_first"] = gate.get("foresight_first") if gate else None
+    m["foresight_peak"] = gate.get("foresight_peak") if gate else None
     # the resident bound (admission_program_max_resident): turns that waited for a seat
     m["bound_waits"] = counters.get("wait_resident_bound") if counters else None
     # the arm did not run to the end (its fleet failed to start, or --arm-timeout-s cut it): not comparable

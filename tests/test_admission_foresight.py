@@ -1,0 +1,160 @@
+"""The pause gate's foresight (kvgate.admission.pause_gate): pausing starts when an engine's working set outgrows
+its ceiling and prefilling a whole ceiling takes ``foresee_cycles`` program cycles, before the evictions that the
+measured re-prefill ratio would wait for."""
+
+import math
+
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from kvgate.admission.capacity import ClusterSnapshot, EngineCapacity
+from kvgate.admission.coordinator import Kind
+from kvgate.admission.ledger import Ledger
+from kvgate.admission.pause_gate import Cycle, PauseGate
+from kvgate.admission.program import ProgramCoordinator
+from program_helpers import teach_prefill_rate
+
+E0, E1 = "http://e0", "http://e1"
+
+
+def test_foresight_opens_at_its_ratio_and_holds_the_gate_open_a_window():
+    g = PauseGate(1.5, 0.2, window_s=10.0, min_span_s=1.0, foresee_cycles=4.0)
+    g.started(0.0)
+    assert g.foresee(1.0, 3.9) is False and g.opened == 0 and g.foresight_first == 3.9
+    assert g.foresee(2.0, 4.0) is True and g.opened == 1 and g.foreseen == 1
+    # no re-prefill measured (ratio 0 < stop): open for a window after the last foresight at or over 4
+    assert g.update(5.0, 1) is True
+    assert g.foresee(6.0, 5.0) is True and g.opened == 1  # already open: counted once
+    assert g.update(15.9, 1) is True
+    assert g.update(16.0, 1) is False and g.closed == 1
+    assert g.foresight_peak == 5.0 and g.stats(16.0, 1)["foreseen"] == 1
+
+
+def test_foresight_off_or_gate_off_never_changes_the_gate():
+    g = PauseGate(1.5, 0.2, window_s=10.0, min_span_s=1.0)  # foresee_cycles 0: off
+    assert g.foresee(1.0, 1e9) is False and g.opened == 0 and g.foresight_peak == 1e9
+    always = PauseGate(0.0, foresee_cycles=3.0)  # the gate off: always open, nothing counted
+    assert always.foresee(1.0, 10.0) is True and always.update(2.0, 1) is True
+    for bad in (-1.0, math.inf, math.nan, "2"):
+        with pytest.raises(ValueError, match="foresee_cycles"):
+            PauseGate(1.5, foresee_cycles=bad)
+
+
+def test_cycle_is_the_weighted_mean_turn_plus_tool_call():
+    c = Cycle()
+    assert c.seconds() is None
+    c.turn(2.0)
+    assert c.seconds() is None  # no tool call seen yet
+    c.gap(1.0)
+    assert c.seconds() == pytest.approx(3.0)
+    c.turn(4.0)
+    assert c.seconds() == pytest.approx(2.0 + 0.05 * 2.0 + 1.0)
+    c.gap(-1.0)  # a negative gap is no evidence
+    assert c.seconds() == pytest.approx(3.1)
+
+
+def _fleet(cap, engines, foresee, start=1.5, decode=()):
+    lg = Ledger(headroom=1.0, pressure_threshold=0.99, stale_after_s=1e9, lease_ttl_s=1e9)
+    co = ProgramCoordinator(lg, max_wait_s=30.0, program_ttl_s=600.0, overdue_default_s=100.0,
+                            reclaim_after_s=None, pause_start_ratio=start, pause_stop_ratio=0.2,
+                            pause_window_s=20.0, pause_min_span_s=2.0, pause_foresee_cycles=foresee)
+    co.reconcile(ClusterSnapshot.build({e: EngineCapacity.from_pools([(cap, 0, 0.0)]) for e in engines}, 0.0,
+                                       list(decode)), 0.0)
+    return co
+
+
+def test_a_pool_outgrown_on_a_slow_engine_pauses_before_any_reprefill_is_measured():
+    """Two-turn programs on one 2,000-token engine prefilling 0.01 s a token (a ceiling takes 20 s against the
+    ~14 s cycle of these one-at-a-time turns): the working set outgrows the pool, the gate opens on foresight
+    alone (no miss answered yet) and an in-tool program pauses to make room."""
+    co = _fleet(2000, (E0,), foresee=1.0)
+    t = teach_prefill_rate(co, 0.0, E0, 0.01, [100 + 20 * i for i in range(10)], reserve=50, prompt_tokens=40,
+                           completion_tokens=5)
+    for i in range(3):  # answers timed as the engine's rate says
+        assert co.submit(f"a{i}", 600, False, t, place=E0, session_id=f"s{i}", prompt_tokens=580).kind is Kind.ADMIT
+        t += 0.05 + 0.01 * 580
+        co.release(f"a{i}", t, {"prompt_tokens": 580, "cached_tokens": 0, "completion_tokens": 20})
+    t += 1.5
+    for i in range(2):  # the second turn: each found its KV (no re-prefill), and the cycle is learned
+        assert co.submit(f"b{i}", 700, False, t, place=E0, session_id=f"s{i}", prompt_tokens=680).kind is Kind.ADMIT
+        t += 0.05 + 0.01 * 80
+        co.release(f"b{i}", t, {"prompt_tokens": 680, "cached_tokens": 600, "completion_tokens": 20})
+    assert co.ledger.reserved_on(E0) <= 2000
+    assert co.gate.reprefill_tokens == 0 and not co.gate.is_open and co.gate.foresight is None
+    assert co.counters["pause"] == 0
+    d = co.submit("b2", 700, False, t, place=E0, session_id="s2", prompt_tokens=680)
+    assert d.kind is Kind.ADMIT  # a continuing turn: never held; with it the working set is 2,100 tokens
+    cycle = co.gate.cycle.seconds()
+    assert co.gate.foresight == pytest.approx(2000 * co.prefill.per_token_s(E0) / cycle) and co.gate.foresight >= 1
+    assert co.gate.foreseen == 1 and co.gate.is_open and co.gate.reprefill_tokens == 0
+    assert co.counters["pause"] == 1 and co.ledger.reserved_on(E0) <= 2000  # an in-tool program made room
+
+
+_OPS = st.lists(st.tuples(st.sampled_from(["turn", "end", "tick", "close"]), st.integers(0, 9),
+                          st.integers(50, 1500), st.floats(0.0, 2.0)), min_size=1, max_size=80)
+
+
+def _drive(co, ops, places, on_call=None):
+    """Random turns, answers (part of what a program held re-prefilled), ticks and closes; returns every
+    decision, action and counter, in order."""
+    t, inflight, n, log = 0.0, {}, 0, []
+    for place in places:
+        t = teach_prefill_rate(co, t, place, 0.002, [100 + 40 * i for i in range(10)], reserve=50, prompt_tokens=40,
+                               completion_tokens=5, prefix=f"r{place}")
+    for op, i, size, dt in ops:
+        t += dt
+        sid = f"s{i}"
+        if op == "turn" and sid not in inflight:
+            n += 1
+            d = co.submit(f"t{n}", size, False, t, place=places[i % len(places)], session_id=sid,
+                          prompt_tokens=size - 10)
+            log.append((d.ticket, d.kind))
+            inflight[sid] = f"t{n}"
+        elif op == "end" and sid in inflight:
+            tk = inflight.pop(sid)
+            if co.is_waiting(tk):
+                co.cancel(tk, t)
+            log += [(d.ticket, d.kind) for d in co.release(tk, t, {"prompt_tokens": size, "completion_tokens": 10,
+                                                                    "cached_tokens": size // 3})]
+        elif op == "close" and sid not in inflight:
+            co.forget(sid, t)
+        else:
+            log += [(d.ticket, d.kind) for d in co.pump(t)]
+        log += [(a.kind, a.session_id) for a in co.take_actions()]
+        if on_call is not None:
+            on_call(co, t)
+    return log + sorted(co.counters.items())
+
+
+@settings(max_examples=120, deadline=None)
+@given(ops=_OPS, cap=st.integers(1000, 4000), engines=st.integers(1, 3), foresee=st.floats(0.5, 50.0))
+def test_foresight_opens_only_where_a_regular_pool_is_outgrown_at_its_ratio(ops, cap, engines, foresee):
+    """Over random fleets, programs and event orders: whenever foresight opens the gate, some regular engine's
+    working set is over its ceiling then and the figure it read (ceiling x learned seconds a token / learned
+    cycle) is at least foresee_cycles; with foresight off the policy decides exactly as with it unreachable."""
+    places = [f"http://e{i}" for i in range(engines)]
+    co = _fleet(cap, places, foresee)
+    seen = [0]
+
+    def check(c, now):
+        if c.gate.foreseen > seen[0]:
+            seen[0] = c.gate.foreseen
+            over = [p for p in places if c.ledger.reserved_on(p) > c.ledger.ceiling_of(p)]
+            assert over, "foresight opened with no pool outgrown"
+            assert c.gate.foresight >= foresee
+            assert any(c.gate.foresight == pytest.approx(c.ledger.ceiling_of(p) * c.prefill.per_token_s(p)
+                                                         / c.gate.cycle.seconds()) for p in over)
+
+    _drive(co, ops, places, check)
+    assert _drive(_fleet(cap, places, 0.0), ops, places) == _drive(_fleet(cap, places, 1e300), ops, places)
+
+
+@settings(max_examples=80, deadline=None)
+@given(ops=_OPS, engines=st.integers(1, 3))
+def test_a_fleet_of_decode_workers_never_foresees(ops, engines):
+    """A decode worker's outgrown pool comes back by KV transfer, not a re-prefill a pause could save: a fleet of
+    decode workers alone never reads a foresight, so the gate never opens on it."""
+    places = [f"http://e{i}" for i in range(engines)]
+    co = _fleet(1000, places, 0.5, decode=places)
+    _drive(co, ops, places)
+    assert co.gate.foresight is None and co.gate.foreseen == 0
