@@ -5,7 +5,8 @@ plain computation it replaces, over random inputs.
   starts with them: every figure (cost, total, grand total, has_block, places_with, what add and remove return)
   matches a plain model that recounts every holder, whatever the order of adds and removes (repeated blocks,
   shared prefixes, the same tuple held again, prompts that grow);
-- the ledger's engines ordered by free room (free_rank) are the sort of every engine by free room;
+- the ledger's engines ordered by free room (free_rank) are the sort of every engine by free room, read once or
+  between changes that touch one engine to all of them;
 - Ledger.first_fit returns, counts and holds what try_acquire place by place does;
 - the coordinator ranks the other engines for a waiting turn (_others) as the sort of every engine by (its
   charge there, most free room) among those that could take its least charge and are not under pressure.
@@ -26,9 +27,11 @@ import heapq
 import math
 from collections import Counter
 from types import SimpleNamespace
+from unittest import mock
 
 from hypothesis import given, settings, strategies as st
 
+from kvgate.admission import free_rank
 from kvgate.admission.capacity import ClusterSnapshot, EngineCapacity
 from kvgate.admission.coordinator import Kind
 from kvgate.admission.ledger import Grant, Ledger
@@ -199,6 +202,32 @@ def test_engines_by_free_room_are_the_sort_of_every_engine(caps, usage, grants):
     want = sorted((-lg.free_on(pl), i, pl) for i, pl in enumerate(lg.engine_places()))
     assert lg.free_rank().order() == want
     assert lg.free_rank().pressed == {pl for pl in lg.engine_places() if lg.usage_of(pl) >= lg.pressure_threshold}
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.integers(50, 400), min_size=1, max_size=16), st.sampled_from([0, 3, 8, 10 ** 9]),
+       st.lists(st.tuples(st.sampled_from(["grant", "release", "hold", "read"]), st.integers(0, 40),
+                          st.integers(0, 17), st.integers(0, len(PROMPTS) - 1), st.integers(0, 120)), max_size=60))
+def test_engines_by_free_room_stay_sorted_when_read_between_changes(caps, few, ops):
+    """Read between changes touching one to every engine (each path of order(): moved one by one, or re-keyed
+    and sorted at once), the order is the sort of every engine by free room."""
+    lg = Ledger(headroom=0.9, pressure_threshold=0.92, block_tokens=BT, lease_ttl_s=1e9)
+    lg.reconcile(fleet(caps), 0.0)
+    places = lg.engine_places() + [None]
+    with mock.patch.object(free_rank, "_FEW", few):
+        lg.free_rank()
+        for n, (kind, k, i, pi, tail) in enumerate(ops):
+            pl, blocks = places[i % len(places)], PROMPTS[pi]
+            if kind == "grant":
+                lg.try_acquire(f"g{k}", len(blocks) * BT + tail, 0.0, place=pl, blocks=blocks, force=True)
+            elif kind == "release":
+                lg.release(f"g{k}", 0.0)
+            elif kind == "hold":
+                lg.hold(f"r{k}", pl, blocks, len(blocks) * BT + tail)
+            else:
+                assert lg.free_rank().order() == sorted((-lg.free_on(p), j, p)
+                                                        for j, p in enumerate(lg.engine_places()))
+        assert lg.free_rank().order() == sorted((-lg.free_on(p), j, p) for j, p in enumerate(lg.engine_places()))
 
 
 @settings(max_examples=200, deadline=None)

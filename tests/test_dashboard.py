@@ -53,7 +53,7 @@ def test_committed_json_loads_as_an_sdk_dashboard_model_without_loss(committed):
     rows = [p for p in model.panels if isinstance(p, RowPanel)]
     assert [r.title for r in rows] == ["Sessions", "Admission", "Budget", "Programs", "Engines", "Proxy"]
     panels = [p for p in model.panels if isinstance(p, Panel)]
-    assert len(panels) == len(dashboard.panels()) == 36
+    assert len(panels) == len(dashboard.panels()) == 37
     assert all(isinstance(t, Dataquery) for p in panels for t in p.targets)
 
 
@@ -104,7 +104,9 @@ def test_rows_cover_the_issue():
                    "sglang:num_retracted_requests_total", "agentic_kv_requests_total",
                    "agentic_kv_proxy_added_seconds_bucket", "agentic_kv_programs{",
                    "agentic_kv_program_pauses_total", "agentic_kv_program_resumes_total",
-                   "agentic_kv_program_waiting_resume", "agentic_kv_admission_backfilled_total"):
+                   "agentic_kv_program_waiting_resume", "agentic_kv_admission_backfilled_total",
+                   "agentic_kv_program_pausing", "agentic_kv_program_reprefill_ratio",
+                   "agentic_kv_program_pause_foresight"):
         assert metric in exprs, metric
     assert "by (source)" in exprs  # named vs inferred: any future source shows up as its own series
     assert list(titles) == ["Sessions", "Admission", "Budget", "Programs", "Engines", "Proxy"]

@@ -210,6 +210,14 @@ ROWS: tuple[RowSpec, ...] = (
                   "(evicted during the tool call); rising means thrash: the program policy should pause sooner.",
                   (Target(f"sum(rate(agentic_kv_program_prefix_miss_tokens_total{{{KV}}}[{RI}])) or vector(0)",
                           "missed tokens/s"),)),
+        PanelSpec("Pause gate",
+                  "1 while the program policy holds turns and pauses programs: from the re-prefill ratio reaching "
+                  "admission_pause_start_ratio or foresight admission_foresee_cycles; kvgate's log says when and why.",
+                  (Target(f"max by (instance) (agentic_kv_program_pausing{{{KV}}}) or vector(0)", "pausing {{instance}}"),
+                   Target(f"max by (instance) (agentic_kv_program_reprefill_ratio{{{KV}}}) or vector(0)",
+                          "re-prefill ratio {{instance}}"),
+                   Target(f"max by (instance) (agentic_kv_program_pause_foresight{{{KV}}}) or vector(0)",
+                          "foresight {{instance}} (program cycles)"))),
     )),
     RowSpec("Engines", (
         PanelSpec("KV token usage per engine",
