@@ -464,10 +464,10 @@ KEYS: list[Key] = _grouped([
         "over the ceiling as bypass-cost), never past agentic_admission_max_wait_s; aging: "
         "agentic_admission_max_wait_s alone.", choices=("reprefill", "aging")),
     Key("admission_pause_start_ratio", float, START_RATIO,
-        "program policy: hold turns and pause programs only once re-prefilling KV the engines had evicted costs "
+        "program policy: hold turns and pause programs once re-prefilling KV the engines had evicted costs "
         "the calls this many seconds per engine second (measured from the answers at the learned prefill rate; "
-        "CPU engines with short contexts measure 0.2-0.7, thrashing GPU-class engines 6-7); until then every turn "
-        "goes at once, as with lifecycle alone; 0 = always.", _nonneg, ">= 0",
+        "CPU engines with short contexts measure 0.2-0.7, thrashing GPU-class engines 6-7) or foresight foresees "
+        "it; until then every turn goes at once, as with lifecycle alone; 0 = always.", _nonneg, ">= 0",
         only_when="agentic_program_admission"),
     Key("admission_pause_stop_ratio", float, STOP_RATIO,
         "program policy: stop holding and pausing once that figure falls below this (<= "
@@ -537,7 +537,8 @@ def _coerce(key: Key, value: Any) -> Any:
     if key.type is int and isinstance(value, bool) or key.type is float and isinstance(value, bool):
         raise ConfigError(f"{key.name}: expected {_type_name(key.type)}, got {value!r}")
     if not isinstance(value, key.type):
-        raise ConfigError(f"{key.name}: expected {_type_name(key.type)}, got {value!r}")
+        raise ConfigError(f"{key.name}: expected {_type_name(key.type)}, got {value!r}"
+                          + (config_checks.yaml_float_hint(value) if key.type is float else ""))
     if key.type is float and not math.isfinite(value):
         raise ConfigError(f"{key.name}: expected a finite number, got {value!r}")
     if key.convert is not None:
@@ -669,7 +670,8 @@ def _validate(raw: dict[str, Any], errors: list[str], failed: set[str]) -> Confi
         raise ConfigError(*errors)
     warnings = [w for w in [config_checks.upstream_path_warning(values["upstream"])] if w]
     warnings += config_checks.inert_warnings(values, {k.name: k.default for k in KEYS}, PLACEMENT_ROUTES,
-                                             lambda name, value: _unchecked(name, value, values, written))
+                                             lambda name, value: _unchecked(name, value, values, written),
+                                             {k.name for k in KEYS if k.group == PROGRAM.title})
     return Config(values, warnings)
 
 

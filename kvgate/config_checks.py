@@ -15,6 +15,7 @@ it starts. A warning never stops startup: an error does (kvgate.config.ConfigErr
 
 from __future__ import annotations
 
+import re
 from typing import Any, Callable, Iterable
 from urllib.parse import urlsplit
 
@@ -65,6 +66,17 @@ def duplicate_warnings(path: str, duplicates: Iterable[tuple[Any, int, int]], da
     return out
 
 
+def yaml_float_hint(value: Any) -> str:
+    """For a number in exponent form that YAML read as text (YAML 1.1, PyYAML's: a float needs a dot and a signed
+    exponent, so ``1e3`` and ``1.5e3`` are strings), how to write it so it reads as a number: `` (YAML reads 1e3 as
+    text: write 1.0e+3)``; else ""."""
+    m = re.fullmatch(r"([-+]?)(\d+)(?:\.(\d*))?[eE]([-+]?)(\d+)", value.strip()) if isinstance(value, str) else None
+    if m is None:
+        return ""
+    sign, whole, frac, esign, exp = m.groups()
+    return f" (YAML reads {value.strip()} as text: write {sign}{whole}.{frac or '0'}e{esign or '+'}{exp})"
+
+
 def upstream_path(url: str) -> str:
     """The path of an upstream URL, without its trailing slash ("" for a base URL)."""
     return urlsplit(url).path.rstrip("/")
@@ -97,7 +109,7 @@ def placeable(values: dict[str, Any], routes: Iterable[str]) -> bool:
 Rule = tuple[Callable[[str], bool], str, str | None]
 
 
-def _rules(values: dict[str, Any], routes: tuple[str, ...]) -> list[Rule]:
+def _rules(values: dict[str, Any], routes: tuple[str, ...], program_keys: Iterable[str] = ()) -> list[Rule]:
     """(which keys, why they do nothing now, the flag that would make them do something or None) for the
     current values; the first rule that names a key wins."""
     lifecycle = values["agentic_session_lifecycle"]
@@ -142,15 +154,14 @@ def _rules(values: dict[str, Any], routes: tuple[str, ...]) -> list[Rule]:
                       and not (polled and k in ("admission_poll_interval_s", "admission_capacity_source")),
                       "agentic_program_admission is off", "--agentic-program-admission"))
     elif values["admission_policy"] == "fifo":
-        rules.append((lambda k: k in ("admission_pause_victim", "admission_resume_order", "admission_host_cache",
-                                      "admission_program_ttl_s", "admission_program_max_resident",
-                                      "admission_resume_deadline_s", "admission_program_overdue_multiple",
-                                      "admission_program_overdue_default_s", "admission_wait_bound",
-                                      "admission_pause_start_ratio", "admission_pause_stop_ratio"),
-                      "admission_policy is fifo (a program policy key)", "--admission-policy program"))
+        rules.append((lambda k: k in program_keys, "admission_policy is fifo (a program policy key)",
+                      "--admission-policy program"))
     else:
         rules.append((lambda k: k == "admission_backfill", "admission_policy is program (a fifo policy key)",
                       "--admission-policy fifo"))
+        if values["admission_pause_start_ratio"] == 0:  # pausing always on: nothing starts or stops it
+            rules.append((lambda k: k in ("admission_pause_stop_ratio", "admission_foresee_cycles"),
+                          "admission_pause_start_ratio is 0 (pausing is always on)", None))
         wait = values["agentic_admission_max_wait_s"]
         if values["admission_resume_deadline_s"] >= wait:
             # the wait bound lets the turn bypass (and overflow the engine) before the deadline makes its room
@@ -163,14 +174,15 @@ def _rules(values: dict[str, Any], routes: tuple[str, ...]) -> list[Rule]:
 
 
 def inert_warnings(values: dict[str, Any], defaults: dict[str, Any], routes: tuple[str, ...],
-                   unchecked: Callable[[str, Any], str | None] = lambda key, value: None) -> list[str]:
+                   unchecked: Callable[[str, Any], str | None] = lambda key, value: None,
+                   program_keys: Iterable[str] = ()) -> list[str]:
     """One line per key set away from its default that does nothing with the other values, in key order:
     the key, its value, why it does nothing, the flag that would make it do something and, when ``unchecked``
     (key, value) gives the range the value breaks (a range checked only while the key's feature is on), that
     the value would then be refused: ``agentic_admission_headroom: set to 1.5, but it does nothing while
     agentic_program_admission is off; --agentic-program-admission would enable it, and then 1.5 would be refused
-    (it must be in (0, 1])``."""
-    rules = _rules(values, routes)
+    (it must be in (0, 1])``. ``program_keys``: the program policy's keys, which do nothing under the fifo policy."""
+    rules = _rules(values, routes, frozenset(program_keys))
     out = []
     for key, default in defaults.items():
         value = values.get(key, default)

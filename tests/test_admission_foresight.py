@@ -53,10 +53,10 @@ def test_cycle_is_the_weighted_mean_turn_plus_tool_call():
     assert c.seconds() == pytest.approx(3.1)
 
 
-def _fleet(cap, engines, foresee, start=1.5, decode=()):
+def _fleet(cap, engines, foresee, start=1.5, decode=(), stop=0.2):
     lg = Ledger(headroom=1.0, pressure_threshold=0.99, stale_after_s=1e9, lease_ttl_s=1e9)
     co = ProgramCoordinator(lg, max_wait_s=30.0, program_ttl_s=600.0, overdue_default_s=100.0,
-                            reclaim_after_s=None, pause_start_ratio=start, pause_stop_ratio=0.2,
+                            reclaim_after_s=None, pause_start_ratio=start, pause_stop_ratio=stop,
                             pause_window_s=20.0, pause_min_span_s=2.0, pause_foresee_cycles=foresee)
     co.reconcile(ClusterSnapshot.build({e: EngineCapacity.from_pools([(cap, 0, 0.0)]) for e in engines}, 0.0,
                                        list(decode)), 0.0)
@@ -126,31 +126,56 @@ def _drive(co, ops, places, on_call=None):
     return log + sorted(co.counters.items())
 
 
+@st.composite
+def _programs(draw):
+    """Multi-turn programs (2-6 turns each, growing contexts, tool gaps between), their events interleaved at
+    random (each program's in order) with ticks: _drive's ops, where programs come back for their KV."""
+    queues = []
+    for i in range(draw(st.integers(1, 6))):
+        size, q = draw(st.integers(100, 600)), []
+        for _ in range(draw(st.integers(2, 6))):
+            q += [("turn", i, size, draw(st.floats(0.0, 2.0))), ("end", i, size, draw(st.floats(0.2, 2.0)))]
+            size += draw(st.integers(50, 400))
+        queues.append(q)
+    ops = []
+    while any(queues):
+        q = draw(st.sampled_from([q for q in queues if q]))
+        ops.append(q.pop(0))
+        if draw(st.integers(0, 3)) == 0:
+            ops.append(("tick", 0, 0, draw(st.floats(0.0, 1.0))))
+    return ops
+
+
 @settings(max_examples=120, deadline=None)
-@given(ops=_OPS, cap=st.integers(1000, 4000), engines=st.integers(1, 3), foresee=st.floats(0.5, 50.0))
+@given(ops=st.one_of(_OPS, _programs()), cap=st.integers(1000, 4000), engines=st.integers(1, 3),
+       foresee=st.floats(0.05, 50.0))
 def test_foresight_opens_only_where_a_regular_pool_is_outgrown_at_its_ratio(ops, cap, engines, foresee):
-    """Over random fleets, programs and event orders: whenever foresight opens the gate, some regular engine's
-    working set is over its ceiling then and the figure it read (ceiling x learned seconds a token / learned
-    cycle) is at least foresee_cycles; with foresight off the policy decides exactly as with it unreachable."""
+    """Over random fleets, programs and event orders: foresight reads only while some regular engine's working
+    set is over its ceiling, the figure it reads is ceiling x learned seconds a token / learned cycle on one of
+    them, and it opens the gate only at foresee_cycles or more (read as it happens: the pauses that follow in the
+    same call bring the pool back within its ceiling); with foresight off the policy decides exactly as with it
+    unreachable."""
     places = [f"http://e{i}" for i in range(engines)]
     co = _fleet(cap, places, foresee)
-    seen = [0]
+    gate, read = co.gate, PauseGate.foresee
 
-    def check(c, now):
-        if c.gate.foreseen > seen[0]:
-            seen[0] = c.gate.foreseen
-            over = [p for p in places if c.ledger.reserved_on(p) > c.ledger.ceiling_of(p)]
-            assert over, "foresight opened with no pool outgrown"
-            assert c.gate.foresight >= foresee
-            assert any(c.gate.foresight == pytest.approx(c.ledger.ceiling_of(p) * c.prefill.per_token_s(p)
-                                                         / c.gate.cycle.seconds()) for p in over)
+    def foresee_checked(now, reading):
+        over = [p for p in places if co.ledger.reserved_on(p) > co.ledger.ceiling_of(p)]
+        assert over, "foresight read with no pool outgrown"
+        assert any(reading == pytest.approx(co.ledger.ceiling_of(p) * co.prefill.per_token_s(p)
+                                            / gate.cycle.seconds()) for p in over)
+        before = gate.foreseen
+        out = read(gate, now, reading)
+        assert gate.foreseen == before or reading >= foresee
+        return out
 
-    _drive(co, ops, places, check)
+    gate.foresee = foresee_checked
+    _drive(co, ops, places)
     assert _drive(_fleet(cap, places, 0.0), ops, places) == _drive(_fleet(cap, places, 1e300), ops, places)
 
 
 @settings(max_examples=80, deadline=None)
-@given(ops=_OPS, engines=st.integers(1, 3))
+@given(ops=st.one_of(_OPS, _programs()), engines=st.integers(1, 3))
 def test_a_fleet_of_decode_workers_never_foresees(ops, engines):
     """A decode worker's outgrown pool comes back by KV transfer, not a re-prefill a pause could save: a fleet of
     decode workers alone never reads a foresight, so the gate never opens on it."""
@@ -158,3 +183,32 @@ def test_a_fleet_of_decode_workers_never_foresees(ops, engines):
     co = _fleet(1000, places, 0.5, decode=places)
     _drive(co, ops, places)
     assert co.gate.foresight is None and co.gate.foreseen == 0
+
+
+@settings(max_examples=100, deadline=None)
+@given(ops=_programs(), cap=st.integers(1000, 4000), engines=st.integers(1, 3), foresee=st.floats(0.05, 2.0),
+       start=st.sampled_from([0.02, 0.1, 1.5]))
+def test_the_gate_follows_the_evidence_on_polls_with_no_program_left(ops, cap, engines, foresee, start):
+    """Over random fleets, programs and event orders, then every program ended and the capacity polls going on
+    with no traffic: once the window holds no re-prefill and no foresight reading, the gate is closed at the
+    next poll, and says the ratio closed it (the stats and the pausing gauge read it between rollout steps)."""
+    places = [f"http://e{i}" for i in range(engines)]
+    co = _fleet(cap, places, foresee, start=start, stop=start / 2)
+    last = [0.0]
+    _drive(co, ops, places, lambda c, now: last.__setitem__(0, now))
+    t = last[0]  # the step ends at once: the calls in flight answer, every program closes
+    for tk in list(co._ticket_sid):  # every call ends, every program closes
+        if co.is_waiting(tk):
+            co.cancel(tk, t)
+        co.release(tk, t, {"prompt_tokens": 100, "completion_tokens": 10, "cached_tokens": 100})
+    for sid in list(co._programs):
+        co.forget(sid, t)
+    co.take_actions()
+    assert co.state_of("s0") is None
+    snapshot = ClusterSnapshot.build({e: EngineCapacity.from_pools([(cap, 0, 0.0)]) for e in places}, t)
+    for k in range(1, 2 * int(co.gate.window_s) + 2):  # a poll a second, past a window with nothing in it
+        co.reconcile(snapshot, t + k)
+    assert not co.gate.is_open
+    if co.gate.opened:
+        by, ratio = co.gate.turned_by
+        assert co.gate.closed == co.gate.opened and by == "ratio" and ratio < co.gate.stop_ratio

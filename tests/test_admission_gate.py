@@ -257,6 +257,7 @@ def test_foresight_reaches_the_program_policy_and_says_when_it_opens_the_gate(ca
     g = AdmissionGate(on, Metrics(), clock=lambda: 5.0)
     text = generate_latest(g.metrics.registry).decode()
     assert "agentic_kv_program_pause_foresight NaN" in text
+    assert [g.stats()["pause_gate"][k] for k in ("foresight", "foresight_first", "foresight_peak")] == [None] * 3
     caplog.set_level(logging.INFO, logger="kvgate.admission")
     gate = g.coord.gate
     gate.foresee(1.0, 7.5)  # below 20: read, the gate stays closed
@@ -264,10 +265,30 @@ def test_foresight_reaches_the_program_policy_and_says_when_it_opens_the_gate(ca
     g._log_pause_gate()  # nothing new: nothing logged
     gate.foresee(2.0, 31.25)
     g._log_pause_gate()
+    gate.foresee(2.5, 3.0)  # a lower reading after it: the line still names the one that opened the gate
+    g._log_pause_gate()
     lines = [r.getMessage() for r in caplog.records if r.name == "kvgate.admission"]
     assert lines == ["admission: an engine's working set outgrew its ceiling; prefilling a whole ceiling takes 7.50 "
                      "program cycles there (pausing starts at 20)",
-                     "admission: pausing on (re-prefill ratio unknown, starts at 1.5, stops below 0.2; foresight "
-                     "31.25)"]
+                     "admission: pausing on: prefilling a whole ceiling takes 31.25 program cycles, at least "
+                     "admission_foresee_cycles 20 (re-prefill ratio unknown; it stops below 0.2 once no reading "
+                     f"reached 20 for {gate.window_s:g} s)"]
     text = generate_latest(g.metrics.registry).decode()
-    assert "agentic_kv_program_pause_foresight 31.25" in text and "agentic_kv_program_pausing 1.0" in text
+    assert "agentic_kv_program_pause_foresight 3.0" in text and "agentic_kv_program_pausing 1.0" in text
+    # no program left and no re-prefill: the next poll closes it, saying what closed it
+    caplog.clear()
+    gate.started(2.0)
+    gate.update(2.0 + gate.window_s + 30.0, 2)
+    g._log_pause_gate()
+    assert [r.getMessage() for r in caplog.records if r.name == "kvgate.admission"] == [
+        "admission: pausing off: the re-prefill ratio fell to 0.00, below admission_pause_stop_ratio 0.2, and no "
+        f"foresight reading reached 20 for {gate.window_s:g} s"]
+    # opened by the measured ratio: the line names the ratio and its threshold
+    caplog.clear()
+    gate.observe(100.0, 5000, 200.0)
+    gate.update(101.0, 2)
+    g._log_pause_gate()
+    ratio = gate.turned_by[1]
+    assert gate.is_open and [r.getMessage() for r in caplog.records if r.name == "kvgate.admission"] == [
+        f"admission: pausing on: the re-prefill ratio reached {ratio:.2f}, at least admission_pause_start_ratio 1.5 "
+        "(it stops below 0.2)"]

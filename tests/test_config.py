@@ -1,3 +1,4 @@
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -135,6 +136,60 @@ def test_a_resume_deadline_the_wait_bound_overtakes_is_said_to_do_nothing():
     assert validate({"agentic_program_admission": True, "admission_resume_deadline_s": 20}).warnings == [
         "admission_resume_deadline_s: set to 20.0, but it does nothing while admission_policy is fifo "
         "(a program policy key); --admission-policy program would enable it"]
+
+
+def test_every_program_policy_key_set_under_fifo_is_said_to_do_nothing():
+    """Each key of the program policy's group (the --help section), set away from its default while the fifo
+    policy admits, gets the one warning; a key added to the group without a value here fails this test."""
+    from kvgate.config import KEYS, PROGRAM
+
+    values = {"admission_pause_victim": "smallest", "admission_wait_bound": "reprefill",
+              "admission_pause_start_ratio": 3.0, "admission_pause_stop_ratio": 0.1, "admission_foresee_cycles": 5.0,
+              "admission_resume_order": "largest", "admission_program_overdue_multiple": 2.0,
+              "admission_program_overdue_default_s": 30.0, "admission_resume_deadline_s": 10.0,
+              "admission_program_max_resident": 4, "admission_host_cache": False, "admission_program_ttl_s": 60.0}
+    group = {k.name for k in KEYS if k.group == PROGRAM.title}
+    assert group == set(values)
+    for key, value in values.items():
+        warnings = validate({"agentic_program_admission": True, key: value}).warnings
+        assert warnings == [f"{key}: set to {value!r}, but it does nothing while admission_policy is fifo (a program "
+                            "policy key); --admission-policy program would enable it"], key
+
+
+def test_an_exponent_yaml_reads_as_text_says_how_to_write_it(tmp_path):
+    """PyYAML (YAML 1.1) reads 1e3 as a string: the error names the key and shows the number written with a dot,
+    which it reads; a flag takes 1e3 as it is."""
+    f = tmp_path / "k.yaml"
+    f.write_text("agentic_program_admission: true\nadmission_policy: program\nadmission_foresee_cycles: 1e3\n")
+    with pytest.raises(ConfigError) as err:
+        from_args(build_parser().parse_args(["serve", "--config", str(f)]))
+    assert str(err.value) == ("admission_foresee_cycles: expected a number, got '1e3' (YAML reads 1e3 as text: "
+                              "write 1.0e+3)")
+    for text, hint in (("1.5e3", "1.5e+3"), ("-2e-4", "-2.0e-4"), ("3.E4", "3.0e+4")):
+        f.write_text(f"agentic_admission_headroom: {text}\n")
+        with pytest.raises(ConfigError, match=f"write {re.escape(hint)}\\)$"):
+            from_args(build_parser().parse_args(["serve", "--config", str(f)]))
+        f.write_text(f"agentic_admission_headroom: {hint}\n")  # the hint is what YAML reads as a number
+        assert yaml.safe_load(f.read_text())["agentic_admission_headroom"] == float(text)
+    f.write_text("agentic_program_admission: true\nadmission_policy: program\nadmission_foresee_cycles: 1.0e+3\n")
+    assert from_args(build_parser().parse_args(["serve", "--config", str(f)])).admission_foresee_cycles == 1000.0
+    assert from_args(build_parser().parse_args(["serve", "--agentic-program-admission", "--admission-policy",
+                                                "program", "--admission-foresee-cycles", "1e3"])
+                     ).admission_foresee_cycles == 1000.0
+    with pytest.raises(ConfigError, match=r"^admission_foresee_cycles: expected a number, got 'many'$"):
+        validate({"admission_foresee_cycles": "many"})
+
+
+def test_what_starts_and_stops_pausing_does_nothing_when_pausing_is_always_on():
+    program = {"agentic_program_admission": True, "admission_policy": "program", "agentic_session_lifecycle": True}
+    always = {**program, "admission_pause_start_ratio": 0}
+    assert validate(always).warnings == []
+    assert validate({**always, "admission_foresee_cycles": 5, "admission_pause_stop_ratio": 0.1}).warnings == [
+        "admission_pause_stop_ratio: set to 0.1, but it does nothing while admission_pause_start_ratio is 0 (pausing "
+        "is always on)",
+        "admission_foresee_cycles: set to 5.0, but it does nothing while admission_pause_start_ratio is 0 (pausing "
+        "is always on)"]
+    assert validate({**program, "admission_foresee_cycles": 5}).warnings == []
 
 
 def test_bad_rule_flag_is_one_line(tmp_path):

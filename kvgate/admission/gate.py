@@ -390,11 +390,23 @@ class AdmissionGate:
         if first:
             log.info("admission: an engine's working set outgrew its ceiling; prefilling a whole ceiling takes %.2f "
                      "program cycles there (%s)", g.foresight_first,
+                     "pausing is always on: admission_pause_start_ratio 0" if not g.start_ratio else
                      f"pausing starts at {g.foresee_cycles:g}" if g.foresee_cycles else "foresight off")
         if turned:
-            log.info("admission: pausing %s (re-prefill ratio %s, starts at %g, stops below %g; foresight %s)",
-                     "on" if g.is_open else "off", "unknown" if ratio is None else f"{ratio:.2f}", g.start_ratio,
-                     g.stop_ratio, "-" if g.foresight is None else f"{g.foresight:.2f}")
+            by, reading = g.turned_by or ("ratio", ratio)
+            now = "unknown" if ratio is None else f"{ratio:.2f}"
+            if not g.is_open:
+                why = (f"the re-prefill ratio fell to {reading:.2f}, below admission_pause_stop_ratio {g.stop_ratio:g}"
+                       + (f", and no foresight reading reached {g.foresee_cycles:g} for {g.window_s:g} s"
+                          if g.foresee_cycles else ""))
+            elif by == "foresight":
+                why = (f"prefilling a whole ceiling takes {reading:.2f} program cycles, at least "
+                       f"admission_foresee_cycles {g.foresee_cycles:g} (re-prefill ratio {now}; it stops below "
+                       f"{g.stop_ratio:g} once no reading reached {g.foresee_cycles:g} for {g.window_s:g} s)")
+            else:
+                why = (f"the re-prefill ratio reached {reading:.2f}, at least admission_pause_start_ratio "
+                       f"{g.start_ratio:g} (it stops below {g.stop_ratio:g})")
+            log.info("admission: pausing %s: %s", "on" if g.is_open else "off", why)
 
     def invalidate(self) -> None:
         """No capacity signal at all: degraded at once, every waiter bypasses."""
@@ -539,8 +551,9 @@ def _program_metrics(s: dict[str, Any], p: str):
                                                "(one answered turn, no gap seen) while a turn waited a poll interval"),
             ("program_ended_paused", "pause_overdue", "Programs paused as they turned ended (idle past what their "
                                                       "own and their group's gaps between turns predict)"),
-            ("program_admitted_not_pausing", "admit_gate_closed", "Turns admitted at once because re-prefill costs "
-                                                                  "too little for pausing to pay"),
+            ("program_admitted_not_pausing", "admit_gate_closed", "First turns and paused programs' turns admitted "
+                                                                  "at once because re-prefill costs too little for "
+                                                                  "pausing to pay (the pause gate was closed)"),
             ("program_transfer_refill_tokens", "transfer_refill_tokens", "Tokens of a program's own context a PD "
              "decode worker no longer held, sent again by the prefill worker (a transfer, not a re-prefill)")):
         m = CounterMetricFamily(p + name, doc)

@@ -89,6 +89,8 @@ class PauseGate:
         self.foresight: float | None = None  # the last foreseen ratio (None: no pool has outgrown its ceiling)
         self.foresight_first: float | None = None  # the first
         self.foresight_peak = 0.0
+        # what last opened or closed it: ("ratio", the ratio) or ("foresight", the reading); None before either
+        self.turned_by: tuple[str, float] | None = None
         self._foreseen_at = -math.inf  # when the last foresight reached foresee_cycles
         self.cycle = Cycle()  # a program's mean turn and tool call (the foresight's unit), fed by the policy
 
@@ -139,9 +141,11 @@ class PauseGate:
         if not self.is_open and s >= self.start_ratio:
             self.is_open = True
             self.opened += 1
+            self.turned_by = ("ratio", s)
         elif self.is_open and s < self.stop_ratio and now - self._foreseen_at >= self.window_s:
             self.is_open = False
             self.closed += 1
+            self.turned_by = ("ratio", s)
         return self.is_open
 
     def foresee(self, now: float, ratio: float) -> bool:
@@ -160,6 +164,7 @@ class PauseGate:
             self.is_open = True
             self.opened += 1
             self.foreseen += 1
+            self.turned_by = ("foresight", ratio)
         return True
 
     def stats(self, now: float, engines: int) -> dict[str, Any]:
@@ -174,7 +179,7 @@ class PauseGate:
                 "foresee_cycles": self.foresee_cycles, "foreseen": self.foreseen,
                 "foresight": None if self.foresight is None else round(self.foresight, 4),
                 "foresight_first": None if self.foresight_first is None else round(self.foresight_first, 4),
-                "foresight_peak": round(self.foresight_peak, 4)}
+                "foresight_peak": None if self.foresight_first is None else round(self.foresight_peak, 4)}
 
 
 class Cycle:

@@ -116,8 +116,7 @@ class ProgramCoordinator(_WaitingTurns, _Pausing, _Figures):
             raise ValueError(f"overdue_quantile must be in (0, 1], got {overdue_quantile!r}")
         if not (isinstance(overdue_default_s, (int, float)) and overdue_default_s > 0):
             raise ValueError(f"overdue_default_s must be > 0, got {overdue_default_s!r}")
-        if resume_deadline_s is not None and not (isinstance(resume_deadline_s, (int, float))
-                                                  and resume_deadline_s >= 0):
+        if resume_deadline_s is not None and not (isinstance(resume_deadline_s, (int, float)) and resume_deadline_s >= 0):
             raise ValueError(f"resume_deadline_s must be >= 0 or None, got {resume_deadline_s!r}")
         self.overdue_multiple = float(overdue_multiple)
         self.overdue_quantile = float(overdue_quantile)
@@ -524,10 +523,11 @@ class ProgramCoordinator(_WaitingTurns, _Pausing, _Figures):
             ttl.push_entry(e)
 
     def reconcile(self, snapshot: ClusterSnapshot, now: float) -> list[Decision]:
-        """Install a capacity snapshot, pause where a place now overflows, and return pump(now)."""
+        """Install a capacity snapshot, update the pause gate, pause where a place overflows; returns pump(now)."""
         self.ledger.reconcile(snapshot, now)
         for place in dict.fromkeys(p.place for p in self._programs.values()):  # in a reproducible order
             self._relieve(place, now)
+        self._pausing(now)  # each poll, with programs or none (it closes on the ratio while all is idle)
         return self.pump(now)
 
     def invalidate(self, now: float) -> list[Decision]:
