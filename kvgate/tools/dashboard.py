@@ -213,7 +213,8 @@ ROWS: tuple[RowSpec, ...] = (
         PanelSpec("Pause gate",
                   "1 while the program policy holds turns and pauses programs: from the re-prefill ratio reaching "
                   "admission_pause_start_ratio or foresight admission_foresee_cycles; kvgate's log says when and why.",
-                  (Target(f"max by (instance) (agentic_kv_program_pausing{{{KV}}}) or vector(0)", "pausing {{instance}}"),
+                  (Target(f"max by (instance) (agentic_kv_program_pausing{{{KV}}}) or vector(0)",
+                          "pausing {{instance}}"),
                    Target(f"max by (instance) (agentic_kv_program_reprefill_ratio{{{KV}}}) or vector(0)",
                           "re-prefill ratio {{instance}}"),
                    Target(f"max by (instance) (agentic_kv_program_pause_foresight{{{KV}}}) or vector(0)",
