@@ -158,10 +158,11 @@ def projected(p: Placement, sums: dict, url: str) -> int | None:
     return max(e.pools[0][1] + e.in_flight.get(0, 0), held) + growth
 
 
-EVENTS = st.lists(st.tuples(
+EVENT = st.tuples(
     st.sampled_from(["place", "place", "place", "start", "finish", "observe", "observe", "forget", "figures",
                      "health", "move"]),
-    st.integers(0, 7), st.integers(0, 5), st.integers(0, 9_000)), min_size=10, max_size=60)
+    st.integers(0, 7), st.integers(0, 5), st.integers(0, 9_000))
+EVENTS = st.lists(EVENT, min_size=10, max_size=60)
 
 
 @settings(max_examples=300, deadline=None)
@@ -252,8 +253,9 @@ def test_no_session_goes_where_it_does_not_fit_while_another_engine_has_room_and
 
 
 @settings(max_examples=200, deadline=None)
-@given(st.lists(st.one_of(st.none(), st.integers(1_000, 20_000)), min_size=1, max_size=6),
-       st.lists(st.integers(0, 3), min_size=8, max_size=8), EVENTS)
+@given(st.lists(st.one_of(st.none(), st.integers(1_000, 6_000)), min_size=2, max_size=4),
+       st.lists(st.integers(0, 2), min_size=8, max_size=8),
+       st.lists(EVENT, min_size=30, max_size=80))
 def test_with_session_growth_off_the_sessions_sizes_play_no_part(caps, groups, events):
     """session_growth=False: over random fleets, prefix groups and event orders, a placement told every
     session's size (place's prompt_tokens, observed()) decides exactly as one told none of them: same
