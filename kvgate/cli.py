@@ -201,12 +201,15 @@ def main(argv: list[str] | None = None) -> int:
             parser._subparser(args).error(f"two config files: {args.config_file} and --config {args.config}")
         args.config = args.config_file
     if args.command in ("demo", "bench", "bench-proxy"):
+        import faulthandler
+        import signal
+
         from kvgate.tools.procs import exit_on_signals
         exit_on_signals()  # they start engines, a router and kvgate: a SIGTERM or SIGHUP must stop those too
+        faulthandler.register(signal.SIGUSR1, all_threads=True)  # `kill -USR1 PID`: where a stuck run is, on stderr
         try:
             return int(args.func(args) or 0)
         except KeyboardInterrupt:  # Ctrl-C: the children are stopped by then (finally blocks); no traceback
-            import signal
             signal.signal(signal.SIGINT, signal.SIG_IGN)  # a further press must not interrupt the exit
             print(f"kvgate {args.command}: interrupted", file=sys.stderr)
             return 130

@@ -56,39 +56,64 @@ def test_demo_short_window_every_run(tmp_path):
 def test_demo_signal_stops_every_child(tmp_path, how):
     """kill, a closed terminal, and Ctrl-C pressed again and again while the demo is stopping its children:
     every engine, router and kvgate process it started is gone afterwards. Each step waits for a line the demo
-    prints, never for time."""
+    prints, never for time. Its output is read all along (a full pipe would stop the demo), and a demo still
+    running a minute after the signal fails the test with where it is (`kill -USR1`: its threads' stacks)."""
     import os
     import signal
+    import threading
     log_dir = tmp_path / "logs"
     # SIGINT at its default, as in an interactive terminal: a test runner started as a background job of a
     # non-interactive shell has it ignored, and the demo would inherit that (and rightly keep ignoring it).
-    p = subprocess.Popen([sys.executable, "-m", "kvgate", "demo", "--duration-s", "60", "--runs", "lifecycle",
+    # 300 s of trace at speed 5 replays for a minute: the first progress line (10 s in) comes mid-replay.
+    p = subprocess.Popen([sys.executable, "-m", "kvgate", "demo", "--duration-s", "300", "--runs", "lifecycle",
                           "--sessions", "all",
                           "--log-dir", str(log_dir)], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                          start_new_session=True, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    lines: list[bytes] = []
+    seen = {k: threading.Event() for k in (b"requests done", b"stopping the", b"most recent call first")}
+
+    def read() -> None:
+        for line in p.stdout:
+            lines.append(line)
+            for k, ev in seen.items():
+                if k in line:
+                    ev.set()
+        for ev in seen.values():
+            ev.set()  # the demo ended: nothing more will come
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+
+    def ended(timeout: float) -> int:
+        """The demo's exit status; a failure with its output and its threads' stacks if it is still running."""
+        try:
+            return p.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            p.send_signal(signal.SIGUSR1)
+            seen[b"most recent call first"].wait(10)
+            pytest.fail(f"the demo still ran {timeout:.0f} s after the signal:\n" + b"".join(lines).decode(errors="replace"))
+
+    children = []
     try:
         # the replay has started once the demo prints its first progress line (an event in its output)
-        for line in p.stdout:
-            if b"requests done" in line:
-                break
+        assert seen[b"requests done"].wait(300) and p.poll() is None, b"".join(lines).decode(errors="replace")
         kvgate_log = (log_dir / "lifecycle" / "kvgate.log").read_text()
         assert "listening" in kvgate_log
         children = _descendants(p.pid)
         assert len(children) >= 6  # four engines, the router (launcher + smg::router), kvgate
         if how == "SIGINT-repeated":
             p.send_signal(signal.SIGINT)
-            for line in p.stdout:  # it has begun stopping its children: press again and again now
-                if b"stopping the" in line:
-                    break
+            assert seen[b"stopping the"].wait(60)  # it has begun stopping its children: press again and again now
             for _ in range(10):
                 p.send_signal(signal.SIGINT)
-            rest = p.stdout.read()
-            assert p.wait(timeout=60) == 130
+            assert ended(60) == 130
+            reader.join(10)
+            rest = b"".join(lines)
             assert b"Traceback" not in rest and b"interrupted" in rest
         else:
             sig = getattr(signal, how)
             p.send_signal(sig)
-            assert p.wait(timeout=60) == 128 + sig
+            assert ended(60) == 128 + sig
     finally:
         if p.poll() is None:
             os.killpg(p.pid, signal.SIGKILL)
