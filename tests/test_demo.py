@@ -117,6 +117,11 @@ def test_demo_signal_stops_every_child(tmp_path, how):
     finally:
         if p.poll() is None:
             os.killpg(p.pid, signal.SIGKILL)
+            for pid in children:  # a demo that did not stop its children: they run in sessions of their own
+                try:
+                    os.killpg(os.getpgid(pid), signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
     alive = []
     for pid in children:
         try:
