@@ -393,15 +393,15 @@ class AdmissionGate:
                      "pausing is always on: admission_pause_start_ratio 0" if not g.start_ratio else
                      f"pausing starts at {g.foresee_cycles:g}" if g.foresee_cycles else "foresight off")
         if turned:
-            by, reading = g.turned_by or ("ratio", ratio)
-            now = "unknown" if ratio is None else f"{ratio:.2f}"
+            by, reading = g.turned_by  # set whenever it opens or closes
+            measured = "unknown" if ratio is None else f"{ratio:.2f}"
             if not g.is_open:
                 why = (f"the re-prefill ratio fell to {reading:.2f}, below admission_pause_stop_ratio {g.stop_ratio:g}"
                        + (f", and no foresight reading reached {g.foresee_cycles:g} for {g.window_s:g} s"
                           if g.foresee_cycles else ""))
             elif by == "foresight":
                 why = (f"prefilling a whole ceiling takes {reading:.2f} program cycles, at least "
-                       f"admission_foresee_cycles {g.foresee_cycles:g} (re-prefill ratio {now}; it stops below "
+                       f"admission_foresee_cycles {g.foresee_cycles:g} (re-prefill ratio {measured}; it stops below "
                        f"{g.stop_ratio:g} once no reading reached {g.foresee_cycles:g} for {g.window_s:g} s)")
             else:
                 why = (f"the re-prefill ratio reached {reading:.2f}, at least admission_pause_start_ratio "

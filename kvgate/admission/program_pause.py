@@ -112,13 +112,14 @@ class _Pausing:
         pause (degraded, or the pause gate closed)."""
         if self.ledger.is_degraded(now):
             return 0
-        over = self.ledger.reserved_on(place) - self.ledger.ceiling_of(place)
+        ceiling = self.ledger.ceiling_of(place)
+        over = self.ledger.reserved_on(place) - ceiling
         if over > 0 and place is not FLEET and not self.ledger.transfer_refilled(place):
             # The working set outgrows this pool now: the gate foresees what re-prefilling a pool's worth each
             # cycle would cost, before the evictions that would measure it
             rate, cycle = self.prefill.per_token_s(place), self.gate.cycle.seconds()
             if rate is not None and cycle is not None:
-                self.gate.foresee(now, self.ledger.ceiling_of(place) * rate / cycle)
+                self.gate.foresee(now, ceiling * rate / cycle)
         if not self._pausing(now):
             return 0
         if place is FLEET:
