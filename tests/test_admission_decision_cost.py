@@ -12,7 +12,8 @@ plain computation it replaces, over random inputs.
   charge there, most free room) among those that could take its least charge and are not under pressure.
 - Holdings.changed_since names every place a change reached since a version (or None once the log no longer
   reaches back that far);
-- a waiting turn's remembered refusals (_refused_again) decide as asking every engine again: two coordinators,
+- a waiting turn's remembered refusals (_refused_again, its own place's: _own_refused_again) decide as asking
+  every engine again: two coordinators,
   one of them asking every time, over random fleets, programs and events give the same decisions, pauses,
   counters, ledger refusals and refusal records at every step;
 - first_fit told where a prompt's start is held (start_held) charges the whole turn elsewhere without a walk of
@@ -68,6 +69,9 @@ class Model:
     def places_with(self, block):
         return {pl for pl, bl, _ in self.h.values() if block in bl}
 
+    def places_starting_with(self, block):
+        return {pl for pl, bl, _ in self.h.values() if bl[:1] == (block,)}
+
 
 PLACE = st.sampled_from(["a", "b", None])
 HOLDER = st.integers(0, 5)
@@ -104,6 +108,7 @@ def test_holdings_match_a_recount_whatever_the_order_of_adds_and_removes(ops):
             h.remove(holder)  # pending while the place has other holders: the reads below meet it
             for b in fresh + list(blocks[:3]):
                 assert h.places_with(b) == m.places_with(b)
+                assert h.places_starting_with(b) == m.places_starting_with(b)
                 assert h.has_block(place, b) == (place in m.places_with(b))
             # the next holder: a new one (the next turn's lease) when there is one, so the add takes the blocks
             # over from the pending removal
@@ -125,8 +130,9 @@ def test_holdings_match_a_recount_whatever_the_order_of_adds_and_removes(ops):
             assert h.cost(place, blocks, tail) == m.cost(place, blocks, tail)
             assert h.cost(place, blocks, tail) == m.cost(place, blocks, tail)  # remembered: the same answer
         else:
-            for b in fresh:
+            for b in fresh + list(blocks[:1]):
                 assert h.places_with(b) == m.places_with(b)
+                assert h.places_starting_with(b) == m.places_starting_with(b)
                 assert h.has_block(place, b) == (place in m.places_with(b))
         for pl in ("a", "b", None):
             assert h.total(pl) == m.total(pl)
@@ -339,7 +345,10 @@ def test_changed_since_names_every_place_a_change_reached(ops, kept):
 class Plain(ProgramCoordinator):
     """The coordinator without its remembered refusals: every waiting turn asks every engine on every pump."""
 
-    def _refused_again(self, w, now):
+    def _own_refused_again(self, w, now):
+        return None
+
+    def _refused_again(self, w, now, own_refusal):
         return False
 
 

@@ -13,7 +13,7 @@ from kvgate.admission.deadlines import Deadlines
 from kvgate.admission.ledger import REFUSAL_REASONS
 from kvgate.admission.program import BOUND_REASON, RESUME_ORDERS, VICTIM_RULES, ProgramCoordinator
 from kvgate.admission.records import WaitReason
-from kvgate.admission.turn_gaps import MIN_GAPS, TurnGaps
+from kvgate.admission.turn_gaps import FLEET_GAPS, MIN_GAPS, TurnGaps, _quantile
 from kvgate.admission.victims import ResumeOrder, VictimRule, resume_key, victim_order
 from kvgate.config import KEYS
 
@@ -104,6 +104,25 @@ def test_a_program_is_overdue_after_the_quantile_of_its_and_its_groups_gaps():
     assert long.overdue_after(q) == 600.0  # at most the TTL
     off = TurnGaps(multiple=0.0, quantile=0.9, default_s=60.0, ttl_s=600.0)
     assert off.overdue_after(p) == math.inf
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.floats(0.0, 1e4) | st.sampled_from([0.0, 1.0, 2.5]), min_size=0, max_size=FLEET_GAPS * 2 + 40),
+       st.sampled_from([0.5, 0.9, 1.0]))
+def test_the_fleet_bound_is_the_quantile_of_the_newest_fleet_gaps(gaps, q):
+    """The fleet's bound (kept in a sorted list as gaps come and the oldest go, not sorted again) is the quantile of
+    the newest FLEET_GAPS gaps at each refresh, ties and evictions included; overdue_after reads it."""
+    from collections import deque
+    g = TurnGaps(multiple=1.0, quantile=q, default_s=60.0, ttl_s=1e9)
+    seen, want = [], None
+    for i, gap in enumerate(gaps):
+        g.record(SimpleNamespace(gaps=deque(maxlen=16), group=None), gap)
+        seen.append(gap)
+        if g._fresh == 0:  # just refreshed
+            want = _quantile(seen[-FLEET_GAPS:], q)
+        assert g._fleet_sorted == sorted(seen[-FLEET_GAPS:])
+    lone = SimpleNamespace(gaps=deque(maxlen=16), group=None)
+    assert g.overdue_after(lone) == (60.0 if want is None else want)
 
 
 def test_the_victim_order_puts_ended_programs_first_then_the_rule():

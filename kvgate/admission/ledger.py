@@ -481,9 +481,9 @@ class Ledger(_LedgerFigures):
         return self._rank
 
     def places_holding(self, block: int) -> set[Any]:
-        """The places where some lease or resident KV holds prefix ``block`` (its prompt's first block: where
-        that prompt's start is held), in one pass over the places."""
-        return self._hold.places_with(block)
+        """The places where some lease or resident KV holds prefix ``block``, a prompt's first block (chain
+        hashes: where that prompt's start is held), read off an index of first blocks."""
+        return self._hold.places_starting_with(block)
 
     def free_on(self, place: Any) -> int:
         """Tokens ``place`` could still take under its own ceiling (may be negative when over it)."""
@@ -497,6 +497,13 @@ class Ledger(_LedgerFigures):
     def count_refused(self, reason: RefusalReason, n: int) -> None:
         """Count ``n`` refusals for ``reason`` known without asking place by place (refusal_charge)."""
         self._refused_total[reason] += n
+
+    def refused_again(self, ticket: Hashable, tokens: int, place: Any, charge: int) -> Refusal:
+        """try_acquire's refusal of ``tokens`` for ``ticket`` on engine ``place``, known without reading it again:
+        the place refused ``charge`` over its own room alone (refusal_charge) and neither its holdings nor the
+        snapshot changed since (the caller knows). Counted as try_acquire counts it."""
+        return self._refuse(ticket, min(tokens, self._figures_of(self.resolve_place(place))[0]), "capacity_exhausted",
+                            charge)
 
     def _refuse(self, ticket: Hashable, tokens: int, reason: RefusalReason, cost: int = -1) -> Refusal:
         self._refused_total[reason] += 1

@@ -66,17 +66,20 @@ class _LedgerFigures:
         holds none of its start holds none of the rest either), in O(1)."""
         return bool(blocks) and self._hold.has_block(self.resolve_place(place), blocks[0])
 
-    def refusal_charge(self, place: Any, tokens: int, blocks: tuple = ()) -> int:
+    def refusal_charge(self, place: Any, tokens: int, blocks: tuple = (), start_held: bool = True) -> int:
         """What a reservation of ``tokens`` (not forced) with prefix ``blocks`` would add on engine ``place`` if
         the place refuses it over its own room alone (capacity_exhausted: usage under the pressure threshold, the
         charge no larger than the place's ceiling and above its free room; first_fit's inline refusal), else
-        -1 (it may grant, or refuse for a reason the rest of the fleet enters). Counts nothing."""
+        -1 (it may grant, or refuse for a reason the rest of the fleet enters). Counts nothing. ``start_held``
+        False: ``place`` holds no holding that starts with ``blocks[0]`` (places_holding), so none of chain-hashed
+        ``blocks``: its charge is read without a walk of them (as first_fit's ``start_held``)."""
         place = self.resolve_place(place)
         clamp, usage, ceiling = self._figures_of(place)
         hold = self._hold
         t, bt = min(tokens, clamp), hold.block_tokens
         bl = blocks[: t // bt]
-        cost = hold.cost(place, bl, t - len(bl) * bt)
+        tail = t - len(bl) * bt
+        cost = hold.cost(place, bl, tail) if start_held else hold.cost_alone(bl, tail)
         return cost if usage < self.pressure_threshold and cost <= ceiling < hold.total(place) + cost else -1
 
     def holdings_version(self) -> int:

@@ -261,19 +261,22 @@ class _WaitingTurns:
         hold the most of its prompt first, then the most free; returns (the Grant and where, or the first
         Refusal and w's place). A refusal is recorded for _hopeless.
 
-        A pass in which every other engine refused over its own room is remembered (``w.refused``): the next
-        pass asks again only the engines whose holdings changed since (_refused_again)."""
-        r = self.ledger.try_acquire(w.ticket, w.tokens, now, place=w.place, blocks=w.blocks)
-        if isinstance(r, Grant):
-            return r, w.place
-        if w.movable and w.place is not FLEET and w.refused is not None and self._refused_again(w, now):
+        A pass in which every engine refused over its own room is remembered (``w.refused``): the next pass asks
+        again only the engines whose holdings changed since (its own place too: unchanged, it refuses the same
+        charge) (_refused_again)."""
+        lg = self.ledger
+        r = self._own_refused_again(w, now) if w.refused is not None else None
+        if r is None:
+            r = lg.try_acquire(w.ticket, w.tokens, now, place=w.place, blocks=w.blocks)
+            if isinstance(r, Grant):
+                return r, w.place
+        if w.movable and w.place is not FLEET and w.refused is not None and self._refused_again(w, now, r):
             self._note_refusal(w, w.place, r)
             return r, w.place
         self._note_refusal(w, w.place, r)
         if not w.movable or w.place is FLEET:
             return r, w.place
         # the others are ranked only now: a refusal changes no holding, so the order is the one it had before
-        lg = self.ledger
         own_room: dict[Any, int] = {}
         near = lg.places_holding(w.blocks[0]) if w.blocks else set()
         g, where, refused = lg.first_fit(w.ticket, w.tokens, now, self._others(w, near), w.blocks, own_room,
@@ -284,31 +287,48 @@ class _WaitingTurns:
         if g is not None:
             return g, where
         if len(own_room) == len(refused):  # every one over its own room: only a change there can undo it
-            w.refused = (lg.free_rank(), lg.holdings_version(), own_room, max(own_room.values(), default=0))
+            own = lg.refusal_charge(w.place, w.tokens, w.blocks)  # its own place's too, when it is (else -1)
+            w.refused = (lg.free_rank(), lg.holdings_version(), own_room, max(own_room.values(), default=0),
+                         own if own == r.charge else -1)
         return r, w.place
 
-    def _refused_again(self, w: _Waiter, now: float) -> bool:
+    def _own_refused_again(self, w: _Waiter, now: float) -> Refusal | None:
+        """The refusal of ``w`` on its own place, counted, when its remembered pass (``w.refused``) says that place
+        refused it over its own room alone and neither the place's holdings nor the snapshot changed since (it
+        would refuse the same charge: that refusal depends on nothing else); else None (ask the ledger)."""
+        rank, version, own_charge = w.refused[0], w.refused[1], w.refused[4]
+        lg = self.ledger
+        if own_charge < 0 or rank is not lg.free_rank() or lg.is_degraded(now):
+            return None
+        changed = lg.changed_since(version)
+        if changed is None or w.place in changed:
+            return None
+        return lg.refused_again(w.ticket, w.tokens, w.place, own_charge)
+
+    def _refused_again(self, w: _Waiter, now: float, own_refusal: Refusal) -> bool:
         """Whether the other engines refuse ``w`` as in its remembered pass (``w.refused``), asking only those
         whose holdings changed since; if so, counts and records their refusals as first_fit and _note_refusals
         would have (the same engines, charges and counts: an engine whose holdings did not change has the same
-        free room, so it is among those _others names, and refuses, as it did) and remembers the pass anew.
+        free room, so it is among those _others names, and refuses, as it did) and remembers the pass anew, with
+        ``own_refusal`` (its own place's, in this pass).
         False (nothing counted, the pass forgotten) when a changed engine may grant or refuses otherwise, or the
         snapshot changed: then _fit asks them all."""
         lg = self.ledger
-        rank, version, charges, top = w.refused
+        rank, version, charges, top, own_charge = w.refused
         changed = lg.changed_since(version)
         if rank is not lg.free_rank() or changed is None or lg.is_degraded(now):
             w.refused = None
             return False
         if changed:
             lb, own, pressed = self._lower_bound(w), w.place, rank.pressed
+            near = None if self._walk_every_place or not w.blocks else lg.places_holding(w.blocks[0])
             for pl in changed:
                 if pl == own or pl not in rank or pl in pressed:
                     continue  # never among the others _fit asks
                 if lg.free_on(pl) < lb:  # _others stops before it
                     charges.pop(pl, None)
                     continue
-                c = lg.refusal_charge(pl, w.tokens, w.blocks)
+                c = lg.refusal_charge(pl, w.tokens, w.blocks, near is None or pl in near)
                 if c < 0:
                     w.refused = None
                     return False
@@ -320,7 +340,10 @@ class _WaitingTurns:
                 self._failed, self._failed_max, self._failed_dropped = dict(charges), top, False
             else:
                 self._note_charges(charges.items())
-        w.refused = (rank, lg.holdings_version(), charges, top)
+        if w.place in changed:  # its own place's refusal was read again: remembered if over that place's room alone
+            c = lg.refusal_charge(w.place, w.tokens, w.blocks)
+            own_charge = c if c == own_refusal.charge else -1
+        w.refused = (rank, lg.holdings_version(), charges, top, own_charge)
         return True
 
     def _others(self, w: _Waiter, near: set | None = None) -> Iterator[Any]:

@@ -104,7 +104,8 @@ class _Waiter:
     movable: bool = False  # kvgate places it: it may go to any engine with room
     cost_due: float = float("inf")  # it goes then (bypass-cost): its wait has cost what its admission would
     # its last pass over the other engines, all refused over their own room: (the FreeRank it read, the holdings'
-    # version then, {place: charge}, the largest charge); kvgate.admission.program_queue._refused_again
+    # version then, {place: charge}, the largest charge, its own place's charge when that place too refused over
+    # its own room, else -1); kvgate.admission.program_queue._fit and _refused_again
     refused: tuple | None = None
 
 

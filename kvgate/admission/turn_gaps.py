@@ -14,6 +14,7 @@ the program (``gaps``, the newest OWN_GAPS); :class:`TurnGaps` keeps its group's
 from __future__ import annotations
 
 import math
+from bisect import bisect_left, insort
 from collections import deque
 from typing import Any, Hashable
 
@@ -27,7 +28,11 @@ MIN_GAPS = 3
 
 def _quantile(values, q: float) -> float:
     """The ``q`` quantile (0 < q <= 1) of a non-empty collection of numbers (the nearest-rank value)."""
-    xs = sorted(values)
+    return _ranked(sorted(values), q)
+
+
+def _ranked(xs: list, q: float) -> float:
+    """The ``q`` quantile of ``xs``, sorted already (the nearest-rank value)."""
     return xs[min(len(xs) - 1, max(0, math.ceil(q * len(xs)) - 1))]
 
 
@@ -39,7 +44,8 @@ class TurnGaps:
     passed in has ``gaps`` (its own deque, maxlen OWN_GAPS) and ``group`` (hashable or None). Values are checked
     by the coordinator."""
 
-    __slots__ = ("multiple", "quantile", "default_s", "ttl_s", "_group", "_fleet", "_fleet_bound", "_fresh")
+    __slots__ = ("multiple", "quantile", "default_s", "ttl_s", "_group", "_fleet", "_fleet_sorted", "_fleet_bound",
+                 "_fresh")
 
     def __init__(self, multiple: float, quantile: float, default_s: float, ttl_s: float) -> None:
         self.multiple = multiple
@@ -48,6 +54,7 @@ class TurnGaps:
         self.ttl_s = ttl_s
         self._group: dict[Hashable, deque] = {}
         self._fleet: deque = deque(maxlen=FLEET_GAPS)
+        self._fleet_sorted: list[float] = []  # the same gaps in order: the quantile is read, not sorted again
         self._fleet_bound: float | None = None  # the fleet's quantile, recomputed as gaps come in
         self._fresh = 0
 
@@ -62,11 +69,15 @@ class TurnGaps:
             if g is None:
                 g = self._group[p.group] = deque(maxlen=GROUP_GAPS)
             g.append(gap)
-        self._fleet.append(gap)
+        fleet, ranked = self._fleet, self._fleet_sorted
+        if len(fleet) == fleet.maxlen:  # the oldest goes from both
+            del ranked[bisect_left(ranked, fleet[0])]
+        fleet.append(gap)
+        insort(ranked, gap)
         self._fresh += 1
-        if self._fresh >= 16 or self._fleet_bound is None and len(self._fleet) >= MIN_GAPS:
+        if self._fresh >= 16 or self._fleet_bound is None and len(fleet) >= MIN_GAPS:
             self._fresh = 0
-            self._fleet_bound = _quantile(self._fleet, self.quantile)
+            self._fleet_bound = _ranked(ranked, self.quantile)
 
     def overdue_after(self, p: Any) -> float:
         """Seconds after its last turn ended at which ``p`` counts as ended: multiple x the larger of the

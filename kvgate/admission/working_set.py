@@ -48,6 +48,19 @@ _CACHED_PER_PLACE = 256
 _LOG_KEPT = 4096
 
 
+def _held_prefix(refs: dict, blocks: tuple) -> int:
+    """How many leading ``blocks`` ``refs`` holds, by a binary search: exact for chain hashes (the blocks a place
+    holds of such a prompt are a prefix of it), a guess to be checked otherwise."""
+    lo, hi = 0, len(blocks)
+    while lo < hi:  # blocks[:lo] held, blocks[hi:] not
+        mid = (lo + hi) // 2
+        if blocks[mid] in refs:
+            lo = mid + 1
+        else:
+            hi = mid
+    return lo
+
+
 class Holdings:
     """Per-place token holdings. ``block_tokens``: tokens each block stands for (> 0, else ValueError).
 
@@ -81,6 +94,9 @@ class Holdings:
         # (the last prompt tuple cost() read, its set of blocks, how many): a waiting turn's prompt is read on
         # every engine it may go to, and again by the grant that follows
         self._distinct: tuple = ((), frozenset(), 0)
+        # first block -> {place: holders there whose blocks start with it}: where a prompt's start is held, read
+        # without a lookup in every place's blocks (a moving turn asks on every pass; 64 large dicts were ~30 us)
+        self._starts: dict[int, dict[Hashable, int]] = {}
 
     def cost(self, place: Hashable, blocks: Iterable[int], tail: int) -> int:
         """Tokens that adding (blocks, tail) on ``place`` would add: blocks not yet held there + tail."""
@@ -134,13 +150,7 @@ class Holdings:
             return hit[1] * self.block_tokens + max(0, int(tail))
         if self._distinct_of(blocks)[2] != len(blocks):
             return self.cost(place, blocks, tail)
-        refs, lo, hi = p.refs, 0, len(blocks)
-        while lo < hi:  # blocks[:lo] held, blocks[hi:] not
-            mid = (lo + hi) // 2
-            if blocks[mid] in refs:
-                lo = mid + 1
-            else:
-                hi = mid
+        lo = _held_prefix(p.refs, blocks)
         return self._remember(p, blocks, len(blocks) - lo) * self.block_tokens + max(0, int(tail))
 
     def cost_alone(self, blocks: Iterable[int], tail: int) -> int:
@@ -193,6 +203,12 @@ class Holdings:
         p.tail += t
         p.holders += 1
         self._holders[holder] = (place, bl, t)
+        if bl:  # inline (every turn adds twice): _starts[bl[0]][place] += 1
+            at = self._starts.get(bl[0])
+            if at is None:
+                self._starts[bl[0]] = {place: 1}
+            else:
+                at[place] = at.get(place, 0) + 1
         self._total += added
         return added
 
@@ -203,11 +219,29 @@ class Holdings:
 
     @staticmethod
     def _count_in(p: _Place, bl: tuple) -> int:
-        """refs[b] += 1 for every block of ``bl`` on ``p`` (in C: map/zip, not a Python step per block); returns
-        how many were not held there."""
+        """refs[b] += 1 for every block of ``bl`` (distinct) on ``p`` (in C: map/zip, not a Python step per
+        block); returns how many were not held there."""
         if not bl:
             return 0
         refs = p.refs
+        keys = refs.keys()
+        if keys.isdisjoint(bl):  # none held here (a turn moved to an engine without its prompt): no counts to read
+            refs.update(zip(bl, repeat(1)))
+            return len(bl)
+        # Chain hashes: the blocks held here are a prefix of the prompt (found by a binary search), the rest new;
+        # checked (a repeat or a hole in the prefix takes the general way)
+        lo = _held_prefix(refs, bl)
+        rest = bl[lo:]
+        if lo and keys.isdisjoint(rest):
+            head = bl[:lo]
+            try:
+                counts = list(map(refs.__getitem__, head))
+            except KeyError:
+                pass
+            else:
+                refs.update(zip(head, map(add, counts, repeat(1))))
+                refs.update(zip(rest, repeat(1)))
+                return len(rest)
         old = list(map(refs.get, bl, repeat(0)))
         refs.update(zip(bl, map(add, old, repeat(1))))
         return old.count(0)
@@ -224,6 +258,11 @@ class Holdings:
         p.tail += tail
         p.holders += 1
         self._holders[holder] = (place, bl, tail)
+        at = self._starts.get(bl[0])  # bl starts with the removal's blocks: at least one
+        if at is None:
+            self._starts[bl[0]] = {place: 1}
+        else:
+            at[place] = at.get(place, 0) + 1
         self._touch(place)
         if p.cache:
             p.cache.clear()
@@ -250,6 +289,15 @@ class Holdings:
         if self._pending is not None:
             self._settle()
         place, bl, tail = h
+        if bl:  # inline: _starts[bl[0]][place] -= 1, emptied entries dropped
+            at = self._starts[bl[0]]
+            n = at[place] - 1
+            if n:
+                at[place] = n
+            elif len(at) > 1:
+                del at[place]
+            else:
+                del self._starts[bl[0]]
         p = self._places[place]
         self._touch(place)
         if p.cache:
@@ -302,6 +350,13 @@ class Holdings:
         if pending is not None and pending[0] in out and self._freed(pending[1], block):
             out.discard(pending[0])
         return out
+
+    def places_starting_with(self, block: int) -> set[Hashable]:
+        """The places where some holder's blocks start with ``block``, in O(1) of the places. For chain hashes
+        (a block's hash covers every block before it, as kvgate's do) a first block is held only as a first
+        block, so this is places_with(block) of a prompt's first block."""
+        at = self._starts.get(block)
+        return set(at) if at else set()
 
     def _freed(self, p: _Place, block: int) -> bool:
         """Whether ``block``, in ``p``'s refs, is one the pending removal freed there (read without settling it:
