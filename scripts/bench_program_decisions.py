@@ -250,7 +250,8 @@ def run(progs: list[Prog], engines: list[str], tokens: int, trees: list[tuple[st
         after()
     for a in arms:
         co = a.co
-        a.digest.update(repr((sorted(co.counters.items()), a.ledger.stats(now)["refused"], a.ledger.reserved)).encode())
+        a.refused = a.ledger.stats(now)["refused"]
+        a.digest.update(repr((sorted(co.counters.items()), a.refused, a.ledger.reserved)).encode())
         a.result = {"digest": a.digest.hexdigest()[:16], "turns": n_ticket, "most_waiting": most_waiting,
                     "pauses": pauses, "sim_s": now, "counters": dict(co.counters)}
     return arms
@@ -259,6 +260,16 @@ def run(progs: list[Prog], engines: list[str], tokens: int, trees: list[tuple[st
 def pct(xs: list[int], q: float) -> float:
     xs = sorted(xs)
     return xs[min(len(xs) - 1, max(0, int(round(q * len(xs))) - 1))] / 1000.0 if xs else 0.0
+
+
+def diff_counters(arms: list[Arm]) -> str:
+    """The final counters and ledger refusals that differ between two arms: 'name before -> after, ...'."""
+    (a, b) = arms
+    def figures(arm):
+        return {**arm.result["counters"], **{f"refused {k}": v for k, v in arm.refused.items()}}
+    fa, fb = figures(a), figures(b)
+    return ", ".join(f"{k} {fa.get(k, 0):,} -> {fb.get(k, 0):,}" for k in sorted(set(fa) | set(fb))
+                     if fa.get(k, 0) != fb.get(k, 0)) or "none"
 
 
 def rows_of(arm: Arm) -> dict:
@@ -303,8 +314,10 @@ def main() -> None:
           f"{res['pauses']:,} pauses, {report['waited']:,} waits, {report['moved']:,} moved; decisions {res['digest']}")
     if args.baseline:
         base, this = report["baseline"]["calls"], report["calls"]
-        print(f"baseline {args.baseline}: decisions {report['baseline']['decisions_sha256']} (the same, call by call); "
-              "before -> after, timed in lockstep")
+        same = report["baseline"]["decisions_sha256"] == res["digest"]
+        print(f"baseline {args.baseline}: decisions {report['baseline']['decisions_sha256']} (the same call by call"
+              f"{'' if same else '; the final counters differ: ' + diff_counters(arms)}); before -> after, timed in "
+              "lockstep")
         print(f"{'call':<14}{'calls':>9}{'p50 us':>18}{'p99 us':>20}{'max us':>22}")
         for k, r in this.items():
             b0 = base[k]

@@ -66,6 +66,11 @@ class _LedgerFigures:
         holds none of its start holds none of the rest either), in O(1)."""
         return bool(blocks) and self._hold.has_block(self.resolve_place(place), blocks[0])
 
+    def cost_alone(self, blocks: tuple, tail: int) -> int:
+        """What (``blocks``, ``tail``) would add on a place that holds none of ``blocks``: every distinct block and
+        the tail (tokens)."""
+        return self._hold.cost_alone(blocks, tail)
+
     def refusal_charge(self, place: Any, tokens: int, blocks: tuple = (), start_held: bool = True) -> int:
         """What a reservation of ``tokens`` (not forced) with prefix ``blocks`` would add on engine ``place`` if
         the place refuses it over its own room alone (capacity_exhausted: usage under the pressure threshold, the

@@ -35,6 +35,8 @@ from .ledger import Grant, Refusal
 from .records import BOUND_REASON, WaitReason, _Waiter, decrement
 from .working_set import FLEET
 
+_NO_RECORD = float("inf")  # the record of a place no refusal reached yet: any charge lowers it
+
 __all__: list[str] = []
 
 
@@ -45,6 +47,7 @@ class _WaitingTurns:
     # prompt's start, and on those in full, not by a binary search of its held prefix (chain hashes: the plain
     # computation the shortcuts must match, in tests)
     _walk_every_place = False
+    _smallest: tuple | None = None  # (the FreeRank of a snapshot, its smallest engine's ceiling): _no_room
 
     def pump(self, now: float) -> list[Decision]:
         """Decide for waiting turns at ``now``; returns decisions for those that leave. Ages first (waited >=
@@ -102,7 +105,7 @@ class _WaitingTurns:
                     self._wait_reason(w, BOUND_REASON, now)
                     continue
                 reclaimable = self._reclaimable(w, now)
-                if self._hopeless(w):  # no room anywhere it may go, as things stand: only a reclaim can make some
+                if self._hopeless(w) or self._no_room(w):  # no room anywhere it may go: only a reclaim can make some
                     if not reclaimable:
                         continue
                     r, where = Refusal(w.ticket, w.tokens, WaitReason.CAPACITY_EXHAUSTED), w.place
@@ -256,6 +259,35 @@ class _WaitingTurns:
         # any engine: every one must have refused no more than lb (O(1): the count and the largest record)
         return len(failed) >= len(self.ledger.engine_places()) and lb >= self._failed_max
 
+    def _no_room(self, w: _Waiter) -> bool:
+        """Whether no engine a movable ``w`` may go to has room for it now, read without asking them: its whole
+        turn is more than any engine's free room, and on each engine that holds its prompt's start its charge
+        there is more than that engine's free room (chain hashes: elsewhere it charges the whole turn). An
+        engine refuses a charge over its free room (Ledger.try_acquire: not oversized, as no charge of it is
+        over an engine's ceiling), so asking them would admit it nowhere; the pump passes it by as _hopeless
+        does, instead of asking again on every pump while the fleet stays full."""
+        if not w.movable or w.place is FLEET or not w.blocks:
+            return False
+        lg = self.ledger
+        rank = lg.free_rank()
+        smallest = self._smallest
+        if smallest is None or smallest[0] is not rank:  # once a snapshot: the smallest engine's ceiling
+            smallest = self._smallest = (rank, min((lg.ceiling_of(pl) for pl in lg.engine_places()), default=0))
+        if w.tokens > smallest[1]:
+            return False  # it might go alone over an empty engine's ceiling (oversized)
+        if w.whole < 0:
+            bt = lg.block_tokens
+            bl = w.blocks[: w.tokens // bt]
+            w.whole = lg.cost_alone(bl, w.tokens - len(bl) * bt)
+        order = rank.order()
+        if not order or -order[0][0] >= w.whole:
+            return False  # some engine has room for its whole turn
+        chained, pressed = not self._walk_every_place, rank.pressed
+        for pl in lg.places_holding(w.blocks[0]):
+            if pl in rank and pl not in pressed and lg.charge(pl, w.tokens, w.blocks, chained) <= lg.free_on(pl):
+                return False
+        return True
+
     def _fit(self, w: _Waiter, now: float) -> tuple[Grant | Refusal, Any]:
         """try_acquire for ``w`` on its own place, then (``movable``) on the other engines, those that already
         hold the most of its prompt first, then the most free; returns (the Grant and where, or the first
@@ -399,8 +431,11 @@ class _WaitingTurns:
         all of them once at the end, when a reclaim dropped records or the largest was lowered (not at each:
         dozens of places often share the largest charge, the whole turn)."""
         failed, top, again, wrote = self._failed, self._failed_max, self._failed_dropped, False
-        for place, charge in charges:
-            old = failed.get(place)
+        get = failed.get
+        # those that lower (or make) a record, picked in one comprehension: after the first waiter of a pump has
+        # recorded every place, most of the next one's dozens of refusals change none
+        for place, charge in [(pl, c) for pl, c in charges if c < get(pl, _NO_RECORD)]:
+            old = get(place)
             if old is None:
                 failed[place], wrote = charge, True
                 if charge > top:

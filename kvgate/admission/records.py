@@ -107,6 +107,7 @@ class _Waiter:
     # version then, {place: charge}, the largest charge, its own place's charge when that place too refused over
     # its own room, else -1); kvgate.admission.program_queue._fit and _refused_again
     refused: tuple | None = None
+    whole: int = -1  # what it charges on an engine that holds none of its prompt (tokens); -1 until read
 
 
 def one_turn(sid: Hashable) -> bool:
