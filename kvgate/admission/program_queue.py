@@ -105,7 +105,7 @@ class _WaitingTurns:
                     self._wait_reason(w, BOUND_REASON, now)
                     continue
                 reclaimable = self._reclaimable(w, now)
-                if self._hopeless(w) or self._no_room(w):  # no room anywhere it may go: only a reclaim can make some
+                if self._hopeless(w):  # no room anywhere it may go, as things stand: only a reclaim can make some
                     if not reclaimable:
                         continue
                     r, where = Refusal(w.ticket, w.tokens, WaitReason.CAPACITY_EXHAUSTED), w.place
@@ -264,8 +264,8 @@ class _WaitingTurns:
         turn is more than any engine's free room, and on each engine that holds its prompt's start its charge
         there is more than that engine's free room (chain hashes: elsewhere it charges the whole turn). An
         engine refuses a charge over its free room (Ledger.try_acquire: not oversized, as no charge of it is
-        over an engine's ceiling), so asking them would admit it nowhere; the pump passes it by as _hopeless
-        does, instead of asking again on every pump while the fleet stays full."""
+        over an engine's ceiling), so asking them would admit it nowhere: _fit refuses it at once (the reason its
+        own engine would give), instead of asking every engine again on every pump while the fleet stays full."""
         if not w.movable or w.place is FLEET or not w.blocks:
             return False
         lg = self.ledger
@@ -297,6 +297,10 @@ class _WaitingTurns:
         again only the engines whose holdings changed since (its own place too: unchanged, it refuses the same
         charge) (_refused_again)."""
         lg = self.ledger
+        if self._no_room(w):  # refused everywhere, known without asking (not counted: nothing was asked)
+            usage = lg.usage_of(w.place)
+            return Refusal(w.ticket, w.tokens, WaitReason.PRESSURE_GUARD if usage >= lg.pressure_threshold
+                           else WaitReason.CAPACITY_EXHAUSTED), w.place
         r = self._own_refused_again(w, now) if w.refused is not None else None
         if r is None:
             r = lg.try_acquire(w.ticket, w.tokens, now, place=w.place, blocks=w.blocks)
