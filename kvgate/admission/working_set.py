@@ -94,8 +94,9 @@ class Holdings:
         # (the last prompt tuple cost() read, its set of blocks, how many): a waiting turn's prompt is read on
         # every engine it may go to, and again by the grant that follows
         self._distinct: tuple = ((), frozenset(), 0)
-        # first block -> {place: holders there whose blocks start with it}: where a prompt's start is held, read
-        # without a lookup in every place's blocks (a moving turn asks on every pass; 64 large dicts were ~30 us)
+        # first block -> {place: holders there whose blocks start with it (the pending removal's until it settles:
+        # a hand-over keeps it)}: where a prompt's start is held, read without a lookup in every place's blocks (a
+        # moving turn asks on every pass; 64 large dicts were ~30 us)
         self._starts: dict[int, dict[Hashable, int]] = {}
 
     def cost(self, place: Hashable, blocks: Iterable[int], tail: int) -> int:
@@ -257,12 +258,7 @@ class Holdings:
             new += self._count_in(p, bl[len(held):])
         p.tail += tail
         p.holders += 1
-        self._holders[holder] = (place, bl, tail)
-        at = self._starts.get(bl[0])  # bl starts with the removal's blocks: at least one
-        if at is None:
-            self._starts[bl[0]] = {place: 1}
-        else:
-            at[place] = at.get(place, 0) + 1
+        self._holders[holder] = (place, bl, tail)  # its start counted already: the removal's, the same block
         self._touch(place)
         if p.cache:
             p.cache.clear()
@@ -273,8 +269,9 @@ class Holdings:
     def _settle(self) -> None:
         """Take the pending removal's blocks off its place's refs (counts were read when it was removed, and no
         block has changed there since: every change there settles first)."""
-        _, p, bl, counts = self._pending
+        place, p, bl, counts = self._pending
         self._pending = None
+        self._unstart(bl[0], place)  # the removal's start, counted until now (a hand-over keeps it)
         refs = p.refs
         refs.update(zip(bl, map(sub, counts, repeat(1))))
         if p.freeing:
@@ -289,20 +286,13 @@ class Holdings:
         if self._pending is not None:
             self._settle()
         place, bl, tail = h
-        if bl:  # inline: _starts[bl[0]][place] -= 1, emptied entries dropped
-            at = self._starts[bl[0]]
-            n = at[place] - 1
-            if n:
-                at[place] = n
-            elif len(at) > 1:
-                del at[place]
-            else:
-                del self._starts[bl[0]]
         p = self._places[place]
         self._touch(place)
         if p.cache:
             p.cache.clear()
         if p.holders == 1:  # the place's last holder: every block it holds is its alone
+            if bl:
+                self._unstart(bl[0], place)
             del self._places[place]
             freed = len(bl) * self.block_tokens + tail
             self._total -= freed
@@ -318,6 +308,17 @@ class Holdings:
         p.holders -= 1
         self._total -= freed
         return freed
+
+    def _unstart(self, block: int, place: Hashable) -> None:
+        """_starts[block][place] -= 1, emptied entries dropped."""
+        at = self._starts[block]
+        n = at[place] - 1
+        if n:
+            at[place] = n
+        elif len(at) > 1:
+            del at[place]
+        else:
+            del self._starts[block]
 
     def _touch(self, place: Hashable) -> None:
         self.touched.add(place)
@@ -356,7 +357,13 @@ class Holdings:
         (a block's hash covers every block before it, as kvgate's do) a first block is held only as a first
         block, so this is places_with(block) of a prompt's first block."""
         at = self._starts.get(block)
-        return set(at) if at else set()
+        if not at:
+            return set()
+        out = set(at)
+        pending = self._pending  # a removal not settled yet counts its start until then
+        if pending is not None and pending[2][0] == block and at.get(pending[0]) == 1:
+            out.discard(pending[0])
+        return out
 
     def _freed(self, p: _Place, block: int) -> bool:
         """Whether ``block``, in ``p``'s refs, is one the pending removal freed there (read without settling it:
