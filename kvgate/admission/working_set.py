@@ -273,10 +273,18 @@ class Holdings:
         self._pending = None
         self._unstart(bl[0], place)  # the removal's start, counted until now (a hand-over keeps it)
         refs = p.refs
+        freeing, p.freeing = p.freeing, 0
+        k = len(bl) - freeing
+        if freeing and counts[k] == 1 and counts.index(1) == k:
+            # chain hashes: a block's count is no more than the one before it, so the freed blocks (count 1) are
+            # the last ones: those go, only the shared ones before them are counted down (checked: the first
+            # count of 1 is at k, and there are exactly ``freeing`` of them)
+            deque(map(refs.__delitem__, bl[k:]), maxlen=0)
+            refs.update(zip(bl[:k], map(sub, counts[:k], repeat(1))))
+            return
         refs.update(zip(bl, map(sub, counts, repeat(1))))
-        if p.freeing:
+        if freeing:
             deque(map(refs.__delitem__, compress(bl, map((1).__eq__, counts))), maxlen=0)
-            p.freeing = 0
 
     def remove(self, holder: Hashable) -> int:
         """Release ``holder``'s holding; returns the tokens freed (0 if it held none: idempotent)."""
