@@ -216,6 +216,7 @@ def test_engines_by_free_room_are_the_sort_of_every_engine(caps, usage, grants):
     want = sorted((-lg.free_on(pl), i, pl) for i, pl in enumerate(lg.engine_places()))
     assert lg.free_rank().order() == want
     assert lg.free_rank().pressed == {pl for pl in lg.engine_places() if lg.usage_of(pl) >= lg.pressure_threshold}
+    assert lg.free_rank().smallest_ceiling == min(lg.ceiling_of(pl) for pl in lg.engine_places())
 
 
 @settings(max_examples=200, deadline=None)

@@ -26,10 +26,11 @@ class FreeRank:
 
     Args: hold: the ledger's Holdings (its ``touched`` set names the places that changed; this class drains
     it); places: (place, ceiling in tokens, under pressure) in the snapshot's order. Build a new one when the
-    snapshot (the places, their ceilings or their usage) changes. ``pressed``: the places under pressure.
+    snapshot (the places, their ceilings or their usage) changes. ``pressed``: the places under pressure;
+    ``smallest_ceiling``: the least ceiling of them all (tokens; 0 without places).
     """
 
-    __slots__ = ("_hold", "_ceiling", "_key", "_order", "pressed")
+    __slots__ = ("_hold", "_ceiling", "_key", "_order", "pressed", "smallest_ceiling")
 
     def __init__(self, hold: Holdings, places: Iterable[tuple[Any, int, bool]]) -> None:
         self._hold = hold
@@ -42,6 +43,7 @@ class FreeRank:
             if pressed:
                 self.pressed.add(place)
         self._order = sorted(self._key.values())
+        self.smallest_ceiling = min((c for _, c in self._ceiling.values()), default=0)
         hold.touched.clear()
 
     def __contains__(self, place: Any) -> bool:

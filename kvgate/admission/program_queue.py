@@ -47,7 +47,6 @@ class _WaitingTurns:
     # prompt's start, and on those in full, not by a binary search of its held prefix (chain hashes: the plain
     # computation the shortcuts must match, in tests)
     _walk_every_place = False
-    _smallest: tuple | None = None  # (the FreeRank of a snapshot, its smallest engine's ceiling): _no_room
 
     def pump(self, now: float) -> list[Decision]:
         """Decide for waiting turns at ``now``; returns decisions for those that leave. Ages first (waited >=
@@ -270,10 +269,7 @@ class _WaitingTurns:
             return False
         lg = self.ledger
         rank = lg.free_rank()
-        smallest = self._smallest
-        if smallest is None or smallest[0] is not rank:  # once a snapshot: the smallest engine's ceiling
-            smallest = self._smallest = (rank, min((lg.ceiling_of(pl) for pl in lg.engine_places()), default=0))
-        if w.tokens > smallest[1]:
+        if w.tokens > rank.smallest_ceiling:
             return False  # it might go alone over an empty engine's ceiling (oversized)
         if w.whole < 0:
             bt = lg.block_tokens
