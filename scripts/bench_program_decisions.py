@@ -5,10 +5,10 @@ TOKENS tokens each, driven by an event loop with an injected clock. PROGRAMS age
 sharing a first prompt) start over the first 20 s; each runs 2-8 turns with random prompt growth, random outputs
 and heavy-tailed tool gaps, its calls placed on an engine by kvgate (movable; a program admission moved goes on
 to its new engine, as kvgate's placement sends it), so the fleet fills: turns wait, programs pause and resume.
-Prompts are chain-hashed as kvgate's are: no block repeats. Most programs close their session after their last turn; the rest just stop (ended:
-paused when overdue, dropped at the TTL). The loop calls what kvgate's gate calls: submit (and a pump when it
-waits), release (which pumps), take_actions, next_deadline after every call and a pump when that deadline
-comes, and a capacity snapshot every 2 s.
+Prompts are chain-hashed as kvgate's are: no block repeats. Most programs close their session after their last
+turn; the rest just stop (ended: paused when overdue, dropped at the TTL). The loop calls what kvgate's gate
+calls: submit (and a pump when it waits), release (which pumps), take_actions, next_deadline after every call
+and a pump when that deadline comes, and a capacity snapshot every 2 s.
 
 Reports p50/p99/max microseconds (wall, time.perf_counter_ns) per call: submit, release (incl. its pump), the
 timer's pump, next_deadline, reconcile; then a second identical run under tracemalloc for the peak of what the
@@ -99,13 +99,14 @@ class Arm:
     def snapshot(self, now: float):
         return self.Snapshot.build({u: self.Capacity.from_pools([(self.tokens, 0, 0.0)]) for u in self.engines}, now)
 
-    def note(self, call: str, decisions) -> list[tuple]:
+    def note(self, call: str, decisions) -> list[str]:
+        """Each decision as the digest reads it (ticket, kind, tokens, wait, reason, where, charge, forced)."""
         out = []
         for d in decisions:
             lease = d.lease
-            out.append((d.ticket, d.kind.value))
-            self.digest.update(repr((call, d.ticket, d.kind.value, d.tokens, d.waited_s, d.reason, lease and lease.place,
-                                     lease and lease.charged, lease and lease.forced)).encode())
+            out.append(repr((call, d.ticket, d.kind.value, d.tokens, d.waited_s, d.reason, lease and lease.place,
+                             lease and lease.charged, lease and lease.forced)))
+            self.digest.update(out[-1].encode())
         return out
 
 
