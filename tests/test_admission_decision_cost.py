@@ -21,8 +21,8 @@ plain computation it replaces, over random inputs.
   place's in-tool programs in victim_order's order: two coordinators, one walking every engine and sorting every
   victim (the code before), give the same decisions, pauses and counters over random fleets, programs, events
   and victim rules;
-- a pump passes a waiting turn by without asking the engines (_no_room) only when, asked, every engine it may go
-  to refuses it.
+- a turn is refused without asking the engines (_no_room, at submit and in the pump) only when, asked, every
+  engine it may go to refuses it.
 """
 
 import copy
@@ -520,7 +520,7 @@ def test_the_victim_heap_pops_in_victim_order(progs, rule, rnd):
 
 
 class Checking(ProgramCoordinator):
-    """_no_room checked against asking: whenever it passes a waiting turn by, every engine the turn may go to (its
+    """_no_room checked against asking: whenever it refuses a turn unasked, every engine the turn may go to (its
     own, and every other not under pressure) refuses it, asked on a copy of the ledger."""
 
     passed_by = 0
@@ -542,14 +542,14 @@ class Checking(ProgramCoordinator):
        st.lists(EVENT, min_size=60, max_size=200), st.sampled_from([3.0, 1e6, 1e6]), st.sampled_from([None, None, 2.0]))
 def test_a_waiting_turn_passed_by_for_want_of_room_is_refused_by_every_engine_it_may_go_to(
         caps, firsts, events, max_wait, reclaim):
-    """A pump passes by a waiting turn whose whole turn is more than any engine's free room and whose charge is
-    more than the free room of each engine that holds its prompt's start (_no_room) without asking the engines:
-    asked, every one of them refuses it; and the coordinator decides as one that walks every engine."""
+    """A turn whose whole turn is more than any engine's free room and whose charge is more than the free room of
+    each engine that holds its prompt's start is refused without asking the engines (_no_room, at submit and in
+    the pump): asked, every one of them refuses it; and the coordinator decides as one that walks every engine."""
     side_by_side((Checking, Walking), caps, firsts, events, max_wait, reclaim)
 
 
 def test_the_side_by_side_events_pass_waiting_turns_by():
-    """The property above is not vacuous: a fleet kept full passes waiting turns by."""
+    """The property above is not vacuous: a fleet kept full refuses turns unasked."""
     Checking.passed_by = 0
     events = [("turn", i % 10, 30, 0.1, 0.0) for i in range(40)] + [("pump", 0, 0, 0.1, 0.0)] * 5
     side_by_side((Checking, Walking), [60, 60], [8] * 10, events, 1e6, None)
