@@ -273,6 +273,20 @@ def diff_counters(arms: list[Arm]) -> str:
                      if fa.get(k, 0) != fb.get(k, 0)) or "none"
 
 
+def tree_name(path: str) -> str:
+    """A baseline tree as the report names it: its git commit when it is a git tree, else its directory's name (not
+    the path: a report saved with the docs names no directory of the machine it ran on)."""
+    import subprocess
+    from pathlib import Path
+
+    try:
+        r = subprocess.run(["git", "-C", path, "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                           timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        r = None
+    return f"commit {r.stdout.strip()}" if r is not None and r.returncode == 0 else Path(path).resolve().name
+
+
 def rows_of(arm: Arm) -> dict:
     return {k: {"calls": len(v), "p50_us": pct(v, 0.5), "p99_us": pct(v, 0.99), "max_us": max(v) / 1000.0 if v else 0.0}
             for k, v in arm.calls.items()}
@@ -301,7 +315,7 @@ def main() -> None:
               "waited": c.get("wait", 0), "resumed": c.get("resume", 0), "moved": c.get("moved", 0),
               "decisions_sha256": res["digest"], "python": platform.python_version(), "calls": rows_of(arms[-1])}
     if args.baseline:
-        report["baseline"] = {"tree": args.baseline, "decisions_sha256": arms[0].result["digest"],
+        report["baseline"] = {"tree": tree_name(args.baseline), "decisions_sha256": arms[0].result["digest"],
                               "calls": rows_of(arms[0])}
     if not args.no_memory:
         progs = workload(engines, args.programs, args.seed)

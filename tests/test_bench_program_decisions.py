@@ -51,6 +51,7 @@ def test_a_baseline_tree_runs_in_lockstep_and_must_decide_alike(tmp_path):
     assert r.returncode == 0, r.stderr
     rep = json.loads(out.read_text())
     assert rep["baseline"]["decisions_sha256"] == rep["decisions_sha256"]
+    assert rep["baseline"]["tree"] == "base"  # not a git tree: its directory's name, no path of this machine
     assert rep["baseline"]["calls"]["submit"]["calls"] == rep["calls"]["submit"]["calls"] == rep["turns"]
     assert "timed in lockstep" in r.stdout
     # a tree that decides otherwise is refused, not timed against this one
