@@ -348,10 +348,10 @@ def test_changed_since_names_every_place_a_change_reached(ops, kept):
 class Plain(ProgramCoordinator):
     """The coordinator without its remembered refusals: every waiting turn asks every engine on every pump."""
 
-    def _own_refused_again(self, w, now):
+    def _own_refused_again(self, w, changed):
         return None
 
-    def _refused_again(self, w, now, own_refusal):
+    def _refused_again(self, w, changed, own_refusal):
         return False
 
 

@@ -297,12 +297,13 @@ class _WaitingTurns:
             usage = lg.usage_of(w.place)
             return Refusal(w.ticket, w.tokens, WaitReason.PRESSURE_GUARD if usage >= lg.pressure_threshold
                            else WaitReason.CAPACITY_EXHAUSTED), w.place
-        r = self._own_refused_again(w, now) if w.refused is not None else None
+        changed = self._since_pass(w, now) if w.refused is not None else None  # read once for both below
+        r = self._own_refused_again(w, changed) if changed is not None else None
         if r is None:
             r = lg.try_acquire(w.ticket, w.tokens, now, place=w.place, blocks=w.blocks)
             if isinstance(r, Grant):
                 return r, w.place
-        if w.movable and w.place is not FLEET and w.refused is not None and self._refused_again(w, now, r):
+        if changed is not None and self._refused_again(w, changed, r):
             self._note_refusal(w, w.place, r)
             return r, w.place
         self._note_refusal(w, w.place, r)
@@ -324,33 +325,36 @@ class _WaitingTurns:
                          own if own == r.charge else -1)
         return r, w.place
 
-    def _own_refused_again(self, w: _Waiter, now: float) -> Refusal | None:
-        """The refusal of ``w`` on its own place, counted, when its remembered pass (``w.refused``) says that place
-        refused it over its own room alone and neither the place's holdings nor the snapshot changed since (it
-        would refuse the same charge: that refusal depends on nothing else); else None (ask the ledger)."""
-        rank, version, own_charge = w.refused[0], w.refused[1], w.refused[4]
+    def _since_pass(self, w: _Waiter, now: float) -> set | None:
+        """The places whose holdings changed since ``w``'s remembered pass (``w.refused``); None, the pass
+        forgotten, when it no longer holds (another snapshot, degraded, or older than the changes kept)."""
         lg = self.ledger
-        if own_charge < 0 or rank is not lg.free_rank() or lg.is_degraded(now):
-            return None
-        changed = lg.changed_since(version)
-        if changed is None or w.place in changed:
-            return None
-        return lg.refused_again(w.ticket, w.tokens, w.place, own_charge)
-
-    def _refused_again(self, w: _Waiter, now: float, own_refusal: Refusal) -> bool:
-        """Whether the other engines refuse ``w`` as in its remembered pass (``w.refused``), asking only those
-        whose holdings changed since; if so, counts and records their refusals as first_fit and _note_refusals
-        would have (the same engines, charges and counts: an engine whose holdings did not change has the same
-        free room, so it is among those _others names, and refuses, as it did) and remembers the pass anew, with
-        ``own_refusal`` (its own place's, in this pass).
-        False (nothing counted, the pass forgotten) when a changed engine may grant or refuses otherwise, or the
-        snapshot changed: then _fit asks them all."""
-        lg = self.ledger
-        rank, version, charges, top, own_charge = w.refused
-        changed = lg.changed_since(version)
-        if rank is not lg.free_rank() or changed is None or lg.is_degraded(now):
+        changed = None if w.refused[0] is not lg.free_rank() or lg.is_degraded(now) else \
+            lg.changed_since(w.refused[1])
+        if changed is None:
             w.refused = None
-            return False
+        return changed
+
+    def _own_refused_again(self, w: _Waiter, changed: set) -> Refusal | None:
+        """The refusal of ``w`` on its own place, counted, when its remembered pass (``w.refused``) says that place
+        refused it over its own room alone and the place's holdings did not change since (``changed``: the
+        places that did, _since_pass; it would refuse the same charge: that refusal depends on nothing else);
+        else None (ask the ledger)."""
+        own_charge = w.refused[4]
+        if own_charge < 0 or w.place in changed:
+            return None
+        return self.ledger.refused_again(w.ticket, w.tokens, w.place, own_charge)
+
+    def _refused_again(self, w: _Waiter, changed: set, own_refusal: Refusal) -> bool:
+        """Whether the other engines refuse ``w`` as in its remembered pass (``w.refused``), asking only those
+        whose holdings changed since (``changed``, _since_pass); if so, counts and records their refusals as
+        first_fit and _note_refusals would have (the same engines, charges and counts: an engine whose holdings
+        did not change has the same free room, so it is among those _others names, and refuses, as it did) and
+        remembers the pass anew, with ``own_refusal`` (its own place's, in this pass).
+        False (nothing counted, the pass forgotten) when a changed engine may grant or refuses otherwise: then
+        _fit asks them all."""
+        lg = self.ledger
+        rank, _, charges, top, own_charge = w.refused
         if changed:
             lb, own, pressed = self._lower_bound(w), w.place, rank.pressed
             near = None if self._walk_every_place or not w.blocks else lg.places_holding(w.blocks[0])
