@@ -352,18 +352,10 @@ class Holdings:
         p = self._places.get(place)
         return p is not None and block in p.refs and not self._freed(p, block)
 
-    def places_with(self, block: int) -> set[Hashable]:
-        """The places where some holder holds ``block``."""
-        out = {pl for pl, p in self._places.items() if block in p.refs}
-        pending = self._pending
-        if pending is not None and pending[0] in out and self._freed(pending[1], block):
-            out.discard(pending[0])
-        return out
-
     def places_starting_with(self, block: int) -> set[Hashable]:
         """The places where some holder's blocks start with ``block``, in O(1) of the places. For chain hashes
         (a block's hash covers every block before it, as kvgate's do) a first block is held only as a first
-        block, so this is places_with(block) of a prompt's first block."""
+        block: for a prompt's first block these are the places where has_block is true."""
         at = self._starts.get(block)
         if not at:
             return set()
