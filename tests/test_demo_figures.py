@@ -200,3 +200,24 @@ def test_the_idle_close_lies_within_ten_seconds_above_the_median_gap_and_at_most
     assert q < idle.idle_s <= q + 10.0 and idle.idle_s % 10.0 == 0.0
     assert (idle.median_s, idle.p95_s) == (q, percentile(gaps, 95))
     assert idle.longer == sum(1 for g in gaps if g > idle.idle_s) <= 0.5 * len(gaps)
+
+
+async def test_the_demo_reads_every_session_of_a_registry_larger_than_one_page(kvgate_factory):
+    """kvgate's /kvgate/sessions answers at most 1,000 sessions a page; the demo's figures and its closes at the
+    end read every page (1,234 sessions here: 1,001 of them closing or closed, 233 active)."""
+    import aiohttp
+
+    from kvgate.tools.demo import _all_sessions
+    gw, base = await kvgate_factory(upstream="http://127.0.0.1:9", agentic_session_lifecycle=True)
+    reg, now = gw.lifecycle.registry, gw.lifecycle.clock()
+    for i in range(1234):
+        reg.request_started(f"s{i}", "header", now)
+        reg.request_finished(f"s{i}", now)
+    async with aiohttp.ClientSession() as http:
+        for i in range(1001):
+            async with http.post(base + "/close_session", json={"session_id": f"s{i}"}) as r:
+                assert (await r.json())["known"] is True
+        every = await _all_sessions(http, base)
+        active = await _all_sessions(http, base, state="active")
+    assert len(every) == 1234 and len({s["session_id"] for s in every}) == 1234
+    assert sorted(s["session_id"] for s in active) == sorted(f"s{i}" for i in range(1001, 1234))

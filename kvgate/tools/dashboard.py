@@ -248,7 +248,9 @@ ROWS: tuple[RowSpec, ...] = (
         PanelSpec("Retracted requests per second",
                   "Decodes retracted for lack of KV (their work is recomputed); any sustained value means the "
                   "pool runs out mid-decode: admission should be on and its budget smaller.",
-                  (Target(_engine_sum("sglang:num_retracted_requests_total", rate=True), "{{instance}}"),),
+                  (Target(_engine_sum("sglang:num_retracted_requests_total", rate=True), "{{instance}}"),
+                   Target(f"sum(rate(agentic_kv_session_retractions_total{{{KV}}}[{RI}]))",
+                          "session turns (kvgate, from the answers)")),
                   unit="reqps"),
         PanelSpec("Engines known to kvgate",
                   "Engines from the router's worker list by type; 0 or a drop means discovery fails: check the "

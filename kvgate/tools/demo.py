@@ -360,16 +360,32 @@ async def _replay(base: str, records, sessions, speed: float, progress, route: s
     return out
 
 
+async def _all_sessions(http: aiohttp.ClientSession, base: str, **params: str) -> list[dict]:
+    """Every session in kvgate's registry (``params``: e.g. state), page by page: the endpoint answers a page
+    of at most 1,000. Read once the replay is over, when no turn reorders the registry between pages."""
+    out: list[dict] = []
+    while True:
+        async with http.get(base + "/kvgate/sessions", params={**params, "offset": str(len(out))}) as r:
+            page = await r.json()
+        out += page["sessions"]
+        if len(page["sessions"]) < page["limit"] or not page["sessions"]:
+            return out
+
+
 async def _close_remaining(base: str) -> dict[str, int]:
     """Close every session still open through kvgate's API and wait for each fan-out."""
     async with aiohttp.ClientSession() as http:
-        async with http.get(base + "/kvgate/sessions", params={"limit": "1000000", "state": "active"}) as r:
-            active = [s["session_id"] for s in (await r.json())["sessions"]]
+        active = [s["session_id"] for s in await _all_sessions(http, base, state="active")]
         results = await asyncio.gather(*(http.post(f"{base}/kvgate/sessions/{sid}/close", params={"wait": "1"})
                                          for sid in active))
         for r in results:
             r.release()
     return {"closed_at_end": len(active)}
+
+
+async def _registry(base: str) -> list[dict]:
+    async with aiohttp.ClientSession() as http:
+        return await _all_sessions(http, base)
 
 
 async def _get_json(url: str):
@@ -667,7 +683,7 @@ def _run_once(args: argparse.Namespace, records, sessions, admission: bool, log_
                                   model))
         wall = time.monotonic() - t0
         end = asyncio.run(_close_remaining(kvgate.url))
-        reg = asyncio.run(_get_json(kvgate.url + "/kvgate/sessions?limit=1000000"))
+        reg = asyncio.run(_registry(kvgate.url))
         mtext = asyncio.run(_metrics_text(kvgate.url + "/metrics"))
         sims = None if real else [asyncio.run(_get_json(u + "/sim/stats")) for u in engine_urls]
         stats = asyncio.run(_get_json(kvgate.url + "/kvgate/stats")) if admission else None
@@ -684,11 +700,11 @@ def _run_once(args: argparse.Namespace, records, sessions, admission: bool, log_
     closes = {k: int(_sum_metric(mtext, "agentic_kv_session_close_total", reason=k))
               for k in ("idle", "client", "admin_api", "abort")}
     close_fail = int(_sum_metric(mtext, "agentic_kv_session_close_failure_total"))
-    closed = sum(1 for s in reg["sessions"] if s["state"] == "closed")
+    closed = sum(1 for s in reg if s["state"] == "closed")
     path = "/generate" if args.route == "generate" else "/v1/completions"
     placed_by = health["session_placement"][path]
     figures = CloseFigures(sessions=n_sessions, closed=closed, closes=closes,
-                           session_closes=[s["closes"] for s in reg["sessions"]], engines=len(engine_urls),
+                           session_closes=[s["closes"] for s in reg], engines=len(engine_urls),
                            failed_calls=close_fail,
                            engine_closes=None if sims is None else [s["closes_received"] for s in sims],
                            engine_sessions=None if sims is None else [set(s["sessions"]) for s in sims],
