@@ -668,7 +668,8 @@ def _validate(raw: dict[str, Any], errors: list[str], failed: set[str]) -> Confi
                 break  # one line per key: the first rule it cannot read
     if errors:
         raise ConfigError(*errors)
-    warnings = [w for w in [config_checks.upstream_path_warning(values["upstream"])] if w]
+    warnings = [w for w in [config_checks.upstream_path_warning(values["upstream"]),
+                            config_checks.program_without_lifecycle_warning(values)] if w]
     warnings += config_checks.inert_warnings(values, {k.name: k.default for k in KEYS}, PLACEMENT_ROUTES,
                                              lambda name, value: _unchecked(name, value, values, written),
                                              {k.name for k in KEYS if k.group == PROGRAM.title})

@@ -99,6 +99,17 @@ def upstream_path_warning(url: str) -> str | None:
             f"a router's base URL has no path (http://HOST:PORT)")
 
 
+def program_without_lifecycle_warning(values: dict[str, Any]) -> str | None:
+    """The warning for the program policy with session lifecycle off (kvgate then knows no session, so there
+    is no program to keep or pause), or None."""
+    if (values["agentic_program_admission"] and values["admission_policy"] == "program"
+            and not values["agentic_session_lifecycle"]):
+        return ("admission_policy: program with agentic_session_lifecycle off: kvgate knows no sessions, so every "
+                "request is a one-turn program (admitted when its engine has room, never paused); "
+                "--agentic-session-lifecycle would make each session a program")
+    return None
+
+
 def placeable(values: dict[str, Any], routes: Iterable[str]) -> bool:
     """Whether kvgate may place some route's session traffic itself (kvgate.fleet.placement.placement_active
     for a verdict that may come: ``kvgate`` always, ``auto`` with lifecycle on)."""

@@ -11,7 +11,7 @@ from kvgate.admission.capacity import ClusterSnapshot, EngineCapacity
 from kvgate.admission.coordinator import Kind
 from kvgate.admission.ledger import Ledger
 from kvgate.admission.pause_gate import Cycle, PauseGate
-from kvgate.admission.program import ProgramCoordinator
+from kvgate.admission.program import ProgramCoordinator, ProgramState
 from program_helpers import programs as _programs, teach_prefill_rate
 
 E0, E1 = "http://e0", "http://e1"
@@ -88,6 +88,37 @@ def test_a_pool_outgrown_on_a_slow_engine_pauses_before_any_reprefill_is_measure
     assert co.gate.foresight == pytest.approx(2000 * co.prefill.per_token_s(E0) / cycle) and co.gate.foresight >= 1
     assert co.gate.foreseen == 1 and co.gate.is_open and co.gate.reprefill_tokens == 0
     assert co.counters["pause"] == 1 and co.ledger.reserved_on(E0) <= 2000  # an in-tool program made room
+
+
+def test_a_rate_fitted_over_calls_of_one_size_does_not_open_the_gate_on_an_engine_that_keeps_up():
+    """Two engines of 18,000 tokens that prefill ~3,000-token prompts in 0.6-1.2 s (a ceiling in ~5 s, about one
+    ~4 s program cycle): agents grow past the ceiling of one. The prefill rate is learned from calls of nearly one
+    size, where the least-squares slope is the timing noise's (it read 100-230 cycles, and the gate opened and
+    held turns while both engines idled). Bounded by what the calls allow, foresight reads about 1 and the gate
+    stays closed."""
+    import random
+    rng = random.Random(8)
+    co = _fleet(18000, (E0, E1), foresee=20.0)
+    t = 0.0
+    for k in range(12):  # one-turn jobs of ~3,000 tokens on each engine, timed with noise
+        for e in (E0, E1):
+            d = co.submit(f"j{e}{k}", 3300, False, t, place=e, session_id=None, prompt_tokens=3000)
+            assert d.kind is Kind.ADMIT
+            y = 0.9 + rng.uniform(-0.3, 0.3)
+            co.release(f"j{e}{k}", t + y, {"prompt_tokens": 3000 + rng.randint(-5, 5), "cached_tokens": 0,
+                                            "completion_tokens": 200})
+            t += y
+    assert co.prefill.per_token_s(E0) <= 1.2 / 2995
+    for turn in range(4):  # eight agents on E0, each turn ~1 s, tool calls ~3 s, contexts growing 1,500 a turn
+        for i in range(8):
+            size = 3000 + 1500 * turn
+            d = co.submit(f"a{i}t{turn}", size + 200, False, t, place=E0, session_id=f"a{i}", prompt_tokens=size)
+            co.release(f"a{i}t{turn}", t + 1.0, {"prompt_tokens": size, "cached_tokens": size - 1500,
+                                                  "completion_tokens": 200})
+            co.take_actions()
+        t += 4.0
+    assert co.gate.foresight_peak is not None and co.gate.foresight_peak < 3
+    assert not co.gate.is_open and co.gate.foreseen == 0 and co.counters["pause"] == 0
 
 
 _OPS = st.lists(st.tuples(st.sampled_from(["turn", "end", "tick", "close"]), st.integers(0, 9),
@@ -193,3 +224,29 @@ def test_the_gate_follows_the_evidence_on_polls_with_no_program_left(ops, cap, e
     if co.gate.opened:
         by, ratio = co.gate.turned_by
         assert co.gate.closed == co.gate.opened and by == "ratio" and ratio < co.gate.stop_ratio
+
+
+@settings(max_examples=200, deadline=None)
+@given(ops=_programs(), cap=st.integers(800, 4000), engines=st.integers(1, 2),
+       start=st.sampled_from([0.0, 1.5, 1e9]))
+def test_an_ended_program_holds_no_reservation_and_wakes_no_timer_with_the_gate_open_or_closed(ops, cap, engines,
+                                                                                              start):
+    """Over random fleets, programs and event orders, the gate always open (start ratio 0), opening on the
+    evidence (1.5) or never (1e9): after each pump, no program idle past what its gaps predict (ended) holds a
+    reservation, and nothing is due at the pump's own time. With the gate closed an ended program used to keep its
+    reservation until its TTL (counted in the working set, foresight's reading and /kvgate/stats), and its due
+    time, never taken, made next_deadline answer 'now' at every call: the admission timer woke every millisecond."""
+    places = [f"http://e{i}" for i in range(engines)]
+    co = _fleet(cap, places, 0.0, start=start, stop=min(0.2, start))
+    seen = {"ended": 0}
+
+    def check(c, now):
+        c.pump(now)
+        c.take_actions()
+        nd = c.next_deadline(now)
+        assert nd is None or nd > now, (nd, now, c.gate.is_open)
+        for p in c._programs.values():
+            if p.state is ProgramState.IN_TOOL and p.overdue_at <= now:
+                seen["ended"] += 1
+                assert c.ledger.holding(p.sid) == 0, (p.sid, c.gate.is_open)
+    _drive(co, ops, places, check)

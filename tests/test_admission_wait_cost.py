@@ -58,6 +58,44 @@ def test_rate_ignores_nonsense_and_flat_data():
         PrefillRate(min_samples=2)
 
 
+def test_a_few_calls_of_one_size_cannot_teach_a_rate_slower_than_the_calls_themselves():
+    """Ten calls of ~3,000 prefilled tokens (+-5) answered in 0.6-1.2 s: the least-squares slope over sizes that
+    hardly differ is whatever the timing noise makes it (0.02-0.05 s a token here, a ceiling of 18,000 tokens
+    'taking' 100-230 program cycles). No call can take less than its own prefill, so the rate is at most the
+    fastest recent call's seconds per prefilled token."""
+    import random
+    rng = random.Random(1)
+    slow = 0
+    for _ in range(50):
+        pr = PrefillRate()
+        calls = [(0.9 + rng.uniform(-0.3, 0.3), 3000 + rng.randint(-5, 5), 200) for _ in range(10)]
+        for y, x1, x2 in calls:
+            pr.observe(E0, y, x1, x2)
+        got = pr.per_token_s(E0)
+        # each call's bound relaxes by 1/forget (0.98) a later call
+        assert got is None or got <= (1 + 1e-9) * min(y / x1 / 0.98 ** (9 - i) for i, (y, x1, _) in enumerate(calls))
+        slow += pr._places[E0]._slope() is not None and pr._places[E0]._slope() > 0.01  # the unbounded fit
+    assert slow >= 5  # the kind of data that taught the unbounded fit a rate 40-150x too slow
+
+
+@settings(max_examples=300, deadline=None)
+@given(calls=st.lists(st.tuples(st.floats(0.0, 100.0), st.integers(0, 100_000), st.integers(0, 2000)),
+                      min_size=1, max_size=40),
+       forget=st.sampled_from([1.0, 0.98, 0.9]), min_samples=st.integers(3, 10))
+def test_the_rate_is_never_slower_than_a_recent_call_allows(calls, forget, min_samples):
+    """Over any calls: the seconds per prefilled token, on the place and fleet-wide, are at most each call's
+    seconds / prefilled, relaxed by 1/forget for every call after it (so at most r when every call took at most
+    r seconds per token it prefilled)."""
+    pr = PrefillRate(forget=forget, min_samples=min_samples)
+    for y, x1, x2 in calls:
+        pr.observe(E0, y, x1, x2)
+    n = len(calls)
+    bound = min((y / x1 / forget ** (n - 1 - i) for i, (y, x1, _) in enumerate(calls) if x1 > 0), default=None)
+    for got in (pr.per_token_s(E0), pr.per_token_s("http://elsewhere")):
+        if got is not None:
+            assert bound is not None and got <= bound * (1 + 1e-9)
+
+
 def _coordinator(wait_bound, per_token=0.002, cap=2000):
     lg = Ledger(headroom=0.9, pressure_threshold=0.99, stale_after_s=1e9, lease_ttl_s=1e9)
     co = ProgramCoordinator(lg, max_wait_s=30.0, program_ttl_s=600.0, overdue_default_s=100.0,

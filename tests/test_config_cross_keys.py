@@ -205,3 +205,20 @@ def test_an_edited_copy_of_the_example_config_names_the_key_edited(tmp_path, cap
     assert capsys.readouterr().err.splitlines() == [
         "kvgate: config error: admission_pause_start_ratio: must be >= admission_pause_stop_ratio (0.2, its default) "
         "or 0, got 0.125: set admission_pause_stop_ratio to at most 0.125 as well"]
+
+
+def test_the_program_policy_without_session_lifecycle_is_one_warning_and_starts(tmp_path, capsys):
+    """With lifecycle off kvgate knows no sessions: every request is a one-turn program, none is ever paused.
+    Valid, but not what a user who asked for the program policy expects: check-config says so and answers ok."""
+    cfg = validate({"agentic_program_admission": True, "admission_policy": "program"})
+    assert cfg.warnings == [
+        "admission_policy: program with agentic_session_lifecycle off: kvgate knows no sessions, so every request "
+        "is a one-turn program (admitted when its engine has room, never paused); --agentic-session-lifecycle "
+        "would make each session a program"]
+    f = tmp_path / "c.yaml"
+    f.write_text("agentic_program_admission: true\nadmission_policy: program\n")
+    assert main(["check-config", str(f)]) == 0
+    assert capsys.readouterr().err.splitlines() == [f"kvgate: config warning: {cfg.warnings[0]}"]
+    for quiet in ({"agentic_program_admission": True, "admission_policy": "program", "agentic_session_lifecycle": True},
+                  {"agentic_program_admission": True}, {"admission_policy": "program"}):
+        assert not any(w.startswith("admission_policy: program with") for w in validate(quiet).warnings), quiet

@@ -6,7 +6,10 @@ cached_tokens, tokens it decoded = completion_tokens). A least-squares fit of
     seconds = fixed + per_prefill_token x prefilled + per_output_token x decoded
 
 with exponential forgetting (recent calls weigh most: the rate under today's load, batch sizes included) gives
-the marginal seconds a prefilled token costs. A re-prefill of N tokens then costs ``N x per_prefill_token``: the
+the marginal seconds a prefilled token costs. No call can take less than its own prefill (the fixed part, the
+decode and any queueing only add), so the slope is at most any recent call's seconds / prefilled: a fit from a
+few calls of nearly one size (an ill-posed slope) is held to what the calls themselves allow. That bound
+relaxes by 1/forget a call, as the weights fade. A re-prefill of N tokens then costs ``N x per_prefill_token``: the
 fixed part is paid by the next turn anyway. The figures come from the answers themselves (the engine's own
 token counts, kvgate's own wall clock), not from a profile, so one rule holds on a CPU engine where a 1,000-token
 context re-prefills in ~0.4 s and on a GPU fleet where a 60k-token one takes seconds.
@@ -28,16 +31,24 @@ WAIT_BOUNDS = ("reprefill", "aging")
 
 
 class _Fit:
-    """Weighted normal equations of y on (1, x1, x2), with forgetting."""
+    """Weighted normal equations of y on (1, x1, x2), with forgetting, and ``cap``: the smallest y / x1 of the
+    calls, each relaxed by 1/forget per later call (None before a call with x1 > 0)."""
 
-    __slots__ = ("s", "n")
+    __slots__ = ("s", "n", "cap")
 
     def __init__(self) -> None:
         # sums of w, w x1, w x2, w x1^2, w x1 x2, w x2^2, w y, w x1 y, w x2 y
         self.s = [0.0] * 9
         self.n = 0
+        self.cap: float | None = None
 
     def add(self, y: float, x1: float, x2: float, forget: float) -> None:
+        cap = self.cap
+        if cap is not None:
+            cap /= forget
+        if x1 > 0 and (cap is None or y < cap * x1):
+            cap = y / x1
+        self.cap = cap
         s = self.s
         for i in range(9):
             s[i] *= forget
@@ -53,8 +64,13 @@ class _Fit:
         self.n += 1
 
     def slope(self) -> float | None:
-        """The fitted seconds per x1 (prefilled token), or None if the data cannot tell it (too few or
-        collinear calls, or a slope <= 0). Falls back to the fit without x2 when the full one is ill-posed."""
+        """The fitted seconds per x1 (prefilled token), at most ``cap``, or None if the data cannot tell it (too
+        few or collinear calls, or a slope <= 0). Falls back to the fit without x2 when the full one is
+        ill-posed."""
+        v = self._slope()
+        return v if v is None or self.cap is None or v <= self.cap else (self.cap or None)
+
+    def _slope(self) -> float | None:
         w, a, b, aa, ab, bb, y, ay, by = self.s
         # full fit: solve the 3x3 system by Cramer's rule
         m = ((w, a, b), (a, aa, ab), (b, ab, bb))

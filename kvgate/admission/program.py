@@ -81,8 +81,7 @@ class ProgramCoordinator(_WaitingTurns, _Pausing, _Figures):
     0, the default here: always; kvgate serves with pause_gate.START_RATIO), pause_stop_ratio (<= it),
     pause_window_s (> 0; None: window_s), pause_min_span_s (>= 0) and pause_foresee_cycles (>= 0; 0: off): when
     holding and pausing may pay (kvgate.admission.pause_gate: the re-prefill ratio measured from the answers, and
-    its foresight); otherwise every turn goes at once, as with lifecycle alone.
-    Raises ValueError on bad values.
+    its foresight); otherwise every turn goes at once, as with lifecycle alone. Raises ValueError on bad values.
     """
 
     def __init__(self, ledger: Ledger, max_wait_s: float = 30.0, *, window_s: float | None = None,
@@ -500,11 +499,12 @@ class ProgramCoordinator(_WaitingTurns, _Pausing, _Figures):
         if self._bound.claim_due.heap:
             self._bound.expire_claims(now)
         due = self._due_all.heap
-        if due and due[0][0] <= now and not self.ledger.is_degraded(now) and self._pausing(now):
-            # No reservation outlives the evidence for it: a program idle past what its own and its group's
-            # gaps predict has ended; pausing it closes its engine session, so its KV is freed for real.
+        if due and due[0][0] <= now and not self.ledger.is_degraded(now):
+            # No reservation outlives the evidence for it: a program idle past what its gaps predict has ended.
+            # Pausing closes its engine session (its KV freed for real); with the gate closed, _unreserve.
+            end = self._pause if self._pausing(now) else self._unreserve
             for e in self._due_all.pop_due(now):
-                self._pause(self._programs[e[2]], now)
+                end(self._programs[e[2]], now)
         ttl = self._ttl
         if not ttl.heap or ttl.heap[0][0] > now:
             return  # nothing due (most calls): no generator made

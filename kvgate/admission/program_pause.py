@@ -154,6 +154,14 @@ class _Pausing:
             self._actions.append(Action("close", p.sid, p.place))
         return freed
 
+    def _unreserve(self, p: _Program, now: float) -> int:
+        """``p`` has ended (idle past what its gaps predict) while pausing is off: its reservation goes, so no
+        working set, foresight reading or waiting turn counts it any more; its engine session stays open, as
+        with lifecycle alone (the engine evicts an open session's KV after every closed one's, the longest
+        idle first). It is still an ended program: the first to pause should the gate open, and its next turn
+        continues it, reserving its whole prompt. Returns the tokens freed."""
+        return self.ledger.unhold(p.sid)
+
     def _seat_for(self, w: _Waiter, now: float, overdue_only: bool) -> bool:
         """Whether a seat is free for ``w`` (resident bound), after pausing resident in-tool programs where
         the seats are short to free one: only ended ones when ``overdue_only``, else ended ones first and then
