@@ -204,7 +204,7 @@ def run(progs: list[Prog], engines: list[str], tokens: int, trees: list[tuple[st
             raise SystemExit(f"the trees paused differently at t={now:.3f} s")
         for a, r in zip(arms, reprs):
             a.digest.update(r.encode())
-        pauses += len(acts[0])
+        pauses += sum(x.kind == "close" for x in acts[0])
         most_waiting = max(most_waiting, arms[0].co.waiting)
         nd = each("next_deadline", lambda a: a.co.next_deadline(now))[0]
         if nd is not None and (timer[0] is None or nd < timer[0] or timer[0] < now):

@@ -149,3 +149,39 @@ async def test_place_first_then_admit_through_the_proxy(sim_factory, router_fact
     assert "fleet" not in states
     assert {url: s["in_tool"] for url, s in states.items()} == {e0.url: 1, e1.url: 1}
     assert gw.gate.ledger.reserved_on(where["s0"]) == 800 and gw.gate.ledger.stats(0.0)["reserved_unplaced"] == 0
+
+
+async def test_an_ended_program_with_pausing_off_holds_nothing_and_counts_nowhere_until_it_comes_back(
+        sim_factory, router_factory, kvgate_factory):
+    """The program policy with its pause gate closed (the default, on an engine with room): a session's turn
+    ends and the session stays open, idle past what its gaps predict (here 0.3 s, before any gap is seen). It is
+    ended: its reservation goes, and session placement stops counting its KV, although its session stays open
+    (no close is sent) and the gate stays closed. Its next turn continues it on the same engine, counted again."""
+    e = await sim_factory(max_total_num_tokens=20_000, speed=4.0)
+    watcher = CloseWatcher(e)
+    router = await router_factory([e.url])
+    gw, kv = await kvgate_factory(upstream=router, agentic_program_admission=True, admission_policy="program",
+                                  agentic_session_lifecycle=True, session_inference=False,
+                                  admission_poll_interval_s=POLL, discovery_interval_s=0.2,
+                                  admission_program_overdue_default_s=0.3)
+    await gw.directory.first_refresh.wait()
+    while gw.gate.ledger.snapshot is None or gw.gate.ledger.ceiling == 0:
+        await gw.poller.round_done.wait()
+    co = gw.gate.coord
+    ids = list(range(10_000, 10_600))
+    async with aiohttp.ClientSession() as http:
+        st, dec, q, a1 = await _turn(http, kv, "A", ids)
+        assert (st, dec, q) == (200, "admit", 0)
+        engine = gw.placement.engine_of("A")[0]
+        assert engine == e.url and gw.placement.as_json()[engine]["held_tokens"] == 800
+        await _until(gw, lambda: gw.placement._sessions["A"].dormant, "A ended")
+        assert co.gate.is_open is False and gw.gate.ledger.holding("A") == 0 and gw.gate.ledger.reserved == 0
+        assert gw.gate.stats()["programs"] == {e.url: {"live": 0, "in_tool": 0, "paused": 0, "ended": 1}}
+        assert gw.placement.as_json()[engine]["held_tokens"] == 0 and gw.placement.sessions_on(engine) == 0
+        now = gw.gate.clock()
+        assert co.next_deadline(now) is None or co.next_deadline(now) > now  # the timer sleeps
+        assert gw.lifecycle.registry.get("A").state == "active" and watcher.ids == []
+        st, dec, q, _ = await _turn(http, kv, "A", ids + a1["output_ids"] + list(range(11_000, 11_100)))
+        assert (st, dec, q) == (200, "admit", 0)
+        assert gw.placement.engine_of("A")[0] == engine and gw.placement.sessions_on(engine) == 1
+        assert gw.placement.as_json()[engine]["held_tokens"] == 1_100

@@ -118,14 +118,16 @@ def test_engine_that_returns_counts_its_sessions_again():
 
 from hypothesis import given, settings, strategies as st
 
-OPS = st.lists(st.tuples(st.sampled_from(["place", "place", "place", "forget", "engines", "cap", "unreachable"]),
+OPS = st.lists(st.tuples(st.sampled_from(["place", "place", "place", "forget", "engines", "cap", "unreachable",
+                                          "dormant"]),
                          st.integers(0, 7), st.integers(0, 7)), min_size=20, max_size=60)
 
 
 @settings(max_examples=200, deadline=None)
 @given(OPS)
 def test_counts_stay_consistent_under_any_sequence(ops):
-    """Per-engine session counts always equal the sessions whose engine is listed; a placed call always gets
+    """Per-engine session counts always equal the sessions whose engine is listed (a dormant one, ended by
+    admission's evidence, not counted until its next call); a placed call always gets
     a usable engine of the current list and its DP rank is within that engine's ranks; no more sessions are
     kept than max_sessions (the runs here place more than that)."""
     urls = [A, B, C]
@@ -142,6 +144,8 @@ def test_counts_stay_consistent_under_any_sequence(ops):
                 p.remember_prefix([y], t)
         elif op == "forget":
             p.forget(f"s{x}")
+        elif op == "dormant":
+            p.dormant(f"s{x}")
         elif op == "engines":
             p.set_engines([(u, (x >> i) & 1 == 0) for i, u in enumerate(urls) if (y >> i) & 1 == 0])
         elif op == "cap":
@@ -151,7 +155,7 @@ def test_counts_stay_consistent_under_any_sequence(ops):
         listed = {u for u in urls if u in p._engines}
         expect = {u: 0 for u in listed}
         for s in p._sessions.values():
-            if s.target.engine in listed:
+            if s.target.engine in listed and not s.dormant:
                 expect[s.target.engine] += 1
         assert {u: p.sessions_on(u) for u in listed} == expect
         assert len(p) <= 5

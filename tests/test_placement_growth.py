@@ -68,6 +68,39 @@ def test_eight_agents_over_one_long_prompt_spread_once_their_growth_would_outgro
         assert p._kv == {}                      # ended sessions stop counting: nothing left
 
 
+def test_a_session_admission_found_ended_counts_nowhere_until_its_next_call():
+    """Three finished one-turn jobs (sessions kvgate inferred, never closed) of 4,000 tokens on A: while they
+    count, new agents over one prompt crowd onto B. Once the program policy finds them ended (idle past what
+    the gaps between turns predict) they are dormant: A's projected KV and session count drop to what is live,
+    the agents spread as with no jobs, and a job that comes back counts again, on its own engine."""
+    def fleet():
+        p = Placement()
+        p.set_engines([(A, True), (B, True)])
+        p.set_capacity({A: [(CAP, 0, 0)], B: [(CAP, 0, 0)]}, 0.0)
+        for j in range(3):
+            t = p.place(f"job{j}", [900 + j], 0.0, prompt_tokens=3_800)
+            assert t == Target(A) or j > 0
+            p.move(f"job{j}", Target(A), 0.0)  # wherever free KV put it, the three are on A
+            p.observed(f"job{j}", 4_000)
+        return p
+
+    counted = fleet()
+    assert counted.as_json()[A]["held_tokens"] == 12_000 and counted.sessions_on(A) == 3
+    p = fleet()
+    assert [p.dormant(f"job{j}") for j in range(3)] == [True] * 3 and p.dormant("job0") is False
+    assert p.as_json()[A]["held_tokens"] == 0 and p.sessions_on(A) == 0 and p._kv == {}
+    on = {}
+    for q in (counted, p):
+        placed = [q.place(f"agent{i}", [7, 8 + i], 1.0 + i, prompt_tokens=1_000).engine for i in range(4)]
+        on[q is p] = (placed.count(A), placed.count(B))
+    assert on[False] == (0, 4) and on[True] == (2, 2)
+    assert p.place("job1", [901], 9.0, prompt_tokens=4_100) == Target(A) and p.last_reason == "sticky"
+    assert p.sessions_on(A) == 3 and p.as_json()[A]["held_tokens"] == 2 * 1_000 + 4_000
+    for sid in [f"job{j}" for j in range(3)] + [f"agent{i}" for i in range(4)]:
+        p.forget(sid)
+    assert p._kv == {}
+
+
 def test_with_session_growth_off_the_agents_pile_onto_the_prefix_engine_unless_the_engines_report_the_kv():
     """placement_session_growth: false is the engines' figures alone: with the KV evictable between turns every
     agent finds the prefix's engine under the threshold (8 + 0, 19,000 tokens of sessions on a 12,000-token
@@ -134,6 +167,8 @@ def scratch(p: Placement) -> tuple[dict, dict]:
     cells: dict[int, dict] = defaultdict(lambda: defaultdict(lambda: [0, 0]))
     groups = {}
     for s in p._sessions.values():
+        if s.dormant:  # ended by admission's evidence: counts nowhere until its next call
+            continue
         key = (s.target.engine, s.target.dp_rank or 0)
         c = cells[id(s.group)][key]
         c[0] += 1
@@ -160,7 +195,7 @@ def projected(p: Placement, sums: dict, url: str) -> int | None:
 
 EVENT = st.tuples(
     st.sampled_from(["place", "place", "place", "start", "finish", "observe", "observe", "forget", "figures",
-                     "health", "move"]),
+                     "health", "move", "dormant"]),
     st.integers(0, 7), st.integers(0, 5), st.integers(0, 9_000))
 EVENTS = st.lists(EVENT, min_size=10, max_size=60)
 
@@ -181,7 +216,8 @@ def test_no_session_goes_where_it_does_not_fit_while_another_engine_has_room_and
       largest size after the placement (max of its history and this prompt); a rank where live siblings hold
       the shared prompt takes it less that prompt. Projected KV is recomputed from scratch here.
     - the per-engine running sums (and each group's cells) equal a recomputation from the sessions after
-      every event, and nothing is left once every session is forgotten."""
+      every event (a dormant session, ended by admission's evidence, counting nowhere until its next call or
+      move), and nothing is left once every session is forgotten."""
     caps = list(caps)
     urls = URLS[:len(caps)]
     p = Placement(max_sessions=6, reopen_hint_s=0.0)  # no reopen hints: the reopened rule keeps its own test
@@ -242,11 +278,15 @@ def test_no_session_goes_where_it_does_not_fit_while_another_engine_has_room_and
             p.set_engines(list(zip(urls, healthy)))
         elif op == "move":
             p.move(sid, Target(urls[x % len(urls)]), now)
+        elif op == "dormant":
+            s0 = p._sessions.get(sid)
+            counted = s0 is not None and not s0.dormant
+            assert p.dormant(sid) is counted
         sums, cells = scratch(p)
         assert p._kv == sums
         live_groups = {id(s.group): s.group for s in p._sessions.values()}
         for gid, g in live_groups.items():
-            assert g.cells == cells[gid]
+            assert g.cells == cells.get(gid, {})
     for sid in list(p._sessions):
         p.forget(sid)
     assert p._kv == {} and all(not g.cells for g in p._groups.values())

@@ -62,10 +62,12 @@ class AdmissionGate:
     reads_headers = True  # scope and protection rules read them
 
     def __init__(self, cfg, metrics: Metrics, clock: Callable[[], float] = time.monotonic, *,
-                 pause_session: Callable[[str], Any] | None = None):
+                 pause_session: Callable[[str], Any] | None = None,
+                 session_ended: Callable[[str], Any] | None = None):
         self.cfg = cfg
         self.clock = clock
         self.pause_session = pause_session
+        self.session_ended = session_ended
         self.policy = cfg.admission_policy
         self.ledger = Ledger(headroom=cfg.agentic_admission_headroom,
                              pressure_threshold=cfg.agentic_admission_pressure_threshold,
@@ -326,6 +328,8 @@ class AdmissionGate:
 
     def _run_actions(self) -> None:
         for a in self.coord.take_actions():
+            if a.kind == "ended" and self.session_ended is not None:
+                self.session_ended(a.session_id)  # never raises (the shell counts its own faults)
             if a.kind != "close" or self.pause_session is None:
                 continue
             if self.shared is not None:  # its next turn through any replica resumes it

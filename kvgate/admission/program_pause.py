@@ -159,7 +159,10 @@ class _Pausing:
         working set, foresight reading or waiting turn counts it any more; its engine session stays open, as
         with lifecycle alone (the engine evicts an open session's KV after every closed one's, the longest
         idle first). It is still an ended program: the first to pause should the gate open, and its next turn
-        continues it, reserving its whole prompt. Returns the tokens freed."""
+        continues it, reserving its whole prompt. Session placement stops counting it too (an "ended" action).
+        Returns the tokens freed."""
+        if isinstance(p.sid, str):
+            self._actions.append(Action("ended", p.sid, p.place))
         return self.ledger.unhold(p.sid)
 
     def _seat_for(self, w: _Waiter, now: float, overdue_only: bool) -> bool:

@@ -59,7 +59,9 @@ NO_SEAT: Any = _NoSeat()
 
 @dataclass(frozen=True)
 class Action:
-    """Something the shell must do: ``kind`` "close" = close ``session_id``'s engine session (a pause)."""
+    """Something the shell must do: ``kind`` "close" = close ``session_id``'s engine session (a pause);
+    "ended" = the program ended by the evidence while its session stays open (pausing off): session placement
+    stops counting its KV (kvgate.fleet.placement, dormant)."""
 
     kind: str
     session_id: str

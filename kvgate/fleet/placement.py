@@ -58,6 +58,9 @@ Rules (docs/placement.md):
     At or above the threshold it is placed by the rules, unless no other usable rank is below the threshold
     either: then it goes back all the same (as for prefix).
   - a closed session is otherwise forgotten; at most ``max_sessions`` are kept (the longest idle dropped first).
+  - dormant: a session the program policy found ended (idle far past what its gaps between turns predict) while
+    it stays open (pausing off) counts in no projected KV and no session count until its next call; it stays
+    sticky. The engine holds its KV, but evicts it after every closed session's, the longest idle first.
   - in flight: a call's prompt counts on its engine from the moment kvgate sends it until the engine's next
     KV figures that were requested after it went out (``set_capacity``'s ``taken_at``): SGLang's
     num_used_tokens / token_usage include the KV of every running request (SGLang's
@@ -115,6 +118,7 @@ class _Session:
     peak: int = 0  # the largest prompt + output seen (tokens): what the session holds
     by_router: bool = False  # the router picked the engine (learned from its answer), not kvgate
     moves: int = 0  # times admission moved it to another engine with room
+    dormant: bool = False  # ended by admission's evidence while still open: counts nowhere until its next call
 
 
 @dataclass
@@ -237,7 +241,8 @@ class Placement:
         for e in new.values():
             e.sessions = {}
         for s in self._sessions.values():  # an engine that left and came back gets its sessions counted again
-            self._count_session(s.target, +1)
+            if not s.dormant:
+                self._count_session(s.target, +1)
 
     def set_capacity(self, pools: Mapping[str, Sequence[tuple[int, ...]]], taken_at: float | None = None) -> None:
         """Engine-reported KV figures: engine URL -> one (max_total_num_tokens, num_used_tokens[, running +
@@ -293,6 +298,7 @@ class Placement:
             if e is not None and e.url not in excluded and self._usable(e, now):
                 self._sessions.move_to_end(session_id)
                 s.last_used = now
+                self._wake(s)
                 rank = s.target.dp_rank
                 if (rank is None and e.dp_size > 1) or (rank is not None and rank >= e.dp_size):
                     # ranks became known after the first call (or the engine came back with fewer)
@@ -396,6 +402,7 @@ class Placement:
                    if not (o is home and r == home_rank))
 
     def _set_target(self, session_id: str, s: _Session, target: Target) -> None:
+        self._wake(s)
         self._count_session(s.target, -1)
         self._cell(s.group, s.target, -1, -s.peak)
         s.target = target
@@ -412,8 +419,29 @@ class Placement:
 
     def _drop_session(self, s: _Session) -> None:
         """A session gone (forgotten or dropped): its count and KV stop counting; its group's ``grown`` stays."""
+        if not s.dormant:
+            self._count_session(s.target, -1)
+            self._cell(s.group, s.target, -1, -s.peak)
+
+    def _wake(self, s: _Session) -> None:
+        """A dormant session is back (a call, a move): its count and KV count on its engine again."""
+        if s.dormant:
+            s.dormant = False
+            self._count_session(s.target, +1)
+            self._cell(s.group, s.target, +1, s.peak)
+
+    def dormant(self, session_id: str) -> bool:
+        """Admission found ``session_id`` ended (idle far past what its own and its group's gaps between turns
+        predict) while its session stays open: its count and KV stop counting on its engine (the engine evicts
+        an open session's KV after every closed one's, the longest idle first), and it stays sticky there. Its
+        next call, or a move, counts it again. Returns whether it was counted until now."""
+        s = self._sessions.get(session_id)
+        if s is None or s.dormant:
+            return False
         self._count_session(s.target, -1)
         self._cell(s.group, s.target, -1, -s.peak)
+        s.dormant = True
+        return True
 
     def _cell(self, g: _Group, t: Target, dn: int, dpeaks: int) -> None:
         """Change ``g``'s cell on ``t``'s rank by ``dn`` live sessions and ``dpeaks`` tokens of largest sizes,
@@ -442,6 +470,7 @@ class Placement:
         ``grown`` (every live sibling is then expected to grow that far: O(ranks the group is on))."""
         if tokens <= s.peak:
             return
+        self._wake(s)
         self._cell(s.group, s.target, 0, tokens - s.peak)
         s.peak = tokens
         g = s.group
@@ -672,6 +701,7 @@ class Placement:
         else:
             self._sessions.move_to_end(session_id)
             s.last_used = now
+            self._wake(s)
             if s.target == target:
                 return False
             self._set_target(session_id, s, target)

@@ -124,7 +124,8 @@ class Gateway:
         if gate is None and cfg.agentic_program_admission:
             from kvgate.admission.gate import AdmissionGate
             from kvgate.admission.poller import CapacityPoller
-            gate = AdmissionGate(cfg, self.metrics, pause_session=self._pause_session)
+            gate = AdmissionGate(cfg, self.metrics, pause_session=self._pause_session,
+                                 session_ended=self.placed.dormant)
             self.poller = CapacityPoller(gate, self.directory, cfg.admission_poll_interval_s,
                                          cfg.admission_capacity_source)
         elif any(m != "router" for m in self.placement_modes.values()):

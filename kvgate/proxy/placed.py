@@ -93,6 +93,16 @@ class PlacedRelay:
             log.exception("placement forget failed")
             self.metrics.faults.labels("placement").inc()
 
+    def dormant(self, sid: str) -> None:
+        """Admission found session ``sid`` ended while it stays open: placement stops counting its KV until its
+        next call. Never raises (counted as a fault)."""
+        try:
+            if self.placement.dormant(sid):
+                self.publish()
+        except Exception:
+            log.exception("placement dormant failed")
+            self.metrics.faults.labels("placement").inc()
+
     def observed(self, sid: str, meta_info: dict | None) -> None:
         """Session ``sid``'s placed call ended with the engine's ``meta_info`` (or None): its prompt + output
         tokens are the KV the session holds now, for placement's projected KV. Never raises (counted)."""
