@@ -233,20 +233,47 @@ def test_an_ended_program_holds_no_reservation_and_wakes_no_timer_with_the_gate_
                                                                                               start):
     """Over random fleets, programs and event orders, the gate always open (start ratio 0), opening on the
     evidence (1.5) or never (1e9): after each pump, no program idle past what its gaps predict (ended) holds a
-    reservation, and nothing is due at the pump's own time. With the gate closed an ended program used to keep its
+    reservation, nothing is due at the pump's own time, and once the fleet's gaps are known no program in a tool
+    call still ends at the default's time where the gaps predict sooner. With the gate closed an ended program used to keep its
     reservation until its TTL (counted in the working set, foresight's reading and /kvgate/stats), and its due
     time, never taken, made next_deadline answer 'now' at every call: the admission timer woke every millisecond."""
     places = [f"http://e{i}" for i in range(engines)]
     co = _fleet(cap, places, 0.0, start=start, stop=min(0.2, start))
-    seen = {"ended": 0}
+    seen = {"ended": 0, "default": 0}
 
     def check(c, now):
         c.pump(now)
         c.take_actions()
         nd = c.next_deadline(now)
         assert nd is None or nd > now, (nd, now, c.gate.is_open)
+        gaps = c._gaps
         for p in c._programs.values():
             if p.state is ProgramState.IN_TOOL and p.overdue_at <= now:
                 seen["ended"] += 1
                 assert c.ledger.holding(p.sid) == 0, (p.sid, c.gate.is_open)
+            if (p.state is ProgramState.IN_TOOL and p.last_end is not None and gaps._fleet_bound is not None
+                    and p.overdue_at == p.last_end + min(gaps.default_s, gaps.ttl_s)):
+                seen["default"] += 1  # its end still the default's, once the fleet's gaps tell a sooner one
+                assert gaps.overdue_after(p) >= min(gaps.default_s, gaps.ttl_s), p.sid
     _drive(co, ops, places, check)
+
+
+def test_jobs_that_ended_before_the_fleets_first_gaps_end_by_those_gaps_not_by_the_default():
+    """Five one-turn jobs (sessions that never come back) end their turns before any gap between turns is known:
+    their end is set at the default (100 s here). An agent's turns then give the fleet its first gaps (1 s, so
+    programs end after 3 x 1 s): the jobs end by that bound too, as jobs finishing a second later would, and no
+    longer hold their reservations for the default's 100 s."""
+    co = _fleet(20_000, (E0,), 0.0, start=1e9)  # the gate never opens: lifecycle alone, reservations only
+    for j in range(5):
+        assert co.submit(f"j{j}", 500, False, 0.0, place=E0, session_id=f"job{j}", prompt_tokens=400).kind is Kind.ADMIT
+        co.release(f"j{j}", 0.5, {"prompt_tokens": 400, "cached_tokens": 0, "completion_tokens": 50})
+    assert all(co._programs[f"job{j}"].overdue_at == 100.5 for j in range(5))
+    t = 0.5
+    for turn in range(5):  # the agent: a turn of 0.5 s, then a 1 s tool call
+        assert co.submit(f"a{turn}", 600, False, t, place=E0, session_id="agent", prompt_tokens=500).kind is Kind.ADMIT
+        co.release(f"a{turn}", t + 0.5, {"prompt_tokens": 500, "cached_tokens": 400, "completion_tokens": 50})
+        t += 1.5
+    co.pump(t)
+    assert all(co._programs[f"job{j}"].overdue_at == 0.5 + 3.0 for j in range(5))
+    assert [co.ledger.holding(f"job{j}") for j in range(5)] == [0] * 5
+    assert [a.kind for a in co.take_actions()] == ["ended"] * 5 and not co.gate.is_open

@@ -235,8 +235,7 @@ class ProgramCoordinator(_WaitingTurns, _Pausing, _Figures):
         self._expire(now)
         p = self._programs.get(sid)
         if p is not None and not p.inflight and p.last_end is not None:
-            self._gaps.record(p, now - p.last_end)  # its tool call (or the client's think time) took this long
-            self.gate.cycle.gap(now - p.last_end)
+            self._gap_seen(p, now - p.last_end, now)  # its tool call (or the client's think time) took this long
         place = self.ledger.resolve_place(place)
         if p is not None and p.state is not ProgramState.PAUSED and p.place != place and not p.inflight:
             self._move(p, place)  # placement learned (or changed) where this session goes

@@ -49,6 +49,25 @@ class _Pausing:
         d.push(p.overdue_at, p.sid, p.last_end)
         self._due_all.push(p.overdue_at, p.sid, p.last_end)
 
+    def _gap_seen(self, p: _Program, gap: float, now: float) -> None:
+        """``p``'s next turn came ``gap`` seconds after its last one ended, at ``now``: its own, its group's and
+        the fleet's gaps, and the pause gate's cycle, learn it. When these are the fleet's first gaps, the other
+        programs in a tool call whose end was set from ``overdue_default_s`` get the fleet's bound instead (where
+        it comes sooner), those ended by it at once: two one-turn jobs that ended a second apart, on either side
+        of the fleet's first gaps, used to end 60 s and ~7 s after their turns."""
+        if self._gaps.record(p, gap):
+            due_now = False
+            for q in self._programs.values():
+                if q is not p and q.state is ProgramState.IN_TOOL and not q.inflight and q.last_end is not None:
+                    due = q.last_end + self._gaps.overdue_after(q)
+                    if due < q.overdue_at:
+                        q.overdue_at = due
+                        self._push_due(q)
+                        due_now = due_now or due <= now
+            if due_now:
+                self._expire(now)
+        self.gate.cycle.gap(gap)
+
     def _due_current_anywhere(self, e: tuple) -> bool:
         """Whether a fleet-wide due entry still holds: its program is in the tool call that set it, wherever."""
         p = self._programs.get(e[2])

@@ -58,11 +58,12 @@ class TurnGaps:
         self._fleet_bound: float | None = None  # the fleet's quantile, recomputed as gaps come in
         self._fresh = 0
 
-    def record(self, p: Any, gap: float) -> None:
+    def record(self, p: Any, gap: float) -> bool:
         """Record one gap between ``p``'s turns (seconds) for it, its group and the fleet (nothing while off or
-        for a negative gap)."""
+        for a negative gap). Returns True when this gap makes the fleet's bound known (it was not): the
+        programs whose bound was ``default_s`` may have a sooner one now."""
         if gap < 0 or not self.multiple:
-            return
+            return False
         p.gaps.append(gap)
         if p.group is not None:
             g = self._group.get(p.group)
@@ -75,9 +76,11 @@ class TurnGaps:
         fleet.append(gap)
         insort(ranked, gap)
         self._fresh += 1
-        if self._fresh >= 16 or self._fleet_bound is None and len(fleet) >= MIN_GAPS:
+        first = self._fleet_bound is None and len(fleet) >= MIN_GAPS
+        if self._fresh >= 16 or first:
             self._fresh = 0
             self._fleet_bound = _ranked(ranked, self.quantile)
+        return first
 
     def overdue_after(self, p: Any) -> float:
         """Seconds after its last turn ended at which ``p`` counts as ended: multiple x the larger of the
