@@ -31,6 +31,14 @@ def _error_lines(raw: dict) -> list[str]:
     return []
 
 
+def _check_config_ok(tmp_path, capsys, text: str):
+    """``kvgate check-config`` on a file holding ``text``: it answers 0; returns (the file, what it printed)."""
+    f = tmp_path / "c.yaml"
+    f.write_text(text)
+    assert main(["check-config", str(f)]) == 0
+    return f, capsys.readouterr()
+
+
 # --- the pause ratios a new user wrote ------------------------------------------------------------------
 
 def test_a_start_ratio_alone_with_admission_off_is_one_warning_and_check_config_answers_ok(tmp_path, capsys):
@@ -39,10 +47,7 @@ def test_a_start_ratio_alone_with_admission_off_is_one_warning_and_check_config_
         "admission_pause_start_ratio: set to 0.125, but it does nothing while agentic_program_admission is off; "
         "--agentic-program-admission would enable it, and then 0.125 would be refused (it must be >= "
         "admission_pause_stop_ratio (0.2, its default) or 0)"]
-    f = tmp_path / "c.yaml"
-    f.write_text("admission_pause_start_ratio: 0.125\n")
-    assert main(["check-config", str(f)]) == 0
-    out = capsys.readouterr()
+    f, out = _check_config_ok(tmp_path, capsys, "admission_pause_start_ratio: 0.125\n")
     assert out.err.splitlines() == [f"kvgate: config warning: {cfg.warnings[0]}"]
     assert out.out.startswith(f"{f}: ok")
 
@@ -215,10 +220,8 @@ def test_the_program_policy_without_session_lifecycle_is_one_warning_and_starts(
         "admission_policy: program with agentic_session_lifecycle off: kvgate knows no sessions, so every request "
         "is a one-turn program (admitted when its engine has room, never paused); --agentic-session-lifecycle "
         "would make each session a program"]
-    f = tmp_path / "c.yaml"
-    f.write_text("agentic_program_admission: true\nadmission_policy: program\n")
-    assert main(["check-config", str(f)]) == 0
-    assert capsys.readouterr().err.splitlines() == [f"kvgate: config warning: {cfg.warnings[0]}"]
+    _, out = _check_config_ok(tmp_path, capsys, "agentic_program_admission: true\nadmission_policy: program\n")
+    assert out.err.splitlines() == [f"kvgate: config warning: {cfg.warnings[0]}"]
     for quiet in ({"agentic_program_admission": True, "admission_policy": "program", "agentic_session_lifecycle": True},
                   {"agentic_program_admission": True}, {"admission_policy": "program"}):
         assert not any(w.startswith("admission_policy: program with") for w in validate(quiet).warnings), quiet

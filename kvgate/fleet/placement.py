@@ -403,32 +403,32 @@ class Placement:
 
     def _set_target(self, session_id: str, s: _Session, target: Target) -> None:
         self._wake(s)
-        self._count_session(s.target, -1)
-        self._cell(s.group, s.target, -1, -s.peak)
+        self._counted(s, -1)
         s.target = target
-        self._count_session(target, +1)
-        self._cell(s.group, target, +1, s.peak)
+        self._counted(s, +1)
+
+    def _counted(self, s: _Session, sign: int) -> None:
+        """Count ``s`` on its target (``sign`` +1) or take it off (-1): its session count and its KV."""
+        self._count_session(s.target, sign)
+        self._cell(s.group, s.target, sign, sign * s.peak)
 
     def _add_session(self, session_id: str, s: _Session) -> _Session:
         """Record a new session (its count and KV on its target), dropping the longest idle over the cap."""
         self._sessions[session_id] = s
-        self._count_session(s.target, +1)
-        self._cell(s.group, s.target, +1, s.peak)
+        self._counted(s, +1)
         self._evict_over_cap()
         return s
 
     def _drop_session(self, s: _Session) -> None:
         """A session gone (forgotten or dropped): its count and KV stop counting; its group's ``grown`` stays."""
         if not s.dormant:
-            self._count_session(s.target, -1)
-            self._cell(s.group, s.target, -1, -s.peak)
+            self._counted(s, -1)
 
     def _wake(self, s: _Session) -> None:
         """A dormant session is back (a call, a move): its count and KV count on its engine again."""
         if s.dormant:
             s.dormant = False
-            self._count_session(s.target, +1)
-            self._cell(s.group, s.target, +1, s.peak)
+            self._counted(s, +1)
 
     def dormant(self, session_id: str) -> bool:
         """Admission found ``session_id`` ended (idle far past what its own and its group's gaps between turns
@@ -438,8 +438,7 @@ class Placement:
         s = self._sessions.get(session_id)
         if s is None or s.dormant:
             return False
-        self._count_session(s.target, -1)
-        self._cell(s.group, s.target, -1, -s.peak)
+        self._counted(s, -1)
         s.dormant = True
         return True
 
