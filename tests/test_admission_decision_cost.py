@@ -286,9 +286,12 @@ def test_first_fit_is_try_acquire_place_by_place(caps, usage, grants, pi, tail, 
 
 @settings(max_examples=200, deadline=None)
 @given(CAPS, USAGE, st.lists(GRANT, max_size=25), st.integers(0, len(PROMPTS) - 1), st.integers(0, 400),
-       st.integers(0, 7))
-def test_a_waiting_turn_ranks_the_other_engines_as_the_plain_sort_does(caps, usage, grants, pi, tail, own):
+       st.integers(0, 7), st.integers(-1, 24))
+def test_a_waiting_turn_ranks_the_other_engines_as_the_plain_sort_does(caps, usage, grants, pi, tail, own, drop):
+    """``drop``: a grant released last, its removal left pending (the charges read through it)."""
     lg = loaded(caps, usage, grants)
+    if drop >= 0:
+        lg.release(f"g{drop}", 0.0)
     co = ProgramCoordinator(lg)
     places = lg.engine_places()
     blocks = PROMPTS[pi]

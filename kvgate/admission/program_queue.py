@@ -27,7 +27,7 @@ make its room; when only running programs hold the place it waits for them (agin
 from __future__ import annotations
 
 from heapq import merge
-from itertools import takewhile
+from itertools import chain, takewhile
 from typing import Any, Iterable, Iterator
 
 from .coordinator import Decision, Kind
@@ -410,8 +410,15 @@ class _WaitingTurns:
         if not costed:
             return (e[2] for e in rest)
         costed.sort()
-        # the whole turn on the rest, in their (free room, index) order: one merge of two sorted runs
-        return (c[-1] for c in merge(costed, ((tokens, *e) for e in rest)))
+        # the rest charge the whole turn, in their (free room, index) order: a costed engine charging less goes
+        # before them all (most often every costed one), one charging the whole turn merges in by that order, one
+        # charging more (a removal's blocks freed there) goes after them; heapq.merge over every engine cost
+        # ~1 us a refusal
+        lead = [c[-1] for c in costed if c[0] < tokens]
+        if len(lead) == len(costed):
+            return chain(lead, (e[2] for e in rest))
+        tie = [c[1:] for c in costed if c[0] == tokens]
+        return chain(lead, (e[2] for e in merge(tie, rest)), (c[-1] for c in costed if c[0] > tokens))
 
     def _charge_on(self, w: _Waiter, place: Any) -> int:
         """What ``w`` would add on ``place``: the walk of its prompt's blocks only where the prompt's start is
