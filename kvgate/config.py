@@ -113,6 +113,20 @@ def _nonneg(x):
     return x >= 0
 
 
+def _redis_url(v: str) -> bool:
+    """A redis://, rediss:// or unix:// URL whose database, when it names one (redis://host:port/N, or
+    ?db=N), is a number: redis-py reads any other as database 0, silently (its connection.parse_url)."""
+    from urllib.parse import parse_qs, urlsplit
+
+    if not v.startswith(("redis://", "rediss://", "unix://")):
+        return False
+    u = urlsplit(v)
+    dbs = parse_qs(u.query).get("db", [])
+    if u.scheme != "unix" and u.path.strip("/"):
+        dbs.append(u.path.strip("/"))
+    return all(d.isdigit() for d in dbs)
+
+
 def _unit(x):
     return 0 < x <= 1
 
@@ -360,7 +374,7 @@ KEYS: list[Key] = _grouped([
         "sessions): memory (this process only) or redis (shared by every replica on redis_url).",
         choices=("memory", "redis")),
     Key("redis_url", str, "redis://127.0.0.1:6379/0", "The Redis server of state_backend: redis.",
-        lambda v: v.startswith(("redis://", "rediss://", "unix://")), "a redis://, rediss:// or unix:// URL"),
+        _redis_url, "a redis://, rediss:// or unix:// URL, its database (/N or ?db=N) a number"),
     Key("redis_key_prefix", str, "kvgate:",
         "Prefix of every Redis key kvgate writes (one prefix per kvgate deployment sharing a Redis).",
         lambda v: len(v) > 0, "a non-empty string"),
@@ -669,7 +683,10 @@ def _validate(raw: dict[str, Any], errors: list[str], failed: set[str]) -> Confi
     if errors:
         raise ConfigError(*errors)
     warnings = [w for w in [config_checks.upstream_path_warning(values["upstream"]),
-                            config_checks.program_without_lifecycle_warning(values)] if w]
+                            config_checks.program_without_lifecycle_warning(values),
+                            config_checks.program_workers_warning(values),
+                            config_checks.redis_ttl_warning(values),
+                            config_checks.router_policy_warning(values)] if w]
     warnings += config_checks.inert_warnings(values, {k.name: k.default for k in KEYS}, PLACEMENT_ROUTES,
                                              lambda name, value: _unchecked(name, value, values, written),
                                              {k.name for k in KEYS if k.group == PROGRAM.title})

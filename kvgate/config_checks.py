@@ -110,6 +110,48 @@ def program_without_lifecycle_warning(values: dict[str, Any]) -> str | None:
     return None
 
 
+# The --policy names the routers kvgate fronts accept (smg 1.13; sglang-router 0.3.2's are among them).
+ROUTER_POLICIES = ("random", "round_robin", "passthrough", "cache_aware", "power_of_two", "least_load", "manual",
+                   "consistent_hashing", "prefix_hash")
+
+
+def router_policy_warning(values: dict[str, Any]) -> str | None:
+    """The warning for a ``router_policy`` no router kvgate fronts knows (its routing-key warning then says
+    nothing true), with the nearest name, or None."""
+    import difflib
+
+    policy = values["router_policy"]
+    if policy is None or policy in ROUTER_POLICIES:
+        return None
+    near = difflib.get_close_matches(policy.replace("-", "_").lower(), ROUTER_POLICIES, n=1, cutoff=0.6)
+    return (f"router_policy: {policy!r} is not a router's --policy ({', '.join(ROUTER_POLICIES)})"
+            + (f"; did you mean {near[0]}?" if near else "")
+            + " (it tells kvgate how the router was started, for the routing-key warning)")
+
+
+def redis_ttl_warning(values: dict[str, Any]) -> str | None:
+    """The warning for ``redis_session_ttl_s`` at or below the idle close with replicas sharing Redis: a
+    session's shared record (its activity, its engine) is gone before it is idle, so another replica may place
+    it anew or close it while it lives on elsewhere; or None."""
+    idle, ttl = values["session_idle_close_s"], values["redis_session_ttl_s"]
+    if values["state_backend"] != "redis" or not values["agentic_session_lifecycle"] or idle <= 0 or ttl > idle:
+        return None
+    return (f"redis_session_ttl_s: {ttl:g} is not above session_idle_close_s ({idle:g}): a session's shared record "
+            f"(its activity and engine) expires before the session is idle, so the replicas no longer agree on "
+            f"it; keep redis_session_ttl_s above session_idle_close_s")
+
+
+def program_workers_warning(values: dict[str, Any]) -> str | None:
+    """The warning for the program policy with several worker processes: each keeps its own working sets and
+    the kernel spreads connections over them, so no worker sees a whole program; or None."""
+    if values["workers"] > 1 and values["agentic_program_admission"] and values["admission_policy"] == "program":
+        return (f"admission_policy: program with workers: {values['workers']}: each worker keeps its own working "
+                f"sets and the kernel spreads connections over the workers, so each sees part of every program; "
+                f"run one worker per kvgate with the program policy (replicas behind a load balancer with session "
+                f"affinity, docs/replicas.md)")
+    return None
+
+
 def placeable(values: dict[str, Any], routes: Iterable[str]) -> bool:
     """Whether kvgate may place some route's session traffic itself (kvgate.fleet.placement.placement_active
     for a verdict that may come: ``kvgate`` always, ``auto`` with lifecycle on)."""

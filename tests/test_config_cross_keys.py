@@ -225,3 +225,50 @@ def test_the_program_policy_without_session_lifecycle_is_one_warning_and_starts(
     for quiet in ({"agentic_program_admission": True, "admission_policy": "program", "agentic_session_lifecycle": True},
                   {"agentic_program_admission": True}, {"admission_policy": "program"}):
         assert not any(w.startswith("admission_policy: program with") for w in validate(quiet).warnings), quiet
+
+
+# --- settings a new user of replicas wrote -----------------------------------------------------------------
+
+def test_a_router_policy_no_router_knows_is_one_warning_with_the_nearest_name(tmp_path, capsys):
+    on = {"agentic_session_lifecycle": True}
+    cfg = validate({**on, "router_policy": "cache-aware"})
+    assert cfg.warnings[0] == (
+        "router_policy: 'cache-aware' is not a router's --policy (random, round_robin, passthrough, cache_aware, "
+        "power_of_two, least_load, manual, consistent_hashing, prefix_hash); did you mean cache_aware? (it tells "
+        "kvgate how the router was started, for the routing-key warning)")
+    assert not any(w.startswith("router_policy: 'cache_aware'") for w in validate({**on, "router_policy": "cache_aware"}).warnings)
+    assert "did you mean" not in validate({**on, "router_policy": "fastest"}).warnings[0]
+    _, out = _check_config_ok(tmp_path, capsys, "agentic_session_lifecycle: true\nrouter_policy: cache-aware\n")
+    assert f"kvgate: config warning: {cfg.warnings[0]}" in out.err.splitlines()
+
+
+def test_a_redis_session_ttl_not_above_the_idle_close_is_one_warning():
+    shared = {"state_backend": "redis", "agentic_session_lifecycle": True, "session_idle_close_s": 300}
+    cfg = validate({**shared, "redis_session_ttl_s": 10})
+    assert cfg.warnings == [
+        "redis_session_ttl_s: 10 is not above session_idle_close_s (300): a session's shared record (its activity "
+        "and engine) expires before the session is idle, so the replicas no longer agree on it; keep "
+        "redis_session_ttl_s above session_idle_close_s"]
+    for quiet in ({**shared, "redis_session_ttl_s": 301}, {**shared, "redis_session_ttl_s": 10, "session_idle_close_s": 0},
+                  {**shared, "redis_session_ttl_s": 10, "agentic_session_lifecycle": False}):
+        assert not any(w.startswith("redis_session_ttl_s: 10 is not") for w in validate(quiet).warnings), quiet
+
+
+def test_the_program_policy_on_several_workers_is_one_warning():
+    on = {"state_backend": "redis", "agentic_session_lifecycle": True, "agentic_program_admission": True}
+    cfg = validate({**on, "workers": 2, "admission_policy": "program"})
+    assert cfg.warnings == [
+        "admission_policy: program with workers: 2: each worker keeps its own working sets and the kernel spreads "
+        "connections over the workers, so each sees part of every program; run one worker per kvgate with the "
+        "program policy (replicas behind a load balancer with session affinity, docs/replicas.md)"]
+    assert validate({**on, "workers": 2}).warnings == []  # the fifo ledger is shared in Redis
+    assert validate({**on, "workers": 1, "admission_policy": "program"}).warnings == []
+
+
+def test_a_redis_url_whose_database_is_not_a_number_is_refused_naming_the_key():
+    for bad in ("redis://127.0.0.1:6379/abc", "redis://127.0.0.1:6379/0?db=x", "unix:///run/redis.sock?db=one"):
+        assert _error_lines({"state_backend": "redis", "redis_url": bad}) == [
+            f"redis_url: must be a redis://, rediss:// or unix:// URL, its database (/N or ?db=N) a number, "
+            f"got {bad!r}"], bad
+    for good in ("redis://127.0.0.1:6379/3", "redis://127.0.0.1:6379", "rediss://h:1/", "unix:///run/r.sock?db=2"):
+        assert _error_lines({"state_backend": "redis", "redis_url": good}) == [], good

@@ -97,7 +97,7 @@ def test_rows_cover_the_issue():
                    "agentic_kv_admission_defer_rate", "agentic_kv_admission_degraded_rate",
                    "agentic_kv_admission_waiting", "agentic_kv_admission_wait_seconds_bucket",
                    "agentic_kv_budget_ceiling_tokens", "agentic_kv_budget_reserved_tokens",
-                   "agentic_kv_budget_available_tokens", "agentic_kv_budget_reserved_utilization",
+                   "agentic_kv_budget_reserved_utilization",
                    "agentic_kv_budget_lease_count", "agentic_kv_budget_epoch", "agentic_kv_budget_degraded",
                    "sglang:token_usage", "sglang:num_running_reqs", "sglang:num_queue_reqs",
                    "sglang:cached_tokens_total", "sglang:evicted_tokens_total",
@@ -109,6 +109,12 @@ def test_rows_cover_the_issue():
                    "agentic_kv_program_pause_foresight"):
         assert metric in exprs, metric
     assert "by (source)" in exprs  # named vs inferred: any future source shows up as its own series
+    # available: the fleet's one ceiling less every worker's and replica's own reservations (each worker's
+    # agentic_kv_budget_available_tokens is the ceiling less its own alone: summed, it would count the ceiling
+    # once per worker)
+    budget = {t.legend: t.expr for p in dashboard.panels() if p.title == "Token budget" for t in p.targets}
+    assert budget["available"] == f"{budget['ceiling']} - {budget['reserved']}"
+    assert budget["ceiling"].startswith("max(") and budget["reserved"].startswith("sum(")
     assert list(titles) == ["Sessions", "Admission", "Budget", "Programs", "Engines", "Proxy"]
 
 

@@ -75,6 +75,10 @@ async def test_health_follows_the_router_and_the_engines_with_the_reason(router_
         async with http.post(kv + "/kvgate/sessions/s1/close?wait=1") as r:
             closed = await r.json()
         assert closed["close_results"][dead].startswith("connect error")
+        async with http.get(kv + "/kvgate/sessions/s1") as r:
+            viewed = await r.json()
+        assert set(closed) == set(viewed) >= {"kv_step", "idle_threshold_s", "engine", "children"}  # one view
+        assert closed["close_results"] == viewed["close_results"]
         async with http.get(kv + "/kvgate/engines") as r:
             engines = {e["url"]: e for e in (await r.json())["engines"]}
         assert (engines[dead]["healthy"], engines[dead]["router_healthy"]) == (False, True)

@@ -23,7 +23,9 @@ def test_known_labels_are_exported_at_zero_from_the_start():
         "agentic_kv_session_close_skipped_total": ("reason", ["no_kv", "elsewhere"]),
         "agentic_kv_state_backend_bypass_total": ("op", ["heartbeat", "turn", "idle", "placement", "inference",
                                                          "admission"]),
-        "agentic_kv_placement_calls_total": ("outcome", ["engine", "router_fallback", "connect_retry"]),
+        "agentic_kv_placement_calls_total": ("outcome", ["engine", "router_fallback", "connect_retry", "router_auth",
+                                                         "decode_named", "decode_name_ignored", "decode_name_refused",
+                                                         "decode_unnamed"]),
         "agentic_kv_session_inference_total": ("result", ["decisive", "partial", "rerender", "prompt-only", "new",
                                                           "new-ambiguous", "unsupported", "shared", "refused"]),
     }

@@ -227,6 +227,44 @@ async def test_a_session_alternating_workers_is_one_session_closed_once(redis_se
         assert e1.engine.closes_received == 1 and e2.engine.closes_received == 1
 
 
+async def test_a_clients_close_on_one_worker_reads_as_the_clients_on_the_other(redis_server, sim_factory,
+                                                                              workers_factory):
+    """A client closes a session through worker 0 after a turn on each worker: worker 1 marks it closed
+    without calls, for the client's reason (not as an idle close), and says the closes were another
+    replica's; worker 0's record has both engines' answers."""
+    e1 = await sim_factory(max_total_num_tokens=100_000, speed=1000)
+    e2 = await sim_factory(max_total_num_tokens=100_000, speed=1000)
+    w = await workers_factory(*_flags(redis_server.url, [e1.url, e2.url], "--session-placement", "kvgate",
+                                      "--no-session-inference", "--session-idle-close-s", "1"))
+    w0, w1 = w.private_url(0), w.private_url(1)
+    prompt = list(range(1, 80))
+    for url in (w0, w1):
+        out = await _generate(url, {"input_ids": prompt, "session_id": "agent-2",
+                                    "sampling_params": {"max_new_tokens": 4}})
+        prompt = prompt + out["output_ids"] + [7, 8]
+    async with aiohttp.ClientSession() as http:
+        async with http.post(w0 + "/close_session", json={"session_id": "agent-2"}) as r:
+            assert r.status == 200
+        deadline = time.monotonic() + 30
+        while True:  # worker 1's idle sweep (every quarter second here) learns of the close from Redis
+            async with http.get(w1 + "/kvgate/sessions/agent-2") as r:
+                s1 = await r.json()
+            if s1["state"] == "closed" or time.monotonic() > deadline:
+                break
+            await asyncio.sleep(0.05)
+        async with http.get(w0 + "/kvgate/sessions/agent-2") as r:
+            s0 = await r.json()
+        m = await _metrics(http, w.url)
+    assert (s1["state"], s1["close_reason"], s1["closed_by_other_replica"], s1["close_results"]) == \
+        ("closed", "client", True, {}), s1
+    assert (s0["close_reason"], s0["closed_by_other_replica"]) == ("client", False), s0
+    assert s0["close_results"] == {e1.url: "ok", e2.url: "ok"}, s0
+    assert _total(m, "agentic_kv_session_close_total", reason="client") == 1
+    assert _total(m, "agentic_kv_session_close_total", reason="idle") == 0
+    assert _total(m, "agentic_kv_session_close_skipped_total", reason="elsewhere") == 1
+    assert e1.engine.closes_received == 1 and e2.engine.closes_received == 1
+
+
 async def test_a_killed_worker_is_restarted_and_requests_keep_succeeding(redis_server, sim_factory, workers_factory):
     """SIGKILL one worker: calls on the shared port keep being answered 200 (by the other worker meanwhile),
     the supervisor starts a new worker in its slot (counted), and both serve again. Stopping the supervisor

@@ -272,12 +272,23 @@ async def test_redis_stopped_and_restarted_requests_keep_flowing(redis_server, s
         assert await g.lifecycle.sweep_idle() == 0
     down_lines = [r for r in caplog.records if "unreachable" in r.getMessage()]
     assert len(down_lines) == 2  # once per replica
+
+    async def health(url):
+        async with aiohttp.ClientSession() as http:
+            async with http.get(url + "/kvgate/health") as r:
+                return r.status, await r.json()
+
+    code, h = await health(url_a)  # said, not fatal: the replica serves on its own state
+    assert (code, h["status"]) == (200, "degraded"), h
+    assert [r for r in h["reasons"] if r.startswith("state_backend: Redis at ")], h["reasons"]
     await redis_server.start()
     for g, _ in reps:  # the heartbeat finds Redis back (event: the gauge)
         async def back(g=g):
             while g.metrics.state_backend_up._value.get() != 1:
                 await asyncio.sleep(0.05)
         await asyncio.wait_for(back(), 10)
+    code, h = await health(url_b)
+    assert (code, h["status"], h["reasons"]) == (200, "ok", []), h
     await turns(4, "after")
     keys = await redis_server.keys("kvgate:sess:*")
     assert {"kvgate:sess:after-0", "kvgate:sess:after-1"} <= set(keys)

@@ -231,7 +231,7 @@ async def test_a_reply_shorter_than_its_batch_leaves_no_asker_waiting(redis_url)
         st._scripts["batch"] = short_reply
         async with asyncio.timeout(30):  # a lost answer fails here instead of hanging
             claims = await asyncio.gather(*(st.idle_claim(f"s{i}", 3600.0) for i in range(3)))
-        assert claims[:2] == [("busy", 0.0)] * 2 and claims[2] == ("unknown", 0.0)
+        assert claims[:2] == [("busy", 0.0, "")] * 2 and claims[2] == ("unknown", 0.0, "")
         assert _bypass(m, "idle") == 1 and not st.up
         await st._heartbeat_once()
         assert st.up

@@ -94,7 +94,7 @@ class Paths:
     async def ask(self) -> bool:
         sid = f"i{next(self.n)}"
         self.st.turn_started(sid)   # queued with the claim: the claim answers 'busy', the turn in flight
-        verdict, _ = await self.st.idle_claim(sid, 3600.0)
+        verdict, _, _ = await self.st.idle_claim(sid, 3600.0)
         return verdict == "busy"
 
     async def call(self) -> bool:

@@ -272,7 +272,8 @@ class Metrics:
         self.session_close_skipped.labels("no_kv")
         self.session_close_skipped.labels("elsewhere")
         self.session_close_dropped.labels("engine_gone")
-        for outcome in ("engine", "router_fallback", "connect_retry", "router_auth"):
+        for outcome in ("engine", "router_fallback", "connect_retry", "router_auth", "decode_named",
+                        "decode_name_ignored", "decode_name_refused", "decode_unnamed"):
             self.placement_calls.labels(outcome)
         for result in ("ok", "error"):
             self.close_calls.labels(result)

@@ -196,9 +196,18 @@ class Admin:
         return _json({"status": "ok", "worker": self.gw.process_role.index, "pid": os.getpid()})
 
     def health_checks(self) -> list[health.Check]:
-        """The checks /kvgate/health adds up (kvgate.fleet.health): the router, the engines. Append a
-        check here for anything else kvgate cannot serve without."""
-        return self.gw.directory.checks()
+        """The checks /kvgate/health adds up (kvgate.fleet.health): the router, the engines, and with
+        ``state_backend: redis`` the Redis the replicas share (not fatal: unreachable, each replica decides on
+        its own state). Append a check here for anything else kvgate cannot serve without."""
+        checks = self.gw.directory.checks()
+        shared = self.gw.shared
+        if shared is not None:
+            up = bool(shared.up)
+            checks.append(health.Check(
+                "state_backend", up, "Redis answers" if up else
+                f"Redis at {self.gw.cfg.redis_url} is unreachable: each replica decides on its own state until it "
+                f"is back (sessions may be closed or placed twice)", fatal=False))
+        return checks
 
     async def handle_health(self, request: web.Request) -> web.Response:
         """kvgate and what it depends on: ``status`` ok | degraded (HTTP 200) or starting | down (HTTP 503),
@@ -356,8 +365,9 @@ class Admin:
         self.gw.lifecycle.close(sid, "admin_api")
         if request.query.get("wait") in ("1", "true"):
             await self.gw.lifecycle.settled(sid, self.gw.cfg.session_close_drain_s + 4 * self.gw.cfg.close_timeout_s + 1.0)
-        s = self.gw.lifecycle.registry.get(sid)
-        return _json(s.as_json(self.gw.lifecycle.clock()) if s else {"session_id": sid})
+        s = self.gw.lifecycle.registry.get(sid)  # the same view GET /kvgate/sessions/{id} answers
+        return _json(self._augment(self.gw.lifecycle.registry.session_json(sid, self.gw.lifecycle.clock()))
+                     if s else {"session_id": sid})
 
     async def _close_target(self, request: web.Request) -> str | web.Response:
         """The session id a /close_session or /finish_session names (a JSON body's ``session_id``, else the

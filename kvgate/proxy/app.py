@@ -114,7 +114,7 @@ class Gateway:
             self.shared = SharedState(cfg.redis_url, cfg.redis_key_prefix, cfg.redis_session_ttl_s,
                                       cfg.redis_timeout_s, self.metrics)
             self.lifecycle.idle_check = self.shared.idle_claim
-            self.lifecycle.on_close.append(self.shared.session_closed)
+            self.lifecycle.on_close.append(self._shared_closed)
             self.lifecycle.close_check = self.shared.close_wanted
         self.placed.shared = self.shared
         self.poller = None
@@ -204,8 +204,14 @@ class Gateway:
         the session's program in admission as a client's close does. A pause is a close whose program lives on;
         a client's or the admin API's close forgot the program before closing (end_session)."""
         s = self.lifecycle.registry.get(sid)
-        if s is not None and s.close_reason not in ("pause", "client", "admin_api"):
-            self._admission_forget(sid)
+        if s is not None and (s.closed_elsewhere or s.close_reason not in ("pause", "client", "admin_api")):
+            self._admission_forget(sid)  # another replica's close (any reason) ends the program here
+
+    def _shared_closed(self, sid: str) -> None:
+        """A close this replica begins (or marks, for another replica's): Redis records it with its reason, so
+        the other replicas mark it closed for the same reason."""
+        s = self.lifecycle.registry.get(sid)
+        self.shared.session_closed(sid, (s.close_reason or "") if s is not None else "")
 
     def _admission_forget(self, sid: str) -> None:
         try:

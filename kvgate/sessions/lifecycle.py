@@ -581,7 +581,7 @@ class SessionLifecycle:
         return started
 
     async def _shared_idle(self, sid: str) -> int:
-        verdict, age = await self.idle_check(sid, self.policy.threshold(sid))
+        verdict, age, reason = await self.idle_check(sid, self.policy.threshold(sid))
         s = self.registry.get(sid)
         if s is None or s.state != ACTIVE or s.in_flight:
             return 0  # a turn came while Redis answered
@@ -591,16 +591,19 @@ class SessionLifecycle:
             # Another replica served it: its idle time restarts from the shared last activity.
             self.registry.touch(sid, self.clock() - age)
         elif verdict == "elsewhere":
-            self.closed_elsewhere(sid)
+            self.closed_elsewhere(sid, reason)
         # "unknown" (Redis unreachable): no close now, asked again on the next sweep.
         return 0
 
-    def closed_elsewhere(self, session_id: str) -> None:
-        """Another replica closes ``session_id`` on every engine: mark it closed here without calls (its
-        consumers, such as placement, forget it as on a close)."""
+    def closed_elsewhere(self, session_id: str, reason: str = "") -> None:
+        """Another replica closes ``session_id`` on every engine, for ``reason`` (the one it recorded: client,
+        idle, ...; "" when unknown, taken as idle): mark it closed here, for that reason, without calls (its
+        consumers, such as placement, forget it as on a close); its record says the closes were another
+        replica's (``closed_by_other_replica``)."""
         now = self.clock()
-        if not self.registry.begin_close(session_id, "idle", now):
+        if not self.registry.begin_close(session_id, reason or "idle", now):
             return
+        self.registry.closed_by_other_replica(session_id)
         for cb in self.on_close:
             try:
                 cb(session_id)

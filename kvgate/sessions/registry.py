@@ -87,6 +87,7 @@ class Session:
     closes: int = 0
     reopened: int = 0
     parent: str | None = None  # the session a subagent's session belongs to (x-dynamo-parent-session-id)
+    closed_elsewhere: bool = False  # its last close was another replica's (state_backend: redis): no calls here
 
     @property
     def close_results(self) -> dict[str, str]:
@@ -120,6 +121,7 @@ class Session:
             "closes": self.closes,
             "reopened": self.reopened,
             "close_results": self.close_results,
+            "closed_by_other_replica": self.closed_elsewhere,
             "close_pending": {u: {"state": e.state, "attempts": e.attempts, "last": e.last,
                                   "retry_in_s": round(max(0.0, e.next_at - now), 3) if e.state == PENDING else None}
                               for u, e in self.engine_closes.items() if e.state in (SENDING, PENDING)},
@@ -283,6 +285,7 @@ class SessionRegistry:
         if s.state == ACTIVE:
             s.state = CLOSING
             s.close_reason = reason
+            s.closed_elsewhere = False
             s.close_gen += 1
             s.engine_closes = {}
             self._closing[session_id] = None
@@ -398,6 +401,12 @@ class SessionRegistry:
             e = self._sessions[sid].engine_closes.get(url) if sid in self._sessions else None
             n += e is not None and e.state in (SENDING, PENDING)
         return n
+
+    def closed_by_other_replica(self, session_id: str) -> None:
+        """Mark a closing session's close as another replica's (it sends the calls; none go from here)."""
+        s = self._sessions.get(session_id)
+        if s is not None and s.state == CLOSING:
+            s.closed_elsewhere = True
 
     def skip_close(self, session_id: str, now: float) -> None:
         """Mark a closing session closed without calling any engine (its KV is already gone)."""

@@ -470,11 +470,11 @@ class SharedState:
         self._queue(Op("turn", "turn", (self._sess(sid), self.prefix + "place:" + sid), session=sid, delta=delta,
                        started=delta > 0, at=self.wall()))
 
-    def session_closed(self, sid: str) -> None:
-        """This replica closes ``sid`` (any reason): the other replicas' idle sweeps then mark it closed
-        without calls of their own (in the background; a session Redis does not know is left alone). The
-        session's epoch as the close began is kept for :meth:`close_wanted`."""
-        op = Op("closed", "turn", (self._sess(sid), self.prefix + "place:" + sid), session=sid)
+    def session_closed(self, sid: str, reason: str = "") -> None:
+        """This replica closes ``sid`` for ``reason`` (client, idle, admin, ...): the other replicas' idle sweeps
+        then mark it closed, for that reason, without calls of their own (in the background; a session Redis
+        does not know is left alone). The session's epoch as the close began is kept for :meth:`close_wanted`."""
+        op = Op("closed", "turn", (self._sess(sid), self.prefix + "place:" + sid), [reason or ""], session=sid)
         self._marks.pop(sid, None)
         if not self.up:
             self._fell_back([op])
@@ -502,17 +502,18 @@ class SharedState:
         ok, now = await self._call("turn", lambda: self.client.hget(self._sess(sid), "epoch"))
         return not (ok and int(now or 0) > epoch)
 
-    async def idle_claim(self, sid: str, threshold_s: float) -> tuple[str, float]:
+    async def idle_claim(self, sid: str, threshold_s: float) -> tuple[str, float, str]:
         """This replica finds ``sid`` idle for more than ``threshold_s`` seconds on its own. Returns
-        ("close", 0) when it is idle on every replica and this one won the close, ("busy", age_s) when a
-        turn is in flight on a live replica or the last activity anywhere is ``age_s`` seconds ago,
-        ("elsewhere", 0) when another replica closes it, ("unknown", 0) when Redis is unreachable."""
+        ("close", 0, "") when it is idle on every replica and this one won the close, ("busy", age_s, "") when
+        a turn is in flight on a live replica or the last activity anywhere is ``age_s`` seconds ago,
+        ("elsewhere", 0, reason) when another replica closes it (the reason it recorded: client, idle, ...; ""
+        when it recorded none), ("unknown", 0, "") when Redis is unreachable."""
         # through the batch: it reaches Redis after this replica's turn writes made before it
         ok, r = await self._ask(Op("idle", "idle", (self._sess(sid),), [repr(self.wall()), repr(threshold_s)],
                                    session=sid))
         if not ok:
-            return "unknown", 0.0
-        return str(r[0]), float(r[1])
+            return "unknown", 0.0, ""
+        return str(r[0]), float(r[1]), str(r[2]) if len(r) > 2 else ""
 
     # --- placement ------------------------------------------------------------------------------------
 

@@ -58,12 +58,13 @@ return 1
 #    placement lives as long as its activity. When a start is among them (started = 1), a session that is
 #    closing re-opens and its epoch is bumped (the closing replica's calls not sent yet are then dropped).
 #    An end seen before its start (a batch that failed halfway) leaves -1, which the start brings to 0.
-#  closed {sess, place}: this replica closes the session, for any reason: mark it so, if known, and forget its
-#    placement (a session that comes back is placed again by the rules, as on one replica). Answers the
-#    session's epoch as the close began (0 when unknown).
+#  closed {sess, place}, reason: this replica closes the session, for that reason (client, idle, ...): mark it
+#    so, if known, and forget its placement (a session that comes back is placed again by the rules, as on one
+#    replica). Answers the session's epoch as the close began (0 when unknown).
 #  idle {sess}, now, threshold: should this replica close the session as idle? The first replica to find it
-#    idle marks it closing and gets 'close'; the others get 'elsewhere'; 'busy' with the seconds since its
-#    last activity while it is active, or while a live replica (heartbeat key there) has a turn in flight.
+#    idle marks it closing and gets 'close'; the others get 'elsewhere' with the reason the closing replica
+#    recorded; 'busy' with the seconds since its last activity while it is active, or while a live replica
+#    (heartbeat key there) has a turn in flight. Answers {verdict, seconds, reason ('' but for 'elsewhere')}.
 #  grant {lease sets, the fleet's first}, now, lease expiry, member, tokens, key ttl, waiter expiry, arrival
 #    number, backfill (0 | 1 | force), {ceilings}: the lease grant in one global FIFO of the waiters of every
 #    replica. Granted only when no live waiter arrived before it (with backfill: or when the room left after
@@ -118,10 +119,10 @@ function OPS.turn(k, at, delta, started)
   return n
 end
 
-function OPS.closed(k)
+function OPS.closed(k, reason)
   local sess = KEYS[k[1]]
   if redis.call('EXISTS', sess) == 1 then
-    redis.call('HSET', sess, 'state', 'closing', 'closer', replica)
+    redis.call('HSET', sess, 'state', 'closing', 'closer', replica, 'reason', reason or '')
   end
   redis.call('DEL', KEYS[k[2]])
   return tonumber(redis.call('HGET', sess, 'epoch') or '0')
@@ -130,26 +131,27 @@ end
 function OPS.idle(k, now, threshold)
   local sess = KEYS[k[1]]
   if redis.call('EXISTS', sess) == 0 then
-    redis.call('HSET', sess, 'state', 'closing', 'closer', replica, 'last', now)
+    redis.call('HSET', sess, 'state', 'closing', 'closer', replica, 'last', now, 'reason', 'idle')
     redis.call('EXPIRE', sess, ttl)
-    return {'close', '0'}
+    return {'close', '0', ''}
   end
   local h = redis.call('HGETALL', sess)
-  local state, last = 'active', 0
+  local state, last, reason = 'active', 0, ''
   for i = 1, #h, 2 do
     local f, v = h[i], h[i + 1]
     if f == 'state' then state = v
     elseif f == 'last' then last = tonumber(v)
+    elseif f == 'reason' then reason = v
     elseif string.sub(f, 1, 3) == 'if:' and tonumber(v) > 0 then
-      if redis.call('EXISTS', beats .. string.sub(f, 4)) == 1 then return {'busy', '0'} end
+      if redis.call('EXISTS', beats .. string.sub(f, 4)) == 1 then return {'busy', '0', ''} end
     end
   end
-  if state ~= 'active' then return {'elsewhere', '0'} end
+  if state ~= 'active' then return {'elsewhere', '0', reason} end
   local age = tonumber(now) - last
-  if age <= tonumber(threshold) then return {'busy', tostring(age)} end
-  redis.call('HSET', sess, 'state', 'closing', 'closer', replica)
+  if age <= tonumber(threshold) then return {'busy', tostring(age), ''} end
+  redis.call('HSET', sess, 'state', 'closing', 'closer', replica, 'reason', 'idle')
   redis.call('EXPIRE', sess, ttl)
-  return {'close', tostring(age)}
+  return {'close', tostring(age), ''}
 end
 
 function OPS.grant(k, now, expiry, member, tokens, keyttl, wexpiry, seq, backfill, ceilings)

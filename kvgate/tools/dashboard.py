@@ -89,9 +89,10 @@ def _quantiles(metric: str, by: str = "le", legend_prefix: str = "") -> tuple[Ta
 ROWS: tuple[RowSpec, ...] = (
     RowSpec("Sessions", (
         PanelSpec("Sessions by state",
-                  "Sessions in kvgate's registry; active far above the rollout's concurrency means closes are not "
-                  "arriving: check that the client ends sessions or that session_idle_close_s is set.",
-                  (Target(f"sum by (state) (agentic_kv_sessions{{{KV}}})", "{{state}}"),)),
+                  "Sessions in kvgate's registry (of several workers, the largest); active far above the rollout's "
+                  "concurrency means closes are not arriving: check that the client ends sessions or that "
+                  "session_idle_close_s is set.",
+                  (Target(f"sum by (state) (max without (worker) (agentic_kv_sessions{{{KV}}}))", "{{state}}"),)),
         PanelSpec("Sessions closed per second, by reason",
                   "client = the client's /close_session, admin_api = /kvgate/sessions/{id}/close, idle = kvgate's "
                   "sweep, abort = an aborted turn; only idle closes: the rollout never closes sessions, KV stays "
@@ -154,11 +155,13 @@ ROWS: tuple[RowSpec, ...] = (
     )),
     RowSpec("Budget", (
         PanelSpec("Token budget",
-                  "ceiling = healthy engines' max_total_num_tokens x headroom; available stuck near 0 with low "
-                  "engine usage means reservations overestimate: check max_new_tokens and the decode cap.",
-                  (Target(f"sum(agentic_kv_budget_ceiling_tokens{{{KV}}})", "ceiling"),
+                  "ceiling = healthy engines' max_total_num_tokens x headroom (the fleet's), reserved = every "
+                  "worker's leases; available near 0 with low engine usage means reservations overestimate: "
+                  "check max_new_tokens and the decode cap.",
+                  (Target(f"max(agentic_kv_budget_ceiling_tokens{{{KV}}})", "ceiling"),
                    Target(f"sum(agentic_kv_budget_reserved_tokens{{{KV}}})", "reserved"),
-                   Target(f"sum(agentic_kv_budget_available_tokens{{{KV}}})", "available"))),
+                   Target(f"max(agentic_kv_budget_ceiling_tokens{{{KV}}}) - "
+                          f"sum(agentic_kv_budget_reserved_tokens{{{KV}}})", "available"))),
         PanelSpec("Reserved utilisation",
                   "reserved / ceiling; pinned at 1 while requests wait means the budget is the bottleneck; "
                   "compare with engine token usage to tell a tight budget from a full KV pool.",
@@ -186,38 +189,39 @@ ROWS: tuple[RowSpec, ...] = (
                   (Target(f"max by (instance) (agentic_kv_budget_degraded{{{KV}}})", "{{instance}}"),),
                   kind="stat", max=1),
     )),
-    # admission_policy: program only; "or vector(0)" keeps a flat 0 line under the fifo policy.
+    # admission_policy: program only; "or on() vector(0)" keeps a flat 0 line under the fifo policy (and adds
+    # nothing once a series exists: on() matches any).
     RowSpec("Programs", (
         PanelSpec("Programs per engine, by state",
                   "live = a turn in flight, in_tool = between turns, paused = held by kvgate; many paused for long "
                   "means the working set far exceeds the KV pool: more engines or fewer concurrent programs.",
-                  (Target(f"sum by (engine, state) (agentic_kv_programs{{{KV}}}) or vector(0)",
+                  (Target(f"sum by (engine, state) (agentic_kv_programs{{{KV}}}) or on() vector(0)",
                           "{{engine}} {{state}}"),), width=12),
         PanelSpec("Pauses and resumes per engine",
                   "Programs paused (their engine session closed) and resumed per second; pauses far above resumes "
                   "for long means programs end while paused or age out: check the aging bound and the TTL.",
-                  (Target(f"sum by (engine) (rate(agentic_kv_program_pauses_total{{{KV}}}[{RI}])) or vector(0)",
+                  (Target(f"sum by (engine) (rate(agentic_kv_program_pauses_total{{{KV}}}[{RI}])) or on() vector(0)",
                           "pause {{engine}}"),
-                   Target(f"sum by (engine) (rate(agentic_kv_program_resumes_total{{{KV}}}[{RI}])) or vector(0)",
+                   Target(f"sum by (engine) (rate(agentic_kv_program_resumes_total{{{KV}}}[{RI}])) or on() vector(0)",
                           "resume {{engine}}")), width=12),
         PanelSpec("Paused turns waiting",
                   "Turns of paused programs held in kvgate now (never draining: the engines cannot hold one more "
                   "context); for a seat: turns waiting under admission_program_max_resident.",
-                  (Target(f"sum(agentic_kv_program_waiting_resume{{{KV}}}) or vector(0)", "waiting"),
-                   Target(f"sum(agentic_kv_program_waiting_bound{{{KV}}}) or vector(0)", "for a seat"))),
+                  (Target(f"sum(agentic_kv_program_waiting_resume{{{KV}}}) or on() vector(0)", "waiting"),
+                   Target(f"sum(agentic_kv_program_waiting_bound{{{KV}}}) or on() vector(0)", "for a seat"))),
         PanelSpec("Own-prefix cache misses",
                   "Tokens of a live program's own context the engine no longer had cached at its next turn "
                   "(evicted during the tool call); rising means thrash: the program policy should pause sooner.",
-                  (Target(f"sum(rate(agentic_kv_program_prefix_miss_tokens_total{{{KV}}}[{RI}])) or vector(0)",
+                  (Target(f"sum(rate(agentic_kv_program_prefix_miss_tokens_total{{{KV}}}[{RI}])) or on() vector(0)",
                           "missed tokens/s"),)),
         PanelSpec("Pause gate",
                   "1 while the program policy holds turns and pauses programs: from the re-prefill ratio reaching "
                   "admission_pause_start_ratio or foresight admission_foresee_cycles; kvgate's log says when and why.",
-                  (Target(f"max by (instance) (agentic_kv_program_pausing{{{KV}}}) or vector(0)",
+                  (Target(f"max by (instance) (agentic_kv_program_pausing{{{KV}}}) or on() vector(0)",
                           "pausing {{instance}}"),
-                   Target(f"max by (instance) (agentic_kv_program_reprefill_ratio{{{KV}}}) or vector(0)",
+                   Target(f"max by (instance) (agentic_kv_program_reprefill_ratio{{{KV}}}) or on() vector(0)",
                           "re-prefill ratio {{instance}}"),
-                   Target(f"max by (instance) (agentic_kv_program_pause_foresight{{{KV}}}) or vector(0)",
+                   Target(f"max by (instance) (agentic_kv_program_pause_foresight{{{KV}}}) or on() vector(0)",
                           "foresight {{instance}} (program cycles)"))),
     )),
     RowSpec("Engines", (
@@ -255,7 +259,7 @@ ROWS: tuple[RowSpec, ...] = (
         PanelSpec("Engines known to kvgate",
                   "Engines from the router's worker list by type; 0 or a drop means discovery fails: check the "
                   "router's /workers and the staleness panel.",
-                  (Target(f"sum by (worker_type) (agentic_kv_engines{{{KV}}})", "{{worker_type}}"),)),
+                  (Target(f"max by (worker_type) (agentic_kv_engines{{{KV}}})", "{{worker_type}}"),)),
         PanelSpec("Discovery staleness",
                   "Seconds since kvgate last refreshed the engine list; above a few discovery intervals means the "
                   "router is unreachable or its /workers fails (see discovery failures).",
@@ -266,8 +270,8 @@ ROWS: tuple[RowSpec, ...] = (
         PanelSpec("Engine warnings",
                   "1 = an engine is misconfigured for kvgate (kind says how: session cache off, old SGLang, "
                   "/metrics 404); fix the engine's flags as the kind names, see /kvgate/engines.",
-                  (Target(f'max by (engine, kind) (agentic_kv_engine_warning{{{KV}, engine=~"https?://$engine/?"}})',
-                          "{{engine}} {{kind}}"),),
+                  (Target(f'max by (engine, kind) (agentic_kv_engine_warning{{{KV}, engine=~"https?://$engine/?"}}) '
+                          f'or on() vector(0)', "{{engine}} {{kind}}"),),
                   max=1),
     )),
     RowSpec("Proxy", (
