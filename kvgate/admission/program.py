@@ -195,10 +195,6 @@ class ProgramCoordinator(_WaitingTurns, _Pausing, _Figures):
     def _record(self, d: Decision, now: float) -> Decision:
         return self.tally.record(d, now)
 
-    def _pausing(self, now: float) -> bool:
-        """Whether holding and pausing may pay now (kvgate.admission.pause_gate); else every turn goes at once."""
-        return self.gate.update(now, len(self.ledger.engine_places()))
-
     @staticmethod
     def _label(place: Any) -> str:
         if place is FLEET:

@@ -103,6 +103,29 @@ class _Pausing:
                 yield self._programs[e[2]]
 
     # ---------------------------------------------------------------- pausing
+    def _pausing(self, now: float) -> bool:
+        """Whether holding and pausing may pay now (kvgate.admission.pause_gate); else every turn goes at once.
+
+        While the gate is open and turns wait for room, foresight reads the pool the first of them waits on as
+        it reads an outgrown one (admitted, they would outgrow it): the re-prefill ratio is low then because
+        those turns are held, and closing on it would send them all at once, the thrash the gate was opened
+        against. Where a ceiling prefills in fewer than foresee_cycles program cycles the reading does not
+        hold the gate, and it closes on the ratio as before."""
+        gate = self.gate
+        if gate.is_open and gate.foresee_cycles and self._queue:
+            self._foresee(next(iter(self._queue.values())).place, now)
+        return gate.update(now, len(self.ledger.engine_places()))
+
+    def _foresee(self, place: Any, now: float) -> None:
+        """Foresight's reading on ``place``: program cycles its engine takes to prefill a whole ceiling at its
+        learned rate (none for the fleet, on a decode worker, whose misses come back by KV transfer, or before the
+        rate and the cycle are learned)."""
+        if place is FLEET or self.ledger.transfer_refilled(place):
+            return
+        rate, cycle = self.prefill.per_token_s(place), self.gate.cycle.seconds()
+        if rate is not None and cycle is not None:
+            self.gate.foresee(now, self.ledger.ceiling_of(place) * rate / cycle)
+
     def _relieve(self, place: Any, now: float) -> None:
         """Pause in-tool programs on ``place`` (victim rule) until its working set fits its capacity; then mark
         running ones to pause at the end of their turn."""
@@ -131,14 +154,11 @@ class _Pausing:
         pause (degraded, or the pause gate closed)."""
         if self.ledger.is_degraded(now):
             return 0
-        ceiling = self.ledger.ceiling_of(place)
-        over = self.ledger.reserved_on(place) - ceiling
-        if over > 0 and place is not FLEET and not self.ledger.transfer_refilled(place):
+        over = self.ledger.reserved_on(place) - self.ledger.ceiling_of(place)
+        if over > 0:
             # The working set outgrows this pool now: the gate foresees what re-prefilling a pool's worth each
             # cycle would cost, before the evictions that would measure it
-            rate, cycle = self.prefill.per_token_s(place), self.gate.cycle.seconds()
-            if rate is not None and cycle is not None:
-                self.gate.foresee(now, ceiling * rate / cycle)
+            self._foresee(place, now)
         if not self._pausing(now):
             return 0
         if place is FLEET:
