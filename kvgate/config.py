@@ -115,16 +115,29 @@ def _nonneg(x):
 
 def _redis_url(v: str) -> bool:
     """A redis://, rediss:// or unix:// URL whose database, when it names one (redis://host:port/N, or
-    ?db=N), is a number: redis-py reads any other as database 0, silently (its connection.parse_url)."""
-    from urllib.parse import parse_qs, urlsplit
+    ?db=N), is a number: redis-py reads a path that is not one as database 0, silently (its
+    connection.parse_url), and refuses a ?db= that is not one only when it connects."""
+    from urllib.parse import parse_qs, unquote, urlsplit
 
     if not v.startswith(("redis://", "rediss://", "unix://")):
         return False
     u = urlsplit(v)
     dbs = parse_qs(u.query).get("db", [])
     if u.scheme != "unix" and u.path.strip("/"):
-        dbs.append(u.path.strip("/"))
-    return all(d.isdigit() for d in dbs)
+        dbs.append(unquote(u.path).strip("/"))
+    return all(d.isascii() and d.isdigit() for d in dbs)
+
+
+def redis_url_shown(url: str) -> str:
+    """``url`` as kvgate shows it in answers and logs: without its user and password."""
+    from urllib.parse import urlsplit, urlunsplit
+
+    u = urlsplit(url)
+    if u.username is None and u.password is None:
+        return url
+    host = u.hostname or ""
+    netloc = (f"[{host}]" if ":" in host else host) + (f":{u.port}" if u.port is not None else "")
+    return urlunsplit((u.scheme, netloc, u.path, u.query, u.fragment))
 
 
 def _unit(x):

@@ -133,12 +133,16 @@ def redis_ttl_warning(values: dict[str, Any]) -> str | None:
     """The warning for ``redis_session_ttl_s`` at or below the idle close with replicas sharing Redis: a
     session's shared record (its activity, its engine) is gone before it is idle, so another replica may place
     it anew or close it while it lives on elsewhere; or None."""
-    idle, ttl = values["session_idle_close_s"], values["redis_session_ttl_s"]
+    ttl = values["redis_session_ttl_s"]
+    if values["session_idle_close_mode"] == "adaptive":  # the threshold goes up to the ceiling
+        key, idle = "session_idle_ceiling_s", max(values["session_idle_close_s"], values["session_idle_ceiling_s"])
+    else:
+        key, idle = "session_idle_close_s", values["session_idle_close_s"]
     if values["state_backend"] != "redis" or not values["agentic_session_lifecycle"] or idle <= 0 or ttl > idle:
         return None
-    return (f"redis_session_ttl_s: {ttl:g} is not above session_idle_close_s ({idle:g}): a session's shared record "
-            f"(its activity and engine) expires before the session is idle, so the replicas no longer agree on "
-            f"it; keep redis_session_ttl_s above session_idle_close_s")
+    return (f"redis_session_ttl_s: {ttl:g} is not above {key} ({idle:g}): a session's shared record (its activity "
+            f"and engine) expires before the session is idle, so the replicas no longer agree on it; keep "
+            f"redis_session_ttl_s above {key}")
 
 
 def program_workers_warning(values: dict[str, Any]) -> str | None:

@@ -19,7 +19,11 @@ programs, so fewer contexts are live at once); then the bound holds only for tha
 time instead. With the engines' prefill rate (tokens/s, the fleet's), the recompute is also given in seconds of
 fleet prefill.
 
-    python scripts/kv_floor.py RESULTS_JSON [--arm unbounded-kv] [--prefill-tokens-per-s 21600]
+    python scripts/kv_floor.py RESULTS_JSON [--arm unbounded-kv] [--prefill-tokens-per-s 21600] [--pool-fraction 1.0]
+
+Token counts come from the engines' answers (a `/generate` run's meta_info): a run of text turns whose answers
+carried no usage counts characters, and is refused. ``--pool-fraction F`` asks what a pool of F x the fleet's would
+have to recompute (how much of the pool a policy's recompute corresponds to).
 
 Prints, per seed: the peak of the live contexts (tokens), the share of the run they exceed the pool, the
 recompute floor (tokens and seconds), and the arm's own recomputed prefill for comparison (the bench's
@@ -64,7 +68,9 @@ def timeline(requests: list[dict]) -> tuple[list[tuple[float, float, int]], list
         shared[g] = min(shared.get(g, rs[0]["prompt_tokens"]), rs[0]["prompt_tokens"])
 
     def first_token(r: dict) -> float:
-        return r["ttft"] if r.get("ttft") is not None else r["start"]  # the records' ttft is a time, not a span
+        # the records' ttft is a time, not a span; without one (no token streamed) the turn is taken as resident
+        # from its end only, and the gap before it as lasting until then: never more demand than the run's
+        return r["ttft"] if r.get("ttft") is not None else r["end"]
 
     resident, gaps = [], []
     in_turn: dict[str, list[tuple[float, float]]] = defaultdict(list)
@@ -142,6 +148,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("results", help="a kvgate bench results.json with its raw records (arms)")
     ap.add_argument("--arm", default="unbounded-kv")
+    ap.add_argument("--pool-fraction", type=float, default=1.0,
+                    help="the pool as a fraction of the fleet's (engines x max_total_num_tokens; default 1.0)")
     ap.add_argument("--prefill-tokens-per-s", type=float, default=None,
                     help="the fleet's prefill rate, to give the floor in seconds (default: the scenario's "
                          "sim_extra prefill_tokens_per_s x engines)")
@@ -152,11 +160,17 @@ def main() -> None:
     if not raws:
         raise SystemExit(f"kv_floor: {args.results} holds no raw records of arm {args.arm!r} "
                          f"(arms with records: {sorted(k for k, v in (data.get('arms') or {}).items() if v)})")
-    pool = int(sc["engines"]) * int(sc["max_total_num_tokens"])
+    if sc.get("api", "generate") != "generate":
+        raise SystemExit(f"kv_floor: {args.results} sent its turns to {sc.get('api')!r}: its records count the "
+                         f"answers' characters, not tokens; the floor needs a /generate run (api: generate)")
+    if not args.pool_fraction > 0:
+        raise SystemExit(f"kv_floor: --pool-fraction must be > 0, got {args.pool_fraction}")
+    pool = int(int(sc["engines"]) * int(sc["max_total_num_tokens"]) * args.pool_fraction)
     rate = args.prefill_tokens_per_s or float((sc.get("sim_extra") or {}).get("prefill_tokens_per_s", 0)) * int(
         sc["engines"])
     seeds = data.get("seeds") or list(range(len(raws)))
-    print(f"arm {args.arm}, pool {pool:,} tokens ({sc['engines']} x {int(sc['max_total_num_tokens']):,}), "
+    print(f"arm {args.arm}, pool {pool:,} tokens ({args.pool_fraction:g} x {sc['engines']} x "
+          f"{int(sc['max_total_num_tokens']):,}), "
           f"fleet prefill {rate:,.0f} tokens/s")
     print("seed  peak live KV  x pool  time over pool  recompute floor tokens  s of fleet prefill  "
           "arm's own recompute")

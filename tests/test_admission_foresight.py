@@ -162,7 +162,7 @@ def _drive(co, ops, places, on_call=None):
        foresee=st.floats(0.05, 2.0))
 def test_foresight_opens_only_where_a_regular_pool_is_outgrown_at_its_ratio(ops, cap, engines, foresee):
     """Over random fleets, programs and event orders: foresight reads only while some regular engine's working
-    set is over its ceiling, or, with the gate open, turns wait for room on one (the first waiting turn's), the
+    set is over its ceiling, or, with the gate open, turns wait on one, the
     figure it reads is ceiling x learned seconds a token / learned cycle on one of them, and it opens the gate
     only at foresee_cycles or more (read as it happens: the pauses that follow in the same call bring the pool
     back within its ceiling); with foresight off the policy decides exactly as with it unreachable."""
@@ -172,8 +172,8 @@ def test_foresight_opens_only_where_a_regular_pool_is_outgrown_at_its_ratio(ops,
 
     def foresee_checked(now, reading):
         over = [p for p in places if co.ledger.reserved_on(p) > co.ledger.ceiling_of(p)]
-        if gate.is_open and co._queue:
-            over.append(next(iter(co._queue.values())).place)
+        if gate.is_open:
+            over += [w.place for w in co._queue.values()]
         assert over, "foresight read with no pool outgrown and no turn waiting"
         assert any(reading == pytest.approx(co.ledger.ceiling_of(p) * co.prefill.per_token_s(p)
                                             / gate.cycle.seconds()) for p in over
@@ -295,12 +295,15 @@ def test_the_gate_does_not_close_while_turns_wait_on_a_pool_foresight_says_pausi
     co = _fleet(cap, places, foresee, start=start, stop=start / 2)
     gate, real = co.gate, co.gate.update
 
+    def reading(place):
+        place = co.ledger.resolve_place(place)
+        rate, cycle = co.prefill.per_token_s(place), gate.cycle.seconds()
+        return None if rate is None or cycle is None or place is None else \
+            co.ledger.ceiling_of(place) * rate / cycle
+
     def update_checked(now, n):
-        w = next(iter(co._queue.values()), None) if gate.is_open else None
-        rate = co.prefill.per_token_s(w.place) if w is not None else None
-        cycle = gate.cycle.seconds()
-        pays = (rate is not None and cycle is not None
-                and co.ledger.ceiling_of(w.place) * rate / cycle >= foresee)
+        waiting_on = {w.place for w in co._queue.values()} if gate.is_open else set()
+        pays = any((r := reading(p)) is not None and r >= foresee for p in waiting_on)
         out = real(now, n)
         if pays:
             assert out, "the gate closed while a turn waited on a pool where pausing pays"

@@ -252,6 +252,12 @@ def test_a_redis_session_ttl_not_above_the_idle_close_is_one_warning():
     for quiet in ({**shared, "redis_session_ttl_s": 301}, {**shared, "redis_session_ttl_s": 10, "session_idle_close_s": 0},
                   {**shared, "redis_session_ttl_s": 10, "agentic_session_lifecycle": False}):
         assert not any(w.startswith("redis_session_ttl_s: 10 is not") for w in validate(quiet).warnings), quiet
+    adaptive = {**shared, "session_idle_close_mode": "adaptive", "session_idle_close_s": 0, "redis_session_ttl_s": 60}
+    assert validate(adaptive).warnings == [  # adaptive: the threshold may go up to its ceiling (900 s)
+        "redis_session_ttl_s: 60 is not above session_idle_ceiling_s (900): a session's shared record (its activity "
+        "and engine) expires before the session is idle, so the replicas no longer agree on it; keep "
+        "redis_session_ttl_s above session_idle_ceiling_s"]
+    assert validate({**adaptive, "redis_session_ttl_s": 901}).warnings == []
 
 
 def test_the_program_policy_on_several_workers_is_one_warning():
@@ -266,9 +272,18 @@ def test_the_program_policy_on_several_workers_is_one_warning():
 
 
 def test_a_redis_url_whose_database_is_not_a_number_is_refused_naming_the_key():
-    for bad in ("redis://127.0.0.1:6379/abc", "redis://127.0.0.1:6379/0?db=x", "unix:///run/redis.sock?db=one"):
+    for bad in ("redis://127.0.0.1:6379/abc", "redis://127.0.0.1:6379/0?db=x", "unix:///run/redis.sock?db=one",
+                "redis://h/\u00b2"):
         assert _error_lines({"state_backend": "redis", "redis_url": bad}) == [
             f"redis_url: must be a redis://, rediss:// or unix:// URL, its database (/N or ?db=N) a number, "
             f"got {bad!r}"], bad
-    for good in ("redis://127.0.0.1:6379/3", "redis://127.0.0.1:6379", "rediss://h:1/", "unix:///run/r.sock?db=2"):
+    for good in ("redis://127.0.0.1:6379/3", "redis://127.0.0.1:6379", "rediss://h:1/", "unix:///run/r.sock?db=2",
+                 "redis://h/%31"):
         assert _error_lines({"state_backend": "redis", "redis_url": good}) == [], good
+
+
+def test_a_redis_url_is_shown_without_its_password():
+    from kvgate.config import redis_url_shown
+    assert redis_url_shown("redis://:s3cret@10.0.0.5:6380/2") == "redis://10.0.0.5:6380/2"
+    assert redis_url_shown("rediss://kv:s3cret@[::1]:7/1?db=1") == "rediss://[::1]:7/1?db=1"
+    assert redis_url_shown("redis://127.0.0.1:6379/0") == "redis://127.0.0.1:6379/0"

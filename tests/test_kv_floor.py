@@ -97,3 +97,39 @@ def test_the_command_reads_a_bench_results_file(tmp_path):
     path.write_text(json.dumps(res))
     r = subprocess.run([sys.executable, str(SCRIPT), str(path)], capture_output=True, text=True, timeout=120)
     assert r.returncode != 0 and "no raw records of arm 'unbounded-kv'" in r.stderr
+
+
+def _greedy_cost(resident, gaps, pool):
+    """The recompute of one feasible policy: keep each gap (largest first) while the pool holds, at every moment
+    of it, what must be resident and the gaps kept so far; the rest are dropped. The floor can be no higher."""
+    points = sorted({s for s, _, _ in resident + gaps})
+
+    def load(t, kept):
+        return (sum(c for s, e, c in resident if s <= t < e) + sum(c for s, e, c in kept if s <= t < e))
+
+    kept, cost = [], 0
+    for g in sorted(gaps, key=lambda g: -g[2]):
+        s, e, c = g
+        if all(load(t, kept + [g]) <= max(pool, load(t, [])) for t in points if s <= t < e):
+            kept.append(g)
+        else:
+            cost += c
+    return cost
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.lists(SESSION, min_size=1, max_size=6), st.integers(0, 3000))
+def test_the_floor_is_no_more_than_what_a_feasible_policy_recomputes(sessions, pool):
+    """A lower bound must not overstate: the floor is at most the recompute of a policy that keeps some gaps
+    whole within the pool (where what must be resident alone exceeds the pool, nothing more is kept there)."""
+    resident, gaps, _ = kv_floor.timeline(records(sessions))
+    assert kv_floor.floor(resident, gaps, pool)[0] <= _greedy_cost(resident, gaps, pool) + 1
+
+
+def test_a_turn_without_a_first_token_is_resident_from_its_end_only():
+    """No token streamed (no ttft): the turn demands nothing before its end, and the gap before it lasts until
+    then (what it holds may be kept or dropped): never more demand than the run's."""
+    reqs = two_programs()
+    reqs[1]["ttft"] = None
+    resident, gaps, _ = kv_floor.timeline(reqs)
+    assert (1.0, 6.0, 20) in gaps and (6.0, 6.0, 60) in resident

@@ -239,9 +239,18 @@ async def test_a_clients_close_on_one_worker_reads_as_the_clients_on_the_other(r
     w0, w1 = w.private_url(0), w.private_url(1)
     prompt = list(range(1, 80))
     for url in (w0, w1):
+        before = time.time()
         out = await _generate(url, {"input_ids": prompt, "session_id": "agent-2",
                                     "sampling_params": {"max_new_tokens": 4}})
         prompt = prompt + out["output_ids"] + [7, 8]
+    import redis.asyncio as redis
+    c = redis.from_url(redis_server.url, decode_responses=True)
+    try:  # worker 1's record of its turn has reached Redis (a turn of a few ms is sent after its answer, batched)
+        async with asyncio.timeout(30):
+            while float((await c.hgetall("kvgate:sess:agent-2")).get("last", 0)) < before:
+                await asyncio.sleep(0.01)
+    finally:
+        await c.aclose()
     async with aiohttp.ClientSession() as http:
         async with http.post(w0 + "/close_session", json={"session_id": "agent-2"}) as r:
             assert r.status == 200

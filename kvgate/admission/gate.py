@@ -392,7 +392,8 @@ class AdmissionGate:
         self._gate_seen = seen
         ratio = g.ratio(self.clock(), len(self.ledger.engine_places()))
         if first:
-            log.info("admission: an engine's working set outgrew its ceiling; prefilling a whole ceiling takes %.2f "
+            log.info("admission: an engine's working set outgrew its ceiling (or turns waited on it while pausing was "
+                     "on); prefilling a whole ceiling takes %.2f "
                      "program cycles there (%s)", g.foresight_first,
                      "pausing is always on: admission_pause_start_ratio 0" if not g.start_ratio else
                      f"pausing starts at {g.foresee_cycles:g}" if g.foresee_cycles else "foresight off")
@@ -574,7 +575,8 @@ def _program_metrics(s: dict[str, Any], p: str):
     m.add_metric([], float("nan") if gate["ratio"] is None else gate["ratio"])
     yield m
     m = GaugeMetricFamily(p + "program_pause_foresight", "Program cycles (turn + tool call) an engine needs to "
-                          "prefill a whole ceiling, read when its working set last outgrew it (NaN before any did)")
+                          "prefill a whole ceiling, read when its working set last outgrew it, or turns waited on it while "
+                          "pausing was on (NaN before either)")
     m.add_metric([], float("nan") if gate["foresight"] is None else gate["foresight"])
     yield m
     m = CounterMetricFamily(p + "program_reprefill_tokens", "Tokens of programs' own context the engines "

@@ -23,7 +23,9 @@ the thrash has begun before it opens. When a pool's working set outgrows its cei
 program cycles (a turn plus a tool call, averaged from the answers: :class:`Cycle`) the engine takes to prefill a
 whole ceiling at its learned marginal rate. Large where each prefilled token lengthens every call on a busy engine
 (the learned slope includes the queueing), small where the engine keeps up; at ``foresee_cycles`` the gate opens
-then, and it stays open at least a window after the last such reading (the measured ratio is still near 0).
+then, and it stays open at least a window after the last such reading (the measured ratio is still near 0). The
+policy also reads it while the gate is open and turns wait for room (kvgate.admission.program_pause): the ratio
+is low then because they are held, and closing would send them all at once.
 """
 
 from __future__ import annotations
@@ -86,7 +88,7 @@ class PauseGate:
         self.closed = 0
         self.peak = 0.0  # the highest ratio an update saw
         self.foreseen = 0  # times it opened on foresight
-        self.foresight: float | None = None  # the last foreseen ratio (None: no pool has outgrown its ceiling)
+        self.foresight: float | None = None  # the last foreseen ratio (None: none read yet)
         self.foresight_first: float | None = None  # the first
         self.foresight_peak = 0.0
         # what last opened or closed it: ("ratio", the ratio) or ("foresight", the reading); None before either
@@ -142,15 +144,20 @@ class PauseGate:
             self.is_open = True
             self.opened += 1
             self.turned_by = ("ratio", s)
-        elif self.is_open and s < self.stop_ratio and now - self._foreseen_at >= self.window_s:
+        elif self.is_open and s < self.stop_ratio and self.foresight_lapsed(now):
             self.is_open = False
             self.closed += 1
             self.turned_by = ("ratio", s)
         return self.is_open
 
+    def foresight_lapsed(self, now: float) -> bool:
+        """Whether a window has passed since the last foresight reading at foresee_cycles or more (only then may
+        the ratio close the gate)."""
+        return now - self._foreseen_at >= self.window_s
+
     def foresee(self, now: float, ratio: float) -> bool:
-        """A pool's working set outgrew its ceiling at ``now``; ``ratio``: program cycles its engine takes to
-        prefill a whole ceiling. At foresee_cycles or more (and foresee_cycles > 0) the gate opens, and stays open
+        """A pool's working set outgrew its ceiling at ``now``, or turns wait for room on it with the gate open;
+        ``ratio``: program cycles its engine takes to prefill a whole ceiling. At foresee_cycles or more (and foresee_cycles > 0) the gate opens, and stays open
         until a window after the last such reading. Returns whether the gate is open."""
         self.foresight = ratio
         if self.foresight_first is None:

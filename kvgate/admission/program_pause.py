@@ -106,25 +106,32 @@ class _Pausing:
     def _pausing(self, now: float) -> bool:
         """Whether holding and pausing may pay now (kvgate.admission.pause_gate); else every turn goes at once.
 
-        While the gate is open and turns wait for room, foresight reads the pool the first of them waits on as
-        it reads an outgrown one (admitted, they would outgrow it): the re-prefill ratio is low then because
-        those turns are held, and closing on it would send them all at once, the thrash the gate was opened
-        against. Where a ceiling prefills in fewer than foresee_cycles program cycles the reading does not
-        hold the gate, and it closes on the ratio as before."""
+        While the gate is open and turns wait on engines (the places in ``_waiting_on``), foresight reads each such
+        pool as it reads an outgrown one (admitted, its waiting turns would outgrow it): the re-prefill ratio is
+        low then because those turns are held, and closing on it would send them all at once, the thrash the gate
+        was opened against. Where a ceiling prefills in fewer than foresee_cycles program cycles the reading does
+        not hold the gate, and it closes on the ratio as before. (A turn waiting for a seat under the resident
+        bound waits on its place too: held all the same.)"""
         gate = self.gate
-        if gate.is_open and gate.foresee_cycles and self._queue:
-            self._foresee(next(iter(self._queue.values())).place, now)
+        if gate.is_open and gate.foresee_cycles and self._waiting_on and gate.foresight_lapsed(now):
+            for place in list(self._waiting_on):  # read only when the gate could close: one that pays will do
+                if self._foresee(place, now) >= gate.foresee_cycles:
+                    break
         return gate.update(now, len(self.ledger.engine_places()))
 
-    def _foresee(self, place: Any, now: float) -> None:
-        """Foresight's reading on ``place``: program cycles its engine takes to prefill a whole ceiling at its
-        learned rate (none for the fleet, on a decode worker, whose misses come back by KV transfer, or before the
-        rate and the cycle are learned)."""
+    def _foresee(self, place: Any, now: float) -> float:
+        """Foresight's reading on ``place``, taken by the gate: program cycles its engine takes to prefill a whole
+        ceiling at its learned rate; 0 (none taken) for the fleet or an engine no longer in the snapshot, on a
+        decode worker, whose misses come back by KV transfer, or before the rate and the cycle are learned."""
+        place = self.ledger.resolve_place(place)
         if place is FLEET or self.ledger.transfer_refilled(place):
-            return
+            return 0.0
         rate, cycle = self.prefill.per_token_s(place), self.gate.cycle.seconds()
-        if rate is not None and cycle is not None:
-            self.gate.foresee(now, self.ledger.ceiling_of(place) * rate / cycle)
+        if rate is None or cycle is None:
+            return 0.0
+        reading = self.ledger.ceiling_of(place) * rate / cycle
+        self.gate.foresee(now, reading)
+        return reading
 
     def _relieve(self, place: Any, now: float) -> None:
         """Pause in-tool programs on ``place`` (victim rule) until its working set fits its capacity; then mark

@@ -27,7 +27,7 @@ from aiohttp import web
 from multidict import CIMultiDict
 
 from kvgate import __version__
-from kvgate.config import PLACEMENT_ROUTES
+from kvgate.config import PLACEMENT_ROUTES, redis_url_shown
 from kvgate.fleet import health
 from kvgate.proxy.relay import header_safe
 from kvgate.proxy.server import SMALL_BODY_BYTES, Headers
@@ -205,8 +205,8 @@ class Admin:
             up = bool(shared.up)
             checks.append(health.Check(
                 "state_backend", up, "Redis answers" if up else
-                f"Redis at {self.gw.cfg.redis_url} is unreachable: each replica decides on its own state until it "
-                f"is back (sessions may be closed or placed twice)", fatal=False))
+                f"Redis at {redis_url_shown(self.gw.cfg.redis_url)} is unreachable: each replica decides on its own "
+                f"state until it is back (sessions may be closed or placed twice)", fatal=False))
         return checks
 
     async def handle_health(self, request: web.Request) -> web.Response:

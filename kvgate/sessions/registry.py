@@ -195,6 +195,7 @@ class SessionRegistry:
         s.state = ACTIVE
         s.reopened += 1
         s.close_reason = None
+        s.closed_elsewhere = False
         s.close_gen += 1  # results of calls still out are ignored
         s.engine_closes = _NO_CLOSES  # type: ignore[assignment]
         self._closing.pop(s.session_id, None)

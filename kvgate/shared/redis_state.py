@@ -58,6 +58,7 @@ import orjson
 from redis.exceptions import NoScriptError, RedisError
 
 from kvgate.common.aio import cancel_tasks
+from kvgate.config import redis_url_shown
 from kvgate.shared import fingerprint
 from kvgate.shared.batch import Op, WriteBatch, encode, fallbacks
 from kvgate.shared.scripts import BATCH, CAPACITY_LEAD, LEASE_GRANT, LEASE_SUM
@@ -142,6 +143,7 @@ class SharedState:
     def __init__(self, url: str, prefix: str, ttl_s: float, timeout_s: float, metrics,
                  wall: Callable[[], float] = time.time, client: Any = None, replica_id: str | None = None):
         self.url = url
+        self.shown = redis_url_shown(url)  # for the log: without a password
         self.prefix = prefix
         self.ttl = max(1, int(ttl_s))
         self.timeout_s = timeout_s
@@ -190,7 +192,7 @@ class SharedState:
         await self._heartbeat_once()
         if not self.up:
             log.warning("Redis at %s unreachable at startup; each replica uses its own state until it answers",
-                        self.url)
+                        self.shown)
         self._beat = asyncio.create_task(self._heartbeat(), name="kvgate-redis-heartbeat")
         self._listener = asyncio.create_task(self._listen(), name="kvgate-redis-room")
 
@@ -244,7 +246,7 @@ class SharedState:
             self.up = True
             self._recoveries += 1
             self.metrics.state_backend_up.set(1)
-            log.warning("Redis at %s answers again; replicas share their state again", self.url)
+            log.warning("Redis at %s answers again; replicas share their state again", self.shown)
             unsent, self._unsent = self._unsent, OrderedDict()
             for member, keys in unsent.items():
                 self.lease_release(keys, member)
@@ -318,7 +320,7 @@ class SharedState:
             self.up = False
             self.metrics.state_backend_up.set(0)
             log.warning("Redis at %s unreachable (%s: %s); each replica goes on with its own state "
-                        "(sessions, placement, inference) until it answers again", self.url, op,
+                        "(sessions, placement, inference) until it answers again", self.shown, op,
                         type(exc).__name__)
 
     async def _call(self, op: str, make: Callable[[], Awaitable[Any]]) -> tuple[bool, Any]:

@@ -108,7 +108,10 @@ function OPS.turn(k, at, delta, started)
   local n = redis.call('HINCRBY', sess, f, delta)
   if n == 0 then redis.call('HDEL', sess, f) end
   if started == 1 then
-    if redis.call('HGET', sess, 'state') == 'closing' then redis.call('HINCRBY', sess, 'epoch', 1) end
+    if redis.call('HGET', sess, 'state') == 'closing' then
+      redis.call('HINCRBY', sess, 'epoch', 1)
+      redis.call('HDEL', sess, 'reason')  -- re-opened: its next close records its own
+    end
     redis.call('HSET', sess, 'state', 'active')
   end
   local last = tonumber(redis.call('HGET', sess, 'last') or '0')

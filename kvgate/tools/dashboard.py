@@ -163,9 +163,10 @@ ROWS: tuple[RowSpec, ...] = (
                    Target(f"max(agentic_kv_budget_ceiling_tokens{{{KV}}}) - "
                           f"sum(agentic_kv_budget_reserved_tokens{{{KV}}})", "available"))),
         PanelSpec("Reserved utilisation",
-                  "reserved / ceiling; pinned at 1 while requests wait means the budget is the bottleneck; "
+                  "reserved / ceiling, summed over a kvgate's workers; pinned at 1 while requests wait means the "
+                  "budget is the bottleneck; "
                   "compare with engine token usage to tell a tight budget from a full KV pool.",
-                  (Target(f"max by (instance) (agentic_kv_budget_reserved_utilization{{{KV}}})", "{{instance}}"),),
+                  (Target(f"sum by (instance) (agentic_kv_budget_reserved_utilization{{{KV}}})", "{{instance}}"),),
                   unit="percentunit", max=1),
         PanelSpec("KV usage seen by admission",
                   "Fleet mean and worst-engine token_usage from kvgate's poller; if it differs from the engines "
