@@ -23,7 +23,7 @@ import yaml
 
 from kvgate import config_checks, config_orders
 from kvgate.admission.pause_gate import FORESEE_CYCLES, START_RATIO, STOP_RATIO
-from kvgate.config_credentials import ADMIN_KEY_ENV, api_key, read_admin_key  # noqa: F401  (kvgate.config's own)
+from kvgate.config_credentials import ADMIN_KEY_ENV, api_key, read_admin_key, redis_url_ok  # noqa: F401
 from kvgate.config_orders import Order
 
 
@@ -111,33 +111,6 @@ _HEADER_NAME = re.compile(r"[!#$%&'*+.^_`|~0-9A-Za-z-]+")
 
 def _nonneg(x):
     return x >= 0
-
-
-def _redis_url(v: str) -> bool:
-    """A redis://, rediss:// or unix:// URL whose database, when it names one (redis://host:port/N, or
-    ?db=N), is a number: redis-py reads a path that is not one as database 0, silently (its
-    connection.parse_url), and refuses a ?db= that is not one only when it connects."""
-    from urllib.parse import parse_qs, unquote, urlsplit
-
-    if not v.startswith(("redis://", "rediss://", "unix://")):
-        return False
-    u = urlsplit(v)
-    dbs = parse_qs(u.query).get("db", [])
-    if u.scheme != "unix" and u.path.strip("/"):
-        dbs.append(unquote(u.path).strip("/"))
-    return all(d.isascii() and d.isdigit() for d in dbs)
-
-
-def redis_url_shown(url: str) -> str:
-    """``url`` as kvgate shows it in answers and logs: without its user and password."""
-    from urllib.parse import urlsplit, urlunsplit
-
-    u = urlsplit(url)
-    if u.username is None and u.password is None:
-        return url
-    host = u.hostname or ""
-    netloc = (f"[{host}]" if ":" in host else host) + (f":{u.port}" if u.port is not None else "")
-    return urlunsplit((u.scheme, netloc, u.path, u.query, u.fragment))
 
 
 def _unit(x):
@@ -387,7 +360,7 @@ KEYS: list[Key] = _grouped([
         "sessions): memory (this process only) or redis (shared by every replica on redis_url).",
         choices=("memory", "redis")),
     Key("redis_url", str, "redis://127.0.0.1:6379/0", "The Redis server of state_backend: redis.",
-        _redis_url, "a redis://, rediss:// or unix:// URL, its database (/N or ?db=N) a number"),
+        redis_url_ok, "a redis://, rediss:// or unix:// URL, its database (/N or ?db=N) a number"),
     Key("redis_key_prefix", str, "kvgate:",
         "Prefix of every Redis key kvgate writes (one prefix per kvgate deployment sharing a Redis).",
         lambda v: len(v) > 0, "a non-empty string"),
@@ -695,11 +668,7 @@ def _validate(raw: dict[str, Any], errors: list[str], failed: set[str]) -> Confi
                 break  # one line per key: the first rule it cannot read
     if errors:
         raise ConfigError(*errors)
-    warnings = [w for w in [config_checks.upstream_path_warning(values["upstream"]),
-                            config_checks.program_without_lifecycle_warning(values),
-                            config_checks.program_workers_warning(values),
-                            config_checks.redis_ttl_warning(values),
-                            config_checks.router_policy_warning(values)] if w]
+    warnings = config_checks.cross_key_warnings(values)
     warnings += config_checks.inert_warnings(values, {k.name: k.default for k in KEYS}, PLACEMENT_ROUTES,
                                              lambda name, value: _unchecked(name, value, values, written),
                                              {k.name for k in KEYS if k.group == PROGRAM.title})

@@ -1,7 +1,7 @@
 """Configuration warnings: settings that are valid but will not do what they seem to (pure).
 
 ``kvgate check-config`` prints each warning and still answers ok; ``kvgate serve`` logs each at WARNING when
-it starts. A warning never stops startup: an error does (kvgate.config.ConfigError). Three kinds:
+it starts. A warning never stops startup: an error does (kvgate.config.ConfigError). The kinds:
 
   - a key given twice in the YAML file (YAML loaders keep the last value without a word),
   - an ``upstream`` with a path: kvgate puts the path in front of every request's own path (a router
@@ -10,7 +10,10 @@ it starts. A warning never stops startup: an error does (kvgate.config.ConfigErr
   - a key set to something other than its default while the feature it tunes is off (placement settings
     with no route placed by kvgate, admission numbers with admission off, Redis settings with
     ``state_backend: memory`` ...). A key left at its default is never warned about: the example config
-    lists every key.
+    lists every key,
+  - keys that disagree with each other (:func:`cross_key_warnings`): the program policy without session
+    lifecycle or on several workers, a Redis session TTL not above the idle close, a router_policy no router
+    knows.
 """
 
 from __future__ import annotations
@@ -154,6 +157,13 @@ def program_workers_warning(values: dict[str, Any]) -> str | None:
                 f"run one worker per kvgate with the program policy (replicas behind a load balancer with session "
                 f"affinity, docs/replicas.md)")
     return None
+
+
+def cross_key_warnings(values: dict[str, Any]) -> list[str]:
+    """The warnings above for the validated ``values``, in order (None answers left out)."""
+    return [w for w in (upstream_path_warning(values["upstream"]), program_without_lifecycle_warning(values),
+                        program_workers_warning(values), redis_ttl_warning(values), router_policy_warning(values))
+            if w]
 
 
 def placeable(values: dict[str, Any], routes: Iterable[str]) -> bool:

@@ -1,5 +1,6 @@
 """Credentials named in the configuration (I/O edge: reads a file or the environment): the router's and the
-engines' API keys kvgate sends, the admin key its own endpoints ask for. A key is never logged, echoed or kept
+engines' API keys kvgate sends, the admin key its own endpoints ask for, and the Redis URL (checked, and shown
+without its password). A key is never logged, echoed or kept
 in the configuration; a key that cannot be read raises kvgate.config.ConfigError naming the config key, never
 the secret."""
 
@@ -7,6 +8,7 @@ from __future__ import annotations
 
 import os
 from typing import Any
+from urllib.parse import parse_qs, unquote, urlsplit, urlunsplit
 
 
 def _config_error(line: str) -> Exception:
@@ -68,4 +70,27 @@ def _header_key(name: str, key: str) -> str:
     return key
 
 
-__all__ = ["ADMIN_KEY_ENV", "api_key", "read_admin_key"]
+__all__ = ["ADMIN_KEY_ENV", "api_key", "read_admin_key", "redis_url_ok", "redis_url_shown"]
+
+
+def redis_url_ok(v: str) -> bool:
+    """A redis://, rediss:// or unix:// URL whose database, when it names one (redis://host:port/N, or
+    ?db=N), is a number: redis-py reads a path that is not one as database 0, silently (its
+    connection.parse_url), and refuses a ?db= that is not one only when it connects."""
+    if not v.startswith(("redis://", "rediss://", "unix://")):
+        return False
+    u = urlsplit(v)
+    dbs = parse_qs(u.query).get("db", [])
+    if u.scheme != "unix" and u.path.strip("/"):
+        dbs.append(unquote(u.path).strip("/"))
+    return all(d.isascii() and d.isdigit() for d in dbs)
+
+
+def redis_url_shown(url: str) -> str:
+    """``url`` as kvgate shows it in answers and logs: without its user and password."""
+    u = urlsplit(url)
+    if u.username is None and u.password is None:
+        return url
+    host = u.hostname or ""
+    netloc = (f"[{host}]" if ":" in host else host) + (f":{u.port}" if u.port is not None else "")
+    return urlunsplit((u.scheme, netloc, u.path, u.query, u.fragment))

@@ -283,7 +283,7 @@ def test_a_redis_url_whose_database_is_not_a_number_is_refused_naming_the_key():
 
 
 def test_a_redis_url_is_shown_without_its_password():
-    from kvgate.config import redis_url_shown
+    from kvgate.config_credentials import redis_url_shown
     assert redis_url_shown("redis://:s3cret@10.0.0.5:6380/2") == "redis://10.0.0.5:6380/2"
     assert redis_url_shown("rediss://kv:s3cret@[::1]:7/1?db=1") == "rediss://[::1]:7/1?db=1"
     assert redis_url_shown("redis://127.0.0.1:6379/0") == "redis://127.0.0.1:6379/0"

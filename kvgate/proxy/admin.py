@@ -27,7 +27,8 @@ from aiohttp import web
 from multidict import CIMultiDict
 
 from kvgate import __version__
-from kvgate.config import PLACEMENT_ROUTES, redis_url_shown
+from kvgate.config import PLACEMENT_ROUTES
+from kvgate.config_credentials import redis_url_shown
 from kvgate.fleet import health
 from kvgate.proxy.relay import header_safe
 from kvgate.proxy.server import SMALL_BODY_BYTES, Headers

@@ -58,7 +58,7 @@ import orjson
 from redis.exceptions import NoScriptError, RedisError
 
 from kvgate.common.aio import cancel_tasks
-from kvgate.config import redis_url_shown
+from kvgate.config_credentials import redis_url_shown
 from kvgate.shared import fingerprint
 from kvgate.shared.batch import Op, WriteBatch, encode, fallbacks
 from kvgate.shared.scripts import BATCH, CAPACITY_LEAD, LEASE_GRANT, LEASE_SUM
