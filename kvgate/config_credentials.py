@@ -1,8 +1,7 @@
 """Credentials named in the configuration (I/O edge: reads a file or the environment): the router's and the
 engines' API keys kvgate sends, the admin key its own endpoints ask for, and the Redis URL (checked, and shown
-without its password). A key is never logged, echoed or kept
-in the configuration; a key that cannot be read raises kvgate.config.ConfigError naming the config key, never
-the secret."""
+without its password). A key is never logged, echoed or kept in the configuration; a key that cannot be read
+raises kvgate.config.ConfigError naming the config key, never the secret."""
 
 from __future__ import annotations
 
@@ -70,9 +69,6 @@ def _header_key(name: str, key: str) -> str:
     return key
 
 
-__all__ = ["ADMIN_KEY_ENV", "api_key", "read_admin_key", "redis_url_ok", "redis_url_shown"]
-
-
 def redis_url_ok(v: str) -> bool:
     """A redis://, rediss:// or unix:// URL whose database, when it names one (redis://host:port/N, or
     ?db=N), is a number: redis-py reads a path that is not one as database 0, silently (its
@@ -94,3 +90,6 @@ def redis_url_shown(url: str) -> str:
     host = u.hostname or ""
     netloc = (f"[{host}]" if ":" in host else host) + (f":{u.port}" if u.port is not None else "")
     return urlunsplit((u.scheme, netloc, u.path, u.query, u.fragment))
+
+
+__all__ = ["ADMIN_KEY_ENV", "api_key", "read_admin_key", "redis_url_ok", "redis_url_shown"]

@@ -92,12 +92,16 @@ def timeline(requests: list[dict]) -> tuple[list[tuple[float, float, int]], list
                 lo = s
             hi = max(hi, e)
         resident.append((lo, hi, shared[g]))
-    events = sorted([(s, c) for s, _, c in resident + gaps] + [(e, -c) for _, e, c in resident + gaps])
-    peak = live = 0
-    for _, d in events:
+    return resident, gaps, max((live for _, live in _live(resident + gaps)), default=0)
+
+
+def _live(spans) -> list[tuple[float, int]]:
+    """The sum of ``spans`` ((from, to, tokens)) over time: (time, the sum from then on), one per span end."""
+    out, live = [], 0
+    for t, d in sorted([(s, c) for s, _, c in spans] + [(e, -c) for _, e, c in spans]):
         live += d
-        peak = max(peak, live)
-    return resident, gaps, peak
+        out.append((t, live))
+    return out
 
 
 def floor(turns, gaps, pool: int) -> tuple[int, float]:
@@ -133,14 +137,9 @@ def floor(turns, gaps, pool: int) -> tuple[int, float]:
     kept = -res.fun
     total = -cost.sum()
     # the share of time the live contexts exceed the pool
-    events = sorted([(s, c) for s, _, c in turns + gaps] + [(e, -c) for _, e, c in turns + gaps])
-    over = 0.0
-    live, last = 0, events[0][0]
-    for t, d in events:
-        if live > pool:
-            over += t - last
-        live, last = live + d, t
-    span = events[-1][0] - events[0][0]
+    changes = _live(turns + gaps)
+    over = sum(t1 - t0 for (t0, live), (t1, _) in zip(changes, changes[1:]) if live > pool)
+    span = changes[-1][0] - changes[0][0]
     return int(round(total - kept)), over / span if span > 0 else 0.0
 
 

@@ -157,8 +157,9 @@ class PauseGate:
 
     def foresee(self, now: float, ratio: float) -> bool:
         """A pool's working set outgrew its ceiling at ``now``, or turns wait for room on it with the gate open;
-        ``ratio``: program cycles its engine takes to prefill a whole ceiling. At foresee_cycles or more (and foresee_cycles > 0) the gate opens, and stays open
-        until a window after the last such reading. Returns whether the gate is open."""
+        ``ratio``: program cycles its engine takes to prefill a whole ceiling. At foresee_cycles or more (and
+        foresee_cycles > 0) the gate opens, and stays open until a window after the last such reading. Returns
+        whether the gate is open."""
         self.foresight = ratio
         if self.foresight_first is None:
             self.foresight_first = ratio

@@ -114,7 +114,7 @@ class _Pausing:
         bound waits on its place too: held all the same.)"""
         gate = self.gate
         if gate.is_open and gate.foresee_cycles and self._waiting_on and gate.foresight_lapsed(now):
-            for place in list(self._waiting_on):  # read only when the gate could close: one that pays will do
+            for place in self._waiting_on:  # read only when the gate could close: one that pays will do
                 if self._foresee(place, now) >= gate.foresee_cycles:
                     break
         return gate.update(now, len(self.ledger.engine_places()))
